@@ -1,0 +1,38 @@
+# One entry point for set-up and checks. `make test` works on a fresh clone:
+# it creates .venv when missing, installs the pinned set, then runs ruff, mypy and pytest.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export OMP_NUM_THREADS := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install test lint typecheck pytest bench-capture clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0 -c constraints.txt
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check tda_plugins integrations tests benchmarks recipes
+	$(VENV)/bin/ruff format --check tda_plugins integrations tests benchmarks recipes
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+pytest: $(STAMP)
+	$(PY) -m pytest -q
+
+test: lint typecheck pytest
+
+bench-capture: $(STAMP)
+	$(PY) benchmarks/capture_overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,83 @@
+"""One-call convenience: the exact per-example gradients of a batch, through the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tda_plugins.capture.consumer import RecordCollector
+from tda_plugins.capture.engine import CaptureEngine
+from tda_plugins.capture.selection import LayerSelection
+
+LossFn = Callable[[nn.Module, Mapping[str, Any]], Tensor]
+
+
+def causal_lm_example_losses(logits: Tensor, labels: Tensor) -> Tensor:
+    """``(B, T, V)`` logits, ``(B, T)`` labels -> ``(B,)`` summed next-token losses.
+
+    Labels are shifted inside (as transformers' causal LMs do); ``-100`` is ignored.
+    Each example's loss is the *sum* over its predicted tokens, not the mean.
+    """
+    shifted = labels[:, 1:]
+    per_token = F.cross_entropy(
+        logits[:, :-1].transpose(1, 2).float(), shifted, ignore_index=-100, reduction="none"
+    )
+    return per_token.sum(dim=1)
+
+
+def _default_loss(model: nn.Module, batch: Mapping[str, Any]) -> Tensor:
+    if "labels" not in batch:
+        raise ValueError(
+            "loss_fn=None needs a causal LM batch with 'labels' (use input_ids with padding "
+            "set to -100); pass loss_fn for other models"
+        )
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs).logits
+    return causal_lm_example_losses(logits, batch["labels"])
+
+
+def per_example_gradients(
+    model: nn.Module,
+    batch: Mapping[str, Any],
+    loss_fn: LossFn | None = None,
+    layers: LayerSelection | None = None,
+) -> dict[str, Tensor]:
+    """Exact per-example gradients of ``batch`` for every captured parameter.
+
+    Args:
+        model: the model (left unchanged: ``.grad`` is not touched).
+        batch: keyword inputs of ``model``; for ``loss_fn=None``, a transformers causal LM
+            batch with ``input_ids``, optional ``attention_mask`` and ``labels``.
+        loss_fn: ``loss_fn(model, batch) -> (B,)`` per-example losses. Default: each
+            example's own *summed* next-token cross-entropy over labels that are not -100.
+        layers: which layers to capture (default: LoRA adapters if present, else linear).
+
+    Returns:
+        parameter name (as in ``model.named_parameters()``) -> ``(B, *param.shape)``, in
+        fp32 (fp64 for fp64 models): the gradient of each example's own loss. Parameters
+        shared between captured modules (tied weights) get the sum of their contributions.
+    """
+    loss_fn = loss_fn or _default_loss
+    collector = RecordCollector()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    with CaptureEngine(model, layers=layers, consumers=[collector]) as engine:
+        with torch.enable_grad():
+            losses = loss_fn(model, batch)
+            if losses.dim() != 1:
+                raise ValueError(
+                    f"loss_fn must return (B,) per-example losses, got shape {tuple(losses.shape)}"
+                )
+            torch.autograd.grad(losses.sum(), trainable, allow_unused=True)
+        engine.flush()
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    by_module = dict(model.named_parameters(remove_duplicate=False))
+    out: dict[str, Tensor] = {}
+    for record in collector.records:
+        for qualified, grad in record.param_grads().items():
+            name = canonical[id(by_module[qualified])]
+            out[name] = out[name] + grad if name in out else grad
+    return out

@@ -1,0 +1,36 @@
+"""``nn.Embedding``: row ``ids_it`` of the per-example gradient receives ``g_it``."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from tda_plugins.capture.adapters.base import LayerAdapter, register_adapter
+from tda_plugins.capture.adapters.linear import trainable
+from tda_plugins.grads.factors import EmbeddingFactors, PerExampleGrad
+
+
+@register_adapter(nn.Embedding)
+class EmbeddingAdapter(LayerAdapter):
+    """Weight ``(V, D)``; factors are the ``(B, T)`` ids and ``(B, T, D)`` output gradients."""
+
+    family = "embedding"
+
+    def captured_parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
+        return trainable(module, ("weight",))
+
+    def capture(self, module: nn.Module, x: Tensor, grad_output: Tensor) -> PerExampleGrad:
+        ids = x.reshape(x.shape[0], -1).long()
+        g = grad_output.reshape(*ids.shape, -1)
+        padding_idx = getattr(module, "padding_idx", None)
+        if padding_idx is not None:
+            # nn.Embedding never updates its padding row: its gradient there is zero.
+            g = torch.where((ids == padding_idx).unsqueeze(2), torch.zeros_like(g), g)
+        return EmbeddingFactors(ids, g, num_embeddings=self._weight(module).shape[0])
+
+    def _weight(self, module: nn.Module) -> nn.Parameter:
+        return self.captured_parameters(module)["weight"]
+
+    def param_grads(self, module: nn.Module, grads: PerExampleGrad) -> dict[str, Tensor]:
+        shape = self._weight(module).shape
+        return {"weight": grads.materialize().view(grads.batch_size, *shape)}

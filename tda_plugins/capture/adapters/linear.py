@@ -1,0 +1,51 @@
+"""``nn.Linear``: ``y = W a + b``, per-example ``dW_i = sum_t g_it a_it^T``, bias appended."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from tda_plugins.capture.adapters.base import LayerAdapter, register_adapter
+from tda_plugins.grads.factors import PerExampleGrad, TokenFactors
+
+
+def trainable(module: nn.Module, names: tuple[str, ...]) -> dict[str, nn.Parameter]:
+    """The named direct parameters of ``module`` that exist and require grad."""
+    params = {n: getattr(module, n, None) for n in names}
+    return {n: p for n, p in params.items() if isinstance(p, nn.Parameter) and p.requires_grad}
+
+
+def as_tokens(t: Tensor) -> Tensor:
+    """``(B, ..., N) -> (B, T, N)`` with ``T`` the product of the middle dimensions."""
+    return t.reshape(t.shape[0], -1, t.shape[-1])
+
+
+@register_adapter(nn.Linear)
+class LinearAdapter(LayerAdapter):
+    """Weight ``(N_o, N_i)``; the materialized gradient is ``(N_o, N_i [+1 for bias])``."""
+
+    family = "linear"
+
+    def captured_parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
+        params = trainable(module, ("weight", "bias"))
+        return params if "weight" in params else {}
+
+    def capture(self, module: nn.Module, x: Tensor, grad_output: Tensor) -> PerExampleGrad:
+        has_bias = "bias" in self.captured_parameters(module)
+        return TokenFactors(as_tokens(x.detach()), as_tokens(grad_output), bias=has_bias)
+
+    def weight_grad(self, per_example: Tensor) -> Tensor:
+        """``(B, N_o, N_i)`` block of the materialized gradient -> the weight's layout."""
+        return per_example
+
+    def param_grads(self, module: nn.Module, grads: PerExampleGrad) -> dict[str, Tensor]:
+        if not isinstance(grads, TokenFactors):
+            raise TypeError(
+                f"{type(grads).__name__} cannot be split into parameters: it was projected; "
+                "capture without projection to get per-parameter gradients"
+            )
+        full = grads.materialize().view(grads.batch_size, grads.out_dim, grads.in_dim)
+        n_i = grads.a.shape[2]
+        out = {"weight": self.weight_grad(full[:, :, :n_i])}
+        if grads.bias:
+            out["bias"] = full[:, :, n_i]
+        return out

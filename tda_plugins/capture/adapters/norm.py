@@ -1,0 +1,60 @@
+"""LayerNorm and RMSNorm scales: ``y = w * xhat (+ b)``, per-example ``dw_i = sum_t xhat_it g_it``.
+
+Captured materialized (the scale gradient is a vector, smaller than any factor).
+``xhat`` is the module's own output at unit scale and zero bias, computed by the module
+itself, so every RMSNorm variant (Llama/Qwen2 cast-then-scale, OLMo-2 scale-then-cast,
+``(1 + w)`` forms) is handled with its own rounding: ``xhat = y(w=1, b=0) - y(w=0, b=0)``.
+Transformers' RMSNorm classes are matched by the class-name suffix ``RMSNorm``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from tda_plugins.capture.adapters.base import LayerAdapter, register_adapter
+from tda_plugins.capture.adapters.linear import trainable
+from tda_plugins.grads.factors import DenseGrad, PerExampleGrad, accumulation_dtype
+
+
+@register_adapter(nn.LayerNorm, nn.RMSNorm, suffixes=("RMSNorm",))
+class NormAdapter(LayerAdapter):
+    """Flattened per-example gradient: ``[weight (numel), bias (numel, if trainable)]``."""
+
+    family = "norm"
+
+    def captured_parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
+        params = trainable(module, ("weight", "bias"))
+        return params if "weight" in params else {}
+
+    def _normalized(self, module: nn.Module, x: Tensor) -> Tensor:
+        params = dict(module.named_parameters(recurse=False))
+        at_zero = {n: torch.zeros_like(p) for n, p in params.items()}
+        at_unit = {**at_zero, "weight": torch.ones_like(params["weight"])}
+        with torch.no_grad():
+            return functional_call(module, at_unit, (x,)) - functional_call(module, at_zero, (x,))
+
+    def capture(self, module: nn.Module, x: Tensor, grad_output: Tensor) -> PerExampleGrad:
+        acc = accumulation_dtype(grad_output)
+        g = grad_output.to(acc)
+        params = self.captured_parameters(module)
+        n = params["weight"].numel()
+        batch = x.shape[0]
+        parts = [(self._normalized(module, x.detach()).to(acc) * g).reshape(batch, -1, n).sum(1)]
+        if "bias" in params:
+            parts.append(g.reshape(batch, -1, n).sum(1))
+        return DenseGrad(torch.cat(parts, dim=1))
+
+    def param_grads(self, module: nn.Module, grads: PerExampleGrad) -> dict[str, Tensor]:
+        params = self.captured_parameters(module)
+        values = grads.materialize()
+        offsets = [0]
+        for p in params.values():
+            offsets.append(offsets[-1] + p.numel())
+        return {
+            name: values[:, start:stop].view(grads.batch_size, *p.shape)
+            for (name, p), start, stop in zip(
+                params.items(), offsets[:-1], offsets[1:], strict=True
+            )
+        }

@@ -1,0 +1,291 @@
+"""The capture engine: exact per-example gradients from the training backward pass itself.
+
+How it works, per selected layer and forward call: a forward hook registers a tensor hook
+on that call's output, closing over the call's input. When the backward pass reaches the
+output, the tensor hook receives ``g = dL/dy`` for exactly that call and hands
+``(input, g)`` to the layer's adapter. Pairing each call's input with its own output
+gradient makes repeated calls of one module, gradient accumulation and both kinds of
+gradient checkpointing correct without special cases: under reentrant checkpointing the
+first forward runs without grad (nothing is registered) and the recomputation registers
+the hooks that fire; under non-reentrant checkpointing the original call's hook fires and
+the recomputed call's never does.
+
+A micro-batch starts at the root module's forward (under grad) and finishes when the
+backward pass through its output ends (an autograd end-of-backward callback queued from
+a hook on the root output), or at the latest at :meth:`CaptureEngine.flush`. Forward
+passes without a backward (evaluation, generation, ``torch.no_grad``) leave nothing
+behind: the engine keeps only what a backward hook has delivered.
+
+Nothing in the hooks reads tensor values on the host: records stay on the model's device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from functools import partial
+from typing import Any, Self
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from tda_plugins.capture.adapters import LayerAdapter
+from tda_plugins.capture.consumer import CaptureConsumer
+from tda_plugins.capture.identity import content_hash
+from tda_plugins.capture.records import LayerRecord, MicroBatchRecord
+from tda_plugins.capture.selection import LayerSelection
+from tda_plugins.grads.factors import PerExampleGrad
+from tda_plugins.grads.projection import ProjectionConfig, Projector
+
+
+class _PendingBatch:
+    """Gradients delivered so far for one forward call of the root module."""
+
+    def __init__(self, example_ids: Tensor, token_mask: Tensor | None):
+        self.example_ids = example_ids
+        self.token_mask = token_mask
+        self.grads: dict[str, PerExampleGrad] = {}
+
+    def add(self, name: str, grads: PerExampleGrad) -> None:
+        previous = self.grads.get(name)
+        self.grads[name] = grads if previous is None else previous.merge_call(grads)
+
+
+def _output_tensors(output: Any) -> Iterable[Tensor]:
+    """Tensors that require grad anywhere in a (nested) model output."""
+    if isinstance(output, Tensor):
+        if output.requires_grad:
+            yield output
+    elif isinstance(output, dict):
+        for value in output.values():
+            yield from _output_tensors(value)
+    elif isinstance(output, (list, tuple)):
+        for value in output:
+            yield from _output_tensors(value)
+
+
+class CaptureEngine:
+    """Hooks a model and records exact per-example gradients of the selected layers.
+
+    Args:
+        model: any ``nn.Module``; the root whose forward marks a micro-batch.
+        layers: which layers to capture (default: LoRA adapters if present, else linear).
+        projection: project gradients inside the hook (default: keep them exact).
+        consumers: receive each finished micro-batch (see :class:`CaptureConsumer`).
+
+    Use as a context manager, or call :meth:`attach` / :meth:`detach`. Call
+    :meth:`optimizer_step` at each optimizer step so consumers see step boundaries, and
+    :meth:`end` when training ends. Example ids: pass them with :meth:`set_example_ids`
+    before the forward call, else each example gets a content hash of its unpadded
+    ``input_ids``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: LayerSelection | None = None,
+        projection: ProjectionConfig | None = None,
+        consumers: Iterable[CaptureConsumer] = (),
+    ):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"CaptureEngine needs an nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.selection = layers if layers is not None else LayerSelection()
+        self.projector = Projector(projection) if projection is not None else None
+        self._consumers = list(consumers)
+        self._layers: dict[str, tuple[nn.Module, LayerAdapter]] = {}
+        self._handles: list[RemovableHandle] = []
+        self._pending: _PendingBatch | None = None
+        self._unfinished: list[_PendingBatch] = []
+        self._step_records: list[MicroBatchRecord] = []
+        self._explicit_ids: Tensor | None = None
+        self._finish_queued = False
+        self._micro_batches = 0
+        self._step = 0
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    @property
+    def layer_names(self) -> list[str]:
+        """Names of the captured modules (empty before :meth:`attach`)."""
+        return list(self._layers)
+
+    @property
+    def step(self) -> int:
+        """Index of the optimizer step the next micro-batch belongs to."""
+        return self._step
+
+    def attach(self) -> Self:
+        """Resolve the layer selection and register the hooks. Raises on a bad selection."""
+        if self.attached:
+            raise RuntimeError("this CaptureEngine is already attached; detach it first")
+        self._layers = self.selection.resolve(self.model)
+        self._handles.append(
+            self.model.register_forward_pre_hook(self._on_root_forward, with_kwargs=True)
+        )
+        self._handles.append(self.model.register_forward_hook(self._on_root_output))
+        for name, (module, adapter) in self._layers.items():
+            hook = partial(self._on_layer_forward, name, adapter)
+            self._handles.append(module.register_forward_hook(hook))
+        return self
+
+    def detach(self) -> None:
+        """Remove every hook and drop every held tensor. Undelivered gradients are lost."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._pending = None
+        self._unfinished.clear()
+        self._step_records.clear()
+        self._explicit_ids = None
+        self._finish_queued = False
+
+    def __enter__(self) -> Self:
+        return self.attach()
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    def add_consumer(self, consumer: CaptureConsumer) -> None:
+        """Register a consumer for the micro-batches that finish from now on."""
+        self._consumers.append(consumer)
+
+    # -- signals from the training loop ------------------------------------------------
+
+    def set_example_ids(self, ids: Tensor) -> None:
+        """``(B,)`` integer ids for the examples of the next root forward call."""
+        if not isinstance(ids, Tensor) or ids.dim() != 1 or ids.is_floating_point():
+            raise ValueError("example ids must be a 1-D integer tensor with one id per example")
+        self._explicit_ids = ids
+
+    def flush(self) -> None:
+        """Finish every micro-batch whose gradients have arrived (normally automatic)."""
+        unfinished, self._unfinished = self._unfinished, []
+        for batch in unfinished:
+            self._finish(batch)
+
+    def optimizer_step(self) -> None:
+        """Mark an optimizer step: consumers get the step's records, then the step advances."""
+        self.flush()
+        records, self._step_records = self._step_records, []
+        for consumer in self._consumers:
+            consumer.on_optimizer_step(self._step, records)
+        self._step += 1
+
+    def end(self) -> None:
+        """Finish pending micro-batches and tell consumers that capture has ended."""
+        self.flush()
+        for consumer in self._consumers:
+            consumer.on_end()
+
+    def held_bytes(self) -> int:
+        """Bytes of gradient tensors the engine itself holds right now."""
+        pending = sum(g.nbytes() for b in self._unfinished for g in b.grads.values())
+        return pending + sum(r.nbytes() for r in self._step_records)
+
+    # -- hooks -----------------------------------------------------------------------
+
+    def _on_root_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not torch.is_grad_enabled():
+            return
+        # A previous micro-batch whose end-of-backward callback never ran is done now.
+        self.flush()
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        mask = kwargs.get("attention_mask")
+        token_mask = mask.bool() if isinstance(mask, Tensor) and mask.dim() == 2 else None
+        ids, self._explicit_ids = self._explicit_ids, None
+        if ids is None:
+            if not isinstance(input_ids, Tensor) or input_ids.is_floating_point():
+                raise ValueError(
+                    f"cannot derive example ids: {type(module).__name__} was called without "
+                    "integer input_ids; call engine.set_example_ids(ids) before the forward"
+                )
+            ids = content_hash(input_ids, token_mask)
+        self._pending = _PendingBatch(ids, token_mask)
+
+    def _on_root_output(self, module: nn.Module, args: tuple, output: Any) -> None:
+        batch = self._pending
+        if batch is None or not torch.is_grad_enabled():
+            return
+        for tensor in _output_tensors(output):
+            tensor.register_hook(partial(self._on_root_grad, batch))
+
+    def _on_root_grad(self, batch: _PendingBatch, grad: Tensor) -> None:
+        if self._finish_queued:
+            return
+        self._finish_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+
+    def _on_backward_end(self) -> None:
+        self._finish_queued = False
+        self.flush()
+
+    def _on_layer_forward(
+        self, name: str, adapter: LayerAdapter, module: nn.Module, args: tuple, output: Any
+    ) -> Any:
+        batch = self._pending
+        if batch is None or not torch.is_grad_enabled():
+            return None
+        out = output if isinstance(output, Tensor) else output[0]
+        if not out.requires_grad:
+            return None
+        x = adapter.layer_input(module, args)
+        examples = batch.example_ids.shape[0]
+        replaced = None
+        if out.shape[0] != examples:
+            if out.shape[0] != 1:
+                raise RuntimeError(
+                    f"layer {name!r} produced a batch of {out.shape[0]} for a micro-batch of "
+                    f"{examples} examples, so its gradient cannot be split per example; "
+                    "exclude it from the LayerSelection"
+                )
+            # A call shared by the whole batch (GPT-2's position embedding): expanding its
+            # output to the batch is numerically the same broadcast, and makes the gradient
+            # arriving there per-example.
+            out = out.expand(examples, *out.shape[1:])
+            x = x.expand(examples, *x.shape[1:])
+            replaced = out if isinstance(output, Tensor) else (out, *output[1:])
+        out.register_hook(partial(self._on_layer_grad, batch, name, module, adapter, x))
+        return replaced
+
+    def _on_layer_grad(
+        self,
+        batch: _PendingBatch,
+        name: str,
+        module: nn.Module,
+        adapter: LayerAdapter,
+        x: Tensor,
+        grad: Tensor,
+    ) -> None:
+        if not self.attached:
+            return
+        grads = adapter.capture(module, x, grad)
+        if self.projector is not None:
+            grads = self.projector(name, grads)
+        batch.add(name, grads)
+        if not any(b is batch for b in self._unfinished):
+            self._unfinished.append(batch)
+
+    def _finish(self, batch: _PendingBatch) -> None:
+        grads, batch.grads = batch.grads, {}
+        record = MicroBatchRecord(
+            index=self._micro_batches,
+            step=self._step,
+            example_ids=batch.example_ids,
+            token_mask=batch.token_mask,
+            layers={
+                name: LayerRecord(name, module, adapter, grads[name])
+                for name, (module, adapter) in self._layers.items()
+                if name in grads
+            },
+            projected=self.projector is not None,
+        )
+        self._micro_batches += 1
+        for consumer in self._consumers:
+            consumer.on_micro_batch(record)
+        if any(c.wants_step_records for c in self._consumers):
+            self._step_records.append(record)

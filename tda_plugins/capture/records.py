@@ -1,0 +1,100 @@
+"""What the engine hands to consumers: one record per finished micro-batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from tda_plugins.capture.adapters import LayerAdapter
+from tda_plugins.grads.factors import PerExampleGrad
+
+
+@dataclass
+class LayerRecord:
+    """One layer's per-example gradients in a micro-batch.
+
+    Attributes:
+        name: the module's name in the hooked model.
+        module: the module itself (for parameter shapes; never for its data).
+        adapter: the adapter that captured it.
+        grads: per-example gradients (factorized, projected or materialized).
+    """
+
+    name: str
+    module: nn.Module
+    adapter: LayerAdapter
+    grads: PerExampleGrad
+
+    def param_grads(self) -> dict[str, Tensor]:
+        """``"<module>.<param>"`` -> ``(B, *param.shape)`` (unprojected captures only)."""
+        return {
+            f"{self.name}.{local}" if self.name else local: g
+            for local, g in self.adapter.param_grads(self.module, self.grads).items()
+        }
+
+
+@dataclass
+class MicroBatchRecord:
+    """Per-example gradients of every selected layer for one micro-batch.
+
+    Loss convention: the gradients are contributions to the gradient of the loss that was
+    backpropagated (for a trainer's mean loss, each example's share of ``.grad``; for a
+    summed per-example loss, each example's own gradient). They stay on the model's
+    device; :meth:`to` moves them (asynchronously where the device allows).
+
+    Attributes:
+        index: micro-batch counter since the engine was attached (0-based).
+        step: optimizer step the micro-batch belongs to (0-based).
+        example_ids: ``(B,)`` int64 ids (explicit, else a content hash of the unpadded ids).
+        token_mask: ``(B, T)`` bool, true at real (non-padding) tokens; ``None`` when the
+            forward call had no 2-D attention mask.
+        layers: module name -> :class:`LayerRecord`, in model order.
+        projected: whether the gradients were projected in the hook.
+    """
+
+    index: int
+    step: int
+    example_ids: Tensor
+    token_mask: Tensor | None
+    layers: dict[str, LayerRecord] = field(default_factory=dict)
+    projected: bool = False
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.example_ids.shape[0])
+
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> MicroBatchRecord:
+        """A copy with every tensor moved to ``device``."""
+
+        def move(t: Tensor) -> Tensor:
+            return t.to(device, non_blocking=non_blocking)
+
+        return MicroBatchRecord(
+            index=self.index,
+            step=self.step,
+            example_ids=move(self.example_ids),
+            token_mask=None if self.token_mask is None else move(self.token_mask),
+            layers={
+                n: LayerRecord(r.name, r.module, r.adapter, r.grads.map_tensors(move))
+                for n, r in self.layers.items()
+            },
+            projected=self.projected,
+        )
+
+    def param_grads(self) -> dict[str, Tensor]:
+        """Module-qualified parameter name -> ``(B, *param.shape)``, for unprojected captures."""
+        if self.projected:
+            raise ValueError(
+                "this record was projected in the hook; per-parameter gradients need a "
+                "capture without projection"
+            )
+        out: dict[str, Tensor] = {}
+        for record in self.layers.values():
+            out.update(record.param_grads())
+        return out
+
+    def nbytes(self) -> int:
+        """Bytes held by the gradient tensors."""
+        return sum(r.grads.nbytes() for r in self.layers.values())

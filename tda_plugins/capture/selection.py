@@ -1,0 +1,205 @@
+"""Which layers the engine captures: a declarative, validated selection.
+
+Filters apply in order: family (``kind``) and module ``types``, then ``include`` /
+``exclude`` regexes on module names, then ``last_n_blocks``. Only modules with a
+registered adapter and trainable parameters are candidates. Every filter that leaves
+nothing raises an error that names the filter and what was available.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from torch import nn
+
+from tda_plugins.capture.adapters import DEFAULT_REGISTRY, AdapterRegistry, LayerAdapter
+
+SelectionKind = Literal["auto", "linear", "lora", "all"]
+
+_LORA_NAME = re.compile(r"(^|\.)lora_[AB](\.|$)")
+
+
+class LayerSelectionError(ValueError):
+    """The layer selection matched nothing or asked for something unsupported."""
+
+
+def is_lora_adapter(name: str, module: nn.Module) -> bool:
+    """PEFT LoRA adapter sub-layers: ``...lora_A.<adapter>`` / ``...lora_B.<adapter>`` linears."""
+    return isinstance(module, nn.Linear) and _LORA_NAME.search(name) is not None
+
+
+def has_lora(model: nn.Module) -> bool:
+    """Whether ``model`` carries PEFT LoRA adapters."""
+    return any(is_lora_adapter(n, m) for n, m in model.named_modules())
+
+
+@dataclass(frozen=True)
+class LayerSelection:
+    """Which layers to capture.
+
+    Attributes:
+        kind: ``"linear"`` (``nn.Linear`` and transformers ``Conv1D``), ``"lora"`` (PEFT
+            LoRA ``lora_A``/``lora_B`` only), ``"all"`` (every supported type: linear,
+            embedding, norm scales) or ``"auto"`` (LoRA adapters when the model has them,
+            else linear).
+        types: restrict to these module classes (classes or class names).
+        include: keep only modules whose name matches this regex (``re.search``).
+        exclude: drop modules whose name matches this regex.
+        last_n_blocks: keep only modules inside the last N transformer blocks (the
+            longest ``nn.ModuleList`` of the model).
+        trainable_only: skip modules whose parameters are all frozen.
+
+    A linear layer whose weight is tied to a module outside the selection (GPT-2's
+    ``lm_head`` tied to ``wte``) is left out by ``kind="linear"``, since capturing it alone
+    gives only part of that parameter's gradient; ``kind="all"`` captures both and the
+    parameter's gradients add.
+    """
+
+    kind: SelectionKind = "auto"
+    types: tuple[type | str, ...] = ()
+    include: str | None = None
+    exclude: str | None = None
+    last_n_blocks: int | None = None
+    trainable_only: bool = True
+    _registry: AdapterRegistry = field(default=DEFAULT_REGISTRY, repr=False, compare=False)
+
+    def resolve(self, model: nn.Module) -> dict[str, tuple[nn.Module, LayerAdapter]]:
+        """Module name -> (module, adapter) for every selected layer, in model order."""
+        if self.kind not in ("auto", "linear", "lora", "all"):
+            raise LayerSelectionError(
+                f"LayerSelection.kind must be 'auto', 'linear', 'lora' or 'all', got {self.kind!r}"
+            )
+        supported = self._supported_modules(model)
+        chosen = self._by_kind(model, supported)
+        chosen = self._by_types(chosen, supported)
+        chosen = self._by_regex(chosen)
+        chosen = self._by_blocks(model, chosen)
+        chosen = self._drop_partially_tied(model, chosen)
+        if not chosen:
+            raise LayerSelectionError(
+                f"{self!r} matched no layer of {type(model).__name__}; supported layers there: "
+                f"{_preview(supported)}. Fix: widen include/types/last_n_blocks or pick "
+                "another kind"
+            )
+        return chosen
+
+    def _supported_modules(self, model: nn.Module) -> dict[str, tuple[nn.Module, LayerAdapter]]:
+        found = {}
+        for name, module in model.named_modules():
+            adapter = self._registry.lookup(module)
+            if adapter is None:
+                continue
+            if self.trainable_only and not adapter.captured_parameters(module):
+                continue
+            found[name] = (module, adapter)
+        return found
+
+    def _by_kind(
+        self, model: nn.Module, mods: dict[str, tuple[nn.Module, LayerAdapter]]
+    ) -> dict[str, tuple[nn.Module, LayerAdapter]]:
+        kind = self.kind
+        if kind == "auto":
+            kind = "lora" if has_lora(model) else "linear"
+        if kind == "all":
+            return mods
+        if kind == "lora":
+            out = {n: v for n, v in mods.items() if is_lora_adapter(n, v[0])}
+            if not out:
+                raise LayerSelectionError(
+                    f"kind='lora' but {type(model).__name__} has no trainable PEFT LoRA "
+                    "adapter (lora_A/lora_B); wrap it with peft.get_peft_model first, or use "
+                    "kind='linear'"
+                )
+            return out
+        return {n: v for n, v in mods.items() if v[1].family == "linear"}
+
+    def _by_types(
+        self,
+        mods: dict[str, tuple[nn.Module, LayerAdapter]],
+        supported: dict[str, tuple[nn.Module, LayerAdapter]],
+    ) -> dict[str, tuple[nn.Module, LayerAdapter]]:
+        if not self.types:
+            return mods
+        wanted = {t if isinstance(t, str) else t.__name__ for t in self.types}
+        known = {type(m).__name__ for m, _ in supported.values()}
+        registered = set(self._registry.supported())
+        unsupported = sorted(
+            t
+            for t in wanted
+            if t not in known
+            and t not in registered
+            and not any(r.startswith("*") and t.endswith(r[1:]) for r in registered)
+        )
+        if unsupported:
+            raise LayerSelectionError(
+                f"no adapter for module type(s) {unsupported}; supported types: "
+                f"{self._registry.supported()}. Fix: drop them from types, or register an "
+                "adapter with tda_plugins.capture.register_adapter"
+            )
+        return {
+            n: v for n, v in mods.items() if any(c.__name__ in wanted for c in type(v[0]).__mro__)
+        }
+
+    def _by_regex(
+        self, mods: dict[str, tuple[nn.Module, LayerAdapter]]
+    ) -> dict[str, tuple[nn.Module, LayerAdapter]]:
+        out = mods
+        if self.include is not None:
+            pattern = re.compile(self.include)
+            out = {n: v for n, v in out.items() if pattern.search(n)}
+        if self.exclude is not None:
+            pattern = re.compile(self.exclude)
+            out = {n: v for n, v in out.items() if not pattern.search(n)}
+        return out
+
+    def _by_blocks(
+        self, model: nn.Module, mods: dict[str, tuple[nn.Module, LayerAdapter]]
+    ) -> dict[str, tuple[nn.Module, LayerAdapter]]:
+        if self.last_n_blocks is None:
+            return mods
+        if self.last_n_blocks < 1:
+            raise LayerSelectionError(f"last_n_blocks must be >= 1, got {self.last_n_blocks}")
+        lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+        if not lists:
+            raise LayerSelectionError(
+                f"last_n_blocks={self.last_n_blocks} needs a list of transformer blocks, but "
+                f"{type(model).__name__} has no nn.ModuleList; select layers by include instead"
+            )
+        prefix, blocks = max(lists, key=lambda item: len(item[1]))
+        first = max(0, len(blocks) - self.last_n_blocks)
+        heads = tuple(f"{prefix}.{i}." for i in range(first, len(blocks)))
+        return {n: v for n, v in mods.items() if n.startswith(heads)}
+
+    def _drop_partially_tied(
+        self, model: nn.Module, mods: dict[str, tuple[nn.Module, LayerAdapter]]
+    ) -> dict[str, tuple[nn.Module, LayerAdapter]]:
+        owners: dict[int, list[str]] = {}
+        for name, module in model.named_modules():
+            for p in module.parameters(recurse=False):
+                owners.setdefault(id(p), []).append(name)
+        out = {}
+        for name, (module, adapter) in mods.items():
+            outside = sorted(
+                {o for p in adapter.captured_parameters(module).values() for o in owners[id(p)]}
+                - set(mods)
+            )
+            if not outside:
+                out[name] = (module, adapter)
+            elif self.include is not None or self.types:
+                raise LayerSelectionError(
+                    f"{name} shares a parameter with {outside}, which the selection leaves "
+                    "out, so its captured gradient would be partial; select both (kind='all' "
+                    "or a wider include) or exclude both"
+                )
+        return out
+
+
+def _preview(names: Iterable[str], limit: int = 6) -> str:
+    names = list(names)
+    if not names:
+        return "none (no module has a registered adapter and trainable parameters)"
+    shown = ", ".join(names[:limit])
+    return f"{shown}, ... ({len(names)} in all)" if len(names) > limit else shown

@@ -1,0 +1,21 @@
+"""Per-example gradient representations, routed operations and projections."""
+
+from tda_plugins.grads.factors import DenseGrad, EmbeddingFactors, PerExampleGrad, TokenFactors
+from tda_plugins.grads.ops import cross_gram, per_token_scores, sq_norms
+from tda_plugins.grads.projection import ProjectionConfig, Projector, RandomMap
+from tda_plugins.grads.routing import Route, choose_route
+
+__all__ = [
+    "DenseGrad",
+    "EmbeddingFactors",
+    "PerExampleGrad",
+    "ProjectionConfig",
+    "Projector",
+    "RandomMap",
+    "Route",
+    "TokenFactors",
+    "choose_route",
+    "cross_gram",
+    "per_token_scores",
+    "sq_norms",
+]

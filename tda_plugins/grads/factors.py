@@ -1,0 +1,391 @@
+"""Per-example gradient representations of one layer, and the operations on them.
+
+Three representations cover every layer type the engine captures:
+
+* :class:`TokenFactors` -- a weight ``W`` of shape ``(N_o, N_i)`` whose per-example gradient
+  is ``dW_i = sum_t g_it a_it^T`` (linear, Conv1D, LoRA, factor-projected layers).
+* :class:`EmbeddingFactors` -- an embedding table whose per-example gradient scatters
+  ``g_it`` into the rows named by the token ids.
+* :class:`DenseGrad` -- an already materialized per-example gradient (norm scales, dense
+  projections).
+
+Each representation answers the operations consumers need (materialize, squared norms,
+train x query cross-Gram, per-token scores) with a FLOP estimate per route; the functions
+in :mod:`tda_plugins.grads.ops` let :func:`~tda_plugins.grads.routing.choose_route` pick
+the cheaper one. Products are accumulated in fp32 (fp64 when the factors are fp64),
+whatever dtype the factors were captured in.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Self
+
+import torch
+from torch import Tensor
+
+from tda_plugins.grads.routing import Route
+
+#: Largest intermediate (elements) a factorized Gram builds at once; bigger ones are chunked.
+_GRAM_CHUNK_ELEMENTS = 1 << 24
+
+
+def accumulation_dtype(t: Tensor) -> torch.dtype:
+    """fp64 for fp64 inputs, fp32 for everything else (bf16/fp16/fp32)."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _row_chunks(rows: int, cols: int) -> list[slice]:
+    """Split ``rows`` so that each ``chunk x cols`` block stays under the chunk budget."""
+    step = max(1, _GRAM_CHUNK_ELEMENTS // max(cols, 1))
+    return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
+
+
+class PerExampleGrad(ABC):
+    """One layer's per-example gradients for a micro-batch of ``B`` examples."""
+
+    @property
+    @abstractmethod
+    def batch_size(self) -> int:
+        """``B``, the number of examples."""
+
+    @property
+    @abstractmethod
+    def dim(self) -> int:
+        """Length ``D`` of one flattened per-example gradient."""
+
+    @abstractmethod
+    def materialize(self) -> Tensor:
+        """Per-example gradients as a ``(B, D)`` tensor in the accumulation dtype."""
+
+    @abstractmethod
+    def merge_call(self, other: Self) -> Self:
+        """Combine two calls of the same module in one forward (their gradients add)."""
+
+    @abstractmethod
+    def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> Self:
+        """Apply ``fn`` to every tensor (device moves, detaching)."""
+
+    def nbytes(self) -> int:
+        """Bytes held by this record's tensors."""
+        total = 0
+
+        def count(t: Tensor) -> Tensor:
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+
+        self.map_tensors(count)
+        return total
+
+    # Operations: each returns {route: flops} and implements the factorized route; the
+    # materialized route is shared below.
+    def gram_costs(self, other: PerExampleGrad) -> dict[Route, float]:
+        """FLOP estimate of ``B1 x B2`` cross-Gram per route."""
+        return {
+            Route.MATERIALIZED: self._materialize_flops()
+            + other._materialize_flops()
+            + self.batch_size * other.batch_size * self.dim
+        }
+
+    def gram_factorized(self, other: PerExampleGrad) -> Tensor:
+        """``(B1, B2)`` inner products without materializing; only where costs list it."""
+        raise NotImplementedError(f"{type(self).__name__} has no factorized Gram")
+
+    def gram_materialized(self, other: PerExampleGrad) -> Tensor:
+        """``(B1, B2)`` inner products of the materialized gradients."""
+        return self.materialize() @ other.materialize().T
+
+    def sq_norm_costs(self) -> dict[Route, float]:
+        """FLOP estimate of the ``(B,)`` squared norms per route."""
+        return {Route.MATERIALIZED: self._materialize_flops() + self.batch_size * self.dim}
+
+    def sq_norms_factorized(self) -> Tensor:
+        """``(B,)`` squared norms without materializing; only where costs list it."""
+        raise NotImplementedError(f"{type(self).__name__} has no factorized norm")
+
+    def sq_norms_materialized(self) -> Tensor:
+        """``(B,)`` squared norms of the materialized gradients."""
+        return self.materialize().pow(2).sum(dim=1)
+
+    def token_score_costs(self, query: PerExampleGrad) -> dict[Route, float]:
+        """FLOP estimate of per-token scores against ``query`` per route."""
+        raise TypeError(
+            f"per-token scores need a per-token representation, but this layer is captured "
+            f"as {type(self).__name__}; capture it without a dense projection"
+        )
+
+    def token_scores_factorized(self, query: PerExampleGrad) -> Tensor:
+        """``(B1, B2, T1)`` token scores without materializing the query."""
+        raise NotImplementedError
+
+    def token_scores_materialized(self, query: PerExampleGrad) -> Tensor:
+        """``(B1, B2, T1)`` token scores against the materialized query."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def _materialize_flops(self) -> float:
+        """FLOPs of :meth:`materialize`."""
+
+    def _check_pair(self, other: PerExampleGrad) -> None:
+        if type(other) is not type(self) or other.dim != self.dim:
+            raise ValueError(
+                f"cannot compare a {type(self).__name__} of dimension {self.dim} with a "
+                f"{type(other).__name__} of dimension {other.dim}: train and query gradients "
+                "must be captured with the same layers and projection"
+            )
+
+
+class PerTokenGrad(PerExampleGrad):
+    """A representation that keeps one factor pair per token (``T`` rows per example)."""
+
+    @property
+    @abstractmethod
+    def tokens(self) -> int:
+        """``T``, the number of token rows per example."""
+
+    @abstractmethod
+    def _token_pair_products(self, other: Self, rows: slice) -> Tensor:
+        """``(b1, T1, B2, T2)`` inner products of token contributions, for examples ``rows``."""
+
+    def _chunked(self, other: Self, reduce: Callable[[Tensor], Tensor]) -> Tensor:
+        cols = self.tokens * other.batch_size * other.tokens
+        parts = [
+            reduce(self._token_pair_products(other, rows))
+            for rows in _row_chunks(self.batch_size, cols)
+        ]
+        return torch.cat(parts, dim=0)
+
+    def gram_factorized(self, other: PerExampleGrad) -> Tensor:
+        return self._chunked(self._same(other), lambda p: p.sum(dim=(1, 3)))
+
+    def token_scores_factorized(self, query: PerExampleGrad) -> Tensor:
+        return self._chunked(self._same(query), lambda p: p.sum(dim=3).transpose(1, 2))
+
+    def _same(self, other: PerExampleGrad) -> Self:
+        self._check_pair(other)
+        return other  # type: ignore[return-value]
+
+
+@dataclass
+class TokenFactors(PerTokenGrad):
+    """Per-token factors of a weight gradient: ``dW_i = sum_t g_it [a_it; 1]^T``.
+
+    Attributes:
+        a: ``(B, T, N_i)`` layer inputs, in the dtype they were captured in.
+        g: ``(B, T, N_o)`` gradients of the backpropagated loss w.r.t. the layer outputs.
+        bias: when true, a constant 1 is appended to every ``a_it`` (virtually: it is
+            never stored), so the last column of the materialized ``(N_o, N_i + 1)``
+            gradient is the bias gradient ``sum_t g_it``.
+    """
+
+    a: Tensor
+    g: Tensor
+    bias: bool = False
+
+    @property
+    def batch_size(self) -> int:
+        return self.a.shape[0]
+
+    @property
+    def tokens(self) -> int:
+        return self.a.shape[1]
+
+    @property
+    def in_dim(self) -> int:
+        """``N_i`` plus one when the bias is appended."""
+        return self.a.shape[2] + int(self.bias)
+
+    @property
+    def out_dim(self) -> int:
+        return self.g.shape[2]
+
+    @property
+    def dim(self) -> int:
+        return self.in_dim * self.out_dim
+
+    def augmented_a(self) -> Tensor:
+        """``(B, T, N_i [+1])`` inputs in the accumulation dtype, bias column appended."""
+        a = self.a.to(accumulation_dtype(self.a))
+        if not self.bias:
+            return a
+        return torch.cat([a, a.new_ones(*a.shape[:2], 1)], dim=2)
+
+    def materialize(self) -> Tensor:
+        g = self.g.to(accumulation_dtype(self.g))
+        return torch.bmm(g.transpose(1, 2), self.augmented_a()).reshape(self.batch_size, -1)
+
+    def merge_call(self, other: TokenFactors) -> TokenFactors:
+        return TokenFactors(
+            torch.cat([self.a, other.a], dim=1), torch.cat([self.g, other.g], dim=1), self.bias
+        )
+
+    def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> TokenFactors:
+        return TokenFactors(fn(self.a), fn(self.g), self.bias)
+
+    def _materialize_flops(self) -> float:
+        return 2.0 * self.batch_size * self.tokens * self.dim
+
+    def gram_costs(self, other: PerExampleGrad) -> dict[Route, float]:
+        other = self._same(other)
+        pairs = self.batch_size * other.batch_size * self.tokens * other.tokens
+        return {
+            Route.FACTORIZED: 2.0 * pairs * (self.in_dim + self.out_dim),
+            **super().gram_costs(other),
+        }
+
+    def _token_pair_products(self, other: TokenFactors, rows: slice) -> Tensor:
+        """``(b1, T1, B2, T2)`` products ``(a_it . a_js)(g_it . g_js)`` for examples ``rows``."""
+        a1, g1 = self.augmented_a()[rows], self.g[rows].to(accumulation_dtype(self.g))
+        a2, g2 = other.augmented_a(), other.g.to(accumulation_dtype(other.g))
+        ka = a1.reshape(-1, a1.shape[2]) @ a2.reshape(-1, a2.shape[2]).T
+        kg = g1.reshape(-1, g1.shape[2]) @ g2.reshape(-1, g2.shape[2]).T
+        return (ka * kg).view(a1.shape[0], self.tokens, other.batch_size, other.tokens)
+
+    def sq_norm_costs(self) -> dict[Route, float]:
+        per_example = self.tokens * self.tokens * (self.in_dim + self.out_dim)
+        return {Route.FACTORIZED: 2.0 * self.batch_size * per_example, **super().sq_norm_costs()}
+
+    def sq_norms_factorized(self) -> Tensor:
+        a, g = self.augmented_a(), self.g.to(accumulation_dtype(self.g))
+        return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum(dim=(1, 2))
+
+    def token_score_costs(self, query: PerExampleGrad) -> dict[Route, float]:
+        query = self._same(query)
+        pairs = self.batch_size * query.batch_size * self.tokens * query.tokens
+        rows = self.batch_size * self.tokens * query.batch_size
+        return {
+            Route.FACTORIZED: 2.0 * pairs * (self.in_dim + self.out_dim),
+            Route.MATERIALIZED: query._materialize_flops() + 2.0 * rows * self.dim,
+        }
+
+    def token_scores_materialized(self, query: PerExampleGrad) -> Tensor:
+        query = self._same(query)
+        b2, n_o, n_i = query.batch_size, self.out_dim, self.in_dim
+        q = query.materialize().view(b2, n_o, n_i).permute(1, 0, 2).reshape(n_o, b2 * n_i)
+        g = self.g.to(accumulation_dtype(self.g)).reshape(-1, n_o)
+        h = (g @ q).view(-1, b2, n_i)
+        a = self.augmented_a().reshape(-1, 1, n_i)
+        return (h * a).sum(dim=2).view(self.batch_size, self.tokens, b2).transpose(1, 2)
+
+
+@dataclass
+class EmbeddingFactors(PerTokenGrad):
+    """Per-token factors of an embedding gradient: row ``ids_it`` receives ``g_it``.
+
+    Attributes:
+        ids: ``(B, T)`` int64 token ids.
+        g: ``(B, T, D)`` gradients w.r.t. the looked-up rows (zero at ``padding_idx``).
+        num_embeddings: ``V``, rows of the table; the materialized gradient is ``(V, D)``.
+    """
+
+    ids: Tensor
+    g: Tensor
+    num_embeddings: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.ids.shape[0]
+
+    @property
+    def tokens(self) -> int:
+        return self.ids.shape[1]
+
+    @property
+    def dim(self) -> int:
+        return self.num_embeddings * self.g.shape[2]
+
+    def _g(self) -> Tensor:
+        return self.g.to(accumulation_dtype(self.g))
+
+    def materialize(self) -> Tensor:
+        g = self._g()
+        out = g.new_zeros(self.batch_size, self.num_embeddings, g.shape[2])
+        out.scatter_add_(1, self.ids.unsqueeze(2).expand_as(g), g)
+        return out.reshape(self.batch_size, -1)
+
+    def merge_call(self, other: EmbeddingFactors) -> EmbeddingFactors:
+        return EmbeddingFactors(
+            torch.cat([self.ids, other.ids], dim=1),
+            torch.cat([self.g, other.g], dim=1),
+            self.num_embeddings,
+        )
+
+    def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> EmbeddingFactors:
+        return EmbeddingFactors(fn(self.ids), fn(self.g), self.num_embeddings)
+
+    def _materialize_flops(self) -> float:
+        return float(self.batch_size * self.tokens * self.g.shape[2])
+
+    def _token_pair_products(self, other: EmbeddingFactors, rows: slice) -> Tensor:
+        same = (self.ids[rows].reshape(-1, 1) == other.ids.reshape(1, -1)).to(self.g.dtype)
+        g1, g2 = self._g()[rows], other._g()
+        kg = g1.reshape(-1, g1.shape[2]) @ g2.reshape(-1, g2.shape[2]).T
+        return (same.to(kg.dtype) * kg).view(g1.shape[0], self.tokens, other.batch_size, -1)
+
+    def gram_costs(self, other: PerExampleGrad) -> dict[Route, float]:
+        other = self._same(other)
+        pairs = self.batch_size * other.batch_size * self.tokens * other.tokens
+        return {Route.FACTORIZED: 2.0 * pairs * (self.g.shape[2] + 1), **super().gram_costs(other)}
+
+    def sq_norm_costs(self) -> dict[Route, float]:
+        per_example = self.tokens * self.tokens * (self.g.shape[2] + 1)
+        return {Route.FACTORIZED: 2.0 * self.batch_size * per_example, **super().sq_norm_costs()}
+
+    def sq_norms_factorized(self) -> Tensor:
+        g = self._g()
+        same = (self.ids.unsqueeze(2) == self.ids.unsqueeze(1)).to(g.dtype)
+        return (same * torch.bmm(g, g.transpose(1, 2))).sum(dim=(1, 2))
+
+    def token_score_costs(self, query: PerExampleGrad) -> dict[Route, float]:
+        query = self._same(query)
+        pairs = self.batch_size * query.batch_size * self.tokens * query.tokens
+        rows = self.batch_size * self.tokens * query.batch_size
+        return {
+            Route.FACTORIZED: 2.0 * pairs * (self.g.shape[2] + 1),
+            Route.MATERIALIZED: query._materialize_flops() + 2.0 * rows * self.g.shape[2],
+        }
+
+    def token_scores_materialized(self, query: PerExampleGrad) -> Tensor:
+        query = self._same(query)
+        q = query.materialize().view(query.batch_size, self.num_embeddings, -1)
+        rows = q[:, self.ids]  # (B2, B1, T1, D): the query gradient at each train token's row
+        return torch.einsum("btd,cbtd->bct", self._g(), rows)
+
+
+@dataclass
+class DenseGrad(PerExampleGrad):
+    """Materialized per-example gradients.
+
+    Attributes:
+        values: ``(B, D)`` per-example gradients, flattened over the layer's parameters in
+            the order its adapter documents.
+    """
+
+    values: Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return self.values.shape[0]
+
+    @property
+    def dim(self) -> int:
+        return self.values.shape[1]
+
+    def materialize(self) -> Tensor:
+        return self.values.to(accumulation_dtype(self.values))
+
+    def merge_call(self, other: DenseGrad) -> DenseGrad:
+        return DenseGrad(self.values + other.values)
+
+    def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> DenseGrad:
+        return DenseGrad(fn(self.values))
+
+    def _materialize_flops(self) -> float:
+        return 0.0
+
+    def gram_costs(self, other: PerExampleGrad) -> dict[Route, float]:
+        self._check_pair(other)
+        return super().gram_costs(other)
