@@ -199,12 +199,14 @@ class CaptureEngine:
         token_mask = mask.bool() if isinstance(mask, Tensor) and mask.dim() == 2 else None
         ids, self._explicit_ids = self._explicit_ids, None
         if ids is None:
-            if not isinstance(input_ids, Tensor) or input_ids.is_floating_point():
+            if not isinstance(input_ids, Tensor):
                 raise ValueError(
                     f"cannot derive example ids: {type(module).__name__} was called without "
-                    "integer input_ids; call engine.set_example_ids(ids) before the forward"
+                    "input_ids or a tensor first argument; call engine.set_example_ids(ids) "
+                    "before the forward"
                 )
-            ids = content_hash(input_ids, token_mask)
+            same_shape = token_mask is not None and token_mask.shape == input_ids.shape
+            ids = content_hash(input_ids, token_mask if same_shape else None)
         self._pending = _PendingBatch(ids, token_mask)
 
     def _on_root_output(self, module: nn.Module, args: tuple, output: Any) -> None:

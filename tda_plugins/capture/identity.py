@@ -23,12 +23,23 @@ def _mix(z: Tensor) -> Tensor:
     return z ^ (z >> 32)
 
 
+_SAME_WIDTH_INT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+def _as_integers(x: Tensor) -> Tensor:
+    """int64 view of the values: integer ids as they are, floats by their bit pattern."""
+    if x.is_floating_point():
+        x = x.contiguous().view(_SAME_WIDTH_INT[x.element_size()])
+    return x.long()
+
+
 def content_hash(input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
     """``(B, T)`` token ids (and optional ``(B, T)`` mask) -> ``(B,)`` int64 ids.
 
-    Masked-out positions (padding) are ignored; positions count real tokens only.
+    Masked-out positions (padding) are ignored; positions count real tokens only. Inputs
+    that are not token ids (``(B, ...)`` float features) are hashed by their bit patterns.
     """
-    ids = input_ids.reshape(input_ids.shape[0], -1).long()
+    ids = _as_integers(input_ids).reshape(input_ids.shape[0], -1)
     if attention_mask is None:
         mask = torch.ones_like(ids, dtype=torch.bool)
     else:

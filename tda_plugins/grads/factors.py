@@ -10,7 +10,8 @@ Three representations cover every layer type the engine captures:
   projections).
 
 Each representation answers the operations consumers need (materialize, squared norms,
-train x query cross-Gram, per-token scores) with a FLOP estimate per route; the functions
+train x query cross-Gram, per-token scores) with a cost estimate per route (multiply-adds,
+the formulas of DESIGN.md section 3); the functions
 in :mod:`tda_plugins.grads.ops` let :func:`~tda_plugins.grads.routing.choose_route` pick
 the cheaper one. Products are accumulated in fp32 (fp64 when the factors are fp64),
 whatever dtype the factors were captured in.
@@ -226,13 +227,13 @@ class TokenFactors(PerTokenGrad):
         return TokenFactors(fn(self.a), fn(self.g), self.bias)
 
     def _materialize_flops(self) -> float:
-        return 2.0 * self.batch_size * self.tokens * self.dim
+        return self.batch_size * self.tokens * self.dim
 
     def gram_costs(self, other: PerExampleGrad) -> dict[Route, float]:
         other = self._same(other)
         pairs = self.batch_size * other.batch_size * self.tokens * other.tokens
         return {
-            Route.FACTORIZED: 2.0 * pairs * (self.in_dim + self.out_dim),
+            Route.FACTORIZED: pairs * (self.in_dim + self.out_dim),
             **super().gram_costs(other),
         }
 
@@ -246,7 +247,7 @@ class TokenFactors(PerTokenGrad):
 
     def sq_norm_costs(self) -> dict[Route, float]:
         per_example = self.tokens * self.tokens * (self.in_dim + self.out_dim)
-        return {Route.FACTORIZED: 2.0 * self.batch_size * per_example, **super().sq_norm_costs()}
+        return {Route.FACTORIZED: self.batch_size * per_example, **super().sq_norm_costs()}
 
     def sq_norms_factorized(self) -> Tensor:
         a, g = self.augmented_a(), self.g.to(accumulation_dtype(self.g))
@@ -257,8 +258,8 @@ class TokenFactors(PerTokenGrad):
         pairs = self.batch_size * query.batch_size * self.tokens * query.tokens
         rows = self.batch_size * self.tokens * query.batch_size
         return {
-            Route.FACTORIZED: 2.0 * pairs * (self.in_dim + self.out_dim),
-            Route.MATERIALIZED: query._materialize_flops() + 2.0 * rows * self.dim,
+            Route.FACTORIZED: pairs * (self.in_dim + self.out_dim),
+            Route.MATERIALIZED: query._materialize_flops() + rows * self.dim,
         }
 
     def token_scores_materialized(self, query: PerExampleGrad) -> Tensor:
@@ -328,11 +329,11 @@ class EmbeddingFactors(PerTokenGrad):
     def gram_costs(self, other: PerExampleGrad) -> dict[Route, float]:
         other = self._same(other)
         pairs = self.batch_size * other.batch_size * self.tokens * other.tokens
-        return {Route.FACTORIZED: 2.0 * pairs * (self.g.shape[2] + 1), **super().gram_costs(other)}
+        return {Route.FACTORIZED: pairs * (self.g.shape[2] + 1), **super().gram_costs(other)}
 
     def sq_norm_costs(self) -> dict[Route, float]:
         per_example = self.tokens * self.tokens * (self.g.shape[2] + 1)
-        return {Route.FACTORIZED: 2.0 * self.batch_size * per_example, **super().sq_norm_costs()}
+        return {Route.FACTORIZED: self.batch_size * per_example, **super().sq_norm_costs()}
 
     def sq_norms_factorized(self) -> Tensor:
         g = self._g()
@@ -344,8 +345,8 @@ class EmbeddingFactors(PerTokenGrad):
         pairs = self.batch_size * query.batch_size * self.tokens * query.tokens
         rows = self.batch_size * self.tokens * query.batch_size
         return {
-            Route.FACTORIZED: 2.0 * pairs * (self.g.shape[2] + 1),
-            Route.MATERIALIZED: query._materialize_flops() + 2.0 * rows * self.g.shape[2],
+            Route.FACTORIZED: pairs * (self.g.shape[2] + 1),
+            Route.MATERIALIZED: query._materialize_flops() + rows * self.g.shape[2],
         }
 
     def token_scores_materialized(self, query: PerExampleGrad) -> Tensor:

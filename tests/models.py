@@ -1,0 +1,113 @@
+"""Tiny transformers causal LMs built from configs (no hub access), and batches for them."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+VOCAB = 64
+
+_ARCHS = {
+    "gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        dict(
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            n_positions=64,
+            bos_token_id=0,
+            eos_token_id=0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        ),
+    ),
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        ),
+    ),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "olmo2": (
+        "Olmo2Config",
+        "Olmo2ForCausalLM",
+        dict(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        ),
+    ),
+}
+ARCHS = tuple(_ARCHS)
+
+
+def tiny_causal_lm(arch: str, dtype: torch.dtype = torch.float64, seed: int = 0) -> nn.Module:
+    """A 2-layer, 32-wide causal LM of architecture ``arch`` in ``dtype``, eval mode."""
+    import transformers
+
+    config_name, model_name, kwargs = _ARCHS[arch]
+    config = getattr(transformers, config_name)(
+        vocab_size=VOCAB, pad_token_id=0, attn_implementation="eager", **kwargs
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config)
+    return model.to(dtype).eval()
+
+
+def with_lora(model: nn.Module, seed: int = 0) -> nn.Module:
+    """PEFT LoRA (r=4) on every attention and MLP linear; B initialised non-zero."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = "all-linear"
+    lora = get_peft_model(
+        model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0)
+    )
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:  # zero-initialised B would make every A gradient zero
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype))
+    return lora
+
+
+def lm_batch(
+    batch: int = 3,
+    length: int = 10,
+    lengths: tuple[int, ...] | None = None,
+    left_pad: bool = False,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Random token batch; ``lengths`` pads examples (right, or left) with mask 0, label -100."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (batch, length), generator=gen)
+    mask = torch.ones_like(ids)
+    for i, n in enumerate(lengths or ()):
+        if left_pad:
+            mask[i, : length - n] = 0
+        else:
+            mask[i, n:] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}

@@ -1,0 +1,98 @@
+"""Each layer adapter against a ``torch.func`` oracle (fp64), one small module per type."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+from transformers.pytorch_utils import Conv1D
+
+from tda_plugins import LayerSelection, per_example_gradients
+from tests.oracle import max_rel_error
+
+B, T, D = 4, 5, 6
+
+
+class Probe(nn.Module):
+    """``layer`` followed by a fixed nonlinear readout, so output gradients vary per token."""
+
+    def __init__(self, layer: nn.Module, width: int):
+        super().__init__()
+        self.layer = layer
+        self.readout = nn.Linear(width, 3).requires_grad_(False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.readout(torch.tanh(self.layer(x))))
+
+
+def probe_loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    """``(B,)`` per-example loss: sum over tokens of a smooth function of the output."""
+    out = model(batch["x"])
+    return (out**2).reshape(out.shape[0], -1).sum(dim=1) + out.reshape(out.shape[0], -1)[:, 0]
+
+
+def func_oracle(model: nn.Module, x: Tensor, loss: Callable = probe_loss) -> dict[str, Tensor]:
+    """``vmap(grad)`` of each example's own loss w.r.t. the trainable parameters."""
+    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    frozen = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
+
+    def one(w: dict[str, Tensor], xi: Tensor) -> Tensor:
+        call = lambda inp: functional_call(model, {**frozen, **w}, (inp,))  # noqa: E731
+        return loss(_Wrapped(call), {"x": xi[None]})[0]
+
+    return vmap(grad(one), in_dims=(None, 0))(params, x)
+
+
+class _Wrapped:
+    def __init__(self, fn: Callable[[Tensor], Tensor]):
+        self.fn = fn
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.fn(x)
+
+
+def _layers() -> dict[str, tuple[Callable[[], nn.Module], Callable[[], Tensor], int]]:
+    """name -> (layer factory, input factory, output width)."""
+    dense = lambda: torch.randn(B, T, D, dtype=torch.float64)  # noqa: E731
+    ids = lambda: torch.randint(0, 9, (B, T))  # noqa: E731
+    return {
+        "linear": (lambda: nn.Linear(D, 7), dense, 7),
+        "linear-no-bias": (lambda: nn.Linear(D, 7, bias=False), dense, 7),
+        "linear-2d-input": (lambda: nn.Linear(D, 7), lambda: torch.randn(B, D).double(), 7),
+        "conv1d": (lambda: Conv1D(7, D), dense, 7),
+        "embedding": (lambda: nn.Embedding(9, D), ids, D),
+        "embedding-padding-idx": (lambda: nn.Embedding(9, D, padding_idx=2), ids, D),
+        "layernorm": (lambda: nn.LayerNorm(D), dense, D),
+        "layernorm-no-bias": (lambda: nn.LayerNorm(D, bias=False), dense, D),
+        "torch-rmsnorm": (lambda: nn.RMSNorm(D), dense, D),
+        "llama-rmsnorm": (lambda: LlamaRMSNorm(D), dense, D),
+        "olmo2-rmsnorm": (lambda: Olmo2RMSNorm(D), dense, D),
+    }
+
+
+@pytest.mark.parametrize("name", list(_layers()))
+def test_layer_matches_func_oracle(name: str) -> None:
+    """Per-example weight (and bias) gradients of each layer type equal ``vmap(grad)``."""
+    make_layer, make_input, width = _layers()[name]
+    torch.manual_seed(0)
+    model = Probe(make_layer(), width).double()
+    with torch.no_grad():  # non-trivial norm scales, so a wrong xhat cannot hide behind w=1
+        for p in model.layer.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    x = make_input()
+    got = per_example_gradients(model, {"x": x}, probe_loss, LayerSelection(kind="all"))
+    ref = func_oracle(model, x)
+    assert set(got) == set(ref)
+    assert max_rel_error(got, ref) <= 1e-10
+
+
+def test_unsupported_type_by_name_is_an_error() -> None:
+    """Asking for a module type without an adapter names the type and the fix."""
+    model = Probe(nn.Conv2d(3, 3, 1), 3)
+    with pytest.raises(ValueError, match=r"no adapter for module type\(s\) \['Conv2d'\].*register"):
+        LayerSelection(kind="all", types=("Conv2d",)).resolve(model)

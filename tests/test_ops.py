@@ -1,0 +1,147 @@
+"""Routed operations equal the materialized reference; routing follows the cost model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tda_plugins.grads import (
+    DenseGrad,
+    EmbeddingFactors,
+    PerExampleGrad,
+    Route,
+    TokenFactors,
+    choose_route,
+    cross_gram,
+    per_token_scores,
+    sq_norms,
+)
+
+gen = torch.Generator().manual_seed(0)
+
+
+def _randn(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+
+def _pair(kind: str) -> tuple[PerExampleGrad, PerExampleGrad]:
+    """A train (B1=3, T1=5) and query (B2=2, T2=4) capture of the same layer."""
+    if kind in ("linear", "linear-bias"):
+        bias = kind == "linear-bias"
+        return (
+            TokenFactors(_randn(3, 5, 6), _randn(3, 5, 4), bias=bias),
+            TokenFactors(_randn(2, 4, 6), _randn(2, 4, 4), bias=bias),
+        )
+    if kind == "embedding":
+        ids = lambda b, t: torch.randint(0, 7, (b, t), generator=gen)  # noqa: E731
+        return (
+            EmbeddingFactors(ids(3, 5), _randn(3, 5, 4), num_embeddings=7),
+            EmbeddingFactors(ids(2, 4), _randn(2, 4, 4), num_embeddings=7),
+        )
+    return DenseGrad(_randn(3, 11)), DenseGrad(_randn(2, 11))
+
+
+KINDS = ["linear", "linear-bias", "embedding", "dense"]
+
+
+def _explicit_materialize(x: PerExampleGrad) -> torch.Tensor:
+    """Per-example gradients built token by token, independently of the library's kernels."""
+    if isinstance(x, TokenFactors):
+        rows = []
+        for b in range(x.batch_size):
+            a = x.a[b]
+            if x.bias:
+                a = torch.cat([a, torch.ones(a.shape[0], 1, dtype=a.dtype)], dim=1)
+            rows.append(sum(torch.outer(x.g[b, t], a[t]) for t in range(a.shape[0])).flatten())
+        return torch.stack(rows)
+    if isinstance(x, EmbeddingFactors):
+        out = torch.zeros(x.batch_size, x.num_embeddings, x.g.shape[2], dtype=x.g.dtype)
+        for b in range(x.batch_size):
+            for t in range(x.tokens):
+                out[b, x.ids[b, t]] += x.g[b, t]
+        return out.flatten(1)
+    return x.values
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_materialize_matches_explicit_sum(kind: str) -> None:
+    train, _ = _pair(kind)
+    torch.testing.assert_close(train.materialize(), _explicit_materialize(train))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_gram_route_equals_materialized_dot(kind: str) -> None:
+    """The ghost dot (factorized) and the materialized route give the same Gram."""
+    train, query = _pair(kind)
+    reference = _explicit_materialize(train) @ _explicit_materialize(query).T
+    routes = train.gram_costs(query)
+    if kind != "dense":
+        assert Route.FACTORIZED in routes
+    for route in routes:
+        torch.testing.assert_close(cross_gram(train, query, route=route), reference)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_norm_route_equals_materialized_norm(kind: str) -> None:
+    train, _ = _pair(kind)
+    reference = _explicit_materialize(train).pow(2).sum(dim=1)
+    for route in train.sq_norm_costs():
+        torch.testing.assert_close(sq_norms(train, route=route), reference)
+
+
+@pytest.mark.parametrize("kind", ["linear", "linear-bias", "embedding"])
+def test_token_scores_sum_to_gram_on_every_route(kind: str) -> None:
+    """Per-token scores ``(B1, B2, T1)`` sum over tokens to the sequence-level Gram."""
+    train, query = _pair(kind)
+    gram = _explicit_materialize(train) @ _explicit_materialize(query).T
+    for route in (Route.FACTORIZED, Route.MATERIALIZED):
+        scores = per_token_scores(train, query, route=route)
+        assert scores.shape == (3, 2, 5)
+        torch.testing.assert_close(scores.sum(dim=2), gram)
+
+
+def test_token_scores_refused_for_dense() -> None:
+    train, query = _pair("dense")
+    with pytest.raises(TypeError, match="per-token scores need a per-token representation"):
+        per_token_scores(train, query)
+
+
+def test_mismatched_captures_are_refused() -> None:
+    train, _ = _pair("linear")
+    _, other = _pair("linear-bias")
+    with pytest.raises(ValueError, match="same layers and projection"):
+        cross_gram(train, other)
+
+
+def _design_costs(b1: int, b2: int, t: int, n_i: int, n_o: int) -> dict[Route, float]:
+    """DESIGN.md section 3, written out independently of the library."""
+    return {
+        Route.FACTORIZED: b1 * b2 * t * t * (n_i + n_o),
+        Route.MATERIALIZED: (b1 + b2) * t * n_i * n_o + b1 * b2 * n_i * n_o,
+    }
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 4, 8, 16, 32, 64, 128, 256])
+def test_gram_routing_follows_the_design_cost_model(tokens: int) -> None:
+    """The chosen route is the argmin of DESIGN.md's formulas, on both sides of the crossover."""
+    b, n_i, n_o = 4, 48, 40
+    train = TokenFactors(torch.zeros(b, tokens, n_i), torch.zeros(b, tokens, n_o))
+    query = TokenFactors(torch.zeros(b, tokens, n_i), torch.zeros(b, tokens, n_o))
+    costs = _design_costs(b, b, tokens, n_i, n_o)
+    expected = min(costs, key=costs.__getitem__)
+    assert choose_route(train.gram_costs(query)) is expected
+
+
+def test_routing_takes_both_routes_across_the_sweep() -> None:
+    """Guards the sweep above: the crossover lies inside it."""
+    chosen = set()
+    for tokens in (1, 256):
+        x = TokenFactors(torch.zeros(4, tokens, 48), torch.zeros(4, tokens, 40))
+        chosen.add(choose_route(x.gram_costs(x)))
+    assert chosen == {Route.FACTORIZED, Route.MATERIALIZED}
+
+
+def test_forcing_an_unavailable_route_is_an_error() -> None:
+    train, query = _pair("dense")
+    with pytest.raises(ValueError, match="not available"):
+        cross_gram(train, query, route=Route.FACTORIZED)
