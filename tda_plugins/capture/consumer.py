@@ -4,19 +4,25 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from tda_plugins.capture.config import CaptureConfig
 from tda_plugins.capture.records import MicroBatchRecord
 
 
 class CaptureConsumer:
     """Receives captured gradients. Override the events you need; all default to no-ops.
 
-    Lifecycle: :meth:`on_micro_batch` after each micro-batch's backward, then
-    :meth:`on_optimizer_step` when the trainer signals an optimizer step (with that step's
-    records if :attr:`wants_step_records`), then :meth:`on_end` once when capture ends.
+    Lifecycle: :meth:`on_attach` when the engine resolves its layers (an error there
+    stops the attach before any hook exists), :meth:`on_micro_batch` after each
+    micro-batch's backward, then :meth:`on_optimizer_step` when the trainer signals an
+    optimizer step (with that step's records if :attr:`wants_step_records`), then
+    :meth:`on_end` once when capture ends.
     """
 
     #: Ask the engine to keep each step's records until :meth:`on_optimizer_step`.
     wants_step_records: ClassVar[bool] = False
+
+    def on_attach(self, config: CaptureConfig) -> None:
+        """The engine attached with this configuration."""
 
     def on_micro_batch(self, record: MicroBatchRecord) -> None:
         """A micro-batch's backward finished; ``record`` holds its per-example gradients."""

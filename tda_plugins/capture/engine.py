@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from tda_plugins.capture.adapters import LayerAdapter
+from tda_plugins.capture.config import CaptureConfig
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.identity import content_hash
 from tda_plugins.capture.records import LayerRecord, MicroBatchRecord
@@ -41,9 +42,10 @@ from tda_plugins.grads.projection import ProjectionConfig, Projector
 class _PendingBatch:
     """Gradients delivered so far for one forward call of the root module."""
 
-    def __init__(self, example_ids: Tensor, token_mask: Tensor | None):
+    def __init__(self, example_ids: Tensor, token_mask: Tensor | None, loss_scale: float):
         self.example_ids = example_ids
         self.token_mask = token_mask
+        self.loss_scale = loss_scale
         self.grads: dict[str, PerExampleGrad] = {}
 
     def add(self, name: str, grads: PerExampleGrad) -> None:
@@ -99,6 +101,7 @@ class CaptureEngine:
         self._unfinished: list[_PendingBatch] = []
         self._step_records: list[MicroBatchRecord] = []
         self._explicit_ids: Tensor | None = None
+        self._loss_scale = 1.0
         self._finish_queued = False
         self._micro_batches = 0
         self._step = 0
@@ -115,15 +118,34 @@ class CaptureEngine:
         return list(self._layers)
 
     @property
+    def captured_layers(self) -> dict[str, tuple[nn.Module, LayerAdapter]]:
+        """Module name -> (module, adapter) of every captured layer."""
+        return dict(self._layers)
+
+    @property
+    def config(self) -> CaptureConfig:
+        """Layers and projection of this capture (layers are known after :meth:`attach`)."""
+        projection = None if self.projector is None else self.projector.config
+        return CaptureConfig(tuple(self._layers), projection)
+
+    @property
     def step(self) -> int:
         """Index of the optimizer step the next micro-batch belongs to."""
         return self._step
+
+    def resume_at_step(self, step: int) -> None:
+        """Number the next micro-batches from optimizer step ``step`` (a resumed run)."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        self._step = step
 
     def attach(self) -> Self:
         """Resolve the layer selection and register the hooks. Raises on a bad selection."""
         if self.attached:
             raise RuntimeError("this CaptureEngine is already attached; detach it first")
         self._layers = self.selection.resolve(self.model)
+        for consumer in self._consumers:
+            consumer.on_attach(self.config)
         self._handles.append(
             self.model.register_forward_pre_hook(self._on_root_forward, with_kwargs=True)
         )
@@ -152,6 +174,8 @@ class CaptureEngine:
 
     def add_consumer(self, consumer: CaptureConsumer) -> None:
         """Register a consumer for the micro-batches that finish from now on."""
+        if self.attached:
+            consumer.on_attach(self.config)
         self._consumers.append(consumer)
 
     # -- signals from the training loop ------------------------------------------------
@@ -161,6 +185,14 @@ class CaptureEngine:
         if not isinstance(ids, Tensor) or ids.dim() != 1 or ids.is_floating_point():
             raise ValueError("example ids must be a 1-D integer tensor with one id per example")
         self._explicit_ids = ids
+
+    def set_loss_scale(self, scale: float) -> None:
+        """Factor from the backpropagated loss to the per-example loss convention, for the
+        next root forward call and the ones after it (e.g. the number of label tokens a
+        mean loss divided by). Stored with each record; the engine never applies it."""
+        if not scale > 0:
+            raise ValueError(f"loss scale must be positive, got {scale}")
+        self._loss_scale = float(scale)
 
     def flush(self) -> None:
         """Finish every micro-batch whose gradients have arrived (normally automatic)."""
@@ -207,7 +239,7 @@ class CaptureEngine:
                 )
             same_shape = token_mask is not None and token_mask.shape == input_ids.shape
             ids = content_hash(input_ids, token_mask if same_shape else None)
-        self._pending = _PendingBatch(ids, token_mask)
+        self._pending = _PendingBatch(ids, token_mask, self._loss_scale)
 
     def _on_root_output(self, module: nn.Module, args: tuple, output: Any) -> None:
         batch = self._pending
@@ -285,6 +317,7 @@ class CaptureEngine:
                 if name in grads
             },
             projected=self.projector is not None,
+            loss_scale=batch.loss_scale,
         )
         self._micro_batches += 1
         for consumer in self._consumers:

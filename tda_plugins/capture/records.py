@@ -52,6 +52,9 @@ class MicroBatchRecord:
             forward call had no 2-D attention mask.
         layers: module name -> :class:`LayerRecord`, in model order.
         projected: whether the gradients were projected in the hook.
+        loss_scale: multiply the gradients by this to get each example's own gradient
+            under the store's loss convention (e.g. the token count a mean loss divided
+            by); 1 when the backpropagated loss already was the per-example summed loss.
     """
 
     index: int
@@ -60,6 +63,7 @@ class MicroBatchRecord:
     token_mask: Tensor | None
     layers: dict[str, LayerRecord] = field(default_factory=dict)
     projected: bool = False
+    loss_scale: float = 1.0
 
     @property
     def batch_size(self) -> int:
@@ -81,6 +85,7 @@ class MicroBatchRecord:
                 for n, r in self.layers.items()
             },
             projected=self.projected,
+            loss_scale=self.loss_scale,
         )
 
     def param_grads(self) -> dict[str, Tensor]:

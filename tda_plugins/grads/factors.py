@@ -38,6 +38,18 @@ def accumulation_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+def _pad_tokens(t: Tensor, tokens: int) -> Tensor:
+    """Pad ``(B, T, ...)`` with zero token rows to ``tokens``: zero rows add nothing."""
+    if t.shape[1] == tokens:
+        return t
+    return torch.cat([t, t.new_zeros(t.shape[0], tokens - t.shape[1], *t.shape[2:])], dim=1)
+
+
+def _stack_tokens(tensors: list[Tensor]) -> Tensor:
+    tokens = max(t.shape[1] for t in tensors)
+    return torch.cat([_pad_tokens(t, tokens) for t in tensors])
+
+
 def _row_chunks(rows: int, cols: int) -> list[slice]:
     """Split ``rows`` so that each ``chunk x cols`` block stays under the chunk budget."""
     step = max(1, _GRAM_CHUNK_ELEMENTS // max(cols, 1))
@@ -69,6 +81,15 @@ class PerExampleGrad(ABC):
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> Self:
         """Apply ``fn`` to every tensor (device moves, detaching)."""
 
+    @abstractmethod
+    def scaled(self, factor: float) -> Self:
+        """``factor`` times the per-example gradients."""
+
+    @classmethod
+    @abstractmethod
+    def stack(cls, parts: list[Self]) -> Self:
+        """Concatenate several micro-batches of one layer along the example axis."""
+
     def nbytes(self) -> int:
         """Bytes held by this record's tensors."""
         total = 0
@@ -84,7 +105,10 @@ class PerExampleGrad(ABC):
     # Operations: each returns {route: flops} and implements the factorized route; the
     # materialized route is shared below.
     def gram_costs(self, other: PerExampleGrad) -> dict[Route, float]:
-        """FLOP estimate of ``B1 x B2`` cross-Gram per route."""
+        """Cost estimate of the ``B1 x B2`` cross-Gram per route."""
+        return self._materialized_gram_cost(other)
+
+    def _materialized_gram_cost(self, other: PerExampleGrad) -> dict[Route, float]:
         return {
             Route.MATERIALIZED: self._materialize_flops()
             + other._materialize_flops()
@@ -97,7 +121,9 @@ class PerExampleGrad(ABC):
 
     def gram_materialized(self, other: PerExampleGrad) -> Tensor:
         """``(B1, B2)`` inner products of the materialized gradients."""
-        return self.materialize() @ other.materialize().T
+        mine, theirs = self.materialize(), other.materialize()
+        dtype = torch.promote_types(mine.dtype, theirs.dtype)
+        return mine.to(dtype) @ theirs.to(dtype).T
 
     def sq_norm_costs(self) -> dict[Route, float]:
         """FLOP estimate of the ``(B,)`` squared norms per route."""
@@ -129,6 +155,13 @@ class PerExampleGrad(ABC):
     @abstractmethod
     def _materialize_flops(self) -> float:
         """FLOPs of :meth:`materialize`."""
+
+    def _check_dim(self, other: PerExampleGrad) -> None:
+        if other.dim != self.dim:
+            raise ValueError(
+                f"cannot compare gradients of dimension {self.dim} with dimension {other.dim}: "
+                "train and query gradients must be captured with the same layers and projection"
+            )
 
     def _check_pair(self, other: PerExampleGrad) -> None:
         if type(other) is not type(self) or other.dim != self.dim:
@@ -168,6 +201,33 @@ class PerTokenGrad(PerExampleGrad):
     def _same(self, other: PerExampleGrad) -> Self:
         self._check_pair(other)
         return other  # type: ignore[return-value]
+
+    # A DenseGrad query (a preconditioned or projected-dense gradient of the same layer)
+    # has no tokens: only the materialized routes apply to it.
+    def gram_costs(self, other: PerExampleGrad) -> dict[Route, float]:
+        if isinstance(other, DenseGrad):
+            self._check_dim(other)
+            return self._materialized_gram_cost(other)
+        return self._factor_gram_costs(self._same(other))
+
+    def token_score_costs(self, query: PerExampleGrad) -> dict[Route, float]:
+        if isinstance(query, DenseGrad):
+            self._check_dim(query)
+            rows = self.batch_size * self.tokens * query.batch_size
+            return {Route.MATERIALIZED: rows * self._token_width()}
+        return self._factor_token_score_costs(self._same(query))
+
+    @abstractmethod
+    def _factor_gram_costs(self, other: Self) -> dict[Route, float]:
+        """Costs against a capture of the same representation."""
+
+    @abstractmethod
+    def _factor_token_score_costs(self, query: Self) -> dict[Route, float]:
+        """Token-score costs against a capture of the same representation."""
+
+    @abstractmethod
+    def _token_width(self) -> int:
+        """Multiply-adds to score one token against one materialized query."""
 
 
 @dataclass
@@ -226,15 +286,22 @@ class TokenFactors(PerTokenGrad):
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> TokenFactors:
         return TokenFactors(fn(self.a), fn(self.g), self.bias)
 
+    def scaled(self, factor: float) -> TokenFactors:
+        return TokenFactors(self.a, self.g * factor, self.bias)
+
+    @classmethod
+    def stack(cls, parts: list[TokenFactors]) -> TokenFactors:
+        a = _stack_tokens([p.a for p in parts])
+        return TokenFactors(a, _stack_tokens([p.g for p in parts]), parts[0].bias)
+
     def _materialize_flops(self) -> float:
         return self.batch_size * self.tokens * self.dim
 
-    def gram_costs(self, other: PerExampleGrad) -> dict[Route, float]:
-        other = self._same(other)
+    def _factor_gram_costs(self, other: Self) -> dict[Route, float]:
         pairs = self.batch_size * other.batch_size * self.tokens * other.tokens
         return {
             Route.FACTORIZED: pairs * (self.in_dim + self.out_dim),
-            **super().gram_costs(other),
+            **self._materialized_gram_cost(other),
         }
 
     def _token_pair_products(self, other: TokenFactors, rows: slice) -> Tensor:
@@ -253,17 +320,18 @@ class TokenFactors(PerTokenGrad):
         a, g = self.augmented_a(), self.g.to(accumulation_dtype(self.g))
         return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(g, g.transpose(1, 2))).sum(dim=(1, 2))
 
-    def token_score_costs(self, query: PerExampleGrad) -> dict[Route, float]:
-        query = self._same(query)
+    def _factor_token_score_costs(self, query: Self) -> dict[Route, float]:
         pairs = self.batch_size * query.batch_size * self.tokens * query.tokens
         rows = self.batch_size * self.tokens * query.batch_size
         return {
             Route.FACTORIZED: pairs * (self.in_dim + self.out_dim),
-            Route.MATERIALIZED: query._materialize_flops() + rows * self.dim,
+            Route.MATERIALIZED: query._materialize_flops() + rows * self._token_width(),
         }
 
+    def _token_width(self) -> int:
+        return self.dim
+
     def token_scores_materialized(self, query: PerExampleGrad) -> Tensor:
-        query = self._same(query)
         b2, n_o, n_i = query.batch_size, self.out_dim, self.in_dim
         q = query.materialize().view(b2, n_o, n_i).permute(1, 0, 2).reshape(n_o, b2 * n_i)
         g = self.g.to(accumulation_dtype(self.g)).reshape(-1, n_o)
@@ -317,6 +385,14 @@ class EmbeddingFactors(PerTokenGrad):
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> EmbeddingFactors:
         return EmbeddingFactors(fn(self.ids), fn(self.g), self.num_embeddings)
 
+    def scaled(self, factor: float) -> EmbeddingFactors:
+        return EmbeddingFactors(self.ids, self.g * factor, self.num_embeddings)
+
+    @classmethod
+    def stack(cls, parts: list[EmbeddingFactors]) -> EmbeddingFactors:
+        ids = _stack_tokens([p.ids for p in parts])
+        return EmbeddingFactors(ids, _stack_tokens([p.g for p in parts]), parts[0].num_embeddings)
+
     def _materialize_flops(self) -> float:
         return float(self.batch_size * self.tokens * self.g.shape[2])
 
@@ -326,10 +402,12 @@ class EmbeddingFactors(PerTokenGrad):
         kg = g1.reshape(-1, g1.shape[2]) @ g2.reshape(-1, g2.shape[2]).T
         return (same.to(kg.dtype) * kg).view(g1.shape[0], self.tokens, other.batch_size, -1)
 
-    def gram_costs(self, other: PerExampleGrad) -> dict[Route, float]:
-        other = self._same(other)
+    def _factor_gram_costs(self, other: Self) -> dict[Route, float]:
         pairs = self.batch_size * other.batch_size * self.tokens * other.tokens
-        return {Route.FACTORIZED: pairs * (self.g.shape[2] + 1), **super().gram_costs(other)}
+        return {
+            Route.FACTORIZED: pairs * (self.g.shape[2] + 1),
+            **self._materialized_gram_cost(other),
+        }
 
     def sq_norm_costs(self) -> dict[Route, float]:
         per_example = self.tokens * self.tokens * (self.g.shape[2] + 1)
@@ -340,17 +418,18 @@ class EmbeddingFactors(PerTokenGrad):
         same = (self.ids.unsqueeze(2) == self.ids.unsqueeze(1)).to(g.dtype)
         return (same * torch.bmm(g, g.transpose(1, 2))).sum(dim=(1, 2))
 
-    def token_score_costs(self, query: PerExampleGrad) -> dict[Route, float]:
-        query = self._same(query)
+    def _factor_token_score_costs(self, query: Self) -> dict[Route, float]:
         pairs = self.batch_size * query.batch_size * self.tokens * query.tokens
         rows = self.batch_size * self.tokens * query.batch_size
         return {
             Route.FACTORIZED: pairs * (self.g.shape[2] + 1),
-            Route.MATERIALIZED: query._materialize_flops() + rows * self.g.shape[2],
+            Route.MATERIALIZED: query._materialize_flops() + rows * self._token_width(),
         }
 
+    def _token_width(self) -> int:
+        return self.g.shape[2]
+
     def token_scores_materialized(self, query: PerExampleGrad) -> Tensor:
-        query = self._same(query)
         q = query.materialize().view(query.batch_size, self.num_embeddings, -1)
         rows = q[:, self.ids]  # (B2, B1, T1, D): the query gradient at each train token's row
         return torch.einsum("btd,cbtd->bct", self._g(), rows)
@@ -384,9 +463,28 @@ class DenseGrad(PerExampleGrad):
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> DenseGrad:
         return DenseGrad(fn(self.values))
 
+    def scaled(self, factor: float) -> DenseGrad:
+        return DenseGrad(self.values * factor)
+
+    @classmethod
+    def stack(cls, parts: list[DenseGrad]) -> DenseGrad:
+        return DenseGrad(torch.cat([p.values for p in parts]))
+
     def _materialize_flops(self) -> float:
         return 0.0
 
     def gram_costs(self, other: PerExampleGrad) -> dict[Route, float]:
-        self._check_pair(other)
+        self._check_dim(other)
         return super().gram_costs(other)
+
+
+def stack_examples(parts: list[PerExampleGrad]) -> PerExampleGrad:
+    """Concatenate one layer's micro-batches along the example axis.
+
+    Parts of one representation keep it; a mix (a store keeps whichever form is smaller
+    per micro-batch) is materialized.
+    """
+    first = type(parts[0])
+    if all(type(p) is first for p in parts):
+        return first.stack(parts)
+    return DenseGrad.stack([DenseGrad(p.materialize()) for p in parts])

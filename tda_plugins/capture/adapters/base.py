@@ -45,6 +45,11 @@ class LayerAdapter(ABC):
     def param_grads(self, module: nn.Module, grads: PerExampleGrad) -> dict[str, Tensor]:
         """Local parameter name -> ``(B, *param.shape)`` per-example gradient (fp32/fp64)."""
 
+    @abstractmethod
+    def flatten(self, module: nn.Module, values: dict[str, Tensor]) -> Tensor:
+        """Inverse of :meth:`param_grads` for one example: per-parameter tensors in their
+        own shapes (e.g. optimizer state) -> ``(D,)`` in the materialized layout."""
+
 
 def qualified_name(cls: type) -> str:
     """``module.QualName`` of a class, used to match classes without importing them."""

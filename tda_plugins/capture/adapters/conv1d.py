@@ -15,5 +15,5 @@ from tda_plugins.capture.adapters.linear import LinearAdapter
 class Conv1DAdapter(LinearAdapter):
     """Same factors as ``nn.Linear``; the weight gradient is transposed to ``(N_i, N_o)``."""
 
-    def weight_grad(self, per_example: Tensor) -> Tensor:
-        return per_example.transpose(1, 2)
+    def weight_layout(self, t: Tensor) -> Tensor:
+        return t.transpose(-1, -2)

@@ -34,3 +34,6 @@ class EmbeddingAdapter(LayerAdapter):
     def param_grads(self, module: nn.Module, grads: PerExampleGrad) -> dict[str, Tensor]:
         shape = self._weight(module).shape
         return {"weight": grads.materialize().view(grads.batch_size, *shape)}
+
+    def flatten(self, module: nn.Module, values: dict[str, Tensor]) -> Tensor:
+        return values["weight"].flatten()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from tda_plugins.capture.adapters.base import LayerAdapter, register_adapter
@@ -33,9 +34,9 @@ class LinearAdapter(LayerAdapter):
         has_bias = "bias" in self.captured_parameters(module)
         return TokenFactors(as_tokens(x.detach()), as_tokens(grad_output), bias=has_bias)
 
-    def weight_grad(self, per_example: Tensor) -> Tensor:
-        """``(B, N_o, N_i)`` block of the materialized gradient -> the weight's layout."""
-        return per_example
+    def weight_layout(self, t: Tensor) -> Tensor:
+        """``(..., N_o, N_i)`` <-> the weight's own layout (an involution)."""
+        return t
 
     def param_grads(self, module: nn.Module, grads: PerExampleGrad) -> dict[str, Tensor]:
         if not isinstance(grads, TokenFactors):
@@ -45,7 +46,13 @@ class LinearAdapter(LayerAdapter):
             )
         full = grads.materialize().view(grads.batch_size, grads.out_dim, grads.in_dim)
         n_i = grads.a.shape[2]
-        out = {"weight": self.weight_grad(full[:, :, :n_i])}
+        out = {"weight": self.weight_layout(full[:, :, :n_i])}
         if grads.bias:
             out["bias"] = full[:, :, n_i]
         return out
+
+    def flatten(self, module: nn.Module, values: dict[str, Tensor]) -> Tensor:
+        weight = self.weight_layout(values["weight"])
+        if "bias" in self.captured_parameters(module):
+            weight = torch.cat([weight, values["bias"].unsqueeze(1)], dim=1)
+        return weight.flatten()

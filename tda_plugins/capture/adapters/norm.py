@@ -58,3 +58,6 @@ class NormAdapter(LayerAdapter):
                 params.items(), offsets[:-1], offsets[1:], strict=True
             )
         }
+
+    def flatten(self, module: nn.Module, values: dict[str, Tensor]) -> Tensor:
+        return torch.cat([values[name].flatten() for name in self.captured_parameters(module)])

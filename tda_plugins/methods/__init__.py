@@ -1,0 +1,18 @@
+"""Attribution methods behind one interface, registered by name."""
+
+from tda_plugins.methods import curvature, gradient, less
+from tda_plugins.methods.base import METHODS, AttributionMethod, method_by_name, register_method
+from tda_plugins.methods.gradient import Checkpoint
+from tda_plugins.methods.scores import Scores
+
+__all__ = [
+    "METHODS",
+    "AttributionMethod",
+    "Checkpoint",
+    "Scores",
+    "curvature",
+    "gradient",
+    "less",
+    "method_by_name",
+    "register_method",
+]

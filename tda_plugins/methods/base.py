@@ -1,0 +1,147 @@
+"""The attribution-method interface, its registry, and the shared scoring loop.
+
+A method is a small strategy: what it does to query gradients (a preconditioner), what
+it does to training gradients (LESS: Adam), and whether it unit-normalizes both sides
+(cosine). :meth:`AttributionMethod.score` streams the training store in chunks and sums
+the per-layer cross-Grams, each routed by the cost model.
+
+Score convention: ``score(z, q) = <P g_q, T g_z>`` summed over layers, with ``g`` each
+example's gradient of its own summed token loss; higher = more helpful to the query.
+"""
+
+from __future__ import annotations
+
+from abc import ABC
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from tda_plugins.grads.factors import PerExampleGrad
+from tda_plugins.grads.ops import cross_gram, per_token_scores, sq_norms
+from tda_plugins.methods.scores import Scores
+from tda_plugins.precondition.base import Identity, Preconditioner
+from tda_plugins.store.layout import StoreError
+from tda_plugins.store.reader import StoreChunk, StoreReader
+
+METHODS: dict[str, type[AttributionMethod]] = {}
+
+
+def register_method(name: str) -> Callable[[type[AttributionMethod]], type[AttributionMethod]]:
+    """Class decorator: make a method available under ``name`` (CLI ``--method``)."""
+
+    def decorate(cls: type[AttributionMethod]) -> type[AttributionMethod]:
+        cls.name = name
+        METHODS[name] = cls
+        return cls
+
+    return decorate
+
+
+def method_by_name(name: str, **options: object) -> AttributionMethod:
+    """Instantiate a registered method; unknown names list the known ones."""
+    if name not in METHODS:
+        raise ValueError(f"unknown attribution method {name!r}; choose from {sorted(METHODS)}")
+    return METHODS[name](**options)  # type: ignore[arg-type]
+
+
+class AttributionMethod(ABC):
+    """Scores training examples against queries from two compatible stores."""
+
+    name: ClassVar[str]
+    #: Unit-normalize train and query gradients (over all layers) before the dot.
+    normalize: ClassVar[bool] = False
+
+    def __init__(self, damping: float = 0.1):
+        self.preconditioner: Preconditioner = Identity(damping)
+
+    def prepare(self, store: StoreReader, queries: StoreReader, progress: bool = False) -> None:
+        """Validate the pair of stores and fit what the method needs."""
+        store.require_compatible(queries)
+        self.preconditioner.fit(store, progress)
+
+    def train_side(self, layer: str, grads: PerExampleGrad) -> PerExampleGrad:
+        """Transform of the training gradients (identity except for LESS)."""
+        return grads
+
+    def query_side(self, layer: str, grads: PerExampleGrad) -> PerExampleGrad:
+        return self.preconditioner(layer, grads)
+
+    def score(
+        self,
+        store: StoreReader,
+        queries: StoreReader,
+        chunk_examples: int = 256,
+        progress: bool = False,
+    ) -> Scores:
+        """``(N, M)`` scores of every stored training example against every query."""
+        self.prepare(store, queries, progress)
+        query = _load_queries(queries)
+        q_layers = {n: self.query_side(n, g) for n, g in query.layers.items()}
+        q_norms = _norms(q_layers) if self.normalize else None
+        ids, blocks = [], []
+        chunks = store.iter_chunks(chunk_examples)
+        total = store.num_examples
+        with tqdm(total=total, desc=f"{self.name} scores", disable=not progress) as bar:
+            for chunk in chunks:
+                t_layers = {n: self.train_side(n, g) for n, g in chunk.layers.items()}
+                block = sum(cross_gram(t_layers[n], q_layers[n]) for n in q_layers)
+                assert isinstance(block, Tensor)
+                if q_norms is not None:
+                    block = block / torch.outer(_norms(t_layers), q_norms)
+                ids.append(chunk.example_ids)
+                blocks.append(block.float())
+                bar.update(chunk.size)
+        return Scores(torch.cat(ids), query.example_ids, torch.cat(blocks), self.name)
+
+    def token_scores(
+        self, store: StoreReader, queries: StoreReader, train_ids: list[int]
+    ) -> dict[int, Tensor]:
+        """Train id -> ``(M, T)`` score of each of its tokens; a row sums to its score.
+
+        Needs per-token training gradients (a store written with ``keep_tokens``).
+        """
+        self.prepare(store, queries)
+        query = _load_queries(queries)
+        q_layers = {n: self.query_side(n, g) for n, g in query.layers.items()}
+        q_norms = _norms(q_layers) if self.normalize else None
+        wanted = set(train_ids)
+        out: dict[int, Tensor] = {}
+        for chunk in store.iter_chunks():
+            rows = [i for i, x in enumerate(chunk.example_ids.tolist()) if x in wanted]
+            if not rows:
+                continue
+            index = torch.tensor(rows)
+            t_layers = {n: self.train_side(n, _rows(g, index)) for n, g in chunk.layers.items()}
+            per_token = sum(per_token_scores(t_layers[n], q_layers[n]) for n in q_layers)
+            assert isinstance(per_token, Tensor)
+            if q_norms is not None:
+                scale = torch.outer(_norms(t_layers), q_norms)
+                per_token = per_token / scale.unsqueeze(2)
+            for row, example in zip(per_token, chunk.example_ids[index].tolist(), strict=True):
+                out[example] = row.float()
+        missing = wanted - set(out)
+        if missing:
+            raise StoreError(f"train ids {sorted(missing)[:5]} are not in the store {store.root}")
+        return out
+
+
+def _rows(grads: PerExampleGrad, index: Tensor) -> PerExampleGrad:
+    """The examples ``index`` of a capture (every field has the example axis first)."""
+    return grads.map_tensors(lambda t: t[index])
+
+
+def _load_queries(queries: StoreReader) -> StoreChunk:
+    if queries.num_examples == 0:
+        raise StoreError(f"the query store {queries.root} holds no example; capture queries first")
+    return queries.load_all()
+
+
+def _norms(layers: dict[str, PerExampleGrad]) -> Tensor:
+    """``(B,)`` norms over all layers together (zero norms become 1: score 0, not NaN)."""
+    total = sum(sq_norms(g) for g in layers.values())
+    assert isinstance(total, Tensor)
+    norms = total.sqrt()
+    return torch.where(norms > 0, norms, torch.ones_like(norms))

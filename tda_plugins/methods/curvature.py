@@ -1,0 +1,41 @@
+"""Second-order methods: K-FAC, EK-FAC and LoGra (K-FAC on factor-projected gradients)."""
+
+from __future__ import annotations
+
+from tda_plugins.methods.base import AttributionMethod, register_method
+from tda_plugins.precondition.kfac import EKFAC as EKFACPreconditioner
+from tda_plugins.precondition.kfac import KFAC as KFACPreconditioner
+from tda_plugins.store.layout import StoreError
+from tda_plugins.store.reader import StoreReader
+
+
+@register_method("kfac")
+class KFAC(AttributionMethod):
+    """``<(S + l_S)^{-1} G_q (A + l_A)^{-1}, G_z>`` per layer (damping relative, default 0.1)."""
+
+    def __init__(self, damping: float = 0.1):
+        super().__init__(damping)
+        self.preconditioner = KFACPreconditioner(damping)
+
+
+@register_method("ekfac")
+class EKFAC(AttributionMethod):
+    """EK-FAC: the K-FAC eigenbasis with eigenvalues corrected on the stored gradients."""
+
+    def __init__(self, damping: float = 0.1):
+        super().__init__(damping)
+        self.preconditioner = EKFACPreconditioner(damping)
+
+
+@register_method("logra")
+class LoGra(KFAC):
+    """LoGra: factor projection in the hook, then K-FAC on the projected factors."""
+
+    def prepare(self, store: StoreReader, queries: StoreReader, progress: bool = False) -> None:
+        projection = store.config.projection
+        if projection is None or projection.kind != "factor":
+            raise StoreError(
+                f"LoGra needs a store captured with factor projection, but {store.root} has "
+                f"projection={projection}; recapture with --projection factor, or use kfac"
+            )
+        super().prepare(store, queries, progress)

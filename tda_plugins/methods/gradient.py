@@ -1,0 +1,73 @@
+"""First-order methods: GradDot, GradCos and TracIn (no curvature)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tda_plugins.methods.base import AttributionMethod, register_method
+from tda_plugins.methods.scores import Scores
+from tda_plugins.store.layout import StoreError
+from tda_plugins.store.reader import StoreReader
+
+
+@register_method("graddot")
+class GradDot(AttributionMethod):
+    """``<g_q, g_z>``: the plain dot product of per-example gradients."""
+
+
+@register_method("gradcos")
+class GradCos(AttributionMethod):
+    """``<g_q, g_z> / (|g_q| |g_z|)``: cosine over all captured layers together."""
+
+    normalize = True
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One TracIn checkpoint: training and query gradients at the same weights."""
+
+    store: StoreReader
+    queries: StoreReader
+    learning_rate: float
+
+
+@register_method("tracin")
+class TracIn(AttributionMethod):
+    """``sum_c lr_c <g_q(c), g_z(c)>`` over checkpoints (TracIn-CP).
+
+    The store and queries passed to :meth:`score` are one checkpoint (weighted by
+    ``learning_rate``); ``extra`` adds the others. Training ids are aligned across
+    checkpoints; an example missing from a checkpoint contributes nothing there.
+    """
+
+    def __init__(
+        self, damping: float = 0.1, learning_rate: float = 1.0, extra: tuple[Checkpoint, ...] = ()
+    ):
+        super().__init__(damping)
+        self.learning_rate = learning_rate
+        self.extra = extra
+
+    def score(
+        self,
+        store: StoreReader,
+        queries: StoreReader,
+        chunk_examples: int = 256,
+        progress: bool = False,
+    ) -> Scores:
+        checkpoints = (Checkpoint(store, queries, self.learning_rate), *self.extra)
+        per_checkpoint = [
+            GradDot().score(c.store, c.queries, chunk_examples, progress) for c in checkpoints
+        ]
+        first = per_checkpoint[0]
+        for other in per_checkpoint[1:]:
+            if not torch.equal(other.query_ids, first.query_ids):
+                raise StoreError("TracIn checkpoints must hold the same queries in the same order")
+        ids = sorted({i for s in per_checkpoint for i in s.train_ids.tolist()})
+        row = {i: r for r, i in enumerate(ids)}
+        total = torch.zeros(len(ids), first.values.shape[1])
+        for c, scores in zip(checkpoints, per_checkpoint, strict=True):
+            rows = torch.tensor([row[i] for i in scores.train_ids.tolist()])
+            total.index_add_(0, rows, c.learning_rate * scores.values)
+        return Scores(torch.tensor(ids), first.query_ids, total, self.name)

@@ -1,0 +1,22 @@
+"""LESS: cosine between Adam-preconditioned training gradients and plain query gradients."""
+
+from __future__ import annotations
+
+from tda_plugins.grads.factors import PerExampleGrad
+from tda_plugins.methods.base import AttributionMethod, register_method
+from tda_plugins.precondition.adam import AdamPreconditioner
+from tda_plugins.store.reader import StoreReader
+
+
+@register_method("less")
+class LESS(AttributionMethod):
+    """Training side: the Adam update each example would cause (saved optimizer state)."""
+
+    normalize = True
+
+    def prepare(self, store: StoreReader, queries: StoreReader, progress: bool = False) -> None:
+        super().prepare(store, queries, progress)
+        self.adam = AdamPreconditioner(store.root)
+
+    def train_side(self, layer: str, grads: PerExampleGrad) -> PerExampleGrad:
+        return self.adam(layer, grads)

@@ -1,0 +1,79 @@
+"""Attribution scores: a train x query matrix keyed by example ids, top-k, saving."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save
+from torch import Tensor
+
+from tda_plugins.store.io import atomic_write_bytes, atomic_write_json
+
+SCORES_FILE = "scores.safetensors"
+TOPK_FILE = "topk.json"
+
+
+@dataclass
+class Scores:
+    """Influence of every training example on every query.
+
+    Attributes:
+        train_ids: ``(N,)`` int64 training example ids.
+        query_ids: ``(M,)`` int64 query example ids.
+        values: ``(N, M)`` fp32; positive = the training example pushes the query's loss
+            down (helpful), negative = up (harmful), under the method's convention.
+        method: the method's registered name.
+    """
+
+    train_ids: Tensor
+    query_ids: Tensor
+    values: Tensor
+    method: str
+
+    def top_k(self, k: int) -> list[dict[str, Any]]:
+        """Per query: the ``k`` most helpful (highest) and most harmful (lowest) examples."""
+        if k < 1:
+            raise ValueError(f"top-k needs k >= 1, got {k}")
+        k = min(k, self.values.shape[0])
+        out = []
+        for j, query_id in enumerate(self.query_ids.tolist()):
+            column = self.values[:, j]
+            high = torch.topk(column, k)
+            low = torch.topk(-column, k)
+            out.append(
+                {
+                    "query_id": query_id,
+                    "helpful": _pairs(self.train_ids[high.indices], high.values),
+                    "harmful": _pairs(self.train_ids[low.indices], -low.values),
+                }
+            )
+        return out
+
+    def save(self, directory: str | Path, k: int = 10) -> None:
+        """Write ``scores.safetensors`` (ids and matrix) and ``topk.json``."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {
+            "train_ids": self.train_ids.contiguous(),
+            "query_ids": self.query_ids.contiguous(),
+            "values": self.values.contiguous(),
+        }
+        atomic_write_bytes(out / SCORES_FILE, save(tensors, metadata={"method": self.method}))
+        atomic_write_json(out / TOPK_FILE, {"method": self.method, "queries": self.top_k(k)})
+
+    @classmethod
+    def load(cls, directory: str | Path) -> Scores:
+        path = Path(directory) / SCORES_FILE
+        if not path.exists():
+            raise FileNotFoundError(f"no {SCORES_FILE} in {directory}; run `tda attribute` first")
+        tensors = load_file(path)
+        method = json.loads((Path(directory) / TOPK_FILE).read_text())["method"]
+        return cls(tensors["train_ids"], tensors["query_ids"], tensors["values"], method)
+
+
+def _pairs(ids: Tensor, values: Tensor) -> list[dict[str, float | int]]:
+    return [{"id": i, "score": s} for i, s in zip(ids.tolist(), values.tolist(), strict=True)]

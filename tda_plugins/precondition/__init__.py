@@ -1,0 +1,20 @@
+"""Preconditioners (identity, K-FAC, EK-FAC) and the inline curvature statistics."""
+
+from tda_plugins.precondition.base import PRECONDITIONERS, Identity, Preconditioner
+from tda_plugins.precondition.curvature import (
+    CurvatureAccumulator,
+    KroneckerFactors,
+    load_curvature,
+)
+from tda_plugins.precondition.kfac import EKFAC, KFAC
+
+__all__ = [
+    "EKFAC",
+    "KFAC",
+    "PRECONDITIONERS",
+    "CurvatureAccumulator",
+    "Identity",
+    "KroneckerFactors",
+    "Preconditioner",
+    "load_curvature",
+]

@@ -1,0 +1,84 @@
+"""Adam-state preconditioning of training gradients (LESS).
+
+The optimizer's first and second moments are saved per captured layer in the store's
+materialized layout (``optimizer.safetensors``). A training example's gradient ``g`` is
+turned into the update Adam would take from it:
+
+    m' = b1 m + (1 - b1) g,   v' = b2 v + (1 - b2) g^2
+    G  = (m' / (1 - b1^(t+1))) / (sqrt(v' / (1 - b2^(t+1))) + eps)
+
+``g`` is the stored per-example gradient (the example's own summed token loss).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save
+from torch import Tensor
+
+from tda_plugins.capture.engine import CaptureEngine
+from tda_plugins.grads.factors import DenseGrad, PerExampleGrad
+from tda_plugins.store.io import atomic_write_bytes
+from tda_plugins.store.layout import StoreError
+
+OPTIMIZER_FILE = "optimizer.safetensors"
+
+
+def save_adam_state(
+    root: str | Path, engine: CaptureEngine, optimizer: torch.optim.Optimizer
+) -> None:
+    """Save an Adam/AdamW optimizer's moments for the engine's captured layers."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise TypeError(f"LESS needs an Adam or AdamW optimizer, got {type(optimizer).__name__}")
+    group = optimizer.param_groups[0]
+    tensors: dict[str, Tensor] = {}
+    step = 0
+    for name, (module, adapter) in engine.captured_layers.items():
+        params = adapter.captured_parameters(module)
+        states = [optimizer.state.get(p, {}) for p in params.values()]
+        if any("exp_avg" not in s for s in states):
+            raise StoreError(f"the optimizer has no Adam state for {name}; save after a step")
+        step = max(step, *(int(s["step"]) for s in states))
+        for moment in ("exp_avg", "exp_avg_sq"):
+            values = {local: s[moment] for local, s in zip(params, states, strict=True)}
+            tensors[f"{name}::{moment}"] = adapter.flatten(module, values).float().cpu()
+    meta = {"betas": json.dumps(list(group["betas"])), "eps": str(group["eps"]), "step": str(step)}
+    atomic_write_bytes(Path(root) / OPTIMIZER_FILE, save(tensors, metadata=meta))
+
+
+class AdamPreconditioner:
+    """Turns stored per-example gradients into Adam updates (``optimizer.safetensors``)."""
+
+    def __init__(self, root: str | Path):
+        path = Path(root) / OPTIMIZER_FILE
+        if not path.exists():
+            raise StoreError(
+                f"{root} has no optimizer state ({OPTIMIZER_FILE}); LESS needs the Adam moments "
+                "saved at the end of training (save_adam_state, or the trainer callbacks)"
+            )
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata()
+        self.tensors = load_file(path)
+        self.beta1, self.beta2 = json.loads(meta["betas"])
+        self.eps = float(meta["eps"])
+        self.step = int(meta["step"])
+
+    def __call__(self, layer: str, grads: PerExampleGrad) -> PerExampleGrad:
+        key = f"{layer}::exp_avg"
+        if key not in self.tensors:
+            raise StoreError(f"no Adam state for layer {layer}")
+        m, v = self.tensors[key], self.tensors[f"{layer}::exp_avg_sq"]
+        g = grads.materialize()
+        if g.shape[1] != m.shape[0]:
+            raise StoreError(
+                f"LESS needs unprojected gradients: layer {layer} has {g.shape[1]} entries, "
+                f"its Adam state {m.shape[0]}; capture the store without projection"
+            )
+        t = self.step + 1
+        m_new = (self.beta1 * m + (1 - self.beta1) * g) / (1 - self.beta1**t)
+        v_new = (self.beta2 * v + (1 - self.beta2) * g.pow(2)) / (1 - self.beta2**t)
+        return DenseGrad(m_new / (v_new.sqrt() + self.eps))

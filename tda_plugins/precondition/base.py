@@ -1,0 +1,67 @@
+"""Preconditioners: strategies that turn a query gradient into ``(F + lambda I)^{-1} g_q``.
+
+Each is registered under a name and declares what it needs from a store; methods ask
+the strategy instead of branching on its name (the Kronfluence pattern).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import ClassVar
+
+from tda_plugins.grads.factors import PerExampleGrad
+from tda_plugins.store.reader import StoreReader
+
+PRECONDITIONERS: dict[str, type[Preconditioner]] = {}
+
+
+def register_preconditioner(name: str) -> Callable[[type[Preconditioner]], type[Preconditioner]]:
+    """Class decorator: make a preconditioner available under ``name``."""
+
+    def decorate(cls: type[Preconditioner]) -> type[Preconditioner]:
+        cls.name = name
+        PRECONDITIONERS[name] = cls
+        return cls
+
+    return decorate
+
+
+class Preconditioner(ABC):
+    """Applies an (approximate, damped) inverse curvature to query gradients.
+
+    Damping: ``lambda = damping * mean eigenvalue`` of the matrix it damps (relative, so
+    the result does not depend on the loss scale); ``damping`` is set per instance.
+    """
+
+    name: ClassVar[str]
+    #: Needs the inline K-FAC statistics saved in the store.
+    needs_curvature: ClassVar[bool] = False
+    #: Needs a pass over the stored per-example gradients (EK-FAC eigenvalue correction).
+    needs_store_pass: ClassVar[bool] = False
+
+    def __init__(self, damping: float = 0.1):
+        if damping <= 0:
+            raise ValueError(
+                f"damping must be > 0 (relative to the mean eigenvalue), got {damping}"
+            )
+        self.damping = damping
+
+    @abstractmethod
+    def fit(self, store: StoreReader, progress: bool = False) -> None:
+        """Prepare from the store (factors, eigendecompositions; fp64)."""
+
+    @abstractmethod
+    def __call__(self, layer: str, query: PerExampleGrad) -> PerExampleGrad:
+        """Preconditioned ``(B2, D)`` queries of one layer."""
+
+
+@register_preconditioner("identity")
+class Identity(Preconditioner):
+    """``F = 0``: the query is used as it is (GradDot, GradCos, TracIn)."""
+
+    def fit(self, store: StoreReader, progress: bool = False) -> None:
+        return None
+
+    def __call__(self, layer: str, query: PerExampleGrad) -> PerExampleGrad:
+        return query

@@ -1,0 +1,150 @@
+"""Inline K-FAC statistics, accumulated from the captured factors during training.
+
+Per factorized layer (linear, Conv1D, LoRA, factor-projected):
+
+    A = sum over token rows of [a;1][a;1]^T      (N_i' x N_i')
+    S = sum over token rows of g g^T              (N_o x N_o)
+
+divided by the number of real (non-padding) token rows when read. ``g`` is scaled by the
+record's ``loss_scale``, i.e. taken under the store's per-example summed-loss convention.
+Padding rows are excluded through the record's token mask, by multiplication (no host
+sync). Accumulation is in fp64 on the capture device; the statistics are written to the
+store directory (``rank-<r>/curvature.safetensors``, atomically) at the end of capture
+and whenever :meth:`CurvatureAccumulator.save` is called, so K-FAC, EK-FAC and LoGra need
+no second pass over the model. Embedding and norm layers get no K-FAC factors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save
+from torch import Tensor
+
+from tda_plugins.capture.config import CaptureConfig
+from tda_plugins.capture.consumer import CaptureConsumer
+from tda_plugins.capture.records import MicroBatchRecord
+from tda_plugins.grads.factors import TokenFactors
+from tda_plugins.store.io import atomic_write_bytes
+from tda_plugins.store.layout import CURVATURE_FILE, StoreError, rank_dir
+
+
+@dataclass
+class KroneckerFactors:
+    """Uncentred second moments of one layer's factors.
+
+    Attributes:
+        a_sum: ``(N_i', N_i')`` fp64 sum of ``[a;1][a;1]^T`` over token rows.
+        g_sum: ``(N_o, N_o)`` fp64 sum of ``g g^T`` over token rows.
+        tokens: number of token rows summed (fp64 scalar tensor).
+    """
+
+    a_sum: Tensor
+    g_sum: Tensor
+    tokens: Tensor
+
+    @property
+    def a_cov(self) -> Tensor:
+        """``A = E[a a^T]`` over token rows."""
+        return self.a_sum / self.tokens
+
+    @property
+    def g_cov(self) -> Tensor:
+        """``S = E[g g^T]`` over token rows."""
+        return self.g_sum / self.tokens
+
+
+def _token_rows(
+    grads: TokenFactors, mask: Tensor | None, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(rows, N_i')`` inputs, ``(rows, N_o)`` output grads with padding rows zeroed, count."""
+    a = grads.augmented_a().to(torch.float64)
+    g = grads.g.to(torch.float64) * scale
+    if mask is not None and mask.shape == a.shape[:2]:
+        keep = mask.to(torch.float64).unsqueeze(2)
+        a, g, count = a * keep, g * keep, keep.sum()
+    else:
+        count = torch.tensor(float(a.shape[0] * a.shape[1]), dtype=torch.float64, device=a.device)
+    return a.reshape(-1, a.shape[2]), g.reshape(-1, g.shape[2]), count
+
+
+class CurvatureAccumulator(CaptureConsumer):
+    """Consumer that accumulates :class:`KroneckerFactors` per factorized layer.
+
+    Args:
+        path: the gradient store directory the statistics are saved into.
+        rank: this process's rank (each rank saves its own file; readers sum them).
+    """
+
+    def __init__(self, path: str | Path, rank: int = 0):
+        self.root = Path(path)
+        self.rank = rank
+        self.factors: dict[str, KroneckerFactors] = {}
+
+    def on_attach(self, config: CaptureConfig) -> None:
+        existing = rank_dir(self.root, self.rank) / CURVATURE_FILE
+        if existing.exists():  # a resumed run keeps accumulating
+            self.factors = _read(existing)
+
+    def on_micro_batch(self, record: MicroBatchRecord) -> None:
+        for name, layer in record.layers.items():
+            if not isinstance(layer.grads, TokenFactors):
+                continue
+            a, g, count = _token_rows(layer.grads, record.token_mask, record.loss_scale)
+            stats = self.factors.get(name)
+            if stats is None:
+                stats = KroneckerFactors(
+                    a.new_zeros(a.shape[1], a.shape[1]),
+                    g.new_zeros(g.shape[1], g.shape[1]),
+                    a.new_zeros(()),
+                )
+                self.factors[name] = stats
+            stats.a_sum.addmm_(a.T, a)
+            stats.g_sum.addmm_(g.T, g)
+            stats.tokens += count
+
+    def on_end(self) -> None:
+        self.save()
+
+    def save(self) -> None:
+        """Write the statistics so far (atomically) into the store's rank directory."""
+        directory = rank_dir(self.root, self.rank)
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = {}
+        for name, stats in self.factors.items():
+            tensors[f"{name}::A"] = stats.a_sum.cpu().contiguous()
+            tensors[f"{name}::S"] = stats.g_sum.cpu().contiguous()
+            tensors[f"{name}::tokens"] = stats.tokens.cpu().reshape(1)
+        atomic_write_bytes(directory / CURVATURE_FILE, save(tensors))
+
+
+def _read(path: Path) -> dict[str, KroneckerFactors]:
+    tensors = load_file(path)
+    names = {key.rsplit("::", 1)[0] for key in tensors}
+    return {
+        n: KroneckerFactors(tensors[f"{n}::A"], tensors[f"{n}::S"], tensors[f"{n}::tokens"][0])
+        for n in names
+    }
+
+
+def load_curvature(root: str | Path) -> dict[str, KroneckerFactors]:
+    """The K-FAC statistics of a store, summed over every rank that saved some."""
+    files = sorted(Path(root).glob(f"rank-*/{CURVATURE_FILE}"))
+    if not files:
+        raise StoreError(
+            f"{root} has no K-FAC statistics ({CURVATURE_FILE}); capture with curvature "
+            "enabled (CurvatureAccumulator, `tda capture --curvature`) to use K-FAC/EK-FAC/LoGra"
+        )
+    total: dict[str, KroneckerFactors] = {}
+    for path in files:
+        for name, stats in _read(path).items():
+            if name in total:
+                t = total[name]
+                total[name] = KroneckerFactors(
+                    t.a_sum + stats.a_sum, t.g_sum + stats.g_sum, t.tokens + stats.tokens
+                )
+            else:
+                total[name] = stats
+    return total

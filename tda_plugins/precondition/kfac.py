@@ -1,0 +1,126 @@
+"""K-FAC and EK-FAC preconditioners from the store's inline Kronecker statistics.
+
+K-FAC, per layer with ``A = E[a a^T]``, ``S = E[g g^T]``:
+
+    G_q -> (S + l_S I)^{-1} G_q (A + l_A I)^{-1},   l_X = damping * mean eig(X)
+
+EK-FAC, with eigenbases ``U_A``, ``U_S`` and corrected eigenvalues
+``Lambda = E_n[(U_S^T dW_n U_A)^2]`` over the stored examples (one pass over the store):
+
+    G_q -> U_S [(U_S^T G_q U_A) / (Lambda + l)] U_A^T,      l = damping * mean(Lambda)
+
+Eigendecompositions and the correction are computed in fp64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from tda_plugins.grads.factors import DenseGrad, PerExampleGrad
+from tda_plugins.precondition.base import Preconditioner, register_preconditioner
+from tda_plugins.precondition.curvature import load_curvature
+from tda_plugins.store.layout import StoreError
+from tda_plugins.store.reader import StoreReader
+
+
+@dataclass
+class _Eigen:
+    """Eigendecompositions of one layer's factors: ``A = U_A diag(d_A) U_A^T``, same for S."""
+
+    u_a: Tensor
+    d_a: Tensor
+    u_s: Tensor
+    d_s: Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(N_o, N_i')`` of the layer's gradient."""
+        return self.u_s.shape[0], self.u_a.shape[0]
+
+
+def _eigen(store: StoreReader) -> dict[str, _Eigen]:
+    curvature = load_curvature(store.root)
+    missing = [n for n in store.layer_names if n not in curvature]
+    if missing:
+        raise StoreError(
+            f"no K-FAC statistics for {missing[:3]}{'...' if len(missing) > 3 else ''}: K-FAC "
+            "factors exist only for linear/LoRA layers; capture without embedding and norm "
+            "layers (LayerSelection kind='linear' or 'lora') to use K-FAC, EK-FAC or LoGra"
+        )
+    out = {}
+    for name in store.layer_names:
+        stats = curvature[name]
+        d_a, u_a = torch.linalg.eigh(stats.a_cov.double())
+        d_s, u_s = torch.linalg.eigh(stats.g_cov.double())
+        out[name] = _Eigen(u_a, d_a.clamp_min(0), u_s, d_s.clamp_min(0))
+    return out
+
+
+def _dtype(query: PerExampleGrad) -> torch.dtype:
+    """Preconditioned queries come back in the dtype scores accumulate in (fp32/fp64)."""
+    return query.materialize().dtype
+
+
+def _as_matrices(query: PerExampleGrad, shape: tuple[int, int], layer: str) -> Tensor:
+    values = query.materialize().double()
+    if values.shape[1] != shape[0] * shape[1]:
+        raise StoreError(
+            f"query gradients of {layer} have {values.shape[1]} entries but the store's "
+            f"K-FAC factors describe {shape[0]} x {shape[1]}; capture both with one config"
+        )
+    return values.view(-1, *shape)
+
+
+@register_preconditioner("kfac")
+class KFAC(Preconditioner):
+    """Kronecker-factored damped inverse, each factor damped separately."""
+
+    needs_curvature = True
+
+    def fit(self, store: StoreReader, progress: bool = False) -> None:
+        self.inverses: dict[str, tuple[Tensor, Tensor]] = {}
+        for name, e in _eigen(store).items():
+            self.inverses[name] = (
+                self._damped_inverse(e.u_s, e.d_s),
+                self._damped_inverse(e.u_a, e.d_a),
+            )
+
+    def _damped_inverse(self, u: Tensor, d: Tensor) -> Tensor:
+        damping = self.damping * d.mean().clamp_min(torch.finfo(d.dtype).tiny)
+        return (u / (d + damping)) @ u.T
+
+    def __call__(self, layer: str, query: PerExampleGrad) -> PerExampleGrad:
+        s_inv, a_inv = self.inverses[layer]
+        q = _as_matrices(query, (s_inv.shape[0], a_inv.shape[0]), layer)
+        return DenseGrad((s_inv @ q @ a_inv).flatten(1).to(_dtype(query)))
+
+
+@register_preconditioner("ekfac")
+class EKFAC(Preconditioner):
+    """Eigenvalue-corrected K-FAC: Kronecker eigenbasis, per-entry corrected eigenvalues."""
+
+    needs_curvature = True
+    needs_store_pass = True
+
+    def fit(self, store: StoreReader, progress: bool = False) -> None:
+        self.eigen = _eigen(store)
+        totals = {n: torch.zeros(e.shape, dtype=torch.float64) for n, e in self.eigen.items()}
+        count = 0
+        chunks = store.iter_chunks()
+        for chunk in tqdm(chunks, desc="EK-FAC eigenvalue correction", disable=not progress):
+            for name, e in self.eigen.items():
+                dw = _as_matrices(chunk.layers[name], e.shape, name)
+                totals[name] += (e.u_s.T @ dw @ e.u_a).pow(2).sum(dim=0)
+            count += chunk.size
+        self.eigenvalues = {n: t / count for n, t in totals.items()}
+
+    def __call__(self, layer: str, query: PerExampleGrad) -> PerExampleGrad:
+        e, lam = self.eigen[layer], self.eigenvalues[layer]
+        q = _as_matrices(query, e.shape, layer)
+        damping = self.damping * lam.mean().clamp_min(torch.finfo(lam.dtype).tiny)
+        rotated = (e.u_s.T @ q @ e.u_a) / (lam + damping)
+        return DenseGrad((e.u_s @ rotated @ e.u_a.T).flatten(1).to(_dtype(query)))

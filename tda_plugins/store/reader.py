@@ -1,0 +1,158 @@
+"""Reading a gradient store: a merged view over every rank, streamed in bounded chunks."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from tda_plugins.grads.factors import PerExampleGrad, stack_examples
+from tda_plugins.store.codec import decode
+from tda_plugins.store.io import read_json
+from tda_plugins.store.layout import (
+    EXAMPLES_FILE,
+    INDEX_FILE,
+    StoreError,
+    read_header,
+)
+
+
+@dataclass
+class StoreChunk:
+    """Per-example gradients of a run of consecutive stored examples.
+
+    Attributes:
+        example_ids: ``(N,)`` int64 ids.
+        steps: ``(N,)`` int64 optimizer step each example was captured at.
+        layers: layer name -> per-example gradients (``N`` examples), in store order.
+    """
+
+    example_ids: Tensor
+    steps: Tensor
+    layers: dict[str, PerExampleGrad]
+
+    @property
+    def size(self) -> int:
+        return int(self.example_ids.shape[0])
+
+
+@dataclass(frozen=True)
+class _Shard:
+    path: Path
+    step: int
+    rank: int
+    micro_batch: int
+    size: int
+
+
+class StoreReader:
+    """Read-only, merged view of a store written by one or more ranks.
+
+    Shards are ordered by (step, rank, micro-batch). Reading never loads more than one
+    chunk of ``max_examples`` examples at a time, so stores larger than RAM can be scored.
+    """
+
+    def __init__(self, path: str | Path):
+        self.root = Path(path)
+        self.config, self.metadata = read_header(self.root)
+        self._shards = self._list_shards()
+
+    def _list_shards(self) -> list[_Shard]:
+        shards = []
+        for index in sorted(self.root.glob(f"rank-*/{INDEX_FILE}")):
+            rank = int(index.parent.name.split("-", 1)[1])
+            for entry in read_json(index)["shards"]:
+                shards.append(
+                    _Shard(
+                        index.parent / entry["file"],
+                        int(entry["step"]),
+                        rank,
+                        int(entry["micro_batch"]),
+                        len(entry["example_ids"]),
+                    )
+                )
+        return sorted(shards, key=lambda s: (s.step, s.rank, s.micro_batch))
+
+    @property
+    def layer_names(self) -> list[str]:
+        return list(self.config.layers)
+
+    @property
+    def num_examples(self) -> int:
+        return sum(s.size for s in self._shards)
+
+    @property
+    def steps(self) -> list[int]:
+        """Distinct committed optimizer steps, ascending."""
+        return sorted({s.step for s in self._shards})
+
+    def require_compatible(self, other: StoreReader) -> None:
+        """Raise unless ``other`` was captured with the same layers, projection and loss."""
+        differences = self.config.differences(other.config)
+        if differences:
+            raise StoreError(
+                f"queries in {other.root} do not match the store {self.root}: "
+                f"{'; '.join(differences)}. Capture the queries with the store's options"
+            )
+
+    def texts(self) -> dict[int, str]:
+        """Example id -> text, where the capture saved texts (else empty)."""
+        path = self.root / EXAMPLES_FILE
+        if not path.exists():
+            return {}
+        rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+        return {int(r["id"]): r["text"] for r in rows}
+
+    def _load(self, shard: _Shard, layers: list[str]) -> tuple[Tensor, dict[str, PerExampleGrad]]:
+        with safe_open(shard.path, framework="pt") as f:
+            header = f.metadata()
+            meta: dict[str, Any] = json.loads(header["layers"])
+            aliases: dict[str, str] = json.loads(header["aliases"])
+            grads = {}
+            for name in layers:
+                keys = {field: f"{name}::{field}" for field in meta[name]["fields"]}
+                tensors = {field: f.get_tensor(aliases.get(k, k)) for field, k in keys.items()}
+                grads[name] = decode(meta[name]["kind"], tensors, meta[name]["attrs"])
+            return f.get_tensor("example_ids"), grads
+
+    def iter_chunks(
+        self, max_examples: int = 256, layers: list[str] | None = None
+    ) -> Iterator[StoreChunk]:
+        """Consecutive chunks of at most ``max_examples`` examples (whole micro-batches;
+        a micro-batch larger than the limit is its own chunk)."""
+        if not self._shards:
+            raise StoreError(f"the store {self.root} holds no committed step")
+        layers = list(self.config.layers) if layers is None else layers
+        group: list[_Shard] = []
+        for shard in self._shards:
+            if group and sum(s.size for s in group) + shard.size > max_examples:
+                yield self._chunk(group, layers)
+                group = []
+            group.append(shard)
+        yield self._chunk(group, layers)
+
+    def _chunk(self, shards: list[_Shard], layers: list[str]) -> StoreChunk:
+        ids: list[Tensor] = []
+        steps: list[Tensor] = []
+        per_layer: dict[str, list[PerExampleGrad]] = {name: [] for name in layers}
+        for shard in shards:
+            shard_ids, grads = self._load(shard, layers)
+            ids.append(shard_ids)
+            steps.append(torch.full_like(shard_ids, shard.step))
+            for name in layers:
+                per_layer[name].append(grads[name])
+        return StoreChunk(
+            torch.cat(ids),
+            torch.cat(steps),
+            {name: stack_examples(parts) for name, parts in per_layer.items()},
+        )
+
+    def load_all(self) -> StoreChunk:
+        """Every stored example in one chunk (for query sets, which are small)."""
+        return next(self.iter_chunks(max_examples=max(self.num_examples, 1)))

@@ -1,0 +1,186 @@
+"""GradientStore: the consumer that writes each micro-batch's per-example gradients to disk.
+
+Writes are crash-safe at optimizer-step granularity: each micro-batch goes to its own
+shard file (temp file, fsync, rename), and a step becomes visible only when the rank's
+index is rewritten atomically at the optimizer step. A crash at any moment leaves every
+completed step readable and no partial one visible.
+
+Loss convention: stored gradients are each example's own gradient of its *summed*
+token loss (``record.loss_scale`` converts the trainer's mean loss).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save
+
+from tda_plugins.capture.config import CaptureConfig
+from tda_plugins.capture.consumer import CaptureConsumer
+from tda_plugins.capture.records import MicroBatchRecord
+from tda_plugins.store.codec import compact, encode
+from tda_plugins.store.io import atomic_write_bytes, atomic_write_json, read_json
+from tda_plugins.store.layout import (
+    EXAMPLES_FILE,
+    FORMAT_VERSION,
+    INDEX_FILE,
+    STORE_FILE,
+    StoreError,
+    rank_dir,
+    read_header,
+    shard_name,
+)
+
+
+class GradientStore(CaptureConsumer):
+    """Writes captured per-example gradients to ``path`` (one directory per rank).
+
+    Args:
+        path: store directory; created if missing, appended to if it holds a store with
+            the same format and capture config (a resumed run), refused otherwise.
+        rank: this process's rank; each rank writes its own ``rank-<r>/`` directory.
+        keep_tokens: keep per-token factors even where materialized gradients are
+            smaller (needed for token-level scores); default stores the smaller form.
+        metadata: free-form JSON facts saved with the store (model name, data file...).
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        rank: int = 0,
+        keep_tokens: bool = False,
+        metadata: dict[str, Any] | None = None,
+    ):
+        self.root = Path(path)
+        self.rank = rank
+        self.keep_tokens = keep_tokens
+        self.metadata = dict(metadata or {})
+        self._dir = rank_dir(self.root, rank)
+        self._shards: list[dict[str, Any]] = []
+        self._pending: list[dict[str, Any]] = []
+        self.config: CaptureConfig | None = None
+
+    # -- consumer events ---------------------------------------------------------------
+
+    def on_attach(self, config: CaptureConfig) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        if (self.root / STORE_FILE).exists():
+            existing, _ = read_header(self.root)
+            differences = existing.differences(config)
+            if differences:
+                raise StoreError(
+                    f"{self.root} holds a store captured with another config: "
+                    f"{'; '.join(differences)}; write to a new directory"
+                )
+        else:
+            header = {
+                "format_version": FORMAT_VERSION,
+                "config": config.to_json(),
+                "metadata": {**self.metadata, "keep_tokens": self.keep_tokens},
+            }
+            atomic_write_json(self.root / STORE_FILE, header)
+        self.config = config
+        self._dir.mkdir(exist_ok=True)
+        self._shards = self._read_index()
+        self._remove_uncommitted()
+
+    def on_micro_batch(self, record: MicroBatchRecord) -> None:
+        cpu = record.to("cpu", non_blocking=False)
+        tensors = {"example_ids": cpu.example_ids.contiguous()}
+        layers: dict[str, Any] = {}
+        # Layers fed by one tensor (q/k/v projections) share their input factor: it is
+        # written once and the other keys point at it.
+        written: dict[tuple[int, tuple[int, ...], torch.dtype], str] = {}
+        aliases: dict[str, str] = {}
+        for name, layer in cpu.layers.items():
+            grads = compact(layer.grads.scaled(cpu.loss_scale), self.keep_tokens)
+            kind, parts, attrs = encode(grads)
+            for field, tensor in parts.items():
+                if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                    raise StoreError(
+                        f"non-finite gradients (NaN/inf) in layer {name!r} at step "
+                        f"{record.step}; the step is not written and earlier steps are intact. "
+                        "Lower the learning rate or enable gradient clipping/loss scaling"
+                    )
+                key = f"{name}::{field}"
+                identity = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
+                if identity in written:
+                    aliases[key] = written[identity]
+                else:
+                    written[identity] = key
+                    tensors[key] = tensor.contiguous()
+            layers[name] = {"kind": kind, "attrs": attrs, "fields": list(parts)}
+        name = shard_name(record.step, record.index)
+        metadata = {"layers": json.dumps(layers), "aliases": json.dumps(aliases)}
+        data = save(tensors, metadata=metadata)
+        atomic_write_bytes(self._dir / name, data)
+        self._pending.append(
+            {
+                "file": name,
+                "step": record.step,
+                "micro_batch": record.index,
+                "example_ids": cpu.example_ids.tolist(),
+            }
+        )
+
+    def on_optimizer_step(self, step: int, records: list[MicroBatchRecord]) -> None:
+        self.commit()
+
+    def on_end(self) -> None:
+        self.commit()
+
+    # -- store operations --------------------------------------------------------------
+
+    def commit(self) -> None:
+        """Make every written micro-batch part of the store (one atomic index write)."""
+        if not self._pending:
+            return
+        self._shards.extend(self._pending)
+        self._pending = []
+        self._write_index()
+
+    def truncate(self, from_step: int) -> None:
+        """Drop every committed step ``>= from_step`` (resuming from an earlier checkpoint)."""
+        kept = [s for s in self._shards if s["step"] < from_step]
+        dropped = [s for s in self._shards if s["step"] >= from_step]
+        self._shards = kept
+        self._write_index()
+        for shard in dropped:
+            (self._dir / shard["file"]).unlink(missing_ok=True)
+
+    @property
+    def committed_steps(self) -> list[int]:
+        """Distinct optimizer steps whose shards are committed, ascending."""
+        return sorted({s["step"] for s in self._shards})
+
+    def write_examples(self, texts: dict[int, str]) -> None:
+        """Save example texts (id -> text) for reports, merged with any already saved."""
+        path = self.root / EXAMPLES_FILE
+        known: dict[int, str] = {}
+        if path.exists():
+            for line in path.read_text().splitlines():
+                row = json.loads(line)
+                known[int(row["id"])] = row["text"]
+        known.update(texts)
+        lines = [json.dumps({"id": i, "text": t}) for i, t in sorted(known.items())]
+        atomic_write_bytes(path, ("\n".join(lines) + "\n").encode())
+
+    # -- index -----------------------------------------------------------------------
+
+    def _read_index(self) -> list[dict[str, Any]]:
+        path = self._dir / INDEX_FILE
+        return list(read_json(path)["shards"]) if path.exists() else []
+
+    def _write_index(self) -> None:
+        atomic_write_json(self._dir / INDEX_FILE, {"shards": self._shards})
+
+    def _remove_uncommitted(self) -> None:
+        listed = {s["file"] for s in self._shards}
+        for path in self._dir.iterdir():
+            unlisted_shard = path.name.startswith("s") and path.suffix == ".safetensors"
+            half_written = path.name.startswith(".") and ".tmp-" in path.name
+            if (unlisted_shard and path.name not in listed) or half_written:
+                path.unlink()
