@@ -49,7 +49,7 @@ def per_example_gradients(
     """Exact per-example gradients of ``batch`` for every captured parameter.
 
     Args:
-        model: the model (left unchanged: ``.grad`` is not touched).
+        model: the model; its ``.grad`` is set aside during the backward and restored.
         batch: keyword inputs of ``model``; for ``loss_fn=None``, a transformers causal LM
             batch with ``input_ids``, optional ``attention_mask`` and ``labels``.
         loss_fn: ``loss_fn(model, batch) -> (B,)`` per-example losses. Default: each
@@ -64,15 +64,25 @@ def per_example_gradients(
     loss_fn = loss_fn or _default_loss
     collector = RecordCollector()
     trainable = [p for p in model.parameters() if p.requires_grad]
-    with CaptureEngine(model, layers=layers, consumers=[collector]) as engine:
-        with torch.enable_grad():
-            losses = loss_fn(model, batch)
-            if losses.dim() != 1:
-                raise ValueError(
-                    f"loss_fn must return (B,) per-example losses, got shape {tuple(losses.shape)}"
-                )
-            torch.autograd.grad(losses.sum(), trainable, allow_unused=True)
-        engine.flush()
+    # A real backward (reentrant checkpointing cannot run under autograd.grad), with the
+    # caller's .grad set aside and put back afterwards.
+    saved = [p.grad for p in trainable]
+    try:
+        for p in trainable:
+            p.grad = None
+        with CaptureEngine(model, layers=layers, consumers=[collector]) as engine:
+            with torch.enable_grad():
+                losses = loss_fn(model, batch)
+                if losses.dim() != 1:
+                    raise ValueError(
+                        "loss_fn must return (B,) per-example losses, got shape "
+                        f"{tuple(losses.shape)}"
+                    )
+                losses.sum().backward()
+            engine.flush()
+    finally:
+        for p, g in zip(trainable, saved, strict=True):
+            p.grad = g
     canonical = {id(p): n for n, p in model.named_parameters()}
     by_module = dict(model.named_parameters(remove_duplicate=False))
     out: dict[str, Tensor] = {}

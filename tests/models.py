@@ -100,7 +100,13 @@ def lm_batch(
     left_pad: bool = False,
     seed: int = 0,
 ) -> dict[str, torch.Tensor]:
-    """Random token batch; ``lengths`` pads examples (right, or left) with mask 0, label -100."""
+    """Random token batch; ``lengths`` pads examples (right, or left) with mask 0, label -100.
+
+    With left padding the last pad position would predict the first real token, a loss term
+    the unpadded example does not have, so that label is -100 as well; and ``position_ids``
+    count real tokens only (as ``generate`` does), so that absolute position embeddings
+    (GPT-2) see the same positions as for the unpadded example.
+    """
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, VOCAB, (batch, length), generator=gen)
     mask = torch.ones_like(ids)
@@ -110,4 +116,10 @@ def lm_batch(
         else:
             mask[i, n:] = 0
     ids = ids.masked_fill(mask == 0, 0)
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    labels = ids.masked_fill(mask == 0, -100)
+    out = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    if left_pad:
+        positions = mask.cumsum(dim=1) - 1
+        out["labels"] = labels.masked_fill(positions <= 0, -100)
+        out["position_ids"] = positions.clamp_min(0)
+    return out

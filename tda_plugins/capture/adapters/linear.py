@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from tda_plugins.capture.adapters.base import LayerAdapter, register_adapter
-from tda_plugins.grads.factors import PerExampleGrad, TokenFactors
+from tda_plugins.grads.factors import DenseGrad, PerExampleGrad, TokenFactors, accumulation_dtype
 
 
 def trainable(module: nn.Module, names: tuple[str, ...]) -> dict[str, nn.Parameter]:
@@ -22,23 +22,31 @@ def as_tokens(t: Tensor) -> Tensor:
 
 @register_adapter(nn.Linear)
 class LinearAdapter(LayerAdapter):
-    """Weight ``(N_o, N_i)``; the materialized gradient is ``(N_o, N_i [+1 for bias])``."""
+    """Weight ``(N_o, N_i)``; the materialized gradient is ``(N_o, N_i [+1 for bias])``.
+
+    A layer whose weight is frozen but whose bias trains (BitFit) is captured as the
+    materialized ``(B, N_o)`` bias gradient ``sum_t g_it``.
+    """
 
     family = "linear"
 
     def captured_parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
-        params = trainable(module, ("weight", "bias"))
-        return params if "weight" in params else {}
+        return trainable(module, ("weight", "bias"))
 
     def capture(self, module: nn.Module, x: Tensor, grad_output: Tensor) -> PerExampleGrad:
-        has_bias = "bias" in self.captured_parameters(module)
-        return TokenFactors(as_tokens(x.detach()), as_tokens(grad_output), bias=has_bias)
+        params = self.captured_parameters(module)
+        g = as_tokens(grad_output)
+        if "weight" not in params:
+            return DenseGrad(g.to(accumulation_dtype(g)).sum(dim=1))
+        return TokenFactors(as_tokens(x.detach()), g, bias="bias" in params)
 
     def weight_layout(self, t: Tensor) -> Tensor:
         """``(..., N_o, N_i)`` <-> the weight's own layout (an involution)."""
         return t
 
     def param_grads(self, module: nn.Module, grads: PerExampleGrad) -> dict[str, Tensor]:
+        if "weight" not in self.captured_parameters(module):
+            return {"bias": grads.materialize()}
         if not isinstance(grads, TokenFactors):
             raise TypeError(
                 f"{type(grads).__name__} cannot be split into parameters: it was projected; "
@@ -52,7 +60,10 @@ class LinearAdapter(LayerAdapter):
         return out
 
     def flatten(self, module: nn.Module, values: dict[str, Tensor]) -> Tensor:
+        params = self.captured_parameters(module)
+        if "weight" not in params:
+            return values["bias"].flatten()
         weight = self.weight_layout(values["weight"])
-        if "bias" in self.captured_parameters(module):
+        if "bias" in params:
             weight = torch.cat([weight, values["bias"].unsqueeze(1)], dim=1)
         return weight.flatten()

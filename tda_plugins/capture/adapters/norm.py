@@ -20,13 +20,12 @@ from tda_plugins.grads.factors import DenseGrad, PerExampleGrad, accumulation_dt
 
 @register_adapter(nn.LayerNorm, nn.RMSNorm, suffixes=("RMSNorm",))
 class NormAdapter(LayerAdapter):
-    """Flattened per-example gradient: ``[weight (numel), bias (numel, if trainable)]``."""
+    """Flattened per-example gradient: ``[weight, bias]``, each where trainable."""
 
     family = "norm"
 
     def captured_parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
-        params = trainable(module, ("weight", "bias"))
-        return params if "weight" in params else {}
+        return trainable(module, ("weight", "bias"))
 
     def _normalized(self, module: nn.Module, x: Tensor) -> Tensor:
         params = dict(module.named_parameters(recurse=False))
@@ -39,9 +38,11 @@ class NormAdapter(LayerAdapter):
         acc = accumulation_dtype(grad_output)
         g = grad_output.to(acc)
         params = self.captured_parameters(module)
-        n = params["weight"].numel()
-        batch = x.shape[0]
-        parts = [(self._normalized(module, x.detach()).to(acc) * g).reshape(batch, -1, n).sum(1)]
+        batch, n = x.shape[0], next(iter(params.values())).numel()
+        parts = []
+        if "weight" in params:
+            xhat = self._normalized(module, x.detach()).to(acc)
+            parts.append((xhat * g).reshape(batch, -1, n).sum(1))
         if "bias" in params:
             parts.append(g.reshape(batch, -1, n).sum(1))
         return DenseGrad(torch.cat(parts, dim=1))

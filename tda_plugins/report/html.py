@@ -1,0 +1,76 @@
+"""A self-contained HTML page: each query with its most helpful and most harmful examples."""
+
+from __future__ import annotations
+
+from html import escape
+from pathlib import Path
+
+from tda_plugins.methods.scores import Scores
+from tda_plugins.store.io import atomic_write_bytes
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2rem; max-width: 70rem; }
+.query { border-top: 2px solid #444; margin-top: 2rem; padding-top: 1rem; }
+table { border-collapse: collapse; width: 100%; margin: .5rem 0 1rem; }
+td, th { border-bottom: 1px solid #ddd; padding: .3rem .5rem; vertical-align: top; }
+td.score { text-align: right; font-family: monospace; white-space: nowrap; }
+td.id { font-family: monospace; color: #555; }
+pre { white-space: pre-wrap; margin: 0; font-size: .85rem; }
+.helpful td.score { color: #1a7f37; } .harmful td.score { color: #cf222e; }
+"""
+
+
+def _text(texts: dict[int, str], example_id: int, limit: int = 600) -> str:
+    text = texts.get(example_id)
+    if text is None:
+        return "<em>(text not stored)</em>"
+    short = text if len(text) <= limit else text[:limit] + " ..."
+    return f"<pre>{escape(short)}</pre>"
+
+
+def _table(kind: str, rows: list[dict], texts: dict[int, str]) -> str:
+    body = "".join(
+        f"<tr><td class='id'>{r['id']}</td><td class='score'>{r['score']:+.4g}</td>"
+        f"<td>{_text(texts, r['id'])}</td></tr>"
+        for r in rows
+    )
+    return (
+        f"<h3>Most {kind}</h3><table class='{kind}'><tr><th>train id</th><th>score</th>"
+        f"<th>text</th></tr>{body}</table>"
+    )
+
+
+def render_html(
+    scores: Scores, train_texts: dict[int, str], query_texts: dict[int, str], k: int = 10
+) -> str:
+    """The report page as a string (texts are escaped; missing texts are marked)."""
+    sections = []
+    for entry in scores.top_k(k):
+        qid = entry["query_id"]
+        sections.append(
+            f"<div class='query'><h2>Query {qid}</h2>{_text(query_texts, qid, 2000)}"
+            f"{_table('helpful', entry['helpful'], train_texts)}"
+            f"{_table('harmful', entry['harmful'], train_texts)}</div>"
+        )
+    n, m = scores.values.shape
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>tda-plugins report</title>"
+        f"<style>{_STYLE}</style></head><body><h1>Training-data attribution</h1>"
+        f"<p>Method <b>{escape(scores.method)}</b>: {n} training examples, {m} queries. "
+        f"Positive scores lower the query's loss (helpful); negative raise it (harmful).</p>"
+        f"{''.join(sections)}</body></html>"
+    )
+
+
+def write_html(
+    path: str | Path,
+    scores: Scores,
+    train_texts: dict[int, str],
+    query_texts: dict[int, str],
+    k: int = 10,
+) -> Path:
+    """Write :func:`render_html` to ``path`` atomically; returns the path."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out, render_html(scores, train_texts, query_texts, k).encode())
+    return out
