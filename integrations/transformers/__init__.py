@@ -1,0 +1,1 @@
+"""Hugging Face transformers / TRL integration: data loading for the CLI, trainer callbacks."""

@@ -1,0 +1,109 @@
+"""JSONL examples -> padded causal-LM batches, for `tda capture`.
+
+Each line is one example, in one of these forms (an optional integer ``"id"`` becomes its
+example id; without it the engine hashes the unpadded token ids):
+
+* ``{"text": "..."}`` -- loss on every token;
+* ``{"prompt": "...", "completion": "..."}`` -- loss on the completion tokens only;
+* ``{"messages": [{"role": ..., "content": ...}, ...]}`` -- the tokenizer's chat template,
+  loss on every token;
+* ``{"input_ids": [...], "labels": [...]?}`` -- already tokenized (no tokenizer needed).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Example:
+    """One tokenized example: ``input_ids`` and ``labels`` (-100 = no loss) of equal length."""
+
+    input_ids: list[int]
+    labels: list[int]
+    text: str
+    example_id: int | None
+
+
+def _tokenize(row: dict[str, Any], tokenizer: Any, max_length: int, line: int) -> Example:
+    example_id = int(row["id"]) if "id" in row else None
+    if "input_ids" in row:
+        ids = [int(t) for t in row["input_ids"]][:max_length]
+        labels = [int(t) for t in row.get("labels", ids)][:max_length]
+        text = tokenizer.decode(ids) if tokenizer is not None else " ".join(map(str, ids))
+        return Example(ids, labels, text, example_id)
+    if tokenizer is None:
+        raise ValueError(
+            f"line {line}: text examples need a tokenizer; save one in the model directory "
+            "or give pre-tokenized input_ids"
+        )
+    if "text" in row:
+        ids = tokenizer(row["text"], truncation=True, max_length=max_length)["input_ids"]
+        return Example(ids, list(ids), row["text"], example_id)
+    if "prompt" in row and "completion" in row:
+        prompt = tokenizer(row["prompt"])["input_ids"]
+        completion = tokenizer(row["completion"], add_special_tokens=False)["input_ids"]
+        ids = (prompt + completion)[:max_length]
+        labels = ([-100] * len(prompt) + completion)[:max_length]
+        return Example(ids, labels, row["prompt"] + row["completion"], example_id)
+    if "messages" in row:
+        ids = tokenizer.apply_chat_template(row["messages"], tokenize=True)[:max_length]
+        text = "\n".join(f"{m['role']}: {m['content']}" for m in row["messages"])
+        return Example(list(ids), list(ids), text, example_id)
+    raise ValueError(
+        f"line {line}: an example needs 'text', 'prompt'+'completion', 'messages' or "
+        f"'input_ids'; got keys {sorted(row)}"
+    )
+
+
+def read_examples(path: str | Path, tokenizer: Any, max_length: int) -> list[Example]:
+    """Parse and tokenize a JSONL file; errors name the line."""
+    source = Path(path)
+    if not source.exists():
+        raise FileNotFoundError(f"no data file at {source}")
+    examples = []
+    for number, raw in enumerate(source.read_text().splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{source}:{number}: not valid JSON ({exc.msg})") from exc
+        example = _tokenize(row, tokenizer, max_length, number)
+        if len(example.input_ids) < 2:
+            raise ValueError(f"{source}:{number}: needs at least 2 tokens to have a loss")
+        examples.append(example)
+    if not examples:
+        raise ValueError(f"{source} holds no example")
+    return examples
+
+
+def batches(
+    examples: list[Example], batch_size: int, pad_id: int
+) -> Iterator[tuple[dict[str, Tensor], Tensor | None, list[Example]]]:
+    """Right-padded batches: (model inputs with labels, explicit ids or None, examples)."""
+    for start in range(0, len(examples), batch_size):
+        group = examples[start : start + batch_size]
+        length = max(len(e.input_ids) for e in group)
+        ids = torch.full((len(group), length), pad_id, dtype=torch.long)
+        labels = torch.full((len(group), length), -100, dtype=torch.long)
+        mask = torch.zeros((len(group), length), dtype=torch.long)
+        for row, e in enumerate(group):
+            n = len(e.input_ids)
+            ids[row, :n] = torch.tensor(e.input_ids)
+            labels[row, :n] = torch.tensor(e.labels)
+            mask[row, :n] = 1
+        explicit = [e.example_id for e in group]
+        given = None
+        if all(i is not None for i in explicit):
+            given = torch.tensor(explicit, dtype=torch.long)
+        elif any(i is not None for i in explicit):
+            raise ValueError("either every example has an 'id' or none does")
+        yield {"input_ids": ids, "attention_mask": mask, "labels": labels}, given, group
