@@ -170,7 +170,8 @@ def _load_model(directory: str, dtype: torch.dtype, device: str) -> tuple[Any, A
     path = Path(directory)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"no transformers model at {path} (missing config.json)")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = model.to(torch.device(device)).eval()
     has_tokenizer = any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
     tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
     return model, tokenizer
