@@ -87,8 +87,7 @@ class AttributionMethod(ABC):
         with tqdm(total=total, desc=f"{self.name} scores", disable=not progress) as bar:
             for chunk in chunks:
                 t_layers = {n: self.train_side(n, g) for n, g in chunk.layers.items()}
-                block = sum(cross_gram(t_layers[n], q_layers[n]) for n in q_layers)
-                assert isinstance(block, Tensor)
+                block = _layer_sum([cross_gram(t_layers[n], q_layers[n]) for n in q_layers])
                 if q_norms is not None:
                     block = block / torch.outer(_norms(t_layers), q_norms)
                 ids.append(chunk.example_ids)
@@ -115,8 +114,7 @@ class AttributionMethod(ABC):
                 continue
             index = torch.tensor(rows)
             t_layers = {n: self.train_side(n, _rows(g, index)) for n, g in chunk.layers.items()}
-            per_token = sum(per_token_scores(t_layers[n], q_layers[n]) for n in q_layers)
-            assert isinstance(per_token, Tensor)
+            per_token = _layer_sum([per_token_scores(t_layers[n], q_layers[n]) for n in q_layers])
             if q_norms is not None:
                 scale = torch.outer(_norms(t_layers), q_norms)
                 per_token = per_token / scale.unsqueeze(2)
@@ -126,6 +124,14 @@ class AttributionMethod(ABC):
         if missing:
             raise StoreError(f"train ids {sorted(missing)[:5]} are not in the store {store.root}")
         return out
+
+
+def _layer_sum(parts: list[Tensor]) -> Tensor:
+    """Sum of per-layer contributions of one shape (layers may differ in dtype)."""
+    dtype = parts[0].dtype
+    for p in parts[1:]:
+        dtype = torch.promote_types(dtype, p.dtype)
+    return torch.stack([p.to(dtype) for p in parts]).sum(dim=0)
 
 
 def _rows(grads: PerExampleGrad, index: Tensor) -> PerExampleGrad:
@@ -141,7 +147,5 @@ def _load_queries(queries: StoreReader) -> StoreChunk:
 
 def _norms(layers: dict[str, PerExampleGrad]) -> Tensor:
     """``(B,)`` norms over all layers together (zero norms become 1: score 0, not NaN)."""
-    total = sum(sq_norms(g) for g in layers.values())
-    assert isinstance(total, Tensor)
-    norms = total.sqrt()
+    norms = _layer_sum([sq_norms(g) for g in layers.values()]).sqrt()
     return torch.where(norms > 0, norms, torch.ones_like(norms))
