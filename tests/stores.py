@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -32,6 +33,17 @@ def label_tokens(batch: Mapping[str, Tensor]) -> int:
     return int((batch["labels"][:, 1:] != -100).sum())
 
 
+class ManualScale:
+    """A loss normalization whose factor the test sets before each forward call."""
+
+    def __init__(self) -> None:
+        self.value = 1.0
+
+    def observe(self, kwargs: dict[str, Any], output: Any) -> Callable[[], float]:
+        value = self.value
+        return lambda: value
+
+
 def capture_store(
     model: nn.Module,
     batches: Iterable[Mapping[str, Tensor]],
@@ -53,10 +65,11 @@ def capture_store(
     consumers: list[CaptureConsumer] = [GradientStore(path, rank=rank, keep_tokens=keep_tokens)]
     if curvature:
         consumers.append(CurvatureAccumulator(path, rank=rank))
-    with CaptureEngine(model, layers, projection, consumers) as engine:
+    normalization = ManualScale()
+    with CaptureEngine(model, layers, projection, consumers, normalization) as engine:
         for batch in batches:
             scale = label_tokens(batch) if mean_loss else 1
-            engine.set_loss_scale(scale)
+            normalization.value = scale
             (loss_fn(model, batch) / scale).backward()
             engine.optimizer_step()
         engine.end()

@@ -33,6 +33,7 @@ from tda_plugins.capture.adapters import LayerAdapter
 from tda_plugins.capture.config import CaptureConfig
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.identity import content_hash
+from tda_plugins.capture.normalization import LossNormalization, LossScale, SummedLoss
 from tda_plugins.capture.records import LayerRecord, MicroBatchRecord
 from tda_plugins.capture.selection import LayerSelection
 from tda_plugins.grads.factors import PerExampleGrad
@@ -42,10 +43,10 @@ from tda_plugins.grads.projection import ProjectionConfig, Projector
 class _PendingBatch:
     """Gradients delivered so far for one forward call of the root module."""
 
-    def __init__(self, example_ids: Tensor, token_mask: Tensor | None, loss_scale: float):
+    def __init__(self, example_ids: Tensor, token_mask: Tensor | None):
         self.example_ids = example_ids
         self.token_mask = token_mask
-        self.loss_scale = loss_scale
+        self.loss_scale: LossScale = SummedLoss().observe({}, None)
         self.grads: dict[str, PerExampleGrad] = {}
 
     def add(self, name: str, grads: PerExampleGrad) -> None:
@@ -74,6 +75,9 @@ class CaptureEngine:
         layers: which layers to capture (default: LoRA adapters if present, else linear).
         projection: project gradients inside the hook (default: keep them exact).
         consumers: receive each finished micro-batch (see :class:`CaptureConsumer`).
+        normalization: how the training loop normalizes its loss, so that each record's
+            ``loss_scale`` converts it to per-example summed losses (default: the loss
+            backpropagated is already that sum).
 
     Use as a context manager, or call :meth:`attach` / :meth:`detach`. Call
     :meth:`optimizer_step` at each optimizer step so consumers see step boundaries, and
@@ -88,6 +92,7 @@ class CaptureEngine:
         layers: LayerSelection | None = None,
         projection: ProjectionConfig | None = None,
         consumers: Iterable[CaptureConsumer] = (),
+        normalization: LossNormalization | None = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"CaptureEngine needs an nn.Module, got {type(model).__name__}")
@@ -95,13 +100,13 @@ class CaptureEngine:
         self.selection = layers if layers is not None else LayerSelection()
         self.projector = Projector(projection) if projection is not None else None
         self._consumers = list(consumers)
+        self.normalization: LossNormalization = normalization or SummedLoss()
         self._layers: dict[str, tuple[nn.Module, LayerAdapter]] = {}
         self._handles: list[RemovableHandle] = []
         self._pending: _PendingBatch | None = None
         self._unfinished: list[_PendingBatch] = []
         self._step_records: list[MicroBatchRecord] = []
         self._explicit_ids: Tensor | None = None
-        self._loss_scale = 1.0
         self._finish_queued = False
         self._micro_batches = 0
         self._step = 0
@@ -149,7 +154,9 @@ class CaptureEngine:
         self._handles.append(
             self.model.register_forward_pre_hook(self._on_root_forward, with_kwargs=True)
         )
-        self._handles.append(self.model.register_forward_hook(self._on_root_output))
+        self._handles.append(
+            self.model.register_forward_hook(self._on_root_output, with_kwargs=True)
+        )
         for name, (module, adapter) in self._layers.items():
             hook = partial(self._on_layer_forward, name, adapter)
             self._handles.append(module.register_forward_hook(hook))
@@ -185,14 +192,6 @@ class CaptureEngine:
         if not isinstance(ids, Tensor) or ids.dim() != 1 or ids.is_floating_point():
             raise ValueError("example ids must be a 1-D integer tensor with one id per example")
         self._explicit_ids = ids
-
-    def set_loss_scale(self, scale: float) -> None:
-        """Factor from the backpropagated loss to the per-example loss convention, for the
-        next root forward call and the ones after it (e.g. the number of label tokens a
-        mean loss divided by). Stored with each record; the engine never applies it."""
-        if not scale > 0:
-            raise ValueError(f"loss scale must be positive, got {scale}")
-        self._loss_scale = float(scale)
 
     def flush(self) -> None:
         """Finish every micro-batch whose gradients have arrived (normally automatic)."""
@@ -239,12 +238,13 @@ class CaptureEngine:
                 )
             same_shape = token_mask is not None and token_mask.shape == input_ids.shape
             ids = content_hash(input_ids, token_mask if same_shape else None)
-        self._pending = _PendingBatch(ids, token_mask, self._loss_scale)
+        self._pending = _PendingBatch(ids, token_mask)
 
-    def _on_root_output(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def _on_root_output(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         batch = self._pending
         if batch is None or not torch.is_grad_enabled():
             return
+        batch.loss_scale = self.normalization.observe(kwargs, output)
         for tensor in _output_tensors(output):
             tensor.register_hook(partial(self._on_root_grad, batch))
 
@@ -317,7 +317,7 @@ class CaptureEngine:
                 if name in grads
             },
             projected=self.projector is not None,
-            loss_scale=batch.loss_scale,
+            loss_scale=batch.loss_scale(),
         )
         self._micro_batches += 1
         for consumer in self._consumers:

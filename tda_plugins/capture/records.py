@@ -63,7 +63,7 @@ class MicroBatchRecord:
     token_mask: Tensor | None
     layers: dict[str, LayerRecord] = field(default_factory=dict)
     projected: bool = False
-    loss_scale: float = 1.0
+    loss_scale: float | Tensor = 1.0
 
     @property
     def batch_size(self) -> int:
@@ -85,7 +85,9 @@ class MicroBatchRecord:
                 for n, r in self.layers.items()
             },
             projected=self.projected,
-            loss_scale=self.loss_scale,
+            loss_scale=move(self.loss_scale)
+            if isinstance(self.loss_scale, Tensor)
+            else self.loss_scale,
         )
 
     def param_grads(self) -> dict[str, Tensor]:

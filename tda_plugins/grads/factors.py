@@ -82,7 +82,7 @@ class PerExampleGrad(ABC):
         """Apply ``fn`` to every tensor (device moves, detaching)."""
 
     @abstractmethod
-    def scaled(self, factor: float) -> Self:
+    def scaled(self, factor: float | Tensor) -> Self:
         """``factor`` times the per-example gradients."""
 
     @classmethod
@@ -286,7 +286,7 @@ class TokenFactors(PerTokenGrad):
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> TokenFactors:
         return TokenFactors(fn(self.a), fn(self.g), self.bias)
 
-    def scaled(self, factor: float) -> TokenFactors:
+    def scaled(self, factor: float | Tensor) -> TokenFactors:
         return TokenFactors(self.a, self.g * factor, self.bias)
 
     @classmethod
@@ -385,7 +385,7 @@ class EmbeddingFactors(PerTokenGrad):
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> EmbeddingFactors:
         return EmbeddingFactors(fn(self.ids), fn(self.g), self.num_embeddings)
 
-    def scaled(self, factor: float) -> EmbeddingFactors:
+    def scaled(self, factor: float | Tensor) -> EmbeddingFactors:
         return EmbeddingFactors(self.ids, self.g * factor, self.num_embeddings)
 
     @classmethod
@@ -463,7 +463,7 @@ class DenseGrad(PerExampleGrad):
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> DenseGrad:
         return DenseGrad(fn(self.values))
 
-    def scaled(self, factor: float) -> DenseGrad:
+    def scaled(self, factor: float | Tensor) -> DenseGrad:
         return DenseGrad(self.values * factor)
 
     @classmethod

@@ -57,7 +57,7 @@ class KroneckerFactors:
 
 
 def _token_rows(
-    grads: TokenFactors, mask: Tensor | None, scale: float
+    grads: TokenFactors, mask: Tensor | None, scale: float | Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(rows, N_i')`` inputs, ``(rows, N_o)`` output grads with padding rows zeroed, count."""
     a = grads.augmented_a().to(torch.float64)
