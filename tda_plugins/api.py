@@ -23,8 +23,9 @@ def causal_lm_example_losses(logits: Tensor, labels: Tensor) -> Tensor:
     Each example's loss is the *sum* over its predicted tokens, not the mean.
     """
     shifted = labels[:, 1:]
+    dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16 -> fp32, fp64 stays
     per_token = F.cross_entropy(
-        logits[:, :-1].transpose(1, 2).float(), shifted, ignore_index=-100, reduction="none"
+        logits[:, :-1].transpose(1, 2).to(dtype), shifted, ignore_index=-100, reduction="none"
     )
     return per_token.sum(dim=1)
 

@@ -59,11 +59,16 @@ class KroneckerFactors:
 def _token_rows(
     grads: TokenFactors, mask: Tensor | None, scale: float | Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(rows, N_i')`` inputs, ``(rows, N_o)`` output grads with padding rows zeroed, count."""
+    """``(rows, N_i')`` inputs, ``(rows, N_o)`` output grads with padding rows zeroed, count.
+
+    A module called ``k`` times on the sequence holds ``k T`` token rows (the calls are
+    concatenated), so the ``(B, T)`` mask is tiled ``k`` times; rows of calls on other
+    lengths cannot be matched to tokens and all count.
+    """
     a = grads.augmented_a().to(torch.float64)
     g = grads.g.to(torch.float64) * scale
-    if mask is not None and mask.shape == a.shape[:2]:
-        keep = mask.to(torch.float64).unsqueeze(2)
+    if mask is not None and mask.shape[0] == a.shape[0] and a.shape[1] % mask.shape[1] == 0:
+        keep = mask.to(torch.float64).repeat(1, a.shape[1] // mask.shape[1]).unsqueeze(2)
         a, g, count = a * keep, g * keep, keep.sum()
     else:
         count = torch.tensor(float(a.shape[0] * a.shape[1]), dtype=torch.float64, device=a.device)

@@ -1,0 +1,492 @@
+"""K-FAC, EK-FAC and LoGra agree with their closed-form, dense definitions.
+
+Every reference here is built without the code under test: Kronecker factors from the
+layer inputs and output gradients of an ordinary autograd pass, per-example gradients
+from one backward per unpadded example, and preconditioning as a dense solve against the
+full damped Kronecker (or eigen-corrected) curvature matrix (DESIGN.md section 3).
+
+Row-major ``vec`` throughout: a layer's ``(N_o, N_i')`` gradient ``G`` flattens to
+``vec(G)``, and then ``vec(S G A) = (S kron A) vec(G)`` for symmetric ``A``, and
+``(U_S kron U_A)^T vec(G) = vec(U_S^T G U_A)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers.modeling_outputs import CausalLMOutput
+
+from tda_plugins import LayerSelection, ProjectionConfig
+from tda_plugins.capture import content_hash
+from tda_plugins.grads.projection import Projector
+from tda_plugins.methods import method_by_name
+from tda_plugins.precondition import EKFAC, PRECONDITIONERS, KroneckerFactors, load_curvature
+from tda_plugins.store import StoreError, StoreReader
+from tests.models import lm_batch, tiny_causal_lm
+from tests.stores import LossFn, capture_store, summed_loss
+
+# fp64 end to end (fp64 loss included): only summation order differs from the references.
+TOL = 1e-10
+# Scores come back in fp32 (unit roundoff 6e-8), and the Llama stores' loss
+# (causal_lm_example_losses) runs the cross-entropy in fp32 even for fp64 logits.
+SCORE_TOL = 1e-6
+DAMPING = 0.1
+TOY_VOCAB = 8
+TOY_LAYERS = ["fc1", "fc2"]
+LOGRA = ProjectionConfig(kind="factor", k_a=4, k_g=4)
+
+
+# -- models, batches, losses -------------------------------------------------------------
+
+
+class ToyLM(nn.Module):
+    """Embedding -> LayerNorm -> Linear(4, 5, bias) -> tanh -> Linear(5, V, no bias).
+
+    Each position is computed on its own, so padding changes nothing at real tokens;
+    padding rows still carry non-zero layer inputs, which K-FAC must leave out.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(TOY_VOCAB, 4)
+        self.norm = nn.LayerNorm(4)
+        self.fc1 = nn.Linear(4, 5)
+        self.fc2 = nn.Linear(5, TOY_VOCAB, bias=False)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> CausalLMOutput:
+        hidden = torch.tanh(self.fc1(self.norm(self.emb(input_ids))))
+        return CausalLMOutput(logits=self.fc2(hidden))
+
+
+class SharedLayerLM(ToyLM):
+    """:class:`ToyLM` with one more ``Linear(5, 5)`` called twice after ``fc1``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(5, 5)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> CausalLMOutput:
+        hidden = torch.tanh(self.fc1(self.norm(self.emb(input_ids))))
+        hidden = torch.tanh(self.shared(torch.tanh(self.shared(hidden))))
+        return CausalLMOutput(logits=self.fc2(hidden))
+
+
+def toy_model() -> ToyLM:
+    return ToyLM().double()
+
+
+def toy_batch(seed: int, lengths: tuple[int, ...]) -> dict[str, Tensor]:
+    """:func:`lm_batch` folded into the toy vocabulary (padding stays id 0, label -100)."""
+    batch = lm_batch(batch=len(lengths), length=10, lengths=lengths, seed=seed)
+    labels = batch["labels"]
+    return {
+        "input_ids": batch["input_ids"] % TOY_VOCAB,
+        "attention_mask": batch["attention_mask"],
+        "labels": torch.where(labels == -100, labels, labels % TOY_VOCAB),
+    }
+
+
+def toy_batches() -> list[dict[str, Tensor]]:
+    return [toy_batch(0, (10, 7, 5)), toy_batch(1, (9, 10, 4))]
+
+
+def fp64_summed_loss(model: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
+    """Summed next-token cross-entropy of the batch, in the logits' dtype (fp64 here).
+
+    ``causal_lm_example_losses`` computes it in fp32, which would bound the agreement with
+    a reference to ~1e-8; the toy tests hold to :data:`TOL`.
+    """
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs).logits[:, :-1]
+    labels = batch["labels"][:, 1:]
+    return F.cross_entropy(
+        logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+    )
+
+
+def rel_err(got: Tensor, ref: Tensor) -> float:
+    return ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+# -- references built without the engine ---------------------------------------------------
+
+
+def loss_and_layer_calls(
+    model: nn.Module, batch: Mapping[str, Tensor], layers: list[str]
+) -> tuple[Tensor, dict[str, list[tuple[Tensor, Tensor]]]]:
+    """The batch's fp64 summed loss, and layer -> (input, output) of each forward call."""
+    seen: dict[str, list[tuple[Tensor, Tensor]]] = {n: [] for n in layers}
+
+    def keep(name: str) -> Callable[[nn.Module, tuple[Tensor, ...], Tensor], None]:
+        def hook(module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> None:
+            seen[name].append((args[0], output))
+
+        return hook
+
+    handles = [model.get_submodule(n).register_forward_hook(keep(n)) for n in layers]
+    try:
+        return fp64_summed_loss(model, batch), seen
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def closed_form_factors(
+    model: nn.Module, batches: list[dict[str, Tensor]], layers: list[str]
+) -> dict[str, tuple[Tensor, Tensor, int]]:
+    """Layer -> (A, S, rows): means over real tokens of ``[a;1][a;1]^T`` and ``g g^T``.
+
+    ``a`` is the layer input seen by a forward hook, ``g`` the gradient of the batch's
+    summed fp64 loss w.r.t. the layer output, by ``torch.autograd.grad``. A layer called
+    several times per forward contributes the real-token rows of every call.
+    """
+    a_rows: dict[str, list[Tensor]] = {n: [] for n in layers}
+    g_rows: dict[str, list[Tensor]] = {n: [] for n in layers}
+    for batch in batches:
+        loss, seen = loss_and_layer_calls(model, batch, layers)
+        calls = [(n, a) for n in layers for a, _ in seen[n]]
+        g_out = torch.autograd.grad(loss, [y for n in layers for _, y in seen[n]])
+        real = batch["attention_mask"].bool()
+        for (n, a), g in zip(calls, g_out, strict=True):
+            a = a.detach()
+            if model.get_submodule(n).bias is not None:
+                a = torch.cat([a, a.new_ones(*a.shape[:2], 1)], dim=2)
+            a_rows[n].append(a[real])
+            g_rows[n].append(g[real])
+    out = {}
+    for n in layers:
+        a, g = torch.cat(a_rows[n]), torch.cat(g_rows[n])
+        out[n] = (a.T @ a / a.shape[0], g.T @ g / g.shape[0], a.shape[0])
+    return out
+
+
+def oracle_layer_grads(
+    model: nn.Module, batches: list[dict[str, Tensor]], layers: list[str], loss_fn: LossFn
+) -> dict[str, Tensor]:
+    """Layer -> ``(N, N_o, N_i')`` each example's own gradient (bias as the last column),
+    by one backward of ``loss_fn`` per example on its unpadded tokens."""
+    modules = [model.get_submodule(n) for n in layers]
+    params = [p for m in modules for p in (m.weight, m.bias) if p is not None]
+    rows: dict[str, list[Tensor]] = {n: [] for n in layers}
+    for batch in batches:
+        for i, real in enumerate(batch["attention_mask"].bool()):
+            example = {k: batch[k][i][real][None] for k in ("input_ids", "labels")}
+            grads = iter(torch.autograd.grad(loss_fn(model, example), params))
+            for n, m in zip(layers, modules, strict=True):
+                dw = next(grads)
+                if m.bias is not None:
+                    dw = torch.cat([dw, next(grads).unsqueeze(1)], dim=1)
+                rows[n].append(dw)
+    return {n: torch.stack(r) for n, r in rows.items()}
+
+
+def damped(x: Tensor, damping: float) -> Tensor:
+    """``X + damping * mean eig(X) * I`` (the mean eigenvalue is the trace over n)."""
+    n = x.shape[0]
+    return x + damping * x.trace() / n * torch.eye(n, dtype=x.dtype)
+
+
+def eigenbasis(stats: KroneckerFactors) -> Tensor:
+    """``Q = U_S kron U_A`` from the eigendecompositions of the stored ``S`` and ``A``."""
+    return torch.kron(torch.linalg.eigh(stats.g_cov)[1], torch.linalg.eigh(stats.a_cov)[1])
+
+
+def dense_curvature(
+    method: str, stats: KroneckerFactors, train_grads: Tensor, damping: float
+) -> Tensor:
+    """The ``D x D`` damped curvature matrix a method inverts, formed densely.
+
+    K-FAC: ``(S + l_S I) kron (A + l_A I)``. EK-FAC: ``Q diag(Lambda + l) Q^T`` with
+    ``Lambda = diag(Q^T F Q)``, ``F`` the empirical Fisher of ``train_grads``
+    (``(N, N_o, N_i')``), computed as ``mean_n (Q^T vec dW_n)^2`` without forming ``F``.
+    """
+    if method == "kfac":
+        return torch.kron(damped(stats.g_cov, damping), damped(stats.a_cov, damping))
+    q = eigenbasis(stats)
+    lam = (train_grads.flatten(1) @ q).pow(2).mean(dim=0)
+    return (q * (lam + damping * lam.mean())) @ q.T
+
+
+def dense_scores(
+    method: str,
+    train: dict[str, Tensor],
+    queries: dict[str, Tensor],
+    curvature: dict[str, KroneckerFactors],
+    damping: float = DAMPING,
+) -> Tensor:
+    """``(N, M)`` sum over layers of ``vec(dW_z) . C^{-1} vec(G_q)``, by dense solves."""
+    per_layer = []
+    for name, dw in train.items():
+        matrix = dense_curvature(method, curvature[name], dw, damping)
+        per_layer.append(dw.flatten(1) @ torch.linalg.solve(matrix, queries[name].flatten(1).T))
+    return torch.stack(per_layer).sum(dim=0)
+
+
+def projected(grads: dict[str, Tensor], config: ProjectionConfig) -> dict[str, Tensor]:
+    """``P_g dW P_a^T`` per layer, with the capture's deterministic maps."""
+    projector = Projector(config)
+    out = {}
+    for name, dw in grads.items():
+        n_o, n_i = dw.shape[1:]
+        p_a = projector.map_for(name, "a", n_i, config.k_a).matrix(dw)
+        p_g = projector.map_for(name, "g", n_o, config.k_g).matrix(dw)
+        out[name] = p_g @ dw @ p_a.T
+    return out
+
+
+def store_ids(batches: list[dict[str, Tensor]]) -> Tensor:
+    """The ids the engine gives these examples, in capture order."""
+    return torch.cat([content_hash(b["input_ids"], b["attention_mask"].bool()) for b in batches])
+
+
+# -- fixtures ------------------------------------------------------------------------------
+
+
+@dataclass
+class Toy:
+    """The toy model, its two padded training batches, its store and a query store."""
+
+    model: ToyLM
+    batches: list[dict[str, Tensor]]
+    store: Path
+    queries: Path
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory: pytest.TempPathFactory) -> Toy:
+    root = tmp_path_factory.mktemp("toy")
+    model, batches = toy_model(), toy_batches()
+    capture_store(model, batches, root / "train", loss_fn=fp64_summed_loss)
+    query = [toy_batch(7, (10, 6))]
+    capture_store(
+        model, query, root / "query", loss_fn=fp64_summed_loss, keep_tokens=True, curvature=False
+    )
+    return Toy(model, batches, root / "train", root / "query")
+
+
+@dataclass
+class Llama:
+    """A tiny fp64 Llama, padded train and query batches, stores captured on demand."""
+
+    model: nn.Module
+    train: list[dict[str, Tensor]]
+    queries: list[dict[str, Tensor]]
+    root: Path
+
+    def store(self, kind: str, projection: ProjectionConfig | None = None) -> StoreReader:
+        """Train (with curvature) or query store, captured once per projection."""
+        path = self.root / f"{kind}-{'exact' if projection is None else projection.kind}"
+        if not path.exists():
+            batches = self.train if kind == "train" else self.queries
+            capture_store(
+                self.model,
+                batches,
+                path,
+                LayerSelection("linear"),
+                projection,
+                curvature=kind == "train",
+            )
+        return StoreReader(path)
+
+    def oracle(self, kind: str) -> dict[str, Tensor]:
+        batches = self.train if kind == "train" else self.queries
+        layers = self.store("train").layer_names
+        return oracle_layer_grads(self.model, batches, layers, summed_loss)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Llama:
+    train = [lm_batch(lengths=(10, 7, 5), seed=1), lm_batch(lengths=(8, 10, 6), seed=2)]
+    queries = [lm_batch(batch=2, lengths=(10, 4), seed=3)]
+    return Llama(tiny_causal_lm("llama"), train, queries, tmp_path_factory.mktemp("llama"))
+
+
+# -- the factors ---------------------------------------------------------------------------
+
+
+def assert_closed_form_factors(
+    store: Path, model: nn.Module, batches: list[dict[str, Tensor]], calls: dict[str, int]
+) -> None:
+    """The store's factors of every layer in ``calls`` (name -> forward calls per batch)
+    are the closed-form ones, over ``calls`` x the real tokens of ``batches``."""
+    curvature = load_curvature(store)
+    expected = closed_form_factors(model, batches, list(calls))
+    real_tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+    all_tokens = sum(b["attention_mask"].numel() for b in batches)
+    assert real_tokens < all_tokens, "the batches must contain padding"
+    assert set(curvature) == set(calls)
+    for name, (a_cov, g_cov, rows) in expected.items():
+        stats = curvature[name]
+        assert rows == calls[name] * real_tokens
+        assert stats.tokens.item() == rows, f"{name}: padding rows counted"
+        assert rel_err(stats.a_cov, a_cov) < TOL, name
+        assert rel_err(stats.g_cov, g_cov) < TOL, name
+
+
+# How one set of batches reaches the store: (which batches, capture_store options) per run.
+CAPTURE_PLANS = {
+    "one run": [(slice(None), {})],
+    "trainer mean loss": [(slice(None), {"mean_loss": True})],
+    "two ranks": [(slice(0, 1), {"rank": 0}), (slice(1, None), {"rank": 1})],
+    "resumed run": [(slice(0, 1), {}), (slice(1, None), {})],
+}
+
+
+@pytest.mark.parametrize("plan", list(CAPTURE_PLANS))
+def test_kfac_factors_equal_closed_form_covariances_over_real_tokens(
+    plan: str, tmp_path: Path
+) -> None:
+    """The inline A and S are the means of [a;1][a;1]^T and g g^T over non-padding token
+    rows of every batch, with g under the summed per-example loss whatever loss was
+    backpropagated, summed over ranks and across a resumed capture."""
+    model, batches = toy_model(), toy_batches()
+    for part, options in CAPTURE_PLANS[plan]:
+        capture_store(model, batches[part], tmp_path, loss_fn=fp64_summed_loss, **options)
+    assert_closed_form_factors(tmp_path, model, batches, {"fc1": 1, "fc2": 1})
+
+
+def test_kfac_factors_of_a_module_called_twice_cover_the_real_tokens_of_both_calls(
+    tmp_path: Path,
+) -> None:
+    """A module called twice per forward adds both calls' rows to its factors, and still
+    only their non-padding rows."""
+    model, batches = SharedLayerLM().double(), toy_batches()
+    capture_store(model, batches, tmp_path, loss_fn=fp64_summed_loss)
+    assert_closed_form_factors(tmp_path, model, batches, {"fc1": 1, "shared": 2, "fc2": 1})
+
+
+def test_ekfac_eigenvalues_are_the_empirical_fisher_diagonal_in_the_kronecker_basis(
+    toy: Toy,
+) -> None:
+    """Lambda = diag(Q^T F Q), Q = U_S kron U_A, F = mean_n vec(dW_n) vec(dW_n)^T over the
+    stored examples, with dW_n from one backward per unpadded example; the eigenbases
+    diagonalize the store's A and S."""
+    ekfac = EKFAC(DAMPING)
+    ekfac.fit(StoreReader(toy.store))
+    curvature = load_curvature(toy.store)
+    grads = oracle_layer_grads(toy.model, toy.batches, TOY_LAYERS, fp64_summed_loss)
+    assert set(ekfac.eigenvalues) == set(grads)
+    for name, dw in grads.items():
+        assert dw.shape[0] == StoreReader(toy.store).num_examples
+        flat = dw.flatten(1)
+        fisher = flat.T @ flat / flat.shape[0]
+        q = eigenbasis(curvature[name])
+        expected = torch.diagonal(q.T @ fisher @ q).reshape(dw.shape[1:])
+        assert rel_err(ekfac.eigenvalues[name], expected) < TOL, name
+        e = ekfac.eigen[name]
+        stats = curvature[name]
+        assert rel_err(e.u_a @ torch.diag(e.d_a) @ e.u_a.T, stats.a_cov) < TOL, name
+        assert rel_err(e.u_s @ torch.diag(e.d_s) @ e.u_s.T, stats.g_cov) < TOL, name
+
+
+# -- preconditioning -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("damping", [DAMPING, 1e-2])
+@pytest.mark.parametrize("method", ["kfac", "ekfac"])
+def test_preconditioned_query_equals_dense_damped_inverse(
+    toy: Toy, method: str, damping: float
+) -> None:
+    """Each preconditioned query is C^{-1} vec(G_q) with C the dense damped curvature:
+    ((S + l_S I) kron (A + l_A I)) for K-FAC, Q diag(Lambda + l) Q^T for EK-FAC."""
+    preconditioner = PRECONDITIONERS[method](damping)
+    preconditioner.fit(StoreReader(toy.store))
+    curvature = load_curvature(toy.store)
+    train = oracle_layer_grads(toy.model, toy.batches, TOY_LAYERS, fp64_summed_loss)
+    queries = StoreReader(toy.queries).load_all().layers
+    for name in TOY_LAYERS:
+        query = queries[name].materialize()
+        matrix = dense_curvature(method, curvature[name], train[name], damping)
+        expected = torch.linalg.solve(matrix, query.T).T
+        got = preconditioner(name, queries[name]).materialize()
+        assert got.dtype == torch.float64
+        assert rel_err(got, expected) < TOL, name
+
+
+# -- methods end to end on Llama -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["kfac", "ekfac"])
+def test_method_scores_equal_dense_reference_on_llama(llama: Llama, method: str) -> None:
+    """K-FAC/EK-FAC scores on every linear layer of a tiny Llama (padded batches) equal
+    sum over layers of vec(dW_z) . C^{-1} vec(G_q), from oracle gradients and dense solves."""
+    store, queries = llama.store("train"), llama.store("query")
+    scores = method_by_name(method).score(store, queries)
+    assert torch.equal(scores.train_ids, store_ids(llama.train))
+    assert torch.equal(scores.query_ids, store_ids(llama.queries))
+    expected = dense_scores(
+        method, llama.oracle("train"), llama.oracle("query"), load_curvature(store.root)
+    )
+    assert len(store.layer_names) == 15  # 7 linears in each of 2 blocks, and lm_head
+    assert rel_err(scores.values, expected) < SCORE_TOL
+
+
+def test_factor_projected_statistics_are_the_projected_exact_ones(llama: Llama) -> None:
+    """Under factor projection the inline factors are P_a A P_a^T and P_g S P_g^T."""
+    exact = load_curvature(llama.store("train").root)
+    projected_stats = load_curvature(llama.store("train", LOGRA).root)
+    projector = Projector(LOGRA)
+    assert set(projected_stats) == set(exact)
+    for name, stats in exact.items():
+        p_a = projector.map_for(name, "a", stats.a_cov.shape[0], LOGRA.k_a).matrix(stats.a_cov)
+        p_g = projector.map_for(name, "g", stats.g_cov.shape[0], LOGRA.k_g).matrix(stats.g_cov)
+        got = projected_stats[name]
+        assert rel_err(got.a_cov, p_a @ stats.a_cov @ p_a.T) < TOL, name
+        assert rel_err(got.g_cov, p_g @ stats.g_cov @ p_g.T) < TOL, name
+
+
+def test_logra_is_kfac_on_the_factor_projected_store(llama: Llama) -> None:
+    """LoGra scores on a factor-projected store are K-FAC's on that store, and both equal
+    the dense K-FAC reference on the projected oracle gradients P_g dW P_a^T."""
+    store, queries = llama.store("train", LOGRA), llama.store("query", LOGRA)
+    logra = method_by_name("logra").score(store, queries)
+    kfac = method_by_name("kfac").score(store, queries)
+    assert torch.equal(logra.values, kfac.values)
+    expected = dense_scores(
+        "kfac",
+        projected(llama.oracle("train"), LOGRA),
+        projected(llama.oracle("query"), LOGRA),
+        load_curvature(store.root),
+    )
+    assert rel_err(logra.values, expected) < SCORE_TOL
+
+
+def test_logra_on_an_unprojected_store_names_the_fix(llama: Llama) -> None:
+    """LoGra refuses exact gradients and says to recapture with factor projection."""
+    with pytest.raises(StoreError, match="--projection factor, or use kfac"):
+        method_by_name("logra").score(llama.store("train"), llama.store("query"))
+
+
+# -- stores K-FAC cannot use ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layer", ["emb", "norm"])
+@pytest.mark.parametrize("method", ["kfac", "ekfac"])
+def test_kfac_on_embedding_or_norm_layers_is_refused(
+    tmp_path: Path, method: str, layer: str
+) -> None:
+    """A store with an embedding or norm layer has no Kronecker factors for it: K-FAC and
+    EK-FAC raise a StoreError naming the layer and the linear-only selection."""
+    selection = LayerSelection("all", include=f"^({layer}|fc1)$")
+    store = capture_store(toy_model(), toy_batches(), tmp_path, selection)
+    assert store.layer_names == [layer, "fc1"]
+    with pytest.raises(StoreError, match="K-FAC factors exist only for linear") as error:
+        method_by_name(method).score(store, store)
+    assert repr(layer) in str(error.value)
+    assert "kind='linear'" in str(error.value)
+
+
+@pytest.mark.parametrize("method", ["kfac", "ekfac"])
+def test_store_without_curvature_says_how_to_capture_it(tmp_path: Path, method: str) -> None:
+    """A store captured without curvature cannot feed K-FAC/EK-FAC; the error says how to
+    capture the statistics."""
+    store = capture_store(toy_model(), toy_batches(), tmp_path, curvature=False)
+    with pytest.raises(StoreError, match="capture with curvature enabled"):
+        method_by_name(method).score(store, store)
