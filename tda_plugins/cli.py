@@ -194,8 +194,7 @@ def _capture(args: argparse.Namespace) -> None:
     engine = CaptureEngine(model, _selection(args), _projection(args), consumers)
     texts: dict[int, str] = {}
     with engine, tqdm(total=len(examples), desc="capture", unit="ex") as bar:
-        existing = store.committed_steps  # appending to a store continues its numbering
-        engine.resume_at_step(existing[-1] + 1 if existing else 0)
+        engine.resume_at_step(store.next_step)  # appending to a store continues its numbering
         for inputs, given, group in batches(examples, args.batch_size, pad_id):
             ids = (
                 content_hash(inputs["input_ids"], inputs["attention_mask"])

@@ -28,7 +28,7 @@ def test_linear_kind_leaves_out_a_head_tied_to_the_embedding() -> None:
 
 
 def test_including_a_tied_head_alone_is_an_error() -> None:
-    with pytest.raises(LayerSelectionError, match="shares a parameter with.*wte"):
+    with pytest.raises(LayerSelectionError, match=r"shares a parameter with.*wte"):
         LayerSelection("linear", include="lm_head").resolve(tiny_causal_lm("gpt2"))
 
 
@@ -94,5 +94,5 @@ def test_engine_attach_raises_before_any_hook_on_a_bad_selection() -> None:
 
 
 def test_non_module_is_refused() -> None:
-    with pytest.raises(TypeError, match="needs an nn.Module"):
+    with pytest.raises(TypeError, match=r"needs an nn\.Module"):
         CaptureEngine("model")  # type: ignore[arg-type]

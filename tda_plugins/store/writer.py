@@ -59,7 +59,7 @@ class GradientStore(CaptureConsumer):
         self.keep_tokens = keep_tokens
         self.metadata = dict(metadata or {})
         self._dir = rank_dir(self.root, rank)
-        self._shards: list[dict[str, Any]] = []
+        self._shards: list[dict[str, Any]] = self._read_index()
         self._pending: list[dict[str, Any]] = []
         self.config: CaptureConfig | None = None
 
@@ -88,12 +88,21 @@ class GradientStore(CaptureConsumer):
         self._remove_uncommitted()
 
     def on_micro_batch(self, record: MicroBatchRecord) -> None:
+        if self.committed_steps and record.step <= self.committed_steps[-1]:
+            raise StoreError(
+                f"step {record.step} is already committed in {self.root} (last committed step: "
+                f"{self.committed_steps[-1]}); continue with engine.resume_at_step("
+                f"{self.next_step}), or truncate(from_step={record.step}) to redo it"
+            )
         cpu = record.to("cpu", non_blocking=False)
         tensors = {"example_ids": cpu.example_ids.contiguous()}
         layers: dict[str, Any] = {}
         # Layers fed by one tensor (q/k/v projections) share their input factor: it is
-        # written once and the other keys point at it.
-        written: dict[tuple[int, tuple[int, ...], torch.dtype], str] = {}
+        # written once and the other keys point at it. The key is the exact view (storage,
+        # offset, shape, strides), and every keyed tensor stays alive until the shard is
+        # written, so a freed address can never be mistaken for another tensor.
+        written: dict[tuple[Any, ...], str] = {}
+        keyed: list[torch.Tensor] = []
         aliases: dict[str, str] = {}
         for name, layer in cpu.layers.items():
             grads = compact(layer.grads.scaled(cpu.loss_scale), self.keep_tokens)
@@ -106,7 +115,14 @@ class GradientStore(CaptureConsumer):
                         "Lower the learning rate or enable gradient clipping/loss scaling"
                     )
                 key = f"{name}::{field}"
-                identity = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
+                keyed.append(tensor)
+                identity = (
+                    tensor.untyped_storage().data_ptr(),
+                    tensor.storage_offset(),
+                    tuple(tensor.shape),
+                    tuple(tensor.stride()),
+                    tensor.dtype,
+                )
                 if identity in written:
                     aliases[key] = written[identity]
                 else:
@@ -143,7 +159,10 @@ class GradientStore(CaptureConsumer):
         self._write_index()
 
     def truncate(self, from_step: int) -> None:
-        """Drop every committed step ``>= from_step`` (resuming from an earlier checkpoint)."""
+        """Drop every committed step ``>= from_step`` (resuming from an earlier checkpoint).
+
+        K-FAC statistics saved beside the store are sums and are not rolled back.
+        """
         kept = [s for s in self._shards if s["step"] < from_step]
         dropped = [s for s in self._shards if s["step"] >= from_step]
         self._shards = kept
@@ -155,6 +174,12 @@ class GradientStore(CaptureConsumer):
     def committed_steps(self) -> list[int]:
         """Distinct optimizer steps whose shards are committed, ascending."""
         return sorted({s["step"] for s in self._shards})
+
+    @property
+    def next_step(self) -> int:
+        """The first step number a run appending to this store may use."""
+        steps = self.committed_steps
+        return steps[-1] + 1 if steps else 0
 
     def write_examples(self, texts: dict[int, str]) -> None:
         """Save example texts (id -> text) for reports, merged with any already saved."""

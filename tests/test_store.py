@@ -1,0 +1,574 @@
+"""The gradient store: what is written reads back exactly, and nothing committed is lost.
+
+Covered: round trips of every representation (per-token linear factors, compacted dense
+gradients, embedding factors, norm scales, factor and dense projections) through
+``StoreReader.iter_chunks`` and ``load_all``, against the engine's records and the loop
+oracle; the storage rule of ``compact``; inputs shared by q/k/v written once; a SIGKILL
+between two micro-batches of a step (a subprocess running ``tests.store_worker``) and a
+resume that scores like an uninterrupted run; refusal of another format version or
+capture config; bad inputs (empty or mismatched queries, NaN gradients, truncation,
+appending without resuming); and the merged view of two ranks.
+
+Gradients are each example's own summed token loss (``tests.stores.summed_loss``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
+from torch import Tensor, nn
+
+from tda_plugins import (
+    CaptureEngine,
+    LayerSelection,
+    MicroBatchRecord,
+    ProjectionConfig,
+    RecordCollector,
+)
+from tda_plugins.capture import content_hash
+from tda_plugins.grads.factors import DenseGrad, EmbeddingFactors, PerExampleGrad, TokenFactors
+from tda_plugins.methods import Scores, method_by_name
+from tda_plugins.store import FORMAT_VERSION, GradientStore, StoreError, StoreReader
+from tda_plugins.store.layout import rank_dir, shard_name
+from tests import store_worker
+from tests.models import lm_batch, tiny_causal_lm
+from tests.oracle import max_rel_error
+from tests.stores import flat_oracle_grads, summed_loss
+
+ROOT = Path(__file__).resolve().parents[1]
+ALL = LayerSelection("all")
+Batch = dict[str, Tensor]
+#: Per optimizer step, its micro-batches (one backward each).
+Steps = Sequence[Sequence[Batch]]
+# The summed loss is computed from fp32 logits (``causal_lm_example_losses``): a padded
+# batch and its unpadded examples can round one fp32 ulp apart there (~1e-7 relative).
+ORACLE_TOL = 1e-6
+
+
+# -- capturing and reading -----------------------------------------------------------------
+
+
+def micro_batches(steps: int, lengths: tuple[int, int], seed: int = 0) -> list[list[Batch]]:
+    """Per step: 3 right-padded examples of length ``lengths[0]``, then 2 of ``lengths[1]``."""
+    long, short = lengths
+    return [
+        [
+            lm_batch(3, long, lengths=(long, long - 3, long - 5), seed=seed + 10 * s),
+            lm_batch(2, short, seed=seed + 10 * s + 1),
+        ]
+        for s in range(steps)
+    ]
+
+
+def capture(
+    model: nn.Module,
+    steps: Steps,
+    path: Path,
+    layers: LayerSelection = ALL,
+    projection: ProjectionConfig | None = None,
+    keep_tokens: bool = False,
+    rank: int = 0,
+) -> list[MicroBatchRecord]:
+    """Capture ``steps`` into the store at ``path``; returns what the engine handed it."""
+    collector = RecordCollector()
+    store = GradientStore(path, rank=rank, keep_tokens=keep_tokens)
+    with CaptureEngine(model, layers, projection, [store, collector]) as engine:
+        for step in steps:
+            for batch in step:
+                summed_loss(model, batch).backward()
+            engine.optimizer_step()
+        engine.end()
+    model.zero_grad(set_to_none=True)
+    return collector.records
+
+
+def all_batches(steps: Steps) -> list[Batch]:
+    return [batch for step in steps for batch in step]
+
+
+def expected_ids(steps: Steps) -> Tensor:
+    """Content hashes of the unpadded examples, in capture order."""
+    return torch.cat(
+        [content_hash(b["input_ids"], b["attention_mask"]) for b in all_batches(steps)]
+    )
+
+
+def expected_steps(steps: Steps) -> Tensor:
+    return torch.cat(
+        [torch.full((len(b["input_ids"]),), s) for s, step in enumerate(steps) for b in step]
+    )
+
+
+def records_materialized(records: list[MicroBatchRecord]) -> dict[str, Tensor]:
+    """Layer -> ``(N, D)`` gradients of every record, in capture order."""
+    names = records[0].layers
+    return {n: torch.cat([r.layers[n].grads.materialize() for r in records]) for n in names}
+
+
+def read_chunks(reader: StoreReader, max_examples: int) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """Ids, steps and layer -> ``(N, D)`` gradients over ``iter_chunks(max_examples)``."""
+    chunks = list(reader.iter_chunks(max_examples))
+    assert all(c.size <= max_examples for c in chunks)
+    layers = {n: torch.cat([c.layers[n].materialize() for c in chunks]) for n in reader.layer_names}
+    ids = torch.cat([c.example_ids for c in chunks])
+    return ids, torch.cat([c.steps for c in chunks]), layers
+
+
+def stored_kinds(root: Path, record: MicroBatchRecord, rank: int = 0) -> dict[str, str]:
+    """Layer -> representation written in ``record``'s shard."""
+    with safe_open(rank_dir(root, rank) / shard_name(record.step, record.index), "pt") as f:
+        return {n: v["kind"] for n, v in json.loads(f.metadata()["layers"]).items()}
+
+
+def allowed_kinds(grads: PerExampleGrad, keep_tokens: bool) -> set[str]:
+    """DESIGN.md section 3: factors are smaller when ``T < N_i N_o / (N_i + N_o)``; at
+    equality both forms take the same bytes, so either is right."""
+    if isinstance(grads, EmbeddingFactors):
+        return {"embedding_factors"}
+    if isinstance(grads, DenseGrad):
+        return {"dense"}
+    if keep_tokens:
+        return {"token_factors"}
+    factors = grads.tokens * (grads.in_dim + grads.out_dim)
+    if factors == grads.dim:
+        return {"token_factors", "dense"}
+    return {"token_factors"} if factors < grads.dim else {"dense"}
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    """Relative path -> bytes of every file under ``root``."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def graddot(store: StoreReader, queries: StoreReader, chunk_examples: int = 256) -> Scores:
+    return method_by_name("graddot").score(store, queries, chunk_examples)
+
+
+def by_train_id(scores: Scores) -> tuple[Tensor, Tensor]:
+    """Train ids and score rows, sorted by train id."""
+    order = torch.argsort(scores.train_ids)
+    return scores.train_ids[order], scores.values[order]
+
+
+# -- 1. round trip ---------------------------------------------------------------------
+
+
+ROUND_TRIPS = {
+    # (lengths of the two micro-batches of a step, projection, keep_tokens)
+    "factors": ((10, 7), None, False),
+    "compacted": ((20, 12), None, False),
+    "keep_tokens": ((20, 12), None, True),
+    "factor_projection": ((20, 12), ProjectionConfig("factor", k_a=24, k_g=24), False),
+    "dense_projection": ((10, 7), ProjectionConfig("dense", k=24), False),
+}
+#: Representations each case must actually write (so the case tests what it says).
+MUST_WRITE = {
+    "factors": {"token_factors", "embedding_factors", "dense"},
+    "compacted": {"token_factors", "embedding_factors", "dense"},
+    "keep_tokens": {"token_factors", "embedding_factors", "dense"},
+    "factor_projection": {"token_factors", "dense"},
+    "dense_projection": {"dense"},
+}
+
+
+@pytest.mark.parametrize("case", list(ROUND_TRIPS))
+def test_store_reads_back_the_captured_gradients_ids_and_steps(case: str, tmp_path: Path) -> None:
+    """Three steps of two micro-batches each (right padding, two sequence lengths) read back,
+    in chunks and all at once, with the example ids (content hashes), the steps, and each
+    layer's gradients exactly as the engine captured them (and, unprojected, as the loop
+    oracle computes them); each layer of each shard is stored in the smaller form."""
+    lengths, projection, keep_tokens = ROUND_TRIPS[case]
+    model, steps = tiny_causal_lm("llama"), micro_batches(3, lengths)
+    records = capture(model, steps, tmp_path, projection=projection, keep_tokens=keep_tokens)
+    reader = StoreReader(tmp_path)
+    assert reader.steps == [0, 1, 2] and reader.num_examples == 15
+
+    written: set[str] = set()
+    for record in records:
+        kinds = stored_kinds(tmp_path, record)
+        assert kinds.keys() == record.layers.keys()
+        for name, layer in record.layers.items():
+            assert kinds[name] in allowed_kinds(layer.grads, keep_tokens), (name, record.index)
+        written |= set(kinds.values())
+    assert written == MUST_WRITE[case]
+
+    captured = records_materialized(records)
+    everything = reader.load_all()
+    ids, step_of, grads = read_chunks(reader, max_examples=5)  # 3 + 2 examples per chunk
+    assert torch.equal(ids, expected_ids(steps)) and torch.equal(everything.example_ids, ids)
+    assert torch.equal(step_of, expected_steps(steps)) and torch.equal(everything.steps, step_of)
+    assert list(grads) == list(captured) == reader.layer_names
+    for name, expected in captured.items():
+        assert torch.equal(grads[name], expected), name
+        assert torch.equal(everything.layers[name].materialize(), expected), name
+
+    if projection is None:
+        # Every captured Llama module has one parameter, `weight`, in the stored layout.
+        names = [f"{layer}.weight" for layer in reader.layer_names]
+        oracle = flat_oracle_grads(model, all_batches(steps), names)
+        stored = torch.cat([grads[n] for n in reader.layer_names], dim=1)
+        assert max_rel_error({"all": stored}, {"all": oracle}) < ORACLE_TOL
+
+
+def test_keep_tokens_reads_back_per_token_factors(tmp_path: Path) -> None:
+    """With ``keep_tokens`` a long sequence keeps its per-token factors, so token-level
+    scores stay possible; without it the same layers are compacted to dense gradients."""
+    model, steps = tiny_causal_lm("llama"), micro_batches(1, (20, 20))
+    capture(model, steps, tmp_path / "tokens", keep_tokens=True)
+    capture(model, steps, tmp_path / "compact")
+    q_proj = "model.layers.0.self_attn.q_proj"
+    kept = StoreReader(tmp_path / "tokens").load_all().layers[q_proj]
+    compacted = StoreReader(tmp_path / "compact").load_all().layers[q_proj]
+    assert isinstance(kept, TokenFactors) and kept.tokens == 20
+    assert isinstance(compacted, DenseGrad)
+    assert torch.equal(kept.materialize(), compacted.materialize())
+
+
+def test_layers_fed_by_one_input_store_it_once(tmp_path: Path) -> None:
+    """q/k/v read one normalized hidden state, and gate/up another: each such input factor
+    is one tensor in the shard, the other layers name it as an alias, and the shard is
+    smaller than the same tensors written separately."""
+    model = tiny_causal_lm("llama")
+    records = capture(model, micro_batches(1, (10, 7)), tmp_path, keep_tokens=True)
+    shard = rank_dir(tmp_path, 0) / shard_name(0, 0)
+    with safe_open(shard, "pt") as f:
+        keys = set(f.keys())
+        metadata = f.metadata()
+        full = {k: f.get_tensor(k) for k in keys}
+    aliases = json.loads(metadata["aliases"])
+    expected = {}
+    for block in range(2):
+        attn, mlp = f"model.layers.{block}.self_attn", f"model.layers.{block}.mlp"
+        expected[f"{attn}.k_proj::a"] = expected[f"{attn}.v_proj::a"] = f"{attn}.q_proj::a"
+        expected[f"{mlp}.up_proj::a"] = f"{mlp}.gate_proj::a"
+    assert aliases == expected
+    assert not keys & aliases.keys() and set(aliases.values()) <= keys
+    full.update({alias: full[target].clone() for alias, target in aliases.items()})
+    separate = len(save(full, metadata=metadata))
+    assert separate - shard.stat().st_size >= sum(full[alias].nbytes for alias in aliases)
+    first = records[0].layers
+    read = StoreReader(tmp_path).load_all().layers
+    for alias in aliases:
+        layer = alias.split("::")[0]
+        assert torch.equal(read[layer].materialize()[:3], first[layer].grads.materialize())
+
+
+class TokenAndChannelMixer(nn.Module):
+    """MLP-Mixer style: one linear mixes a ``(B, T, N)`` input over channels, another over
+    tokens (applied to its transpose). With ``T == N`` the transposed view has the input's
+    address, shape and dtype, but other values."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.channels = nn.Linear(width, width, bias=False)
+        self.tokens = nn.Linear(width, width, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        mixed = self.channels(x) + self.tokens(x.transpose(1, 2)).transpose(1, 2)
+        return mixed.pow(2).sum(dim=(1, 2))
+
+
+def test_a_transposed_view_of_an_input_is_not_stored_as_an_alias(tmp_path: Path) -> None:
+    """The input dedupe must share only identical tensors: a view with the same address,
+    shape and dtype but other strides holds other values and reads back as itself."""
+    torch.manual_seed(0)
+    model = TokenAndChannelMixer(4).double()
+    collector = RecordCollector()
+    store = GradientStore(tmp_path, keep_tokens=True)
+    with CaptureEngine(model, LayerSelection("linear"), consumers=[store, collector]) as engine:
+        engine.set_example_ids(torch.arange(2))
+        model(torch.randn(2, 4, 4, dtype=torch.float64)).sum().backward()
+        engine.optimizer_step()
+    read = StoreReader(tmp_path).load_all().layers
+    captured = records_materialized(collector.records)
+    assert not torch.equal(captured["tokens"], captured["channels"])
+    for name in ("channels", "tokens"):
+        assert torch.equal(read[name].materialize(), captured[name]), name
+
+
+# -- 2. crash safety ---------------------------------------------------------------------
+
+
+def start_worker(
+    store: Path, checkpoints: Path, pause: tuple[int, int], stderr: IO[str]
+) -> subprocess.Popen:
+    """``python -m tests.store_worker`` in a subprocess that stops at ``pause``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "tests.store_worker", str(store), str(checkpoints)]
+    command += ["--pause", *map(str, pause)]
+    return subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+    )
+
+
+def wait_for_line(proc: subprocess.Popen, expected: str, log: Path, timeout: float = 120) -> None:
+    """Block until the worker prints ``expected`` (fail with its stderr if it dies first)."""
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], deadline - time.monotonic())
+        if not ready:
+            break
+        line = proc.stdout.readline()
+        if line.strip() == expected:
+            return
+        if not line:
+            pytest.fail(f"worker exited ({proc.wait()}) before {expected!r}:\n{log.read_text()}")
+    pytest.fail(f"worker did not print {expected!r} in {timeout} s:\n{log.read_text()}")
+
+
+def shard_files(root: Path, rank: int = 0) -> set[str]:
+    return {p.name for p in rank_dir(root, rank).glob("*.safetensors")}
+
+
+def indexed_files(root: Path, rank: int = 0) -> set[str]:
+    index = json.loads((rank_dir(root, rank) / "index.json").read_text())
+    return {entry["file"] for entry in index["shards"]}
+
+
+@pytest.mark.slow
+def test_sigkill_between_micro_batches_loses_only_that_step_and_resume_is_exact(
+    tmp_path: Path,
+) -> None:
+    """A run killed (SIGKILL) after two of the three micro-batches of step 2 reopens with
+    exactly steps 0 and 1; reattaching removes the orphaned shards (and a half-written
+    temp file) without touching committed ones; resuming from the checkpoint at step 2
+    (``resume_at_step``) ends with a store whose GradDot scores are bit-identical to an
+    uninterrupted run's."""
+    killed, checkpoints, log = tmp_path / "killed", tmp_path / "killed-ckpt", tmp_path / "log"
+    with log.open("w") as stderr, start_worker(killed, checkpoints, (2, 1), stderr) as proc:
+        try:
+            wait_for_line(proc, "paused", log)
+            orphans = shard_files(killed) - indexed_files(killed)
+            assert sorted(orphans) == [shard_name(2, 6), shard_name(2, 7)]
+            os.kill(proc.pid, signal.SIGKILL)
+            assert proc.wait(timeout=30) == -signal.SIGKILL
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+    per_step = store_worker.MICRO_BATCHES * 2
+    reader = StoreReader(killed)
+    assert reader.steps == [0, 1] and reader.num_examples == 2 * per_step
+    half_written = rank_dir(killed, 0) / f".{shard_name(2, 8)}.tmp-4242"
+    half_written.write_bytes(b"a write cut short by the kill")
+    committed = {f: (rank_dir(killed, 0) / f).read_bytes() for f in indexed_files(killed)}
+    with CaptureEngine(tiny_causal_lm("llama"), consumers=[GradientStore(killed)]):
+        pass
+    assert shard_files(killed) == set(committed) and not half_written.exists()
+    assert {f: (rank_dir(killed, 0) / f).read_bytes() for f in committed} == committed
+
+    assert store_worker.latest_checkpoint(checkpoints) == 2
+    store_worker.train(killed, checkpoints)
+    store_worker.train(tmp_path / "straight", tmp_path / "straight-ckpt")
+    resumed, straight = StoreReader(killed), StoreReader(tmp_path / "straight")
+    assert resumed.steps == straight.steps == list(range(store_worker.STEPS))
+
+    query_model = tiny_causal_lm("llama", seed=1)
+    capture(query_model, [[lm_batch(2, 8, seed=99)]], tmp_path / "queries", LayerSelection())
+    queries = StoreReader(tmp_path / "queries")
+    got, expected = graddot(resumed, queries, 5), graddot(straight, queries, 5)
+    assert got.values.shape == (store_worker.STEPS * per_step, 2)
+    assert expected.values.abs().min() > 0
+    assert torch.equal(got.train_ids, expected.train_ids)
+    assert torch.equal(got.values, expected.values)
+
+
+# -- 3. refusals -------------------------------------------------------------------------
+
+
+CONFIG_MISMATCHES = {
+    "layers": (LayerSelection("linear"), None, "layers differ"),
+    "projection": (ALL, ProjectionConfig("factor", k_a=8, k_g=8), "projection differs"),
+}
+
+
+@pytest.mark.parametrize("mismatch", list(CONFIG_MISMATCHES))
+def test_reopening_with_another_capture_config_is_refused(mismatch: str, tmp_path: Path) -> None:
+    """Appending to a store with other layers or another projection fails with an error
+    naming what differs, and leaves every file of the store as it was."""
+    layers, projection, cause = CONFIG_MISMATCHES[mismatch]
+    model = tiny_causal_lm("llama")
+    capture(model, micro_batches(1, (10, 7)), tmp_path)
+    before = snapshot(tmp_path)
+    with pytest.raises(StoreError, match=f"another config: {cause}"):
+        capture(model, micro_batches(1, (10, 7), seed=5), tmp_path, layers, projection)
+    assert snapshot(tmp_path) == before
+
+
+def test_a_store_of_another_format_version_is_refused(tmp_path: Path) -> None:
+    """Reading or appending to a store whose ``store.json`` names another format version
+    fails with an error naming both versions, and changes nothing."""
+    model = tiny_causal_lm("llama")
+    capture(model, micro_batches(1, (10, 7)), tmp_path)
+    header_path = tmp_path / "store.json"
+    header = json.loads(header_path.read_text())
+    header["format_version"] = FORMAT_VERSION + 1
+    header_path.write_text(json.dumps(header))
+    before = snapshot(tmp_path)
+    cause = f"store format {FORMAT_VERSION + 1}, this tda-plugins reads format {FORMAT_VERSION}"
+    with pytest.raises(StoreError, match=cause):
+        StoreReader(tmp_path)
+    with pytest.raises(StoreError, match=cause):
+        capture(model, micro_batches(1, (10, 7), seed=5), tmp_path)
+    assert snapshot(tmp_path) == before
+
+
+def test_reading_a_missing_store_names_the_command_that_writes_one(tmp_path: Path) -> None:
+    """A directory without a store points the user at ``tda capture``."""
+    with pytest.raises(StoreError, match=r"no gradient store .* `tda capture`"):
+        StoreReader(tmp_path / "missing")
+
+
+# -- 4. bad input ------------------------------------------------------------------------
+
+
+def test_scoring_with_an_empty_store_fails_clearly(tmp_path: Path) -> None:
+    """A capture of zero batches commits no step: scoring against such queries, or such a
+    training store, is an error that says the store is empty."""
+    model = tiny_causal_lm("llama")
+    capture(model, micro_batches(1, (10, 7)), tmp_path / "train")
+    capture(model, [], tmp_path / "empty")
+    train, empty = StoreReader(tmp_path / "train"), StoreReader(tmp_path / "empty")
+    assert empty.num_examples == 0 and empty.steps == []
+    with pytest.raises(StoreError, match=r"query store .* holds no example; capture queries"):
+        graddot(train, empty)
+    with pytest.raises(StoreError, match="holds no committed step"):
+        graddot(empty, train)
+
+
+@pytest.mark.parametrize("mismatch", list(CONFIG_MISMATCHES))
+def test_queries_captured_with_another_config_are_refused(mismatch: str, tmp_path: Path) -> None:
+    """Queries captured with other layers or another projection than the store cannot be
+    scored against it; the error names what differs."""
+    layers, projection, cause = CONFIG_MISMATCHES[mismatch]
+    model = tiny_causal_lm("llama")
+    capture(model, micro_batches(1, (10, 7)), tmp_path / "train")
+    capture(model, [[lm_batch(2, 8, seed=99)]], tmp_path / "queries", layers, projection)
+    train, queries = StoreReader(tmp_path / "train"), StoreReader(tmp_path / "queries")
+    with pytest.raises(StoreError, match=rf"do not match the store .*: {cause}"):
+        graddot(train, queries)
+
+
+def test_nan_gradients_stop_the_capture_and_keep_every_committed_step(tmp_path: Path) -> None:
+    """After two good steps and one good micro-batch of step 2, a NaN weight makes the next
+    micro-batch raise a StoreError naming non-finite gradients and the step; the store
+    still reads exactly steps 0 and 1, with their files byte for byte unchanged."""
+    model, steps = tiny_causal_lm("llama"), micro_batches(3, (10, 7))
+    with CaptureEngine(model, ALL, consumers=[GradientStore(tmp_path)]) as engine:
+        for step in steps[:2]:
+            for batch in step:
+                summed_loss(model, batch).backward()
+            engine.optimizer_step()
+        before = snapshot(tmp_path)
+        good = StoreReader(tmp_path).load_all()
+        summed_loss(model, steps[2][0]).backward()
+        with torch.no_grad():
+            model.lm_head.weight[0, 0] = float("nan")
+        with pytest.raises(StoreError, match=r"non-finite gradients .* at step 2"):
+            summed_loss(model, steps[2][1]).backward()
+    reader = StoreReader(tmp_path)
+    assert reader.steps == [0, 1]
+    after = snapshot(tmp_path)
+    assert {name: after.get(name) for name in before} == before
+    read = reader.load_all()
+    assert torch.equal(read.example_ids, good.example_ids)
+    assert torch.equal(read.example_ids, expected_ids(steps[:2]))
+    for name, grads in good.layers.items():
+        assert torch.equal(read.layers[name].materialize(), grads.materialize()), name
+
+
+def test_truncate_drops_later_steps_and_their_files(tmp_path: Path) -> None:
+    """``truncate(2)`` on an attached store of four steps leaves steps 0 and 1 with their
+    files untouched, and deletes the shard files of steps 2 and 3."""
+    model, steps = tiny_causal_lm("llama"), micro_batches(4, (10, 7))
+    capture(model, steps, tmp_path)
+    kept = {n for n in shard_files(tmp_path) if n.startswith(("s00000000", "s00000001"))}
+    assert len(kept) == 4 and len(shard_files(tmp_path)) == 8
+    before = {n: b for n, b in snapshot(tmp_path).items() if Path(n).name in kept}
+    store = GradientStore(tmp_path)
+    with CaptureEngine(model, ALL, consumers=[store]):
+        store.truncate(2)
+        assert store.committed_steps == [0, 1]
+    reader = StoreReader(tmp_path)
+    assert reader.steps == [0, 1]
+    assert shard_files(tmp_path) == kept == indexed_files(tmp_path)
+    assert {n: b for n, b in snapshot(tmp_path).items() if n in before} == before
+    assert torch.equal(reader.load_all().example_ids, expected_ids(steps[:2]))
+
+
+def test_truncate_before_attaching_never_loses_earlier_steps(tmp_path: Path) -> None:
+    """A resume script may truncate a store right after opening it: ``truncate(1)`` must
+    either refuse (StoreError) or drop only steps >= 1; step 0 always survives."""
+    model, steps = tiny_causal_lm("llama"), micro_batches(3, (10, 7))
+    capture(model, steps, tmp_path)
+    with contextlib.suppress(StoreError):
+        GradientStore(tmp_path).truncate(1)
+    reader = StoreReader(tmp_path)
+    assert reader.steps in ([0], [0, 1, 2])
+    assert torch.equal(reader.load_all().example_ids[:5], expected_ids(steps[:1]))
+
+
+def test_a_new_run_on_a_store_never_overwrites_committed_steps(tmp_path: Path) -> None:
+    """A second run attached to a store without ``resume_at_step`` numbers its steps from
+    0 again: it must be refused or add to the store, never overwrite a committed shard
+    (every earlier example stays, exactly once)."""
+    model = tiny_causal_lm("llama")
+    first = micro_batches(2, (10, 7))
+    capture(model, first, tmp_path)
+    before = {n: b for n, b in snapshot(tmp_path).items() if n.endswith(".safetensors")}
+    with contextlib.suppress(StoreError):
+        capture(model, micro_batches(1, (10, 7), seed=50), tmp_path)
+    after = snapshot(tmp_path)
+    assert {name: after.get(name) for name in before} == before
+    ids = StoreReader(tmp_path).load_all().example_ids.tolist()
+    assert all(ids.count(i) == 1 for i in expected_ids(first).tolist())
+
+
+# -- 5. several ranks --------------------------------------------------------------------
+
+
+def test_two_ranks_read_as_one_store_that_scores_like_a_single_rank(tmp_path: Path) -> None:
+    """Ranks 0 and 1 write disjoint micro-batches of each step into one root (rank 1
+    first); the reader merges them ordered by (step, rank, micro-batch), and GradDot
+    scores equal those of one rank that captured the same examples."""
+    model, steps = tiny_causal_lm("llama"), micro_batches(3, (10, 7))
+    capture(model, steps, tmp_path / "single")
+    merged = tmp_path / "merged"
+    capture(model, [[step[1]] for step in steps], merged, rank=1)
+    capture(model, [[step[0]] for step in steps], merged, rank=0)
+    assert sorted(p.name for p in merged.iterdir()) == ["rank-0", "rank-1", "store.json"]
+    reader = StoreReader(merged)
+    assert reader.steps == [0, 1, 2] and reader.num_examples == 15
+    # Each step: rank 0's 3 examples, then rank 1's 2, the order of the single-rank store.
+    everything = reader.load_all()
+    assert torch.equal(everything.example_ids, expected_ids(steps))
+    assert torch.equal(everything.steps, expected_steps(steps))
+
+    capture(model, [[lm_batch(2, 8, seed=99)]], tmp_path / "queries")
+    queries = StoreReader(tmp_path / "queries")
+    single_ids, single = by_train_id(graddot(StoreReader(tmp_path / "single"), queries, 5))
+    merged_ids, scores = by_train_id(graddot(reader, queries, 5))
+    assert torch.equal(merged_ids, single_ids) and len(set(merged_ids.tolist())) == 15
+    assert scores.abs().min() > 0
+    assert torch.equal(scores, single)
