@@ -11,7 +11,9 @@ from torch import Tensor, nn
 
 from tda_plugins.capture.consumer import RecordCollector
 from tda_plugins.capture.engine import CaptureEngine
+from tda_plugins.capture.records import MicroBatchRecord
 from tda_plugins.capture.selection import LayerSelection
+from tda_plugins.grads.projection import ProjectionConfig
 
 LossFn = Callable[[nn.Module, Mapping[str, Any]], Tensor]
 
@@ -41,6 +43,49 @@ def _default_loss(model: nn.Module, batch: Mapping[str, Any]) -> Tensor:
     return causal_lm_example_losses(logits, batch["labels"])
 
 
+def capture_batch(
+    model: nn.Module,
+    batch: Mapping[str, Any],
+    loss_fn: LossFn | None = None,
+    layers: LayerSelection | None = None,
+    projection: ProjectionConfig | None = None,
+) -> MicroBatchRecord:
+    """Capture one batch through a temporary engine: each example's own loss gradient.
+
+    Same arguments as :func:`per_example_gradients`, plus ``projection``; returns the
+    engine's record (factorized or projected). The model's ``.grad`` is set aside during
+    the backward and restored.
+    """
+    loss_fn = loss_fn or _default_loss
+    collector = RecordCollector()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    # A real backward (reentrant checkpointing cannot run under autograd.grad), with the
+    # caller's .grad set aside and put back afterwards.
+    saved = [p.grad for p in trainable]
+    try:
+        for p in trainable:
+            p.grad = None
+        with CaptureEngine(model, layers, projection, [collector]) as engine:
+            with torch.enable_grad():
+                losses = loss_fn(model, batch)
+                if losses.dim() != 1:
+                    raise ValueError(
+                        "loss_fn must return (B,) per-example losses, got shape "
+                        f"{tuple(losses.shape)}"
+                    )
+                losses.sum().backward()
+            engine.flush()
+    finally:
+        for p, g in zip(trainable, saved, strict=True):
+            p.grad = g
+    if len(collector.records) != 1:
+        raise RuntimeError(
+            f"expected one captured micro-batch, got {len(collector.records)}: loss_fn must "
+            "make exactly one forward call of the model"
+        )
+    return collector.records[0]
+
+
 def per_example_gradients(
     model: nn.Module,
     batch: Mapping[str, Any],
@@ -62,33 +107,11 @@ def per_example_gradients(
         fp32 (fp64 for fp64 models): the gradient of each example's own loss. Parameters
         shared between captured modules (tied weights) get the sum of their contributions.
     """
-    loss_fn = loss_fn or _default_loss
-    collector = RecordCollector()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    # A real backward (reentrant checkpointing cannot run under autograd.grad), with the
-    # caller's .grad set aside and put back afterwards.
-    saved = [p.grad for p in trainable]
-    try:
-        for p in trainable:
-            p.grad = None
-        with CaptureEngine(model, layers=layers, consumers=[collector]) as engine:
-            with torch.enable_grad():
-                losses = loss_fn(model, batch)
-                if losses.dim() != 1:
-                    raise ValueError(
-                        "loss_fn must return (B,) per-example losses, got shape "
-                        f"{tuple(losses.shape)}"
-                    )
-                losses.sum().backward()
-            engine.flush()
-    finally:
-        for p, g in zip(trainable, saved, strict=True):
-            p.grad = g
+    record = capture_batch(model, batch, loss_fn, layers)
     canonical = {id(p): n for n, p in model.named_parameters()}
     by_module = dict(model.named_parameters(remove_duplicate=False))
     out: dict[str, Tensor] = {}
-    for record in collector.records:
-        for qualified, grad in record.param_grads().items():
-            name = canonical[id(by_module[qualified])]
-            out[name] = out[name] + grad if name in out else grad
+    for qualified, grad in record.param_grads().items():
+        name = canonical[id(by_module[qualified])]
+        out[name] = out[name] + grad if name in out else grad
     return out

@@ -16,10 +16,12 @@ from tda_plugins import (
     ProjectionConfig,
     causal_lm_example_losses,
 )
+from tda_plugins.methods import Scores
 from tda_plugins.precondition import CurvatureAccumulator
 from tda_plugins.store import GradientStore, StoreReader
 
 LossFn = Callable[[nn.Module, Mapping[str, Tensor]], Tensor]
+OracleFn = Callable[[nn.Module, Mapping[str, Tensor], list[str]], dict[str, Tensor]]
 
 
 def summed_loss(model: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
@@ -62,11 +64,13 @@ def capture_store(
     loss is divided by its :func:`label_tokens` (a trainer's mean loss) and the engine is
     told that count as the loss scale. ``rank`` writes the capture as that rank's part.
     """
-    consumers: list[CaptureConsumer] = [GradientStore(path, rank=rank, keep_tokens=keep_tokens)]
+    store = GradientStore(path, rank=rank, keep_tokens=keep_tokens)
+    consumers: list[CaptureConsumer] = [store]
     if curvature:
         consumers.append(CurvatureAccumulator(path, rank=rank))
     normalization = ManualScale()
     with CaptureEngine(model, layers, projection, consumers, normalization) as engine:
+        engine.resume_at_step(store.next_step)  # appending to a store continues its steps
         for batch in batches:
             scale = label_tokens(batch) if mean_loss else 1
             normalization.value = scale
@@ -78,13 +82,64 @@ def capture_store(
 
 
 def flat_oracle_grads(
-    model: nn.Module, batches: Iterable[Mapping[str, Tensor]], names: list[str]
+    model: nn.Module,
+    batches: Iterable[Mapping[str, Tensor]],
+    names: list[str],
+    oracle: OracleFn | None = None,
 ) -> torch.Tensor:
-    """``(N, D)`` per-example gradients of the parameters ``names`` from the loop oracle."""
+    """``(N, D)`` per-example gradients of the parameters ``names``, concatenated in that
+    order, from ``oracle`` (default: the loop oracle; ``func_oracle`` needs right padding)."""
     from tests.oracle import loop_oracle
 
+    oracle = oracle or loop_oracle
     rows = []
     for batch in batches:
-        grads = loop_oracle(model, batch, names)
+        grads = oracle(model, batch, names)
         rows.append(torch.cat([grads[n].flatten(1) for n in names], dim=1))
     return torch.cat(rows)
+
+
+def linear_parameter_names(model: nn.Module) -> list[str]:
+    """Trainable parameters owned only by linear layers (``nn.Linear``, transformers
+    ``Conv1D``), in model order: what ``LayerSelection(kind="linear")`` promises, worked out
+    without the engine. A weight tied to another module (GPT-2's ``lm_head`` and ``wte``)
+    is not among them."""
+    owners: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(module)
+
+    def linear(module: nn.Module) -> bool:
+        return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+    return [
+        n
+        for n, p in model.named_parameters()
+        if p.requires_grad and all(linear(m) for m in owners[id(p)])
+    ]
+
+
+def store_parameter_names(model: nn.Module, store: StoreReader) -> list[str]:
+    """Parameters of the modules a store captured, named as in ``model.named_parameters()``."""
+    return [
+        f"{layer}.{local}"
+        for layer in store.layer_names
+        for local, _ in model.get_submodule(layer).named_parameters(recurse=False)
+    ]
+
+
+def scores_by_id(scores: Scores, train_ids: Tensor, query_ids: Tensor) -> Tensor:
+    """``scores.values`` with rows in ``train_ids`` and columns in ``query_ids`` order; fails
+    unless the scores hold exactly those ids."""
+    rows = {int(i): r for r, i in enumerate(scores.train_ids.tolist())}
+    cols = {int(i): c for c, i in enumerate(scores.query_ids.tolist())}
+    assert sorted(rows) == sorted(train_ids.tolist()), "scores hold other training ids"
+    assert sorted(cols) == sorted(query_ids.tolist()), "scores hold other query ids"
+    index_rows = torch.tensor([rows[i] for i in train_ids.tolist()])
+    index_cols = torch.tensor([cols[i] for i in query_ids.tolist()])
+    return scores.values[index_rows][:, index_cols]
+
+
+def rel_error(got: Tensor, ref: Tensor) -> float:
+    """``||got - ref|| / ||ref||`` (Frobenius), in fp64."""
+    return ((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-300)).item()

@@ -39,6 +39,11 @@ def _tokenize(row: dict[str, Any], tokenizer: Any, max_length: int, line: int) -
         labels = [int(t) for t in row.get("labels", ids)][:max_length]
         text = tokenizer.decode(ids) if tokenizer is not None else " ".join(map(str, ids))
         return Example(ids, labels, text, example_id)
+    if not ({"text", "messages"} & set(row) or {"prompt", "completion"} <= set(row)):
+        raise ValueError(
+            f"line {line}: an example needs 'text', 'prompt'+'completion', 'messages' or "
+            f"'input_ids'; got keys {sorted(row)}"
+        )
     if tokenizer is None:
         raise ValueError(
             f"line {line}: text examples need a tokenizer; save one in the model directory "
@@ -53,14 +58,9 @@ def _tokenize(row: dict[str, Any], tokenizer: Any, max_length: int, line: int) -
         ids = (prompt + completion)[:max_length]
         labels = ([-100] * len(prompt) + completion)[:max_length]
         return Example(ids, labels, row["prompt"] + row["completion"], example_id)
-    if "messages" in row:
-        ids = tokenizer.apply_chat_template(row["messages"], tokenize=True)[:max_length]
-        text = "\n".join(f"{m['role']}: {m['content']}" for m in row["messages"])
-        return Example(list(ids), list(ids), text, example_id)
-    raise ValueError(
-        f"line {line}: an example needs 'text', 'prompt'+'completion', 'messages' or "
-        f"'input_ids'; got keys {sorted(row)}"
-    )
+    ids = tokenizer.apply_chat_template(row["messages"], tokenize=True)[:max_length]
+    text = "\n".join(f"{m['role']}: {m['content']}" for m in row["messages"])
+    return Example(list(ids), list(ids), text, example_id)
 
 
 def read_examples(path: str | Path, tokenizer: Any, max_length: int) -> list[Example]:

@@ -21,7 +21,8 @@ Nothing in the hooks reads tensor values on the host: records stay on the model'
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any, Self
 
@@ -108,6 +109,7 @@ class CaptureEngine:
         self._step_records: list[MicroBatchRecord] = []
         self._explicit_ids: Tensor | None = None
         self._finish_queued = False
+        self._paused = False
         self._micro_batches = 0
         self._step = 0
 
@@ -179,6 +181,16 @@ class CaptureEngine:
     def __exit__(self, *exc: object) -> None:
         self.detach()
 
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Forward and backward passes inside this block are not captured (e.g. the
+        gradients of query examples computed between training steps)."""
+        self._paused, self._pending = True, None
+        try:
+            yield
+        finally:
+            self._paused = False
+
     def add_consumer(self, consumer: CaptureConsumer) -> None:
         """Register a consumer for the micro-batches that finish from now on."""
         if self.attached:
@@ -221,7 +233,7 @@ class CaptureEngine:
     # -- hooks -----------------------------------------------------------------------
 
     def _on_root_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not torch.is_grad_enabled():
+        if self._paused or not torch.is_grad_enabled():
             return
         # A previous micro-batch whose end-of-backward callback never ran is done now.
         self.flush()
@@ -262,7 +274,7 @@ class CaptureEngine:
         self, name: str, adapter: LayerAdapter, module: nn.Module, args: tuple, output: Any
     ) -> Any:
         batch = self._pending
-        if batch is None or not torch.is_grad_enabled():
+        if batch is None or self._paused or not torch.is_grad_enabled():
             return None
         out = output if isinstance(output, Tensor) else output[0]
         if not out.requires_grad:

@@ -90,8 +90,13 @@ class CurvatureAccumulator(CaptureConsumer):
 
     def on_attach(self, config: CaptureConfig) -> None:
         existing = rank_dir(self.root, self.rank) / CURVATURE_FILE
-        if existing.exists():  # a resumed run keeps accumulating
+        if existing.exists() and not self.factors:  # an appending run keeps accumulating
             self.factors = _read(existing)
+
+    def restore(self, path: str | Path) -> None:
+        """Replace the statistics by those saved at ``path`` (a training checkpoint's copy,
+        so that a run resumed from it counts every step exactly once)."""
+        self.factors = _read(Path(path))
 
     def on_micro_batch(self, record: MicroBatchRecord) -> None:
         for name, layer in record.layers.items():
@@ -113,16 +118,17 @@ class CurvatureAccumulator(CaptureConsumer):
     def on_end(self) -> None:
         self.save()
 
-    def save(self) -> None:
-        """Write the statistics so far (atomically) into the store's rank directory."""
-        directory = rank_dir(self.root, self.rank)
-        directory.mkdir(parents=True, exist_ok=True)
+    def save(self, path: str | Path | None = None) -> None:
+        """Write the statistics so far (atomically) to ``path``, by default into the store's
+        rank directory."""
+        target = Path(path) if path is not None else rank_dir(self.root, self.rank) / CURVATURE_FILE
+        target.parent.mkdir(parents=True, exist_ok=True)
         tensors = {}
         for name, stats in self.factors.items():
             tensors[f"{name}::A"] = stats.a_sum.cpu().contiguous()
             tensors[f"{name}::S"] = stats.g_sum.cpu().contiguous()
             tensors[f"{name}::tokens"] = stats.tokens.cpu().reshape(1)
-        atomic_write_bytes(directory / CURVATURE_FILE, save(tensors))
+        atomic_write_bytes(target, save(tensors))
 
 
 def _read(path: Path) -> dict[str, KroneckerFactors]:

@@ -1,0 +1,71 @@
+"""How transformers' and TRL's trainers normalize the causal-LM loss, read off each step.
+
+Two output forms are handled, both without a host sync:
+
+* ``output.loss`` (``Trainer``): the model's loss is ``sum of token losses / N`` with ``N``
+  the ``num_items_in_batch`` keyword (the accumulation window's token count, across
+  ranks) or, without it, the micro-batch's shifted label count; the trainer then
+  multiplies or divides it by ``c`` (world size, accumulation steps). The gradient
+  arriving at ``output.loss`` *is* ``c``, so ``loss_scale = N / c``.
+* ``output.log_probs`` (TRL ``SFTTrainer``'s fused head): the loss is
+  ``-c * sum(log_probs) / N``, so every entry of the gradient at ``log_probs`` is ``-c/N``
+  and ``loss_scale = -1 / mean(gradient)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class _GradientAt:
+    """Registers a hook on ``tensor`` and keeps the gradient that arrives there."""
+
+    def __init__(self, tensor: Tensor):
+        self.grad: Tensor | None = None
+        tensor.register_hook(self._keep)
+
+    def _keep(self, grad: Tensor) -> None:
+        self.grad = grad
+
+    def value(self) -> Tensor:
+        if self.grad is None:
+            raise RuntimeError(
+                "the trainer's loss was not backpropagated through the model output; "
+                "tda-plugins cannot derive the loss normalization of this trainer"
+            )
+        return self.grad
+
+
+def _field(output: Any, name: str) -> Tensor | None:
+    value = output.get(name) if isinstance(output, dict) else getattr(output, name, None)
+    return value if isinstance(value, Tensor) and value.requires_grad else None
+
+
+class CausalLMNormalization:
+    """Loss normalization of HF ``Trainer`` and TRL ``SFTTrainer`` causal-LM training."""
+
+    def observe(self, kwargs: dict[str, Any], output: Any) -> Callable[[], float | Tensor]:
+        log_probs = _field(output, "log_probs")
+        if log_probs is not None:
+            at_log_probs = _GradientAt(log_probs)
+            return lambda: -1.0 / at_log_probs.value().double().mean()
+        loss = _field(output, "loss")
+        if loss is None:
+            raise ValueError(
+                "the model output has neither a loss nor TRL's log_probs: train with labels "
+                "(a causal-LM collator), or capture with the engine and a LossNormalization "
+                "of your own"
+            )
+        at_loss = _GradientAt(loss)
+        count = kwargs.get("num_items_in_batch")
+        if count is None:
+            labels = kwargs.get("labels")
+            if not isinstance(labels, Tensor):
+                raise ValueError("cannot count the loss's tokens: no labels in the model call")
+            count = (labels[..., 1:] != -100).sum()
+        items = torch.as_tensor(count, dtype=torch.float64)
+        return lambda: items.to(at_loss.value().device) / at_loss.value().double()

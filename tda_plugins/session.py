@@ -1,0 +1,171 @@
+"""A capture session: engine + gradient store + inline curvature for one training run.
+
+The trainer integrations (transformers/TRL, OLMo-core) are thin adapters over this class:
+they translate their trainer's events into :meth:`CaptureSession.step`,
+:meth:`CaptureSession.save_checkpoint` and :meth:`CaptureSession.end`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+
+from tda_plugins.capture import CaptureConsumer, CaptureEngine, LayerSelection
+from tda_plugins.capture.normalization import LossNormalization
+from tda_plugins.capture.selection import SelectionKind
+from tda_plugins.grads.projection import MapKind, ProjectionConfig
+from tda_plugins.precondition.adam import save_adam_state
+from tda_plugins.precondition.curvature import CurvatureAccumulator
+from tda_plugins.store import GradientStore, StoreError
+
+
+@dataclass
+class CaptureSettings:
+    """What a training run records. Every field has a default except the store directory.
+
+    Attributes:
+        store_dir: where the gradient store is written (one ``rank-<r>/`` per process).
+        layers: ``"auto"`` (LoRA adapters on PEFT models, else linear layers), ``"linear"``,
+            ``"lora"`` or ``"all"`` (linear, embedding and norm scales).
+        include: regex; keep only layers whose module name matches.
+        exclude: regex; drop layers whose module name matches.
+        last_n_blocks: keep only layers in the last N transformer blocks.
+        projection: ``"none"`` (exact gradients), ``"factor"`` (LoGra, ``k_g x k_a`` per
+            layer) or ``"dense"`` (``k`` per layer).
+        k_a: factor projection rows for layer inputs.
+        k_g: factor projection rows for output gradients.
+        k: dense projection dimension.
+        projection_map: ``"gaussian"``, ``"rademacher"`` or ``"sparse_jl"``.
+        seed: projection seed (maps are deterministic from seed and layer name).
+        curvature: accumulate K-FAC statistics in the same pass (K-FAC, EK-FAC, LoGra).
+        keep_tokens: keep per-token factors in the store (token-level scores).
+        save_optimizer_state: at the end, save Adam moments of the captured layers (LESS).
+    """
+
+    store_dir: str
+    layers: SelectionKind = "auto"
+    include: str | None = None
+    exclude: str | None = None
+    last_n_blocks: int | None = None
+    projection: Literal["none", "factor", "dense"] = "none"
+    k_a: int = 16
+    k_g: int = 16
+    k: int = 256
+    projection_map: MapKind = "gaussian"
+    seed: int = 0
+    curvature: bool = True
+    keep_tokens: bool = False
+    save_optimizer_state: bool = True
+
+    def selection(self) -> LayerSelection:
+        return LayerSelection(
+            kind=self.layers,
+            include=self.include,
+            exclude=self.exclude,
+            last_n_blocks=self.last_n_blocks,
+        )
+
+    def projection_config(self) -> ProjectionConfig | None:
+        if self.projection == "none":
+            return None
+        return ProjectionConfig(
+            kind=self.projection,
+            k_a=self.k_a,
+            k_g=self.k_g,
+            k=self.k,
+            map=self.projection_map,
+            seed=self.seed,
+        )
+
+
+def _checkpoint_curvature(directory: str | Path, rank: int) -> Path:
+    return Path(directory) / f"tda_curvature-rank{rank}.safetensors"
+
+
+class CaptureSession:
+    """Records one training run into a gradient store.
+
+    Args:
+        settings: what to record.
+        model: the (unwrapped) model whose forward marks micro-batches.
+        normalization: how the trainer normalizes its loss (see ``capture.normalization``).
+        rank: this process's rank.
+        start_step: the optimizer step the run starts at (non-zero when resuming).
+        resume_from: the training checkpoint resumed from (restores the curvature
+            statistics saved with it, so no step is counted twice).
+        consumers: further consumers (influence logging, data selection).
+
+    A fresh run (``start_step == 0``) refuses a store that already holds steps; a resumed
+    run drops the store's steps from ``start_step`` on, so the store continues with no
+    duplicated or missing step.
+    """
+
+    def __init__(
+        self,
+        settings: CaptureSettings,
+        model: nn.Module,
+        normalization: LossNormalization,
+        rank: int = 0,
+        start_step: int = 0,
+        resume_from: str | Path | None = None,
+        consumers: tuple[CaptureConsumer, ...] = (),
+    ):
+        self.settings = settings
+        self.rank = rank
+        self.store = GradientStore(settings.store_dir, rank=rank, keep_tokens=settings.keep_tokens)
+        committed = self.store.committed_steps
+        if start_step == 0 and committed:
+            raise StoreError(
+                f"{settings.store_dir} already holds steps {committed[0]}..{committed[-1]} of "
+                "another run; write to a new store_dir, or resume_from_checkpoint to continue it"
+            )
+        if start_step > self.store.next_step:
+            raise StoreError(
+                f"resuming at step {start_step}, but {settings.store_dir} (rank {rank}) ends at "
+                f"step {self.store.next_step - 1}: steps would be missing; use a new store_dir"
+            )
+        if committed and committed[-1] >= start_step:
+            self.store.truncate(from_step=start_step)
+        self.curvature = (
+            CurvatureAccumulator(settings.store_dir, rank) if settings.curvature else None
+        )
+        if self.curvature is not None and resume_from is not None:
+            saved = _checkpoint_curvature(resume_from, rank)
+            if saved.exists():
+                self.curvature.restore(saved)
+        own: tuple[CaptureConsumer, ...] = (self.store,)
+        if self.curvature is not None:
+            own = (*own, self.curvature)
+        self.engine = CaptureEngine(
+            model,
+            settings.selection(),
+            settings.projection_config(),
+            (*own, *consumers),
+            normalization,
+        )
+        self.engine.attach()
+        self.engine.resume_at_step(start_step)
+
+    def step(self) -> None:
+        """An optimizer step is about to happen: commit its micro-batches."""
+        self.engine.optimizer_step()
+
+    def save_checkpoint(self, directory: str | Path) -> None:
+        """Save what a resumed run needs beside the trainer's checkpoint."""
+        if self.curvature is not None:
+            self.curvature.save(_checkpoint_curvature(directory, self.rank))
+
+    def end(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Finish: commit, save statistics and (for Adam) the optimizer moments; detach."""
+        self.engine.end()
+        if (
+            self.settings.save_optimizer_state
+            and self.rank == 0
+            and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+        ):
+            save_adam_state(self.settings.store_dir, self.engine, optimizer)
+        self.engine.detach()
