@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from tda_plugins.api import capture_batch
+from tda_plugins.capture import CaptureEngine, content_hash
+from tda_plugins.influence import InfluenceLogger
 from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
 from tda_plugins.session import CaptureSession, CaptureSettings
 
@@ -132,3 +136,168 @@ class GradientCaptureCallback(TrainerCallback):
         if self.session is not None:
             self.session.end(unwrap_optimizer(optimizer))
             self.session = None
+
+
+def pad_examples(examples: list[dict[str, Any]], pad_id: int = 0) -> dict[str, Tensor]:
+    """Right-padded causal-LM batch from rows with ``input_ids`` (and optional ``labels``)."""
+    length = max(len(e["input_ids"]) for e in examples)
+    ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
+    labels = torch.full_like(ids, -100)
+    mask = torch.zeros_like(ids)
+    for row, e in enumerate(examples):
+        n = len(e["input_ids"])
+        ids[row, :n] = torch.as_tensor(e["input_ids"])
+        labels[row, :n] = torch.as_tensor(e.get("labels", e["input_ids"]))
+        mask[row, :n] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+class InfluenceLoggingCallback(TrainerCallback):
+    """Logs, during SFT, how each step's examples influence a fixed set of query examples.
+
+    Every ``every_n_steps`` optimizer steps it computes the queries' gradients at the
+    current weights (captured with the training run's hooks paused), scores the step's
+    examples against them from the training backward itself, and adds
+    ``influence/q<j>_mean`` and ``influence/q<j>_max`` to the trainer's logs (console,
+    ``state.log_history``; for ``report_to`` integrations, add it with
+    :meth:`add_to` so it runs before them). At the end it writes ``influence.json``,
+    ``influence.html`` (running top-k helpful/harmful examples with their texts) and
+    ``influence.png`` to ``report_dir`` (default ``<output_dir>/influence``).
+
+    Args:
+        queries: rows with ``input_ids`` (and optional ``labels``, -100 = no loss).
+        method: ``"gradcos"`` or ``"graddot"``.
+        every_n_steps: score every n-th optimizer step.
+        top_k: examples per query in the report.
+        report_dir: where the report goes.
+        **options: layer/projection fields of :class:`CaptureSettings` (``layers``,
+            ``include``, ``projection``, ``k_a``, ...); ``store_dir`` is not used.
+    """
+
+    def __init__(
+        self,
+        queries: list[dict[str, Any]],
+        method: Literal["graddot", "gradcos"] = "gradcos",
+        every_n_steps: int = 1,
+        top_k: int = 5,
+        report_dir: str | None = None,
+        **options: Any,
+    ):
+        if not queries:
+            raise ValueError("InfluenceLoggingCallback needs at least one query example")
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        self.settings = _settings(None, {"store_dir": "", **options})
+        self.queries = pad_examples(queries)
+        self.logger = InfluenceLogger(method)
+        self.every_n_steps = every_n_steps
+        self.top_k = top_k
+        self.report_dir = report_dir
+        self.engine: CaptureEngine | None = None
+        self.report: dict[str, Path] = {}
+
+    def add_to(self, trainer: Any) -> InfluenceLoggingCallback:
+        """Put this callback first in ``trainer``'s list, so ``report_to`` sees its metrics."""
+        trainer.callback_handler.callbacks.insert(0, self)
+        return self
+
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: nn.Module | None = None,
+        **kwargs: Any,
+    ) -> None:
+        model = check_trainer_setup(args, model)
+        self.engine = CaptureEngine(
+            model,
+            self.settings.selection(),
+            self.settings.projection_config(),
+            [self.logger],
+            CausalLMNormalization(),
+        ).attach()
+        self.engine.resume_at_step(state.global_step)
+
+    def on_step_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: nn.Module | None = None,
+        lr_scheduler: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if self.engine is None or model is None:
+            return
+        if state.global_step % self.every_n_steps:
+            self.logger.set_queries(None)
+            return
+        device = next(model.parameters()).device
+        batch = {k: v.to(device) for k, v in self.queries.items()}
+        was_training = model.training
+        model.eval()
+        try:
+            with self.engine.paused():
+                record = capture_batch(
+                    model, batch, None, self.settings.selection(), self.settings.projection_config()
+                )
+        finally:
+            model.train(was_training)
+        rate = float(lr_scheduler.get_last_lr()[0]) if lr_scheduler is not None else 1.0
+        self.logger.set_queries(record, rate)
+
+    def on_pre_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self.engine is not None:
+            self.engine.optimizer_step()
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        metrics = self.logger.metrics()
+        if logs is None or not metrics or "loss" not in logs:
+            return
+        logs.update(metrics)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(metrics)
+
+    def on_train_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        processing_class: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if self.engine is None:
+            return
+        self.engine.end()
+        self.engine.detach()
+        self.engine = None
+        query_ids = content_hash(self.queries["input_ids"], self.queries["attention_mask"])
+        decode = getattr(processing_class, "decode", None)
+
+        def text(tokens: list[int] | None) -> str | None:
+            if tokens is None:
+                return None
+            return decode(tokens) if decode is not None else " ".join(map(str, tokens))
+
+        seen = self.logger.cumulative_scores(query_ids).train_ids.tolist()
+        train_texts = {i: t for i in seen if (t := text(self.logger.tokens_of(i))) is not None}
+        query_texts = {
+            int(q): str(text(ids[m.bool()].tolist()))
+            for q, ids, m in zip(
+                query_ids, self.queries["input_ids"], self.queries["attention_mask"], strict=True
+            )
+        }
+        directory = self.report_dir or str(Path(str(args.output_dir)) / "influence")
+        self.report = self.logger.write_report(
+            directory, query_ids, train_texts, query_texts, self.top_k
+        )

@@ -44,9 +44,10 @@ from tda_plugins.grads.projection import ProjectionConfig, Projector
 class _PendingBatch:
     """Gradients delivered so far for one forward call of the root module."""
 
-    def __init__(self, example_ids: Tensor, token_mask: Tensor | None):
+    def __init__(self, example_ids: Tensor, token_mask: Tensor | None, input_ids: Tensor | None):
         self.example_ids = example_ids
         self.token_mask = token_mask
+        self.input_ids = input_ids
         self.loss_scale: LossScale = SummedLoss().observe({}, None)
         self.grads: dict[str, PerExampleGrad] = {}
 
@@ -250,7 +251,12 @@ class CaptureEngine:
                 )
             same_shape = token_mask is not None and token_mask.shape == input_ids.shape
             ids = content_hash(input_ids, token_mask if same_shape else None)
-        self._pending = _PendingBatch(ids, token_mask)
+        tokens = (
+            input_ids
+            if isinstance(input_ids, Tensor) and not input_ids.is_floating_point()
+            else None
+        )
+        self._pending = _PendingBatch(ids, token_mask, tokens)
 
     def _on_root_output(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         batch = self._pending
@@ -330,6 +336,7 @@ class CaptureEngine:
             },
             projected=self.projector is not None,
             loss_scale=batch.loss_scale(),
+            input_ids=batch.input_ids,
         )
         self._micro_batches += 1
         for consumer in self._consumers:

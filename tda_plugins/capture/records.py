@@ -52,6 +52,8 @@ class MicroBatchRecord:
             forward call had no 2-D attention mask.
         layers: module name -> :class:`LayerRecord`, in model order.
         projected: whether the gradients were projected in the hook.
+        input_ids: ``(B, T)`` token ids of the forward call, when it had them (a reference,
+            for reports; never copied by the engine).
         loss_scale: multiply the gradients by this to get each example's own gradient
             under the store's loss convention (e.g. the token count a mean loss divided
             by); 1 when the backpropagated loss already was the per-example summed loss.
@@ -64,6 +66,7 @@ class MicroBatchRecord:
     layers: dict[str, LayerRecord] = field(default_factory=dict)
     projected: bool = False
     loss_scale: float | Tensor = 1.0
+    input_ids: Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -88,6 +91,7 @@ class MicroBatchRecord:
             loss_scale=move(self.loss_scale)
             if isinstance(self.loss_scale, Tensor)
             else self.loss_scale,
+            input_ids=None if self.input_ids is None else move(self.input_ids),
         )
 
     def param_grads(self) -> dict[str, Tensor]:
