@@ -145,3 +145,11 @@ def test_forcing_an_unavailable_route_is_an_error() -> None:
     train, query = _pair("dense")
     with pytest.raises(ValueError, match="not available"):
         cross_gram(train, query, route=Route.FACTORIZED)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_weighted_sum_equals_weighted_materialized_rows(kind: str) -> None:
+    """``sum_i w_i dW_i`` from the factors equals the weighted sum of explicit gradients."""
+    train, _ = _pair(kind)
+    weights = torch.tensor([0.5, 0.0, -2.0], dtype=torch.float64)
+    torch.testing.assert_close(train.weighted_sum(weights), weights @ _explicit_materialize(train))

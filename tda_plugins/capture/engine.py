@@ -44,10 +44,17 @@ from tda_plugins.grads.projection import ProjectionConfig, Projector
 class _PendingBatch:
     """Gradients delivered so far for one forward call of the root module."""
 
-    def __init__(self, example_ids: Tensor, token_mask: Tensor | None, input_ids: Tensor | None):
+    def __init__(
+        self,
+        example_ids: Tensor,
+        token_mask: Tensor | None,
+        input_ids: Tensor | None,
+        labels: Tensor | None,
+    ):
         self.example_ids = example_ids
         self.token_mask = token_mask
         self.input_ids = input_ids
+        self.labels = labels
         self.loss_scale: LossScale = SummedLoss().observe({}, None)
         self.grads: dict[str, PerExampleGrad] = {}
 
@@ -256,7 +263,9 @@ class CaptureEngine:
             if isinstance(input_ids, Tensor) and not input_ids.is_floating_point()
             else None
         )
-        self._pending = _PendingBatch(ids, token_mask, tokens)
+        labels = kwargs.get("labels")
+        labels = labels if isinstance(labels, Tensor) else None
+        self._pending = _PendingBatch(ids, token_mask, tokens, labels)
 
     def _on_root_output(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         batch = self._pending
@@ -337,6 +346,7 @@ class CaptureEngine:
             projected=self.projector is not None,
             loss_scale=batch.loss_scale(),
             input_ids=batch.input_ids,
+            labels=batch.labels,
         )
         self._micro_batches += 1
         for consumer in self._consumers:

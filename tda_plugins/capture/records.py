@@ -54,6 +54,7 @@ class MicroBatchRecord:
         projected: whether the gradients were projected in the hook.
         input_ids: ``(B, T)`` token ids of the forward call, when it had them (a reference,
             for reports; never copied by the engine).
+        labels: the ``labels`` keyword of the forward call, when it had one (a reference).
         loss_scale: multiply the gradients by this to get each example's own gradient
             under the store's loss convention (e.g. the token count a mean loss divided
             by); 1 when the backpropagated loss already was the per-example summed loss.
@@ -67,6 +68,7 @@ class MicroBatchRecord:
     projected: bool = False
     loss_scale: float | Tensor = 1.0
     input_ids: Tensor | None = None
+    labels: Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -92,6 +94,7 @@ class MicroBatchRecord:
             if isinstance(self.loss_scale, Tensor)
             else self.loss_scale,
             input_ids=None if self.input_ids is None else move(self.input_ids),
+            labels=None if self.labels is None else move(self.labels),
         )
 
     def param_grads(self) -> dict[str, Tensor]:

@@ -82,6 +82,11 @@ class PerExampleGrad(ABC):
         """Apply ``fn`` to every tensor (device moves, detaching)."""
 
     @abstractmethod
+    def weighted_sum(self, weights: Tensor) -> Tensor:
+        """``sum_i w_i dW_i`` as a ``(D,)`` vector, for ``(B,)`` weights, without
+        materializing per-example gradients (cost of one weight-gradient matmul)."""
+
+    @abstractmethod
     def scaled(self, factor: float | Tensor) -> Self:
         """``factor`` times the per-example gradients."""
 
@@ -286,6 +291,14 @@ class TokenFactors(PerTokenGrad):
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> TokenFactors:
         return TokenFactors(fn(self.a), fn(self.g), self.bias)
 
+    def weighted_sum(self, weights: Tensor) -> Tensor:
+        g = (
+            self.g.to(accumulation_dtype(self.g))
+            * weights.to(accumulation_dtype(self.g))[:, None, None]
+        )
+        a = self.augmented_a()
+        return (g.reshape(-1, self.out_dim).T @ a.reshape(-1, self.in_dim)).flatten()
+
     def scaled(self, factor: float | Tensor) -> TokenFactors:
         return TokenFactors(self.a, self.g * factor, self.bias)
 
@@ -385,6 +398,12 @@ class EmbeddingFactors(PerTokenGrad):
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> EmbeddingFactors:
         return EmbeddingFactors(fn(self.ids), fn(self.g), self.num_embeddings)
 
+    def weighted_sum(self, weights: Tensor) -> Tensor:
+        g = self._g() * weights.to(self._g().dtype)[:, None, None]
+        out = g.new_zeros(self.num_embeddings, g.shape[2])
+        out.index_add_(0, self.ids.reshape(-1), g.reshape(-1, g.shape[2]))
+        return out.flatten()
+
     def scaled(self, factor: float | Tensor) -> EmbeddingFactors:
         return EmbeddingFactors(self.ids, self.g * factor, self.num_embeddings)
 
@@ -462,6 +481,10 @@ class DenseGrad(PerExampleGrad):
 
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> DenseGrad:
         return DenseGrad(fn(self.values))
+
+    def weighted_sum(self, weights: Tensor) -> Tensor:
+        values = self.materialize()
+        return weights.to(values.dtype) @ values
 
     def scaled(self, factor: float | Tensor) -> DenseGrad:
         return DenseGrad(self.values * factor)

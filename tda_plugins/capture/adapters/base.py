@@ -41,14 +41,21 @@ class LayerAdapter(ABC):
         """Per-example gradients of one call: ``x`` is the layer input, ``grad_output``
         ``(B, ..., N_o)`` the gradient w.r.t. the call's output."""
 
-    @abstractmethod
     def param_grads(self, module: nn.Module, grads: PerExampleGrad) -> dict[str, Tensor]:
-        """Local parameter name -> ``(B, *param.shape)`` per-example gradient (fp32/fp64)."""
+        """Local parameter name -> ``(B, *param.shape)`` per-example gradient (fp32/fp64).
+
+        Only for unprojected captures (a projected gradient has no parameter layout).
+        """
+        return self.unflatten(module, grads.materialize())
+
+    @abstractmethod
+    def unflatten(self, module: nn.Module, flat: Tensor) -> dict[str, Tensor]:
+        """``(..., D)`` in the materialized layout -> local name -> ``(..., *param.shape)``."""
 
     @abstractmethod
     def flatten(self, module: nn.Module, values: dict[str, Tensor]) -> Tensor:
-        """Inverse of :meth:`param_grads` for one example: per-parameter tensors in their
-        own shapes (e.g. optimizer state) -> ``(D,)`` in the materialized layout."""
+        """Inverse of :meth:`unflatten` for one vector: per-parameter tensors in their own
+        shapes (optimizer state, ``.grad``) -> ``(D,)`` in the materialized layout."""
 
 
 def qualified_name(cls: type) -> str:

@@ -31,9 +31,8 @@ class EmbeddingAdapter(LayerAdapter):
     def _weight(self, module: nn.Module) -> nn.Parameter:
         return self.captured_parameters(module)["weight"]
 
-    def param_grads(self, module: nn.Module, grads: PerExampleGrad) -> dict[str, Tensor]:
-        shape = self._weight(module).shape
-        return {"weight": grads.materialize().view(grads.batch_size, *shape)}
+    def unflatten(self, module: nn.Module, flat: Tensor) -> dict[str, Tensor]:
+        return {"weight": flat.reshape(*flat.shape[:-1], *self._weight(module).shape)}
 
     def flatten(self, module: nn.Module, values: dict[str, Tensor]) -> Tensor:
         return values["weight"].flatten()

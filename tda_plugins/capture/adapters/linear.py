@@ -44,19 +44,15 @@ class LinearAdapter(LayerAdapter):
         """``(..., N_o, N_i)`` <-> the weight's own layout (an involution)."""
         return t
 
-    def param_grads(self, module: nn.Module, grads: PerExampleGrad) -> dict[str, Tensor]:
-        if "weight" not in self.captured_parameters(module):
-            return {"bias": grads.materialize()}
-        if not isinstance(grads, TokenFactors):
-            raise TypeError(
-                f"{type(grads).__name__} cannot be split into parameters: it was projected; "
-                "capture without projection to get per-parameter gradients"
-            )
-        full = grads.materialize().view(grads.batch_size, grads.out_dim, grads.in_dim)
-        n_i = grads.a.shape[2]
-        out = {"weight": self.weight_layout(full[:, :, :n_i])}
-        if grads.bias:
-            out["bias"] = full[:, :, n_i]
+    def unflatten(self, module: nn.Module, flat: Tensor) -> dict[str, Tensor]:
+        params = self.captured_parameters(module)
+        if "weight" not in params:
+            return {"bias": flat}
+        n_o, n_i = self.weight_layout(params["weight"]).shape
+        full = flat.reshape(*flat.shape[:-1], n_o, n_i + int("bias" in params))
+        out = {"weight": self.weight_layout(full[..., :n_i])}
+        if "bias" in params:
+            out["bias"] = full[..., n_i]
         return out
 
     def flatten(self, module: nn.Module, values: dict[str, Tensor]) -> Tensor:

@@ -47,17 +47,12 @@ class NormAdapter(LayerAdapter):
             parts.append(g.reshape(batch, -1, n).sum(1))
         return DenseGrad(torch.cat(parts, dim=1))
 
-    def param_grads(self, module: nn.Module, grads: PerExampleGrad) -> dict[str, Tensor]:
+    def unflatten(self, module: nn.Module, flat: Tensor) -> dict[str, Tensor]:
         params = self.captured_parameters(module)
-        values = grads.materialize()
-        offsets = [0]
-        for p in params.values():
-            offsets.append(offsets[-1] + p.numel())
+        parts = flat.split([p.numel() for p in params.values()], dim=-1)
         return {
-            name: values[:, start:stop].view(grads.batch_size, *p.shape)
-            for (name, p), start, stop in zip(
-                params.items(), offsets[:-1], offsets[1:], strict=True
-            )
+            name: part.reshape(*flat.shape[:-1], *p.shape)
+            for (name, p), part in zip(params.items(), parts, strict=True)
         }
 
     def flatten(self, module: nn.Module, values: dict[str, Tensor]) -> Tensor:
