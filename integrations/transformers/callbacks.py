@@ -19,9 +19,11 @@ from torch import Tensor, nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from tda_plugins.api import capture_batch
-from tda_plugins.capture import CaptureEngine, content_hash
+from tda_plugins.capture import CaptureEngine, MicroBatchRecord, content_hash
 from tda_plugins.influence import InfluenceLogger
 from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
+from tda_plugins.selection import DataSelector, StepSelection, rule_by_name
+from tda_plugins.selection.selector import Granularity, ScoreMode
 from tda_plugins.session import CaptureSession, CaptureSettings
 
 
@@ -301,3 +303,186 @@ class InfluenceLoggingCallback(TrainerCallback):
         self.report = self.logger.write_report(
             directory, query_ids, train_texts, query_texts, self.top_k
         )
+
+
+def causal_lm_token_counts(record: MicroBatchRecord) -> Tensor:
+    """``(B,)`` tokens each example's causal-LM loss sums over: shifted labels != -100."""
+    if record.labels is None:
+        raise ValueError("data selection needs labels in the model call to count loss tokens")
+    return (record.labels[..., 1:] != -100).sum(dim=-1)
+
+
+def uncaptured_trainable(model: nn.Module, engine: CaptureEngine) -> list[str]:
+    """Names of trainable parameters that no captured layer covers."""
+    covered = {
+        id(p)
+        for module, adapter in engine.captured_layers.values()
+        for p in adapter.captured_parameters(module).values()
+    }
+    return [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered]
+
+
+class DataSelectionCallback(TrainerCallback):
+    """Online data selection for ``Trainer``/``SFTTrainer`` (LoRA or full fine-tuning).
+
+    At every optimizer step, scores the step's examples (all micro-batches of the
+    accumulation window) against the summed gradient of ``target`` examples, drops the
+    ones the rule picks, and removes their exact contributions from ``.grad`` before
+    clipping and ``optimizer.step()``: the result equals a fresh backward over the kept
+    examples with the trainer's normalization (token mean over the kept examples'
+    label tokens, as ``num_items_in_batch`` does). Gradient clipping is taken over while
+    training (``max_grad_norm`` is applied after selection) and restored at the end.
+
+    Args:
+        target: rows with ``input_ids`` (optional ``labels``): the target pool.
+        rule: ``"bottom_fraction"``, ``"threshold"`` or ``"negative_in_bottom"``.
+        fraction: share of the step's examples the fraction rules consider.
+        threshold: score below which ``"threshold"`` drops.
+        score: ``"dot"``, ``"cosine"`` or ``"adam"`` (preconditioned by Adam's state).
+        granularity: ``"global"`` or ``"per_layer"``.
+        refresh_every: recompute the target gradient every n optimizer steps.
+        log_path: JSONL of dropped ids per step (default ``<output_dir>/selection.jsonl``).
+        **options: layer fields of :class:`CaptureSettings` (default layers: LoRA
+            adapters on PEFT models; full fine-tuning needs ``layers="all"`` so that
+            every trainable parameter is covered, else ``on_train_begin`` refuses).
+    """
+
+    def __init__(
+        self,
+        target: list[dict[str, Any]],
+        rule: str = "bottom_fraction",
+        fraction: float = 0.25,
+        threshold: float = 0.0,
+        score: ScoreMode = "dot",
+        granularity: Granularity = "global",
+        refresh_every: int = 1,
+        log_path: str | None = None,
+        **options: Any,
+    ):
+        if not target:
+            raise ValueError("DataSelectionCallback needs at least one target example")
+        if refresh_every < 1:
+            raise ValueError(f"refresh_every must be >= 1, got {refresh_every}")
+        if options.get("projection", "none") != "none":
+            raise ValueError("data selection removes exact contributions: use projection='none'")
+        self.settings = _settings(None, {"store_dir": "", **options})
+        self.target = pad_examples(target)
+        self.rule = rule_by_name(rule, **_rule_options(rule, fraction, threshold))
+        self.score = score
+        self.granularity = granularity
+        self.refresh_every = refresh_every
+        self.log_path = log_path
+        self.engine: CaptureEngine | None = None
+        self.selector: DataSelector | None = None
+        self._max_grad_norm = 0.0
+
+    @property
+    def history(self) -> list[StepSelection]:
+        """One :class:`StepSelection` per optimizer step so far."""
+        return [] if self.selector is None else self.selector.history
+
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: nn.Module | None = None,
+        optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        model = check_trainer_setup(args, model)
+        engine = CaptureEngine(model, self.settings.selection(), None, (), CausalLMNormalization())
+        engine.attach()
+        missing = uncaptured_trainable(model, engine)
+        if missing:
+            engine.detach()
+            raise UnsupportedTrainingSetup(
+                f"{len(missing)} trainable parameters are not captured ({missing[:3]}...), so "
+                "their .grad could not be corrected; use layers='all' for full fine-tuning, or "
+                "freeze them"
+            )
+        log_path = self.log_path or str(Path(str(args.output_dir)) / "selection.jsonl")
+        self.selector = DataSelector(
+            engine.captured_layers,
+            self.rule,
+            causal_lm_token_counts,
+            self.score,
+            self.granularity,
+            unwrap_optimizer(optimizer),
+            log_path,
+        )
+        engine.add_consumer(self.selector)
+        engine.resume_at_step(state.global_step)
+        self.engine = engine
+        self._max_grad_norm = float(args.max_grad_norm or 0.0)
+        args.max_grad_norm = 0.0  # clipping happens after selection, in on_pre_optimizer_step
+
+    def on_step_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: nn.Module | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if self.engine is None or self.selector is None or model is None:
+            return
+        if state.global_step % self.refresh_every:
+            return
+        device = next(model.parameters()).device
+        batch = {k: v.to(device) for k, v in self.target.items()}
+        was_training = model.training
+        model.eval()
+        try:
+            with self.engine.paused():
+                record = capture_batch(model, batch, None, self.settings.selection())
+        finally:
+            model.train(was_training)
+        self.selector.set_target(record)
+
+    def on_pre_optimizer_step(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: nn.Module | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if self.engine is None or model is None:
+            return
+        self.engine.optimizer_step()
+        if self._max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), self._max_grad_norm)
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if logs is None or not self.history or "loss" not in logs:
+            return
+        last = self.history[-1].summary()
+        metrics = {
+            "selection/kept": float(last["kept"]),
+            "selection/dropped": float(last["dropped"]),
+            "selection/mean_score": last["mean_score"],
+        }
+        logs.update(metrics)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(metrics)
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self.engine is not None:
+            self.engine.end()
+            self.engine.detach()
+            self.engine = None
+        args.max_grad_norm = self._max_grad_norm
+
+
+def _rule_options(rule: str, fraction: float, threshold: float) -> dict[str, float]:
+    return {"threshold": {"value": threshold}}.get(rule, {"fraction": fraction})

@@ -1,0 +1,98 @@
+"""Which examples of an optimizer step to drop, given their scores (registered rules).
+
+Every rule keeps at least one example: if it would drop them all, the best-scoring
+example is kept (an optimizer step on no data is never taken silently).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+RULES: dict[str, type[DropRule]] = {}
+
+
+def register_rule(name: str) -> Callable[[type[DropRule]], type[DropRule]]:
+    """Class decorator: make a rule available under ``name``."""
+
+    def decorate(cls: type[DropRule]) -> type[DropRule]:
+        cls.name = name
+        RULES[name] = cls
+        return cls
+
+    return decorate
+
+
+def rule_by_name(name: str, **options: float) -> DropRule:
+    if name not in RULES:
+        raise ValueError(f"unknown selection rule {name!r}; choose from {sorted(RULES)}")
+    return RULES[name](**options)
+
+
+def _bottom(scores: Tensor, fraction: float) -> Tensor:
+    """Mask of the ``floor(fraction * N)`` lowest scores (ties broken by position)."""
+    count = int(fraction * scores.shape[0])
+    mask = torch.zeros_like(scores, dtype=torch.bool)
+    mask[torch.argsort(scores, stable=True)[:count]] = True
+    return mask
+
+
+def _check_fraction(fraction: float) -> None:
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"fraction must be in [0, 1), got {fraction}")
+
+
+class DropRule(ABC):
+    """Decides the examples to keep from their ``(N,)`` scores (higher = more helpful)."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def dropped(self, scores: Tensor) -> Tensor:
+        """``(N,)`` bool mask of the examples the rule drops."""
+
+    def keep(self, scores: Tensor) -> Tensor:
+        """``(N,)`` bool mask of kept examples; never empty."""
+        keep = ~self.dropped(scores)
+        if not bool(keep.any()):
+            keep[torch.argmax(scores)] = True
+        return keep
+
+
+@register_rule("bottom_fraction")
+class BottomFraction(DropRule):
+    """Drop the lowest-scoring ``fraction`` of the step's examples."""
+
+    def __init__(self, fraction: float = 0.25):
+        _check_fraction(fraction)
+        self.fraction = fraction
+
+    def dropped(self, scores: Tensor) -> Tensor:
+        return _bottom(scores, self.fraction)
+
+
+@register_rule("threshold")
+class Threshold(DropRule):
+    """Drop every example scoring below ``value``."""
+
+    def __init__(self, value: float = 0.0):
+        self.value = value
+
+    def dropped(self, scores: Tensor) -> Tensor:
+        return scores < self.value
+
+
+@register_rule("negative_in_bottom")
+class NegativeInBottom(DropRule):
+    """Drop examples of the bottom ``fraction`` whose score is negative (they hurt)."""
+
+    def __init__(self, fraction: float = 0.5):
+        _check_fraction(fraction)
+        self.fraction = fraction
+
+    def dropped(self, scores: Tensor) -> Tensor:
+        return _bottom(scores, self.fraction) & (scores < 0)

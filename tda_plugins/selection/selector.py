@@ -1,0 +1,244 @@
+"""Online data selection: score a step's examples, drop the worst, remove them from ``.grad``.
+
+At each optimizer step (all micro-batches of the accumulation window together) every
+example ``i`` gets a score against a target gradient ``T`` (the summed gradient of a
+target pool at the current weights), from the gradients the training backward already
+produced:
+
+    dot:     s_i = <g_i, T>
+    cosine:  s_i = <g_i, T> / (|g_i| |T|)
+    adam:    s_i = <g_i, P T>, P = 1 / (sqrt(v_hat) + eps)   (the optimizer's current state)
+
+with ``g_i`` the example's own summed-token-loss gradient; ``global`` granularity sums
+over layers, ``per_layer`` lets each layer keep its own best examples. A
+:class:`~tda_plugins.selection.rules.DropRule` picks the dropped examples, and their
+exact contributions are removed from every captured parameter's ``.grad``:
+
+    G_new = (G - sum_{dropped} c_i) * N_all / N_kept
+
+``c_i`` is example ``i``'s contribution to ``.grad`` (the captured gradient) and ``N`` the
+loss's token counts (all examples of the window / kept ones). For a trainer that
+normalizes by the window's token count (HF ``num_items_in_batch``), this is exactly the
+gradient of a fresh backward over the kept examples alone. Under DDP each rank drops its
+own examples (per-rank selection); corrections and counts are all-reduced, so every
+rank's ``.grad`` stays identical.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from tda_plugins.capture.adapters import LayerAdapter
+from tda_plugins.capture.consumer import CaptureConsumer
+from tda_plugins.capture.records import MicroBatchRecord
+from tda_plugins.selection.rules import DropRule
+
+ScoreMode = Literal["dot", "cosine", "adam"]
+Granularity = Literal["global", "per_layer"]
+TokenCounter = Callable[[MicroBatchRecord], Tensor]
+
+
+@dataclass
+class StepSelection:
+    """What one optimizer step's selection did.
+
+    Attributes:
+        step: optimizer step.
+        example_ids: ``(N,)`` ids of the step's examples (this rank).
+        scores: ``(N,)`` global scores (per-layer mode: summed over layers).
+        dropped: ``(N,)`` bool, dropped in at least one layer.
+    """
+
+    step: int
+    example_ids: Tensor
+    scores: Tensor
+    dropped: Tensor
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "kept": int((~self.dropped).sum()),
+            "dropped": int(self.dropped.sum()),
+            "mean_score": float(self.scores.mean()),
+            "dropped_ids": self.example_ids[self.dropped].tolist(),
+        }
+
+
+def _all_reduce(t: Tensor) -> Tensor:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def _world_size() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
+class DataSelector(CaptureConsumer):
+    """Consumer that selects examples at each optimizer step and edits ``.grad``.
+
+    Args:
+        layers: the engine's captured layers (``engine.captured_layers``); every
+            trainable parameter of the model must belong to one (checked by the caller).
+        rule: which examples to drop.
+        token_counts: ``record -> (B,)`` number of tokens each example's loss sums over.
+        score: ``"dot"``, ``"cosine"`` or ``"adam"``.
+        granularity: ``"global"`` or ``"per_layer"``.
+        optimizer: needed for ``score="adam"``.
+        log_path: JSONL file receiving one line per step (dropped ids).
+    """
+
+    wants_step_records: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        layers: dict[str, tuple[nn.Module, LayerAdapter]],
+        rule: DropRule,
+        token_counts: TokenCounter,
+        score: ScoreMode = "dot",
+        granularity: Granularity = "global",
+        optimizer: torch.optim.Optimizer | None = None,
+        log_path: str | Path | None = None,
+    ):
+        if score not in ("dot", "cosine", "adam"):
+            raise ValueError(f"score must be 'dot', 'cosine' or 'adam', got {score!r}")
+        if granularity not in ("global", "per_layer"):
+            raise ValueError(f"granularity must be 'global' or 'per_layer', got {granularity!r}")
+        if score == "adam" and optimizer is None:
+            raise ValueError("score='adam' needs the optimizer")
+        self.layers = layers
+        self.rule = rule
+        self.token_counts = token_counts
+        self.score = score
+        self.granularity = granularity
+        self.optimizer = optimizer
+        self.log_path = Path(log_path) if log_path is not None else None
+        self.target: dict[str, Tensor] | None = None
+        self.history: list[StepSelection] = []
+        self._check_tied_parameters()
+
+    def _check_tied_parameters(self) -> None:
+        owners: dict[int, list[str]] = {}
+        for name, (module, adapter) in self.layers.items():
+            for p in adapter.captured_parameters(module).values():
+                owners.setdefault(id(p), []).append(name)
+        shared = [names for names in owners.values() if len(names) > 1]
+        if shared and self.granularity == "per_layer":
+            raise ValueError(
+                f"layers {shared[0]} share a parameter, so per-layer selection would apply two "
+                "different kept sets to it; use granularity='global'"
+            )
+
+    def set_target(self, target: MicroBatchRecord) -> None:
+        """The target pool's per-example gradients at the current weights; the target is
+        their sum (``target.loss_scale`` applied)."""
+        missing = set(self.layers) - set(target.layers)
+        if missing:
+            raise ValueError(f"the target was captured without layers {sorted(missing)[:3]}")
+        ones = torch.ones(target.batch_size, device=target.example_ids.device)
+        self.target = {
+            name: target.layers[name].grads.scaled(target.loss_scale).weighted_sum(ones)
+            for name in self.layers
+        }
+
+    # -- scoring ---------------------------------------------------------------------
+
+    def _adam_scale(self, name: str, like: Tensor) -> Tensor:
+        module, adapter = self.layers[name]
+        params = adapter.captured_parameters(module)
+        state = [self.optimizer.state.get(p, {}) if self.optimizer else {} for p in params.values()]
+        if any("exp_avg_sq" not in s for s in state):
+            return torch.ones_like(like)  # before the first step Adam has no moments: dot
+        group = self.optimizer.param_groups[0] if self.optimizer else {}
+        beta2, eps = group["betas"][1], group["eps"]
+        step = max(float(s["step"]) for s in state)
+        v = {local: s["exp_avg_sq"] for local, s in zip(params, state, strict=True)}
+        v_hat = adapter.flatten(module, v).to(like.dtype) / (1 - beta2**step)
+        return 1.0 / (v_hat.sqrt() + eps)
+
+    def _layer_scores(self, records: list[MicroBatchRecord]) -> tuple[dict[str, Tensor], ...]:
+        """Per layer: ``(N,)`` dots with the (preconditioned) target and squared norms."""
+        assert self.target is not None
+        dots: dict[str, Tensor] = {}
+        squares: dict[str, Tensor] = {}
+        for name in self.layers:
+            target = self.target[name]
+            if self.score == "adam":
+                target = target * self._adam_scale(name, target)
+            rows = [r.layers[name].grads.materialize() * r.loss_scale for r in records]
+            grads = torch.cat(rows)
+            dots[name] = grads @ target.to(grads.dtype)
+            squares[name] = grads.pow(2).sum(dim=1)
+        return dots, squares
+
+    def _keep_masks(
+        self, dots: dict[str, Tensor], squares: dict[str, Tensor]
+    ) -> tuple[dict[str, Tensor], Tensor]:
+        cosine = self.score == "cosine"
+        target_sq = {n: t.double().pow(2).sum() for n, t in (self.target or {}).items()}
+        if self.granularity == "global":
+            scores = torch.stack(list(dots.values())).sum(0)
+            if cosine:
+                norm = torch.stack(list(squares.values())).sum(0).sqrt()
+                scores = scores / (norm * torch.stack(list(target_sq.values())).sum().sqrt())
+            keep = self.rule.keep(scores)
+            return dict.fromkeys(dots, keep), scores
+        masks = {}
+        for name, dot in dots.items():
+            layer_scores = dot / (squares[name].sqrt() * target_sq[name].sqrt()) if cosine else dot
+            masks[name] = self.rule.keep(layer_scores)
+        return masks, torch.stack(list(dots.values())).sum(0)
+
+    # -- surgery -----------------------------------------------------------------------
+
+    def on_optimizer_step(self, step: int, records: list[MicroBatchRecord]) -> None:
+        if self.target is None or not records:
+            return
+        dots, squares = self._layer_scores(records)
+        masks, scores = self._keep_masks(dots, squares)
+        counts = torch.cat([self.token_counts(r) for r in records]).double()
+        total = _all_reduce(counts.sum().clone())
+        corrections: dict[int, tuple[nn.Parameter, Tensor, Tensor]] = {}
+        for name, keep in masks.items():
+            module, adapter = self.layers[name]
+            drop = (~keep).double()
+            offsets = [0]
+            for r in records:
+                offsets.append(offsets[-1] + r.batch_size)
+            removed = sum(
+                r.layers[name].grads.weighted_sum(drop[start:stop])
+                for r, start, stop in zip(records, offsets[:-1], offsets[1:], strict=True)
+            )
+            kept_tokens = _all_reduce((counts * keep.double()).sum().clone())
+            factor = total / kept_tokens
+            world = _world_size()
+            removed = _all_reduce(torch.as_tensor(removed).clone()) / world
+            for local, value in adapter.unflatten(module, removed).items():
+                param = adapter.captured_parameters(module)[local]
+                previous = corrections.get(id(param))
+                total_value = value if previous is None else previous[1] + value
+                corrections[id(param)] = (param, total_value, factor)
+        for param, removed_value, factor in corrections.values():
+            if param.grad is None:
+                continue
+            new = (param.grad.double() - removed_value.double()) * factor
+            param.grad.copy_(new.to(param.grad.dtype))
+        dropped = torch.stack([~m for m in masks.values()]).any(0)
+        ids = torch.cat([r.example_ids for r in records])
+        outcome = StepSelection(step, ids.cpu(), scores.detach().float().cpu(), dropped.cpu())
+        self.history.append(outcome)
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with self.log_path.open("a") as f:
+                f.write(json.dumps(outcome.summary()) + "\n")
