@@ -12,8 +12,7 @@ example's gradient of its own summed token loss; higher = more helpful to the qu
 from __future__ import annotations
 
 from abc import ABC
-from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -23,28 +22,18 @@ from tda_plugins.grads.factors import PerExampleGrad
 from tda_plugins.grads.ops import cross_gram, per_token_scores, sq_norms
 from tda_plugins.methods.scores import Scores
 from tda_plugins.precondition.base import Identity, Preconditioner
+from tda_plugins.registry import Registry
 from tda_plugins.store.layout import StoreError
 from tda_plugins.store.reader import StoreChunk, StoreReader
 
-METHODS: dict[str, type[AttributionMethod]] = {}
+METHODS: Registry[AttributionMethod] = Registry("attribution method")
+#: Class decorator: make a method available under a name (CLI ``--method``).
+register_method = METHODS.register
 
 
-def register_method(name: str) -> Callable[[type[AttributionMethod]], type[AttributionMethod]]:
-    """Class decorator: make a method available under ``name`` (CLI ``--method``)."""
-
-    def decorate(cls: type[AttributionMethod]) -> type[AttributionMethod]:
-        cls.name = name
-        METHODS[name] = cls
-        return cls
-
-    return decorate
-
-
-def method_by_name(name: str, **options: object) -> AttributionMethod:
+def method_by_name(name: str, **options: Any) -> AttributionMethod:
     """Instantiate a registered method; unknown names list the known ones."""
-    if name not in METHODS:
-        raise ValueError(f"unknown attribution method {name!r}; choose from {sorted(METHODS)}")
-    return METHODS[name](**options)  # type: ignore[arg-type]
+    return METHODS.create(name, **options)
 
 
 class AttributionMethod(ABC):

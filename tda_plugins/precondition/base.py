@@ -7,24 +7,15 @@ the strategy instead of branching on its name (the Kronfluence pattern).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from typing import ClassVar
 
 from tda_plugins.grads.factors import PerExampleGrad
+from tda_plugins.registry import Registry
 from tda_plugins.store.reader import StoreReader
 
-PRECONDITIONERS: dict[str, type[Preconditioner]] = {}
-
-
-def register_preconditioner(name: str) -> Callable[[type[Preconditioner]], type[Preconditioner]]:
-    """Class decorator: make a preconditioner available under ``name``."""
-
-    def decorate(cls: type[Preconditioner]) -> type[Preconditioner]:
-        cls.name = name
-        PRECONDITIONERS[name] = cls
-        return cls
-
-    return decorate
+PRECONDITIONERS: Registry[Preconditioner] = Registry("preconditioner")
+#: Class decorator: make a preconditioner available under a name.
+register_preconditioner = PRECONDITIONERS.register
 
 
 class Preconditioner(ABC):

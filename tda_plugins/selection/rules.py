@@ -7,30 +7,21 @@ example is kept (an optimizer step on no data is never taken silently).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-RULES: dict[str, type[DropRule]] = {}
+from tda_plugins.registry import Registry
 
-
-def register_rule(name: str) -> Callable[[type[DropRule]], type[DropRule]]:
-    """Class decorator: make a rule available under ``name``."""
-
-    def decorate(cls: type[DropRule]) -> type[DropRule]:
-        cls.name = name
-        RULES[name] = cls
-        return cls
-
-    return decorate
+RULES: Registry[DropRule] = Registry("selection rule")
+#: Class decorator: make a rule available under a name.
+register_rule = RULES.register
 
 
 def rule_by_name(name: str, **options: float) -> DropRule:
-    if name not in RULES:
-        raise ValueError(f"unknown selection rule {name!r}; choose from {sorted(RULES)}")
-    return RULES[name](**options)
+    """Instantiate a registered rule; unknown names list the known ones."""
+    return RULES.create(name, **options)
 
 
 def _bottom(scores: Tensor, fraction: float) -> Tensor:
