@@ -154,7 +154,108 @@ def pad_examples(examples: list[dict[str, Any]], pad_id: int = 0) -> dict[str, T
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-class InfluenceLoggingCallback(TrainerCallback):
+class PoolCallback(TrainerCallback):
+    """Base of the callbacks that score each step against a pool of examples (queries or a
+    target set) whose gradients are captured at the current weights before the step.
+
+    Subclasses give the consumer that scores the step and what to do with the pool's
+    gradients (:meth:`use_pool`); this class owns the engine, the pool capture (training
+    hooks paused, model in eval mode), the step signal and the log plumbing.
+    """
+
+    def __init__(self, pool: list[dict[str, Any]], every_n_steps: int, options: dict[str, Any]):
+        if not pool:
+            raise ValueError(f"{type(self).__name__} needs at least one example in its pool")
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        self.settings = _settings(None, {"store_dir": "", **options})
+        self.pool = pad_examples(pool)
+        self.every_n_steps = every_n_steps
+        self.engine: CaptureEngine | None = None
+
+    def add_to(self, trainer: Any) -> PoolCallback:
+        """Put this callback first in ``trainer``'s list, so ``report_to`` sees its metrics."""
+        trainer.callback_handler.callbacks.insert(0, self)
+        return self
+
+    def attach(self, model: nn.Module, state: TrainerState) -> CaptureEngine:
+        """Hook ``model`` with this callback's layers and normalization (no consumer yet)."""
+        engine = CaptureEngine(
+            model,
+            self.settings.selection(),
+            self.settings.projection_config(),
+            (),
+            CausalLMNormalization(),
+        ).attach()
+        engine.resume_at_step(state.global_step)
+        self.engine = engine
+        return engine
+
+    def use_pool(self, record: MicroBatchRecord | None, lr_scheduler: Any) -> None:
+        """The pool's gradients at the coming step's weights (``None``: not due)."""
+        raise NotImplementedError
+
+    def on_step_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: nn.Module | None = None,
+        lr_scheduler: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if self.engine is None or model is None:
+            return
+        if state.global_step % self.every_n_steps:
+            self.use_pool(None, lr_scheduler)
+            return
+        device = next(model.parameters()).device
+        batch = {k: v.to(device) for k, v in self.pool.items()}
+        was_training = model.training
+        model.eval()
+        try:
+            with self.engine.paused():
+                record = capture_batch(
+                    model, batch, None, self.settings.selection(), self.settings.projection_config()
+                )
+        finally:
+            model.train(was_training)
+        self.use_pool(record, lr_scheduler)
+
+    def on_pre_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self.engine is not None:
+            self.engine.optimizer_step()
+
+    def step_metrics(self) -> dict[str, float]:
+        """Metrics of the latest step for the trainer's logs."""
+        return {}
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        metrics = self.step_metrics()
+        if logs is None or not metrics or "loss" not in logs:
+            return
+        logs.update(metrics)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(metrics)
+
+    def detach(self) -> None:
+        """Finish pending micro-batches and unhook."""
+        if self.engine is not None:
+            self.engine.end()
+            self.engine.detach()
+            self.engine = None
+
+
+class InfluenceLoggingCallback(PoolCallback):
     """Logs, during SFT, how each step's examples influence a fixed set of query examples.
 
     Every ``every_n_steps`` optimizer steps it computes the queries' gradients at the
@@ -185,23 +286,11 @@ class InfluenceLoggingCallback(TrainerCallback):
         report_dir: str | None = None,
         **options: Any,
     ):
-        if not queries:
-            raise ValueError("InfluenceLoggingCallback needs at least one query example")
-        if every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
-        self.settings = _settings(None, {"store_dir": "", **options})
-        self.queries = pad_examples(queries)
+        super().__init__(queries, every_n_steps, options)
         self.logger = InfluenceLogger(method)
-        self.every_n_steps = every_n_steps
         self.top_k = top_k
         self.report_dir = report_dir
-        self.engine: CaptureEngine | None = None
         self.report: dict[str, Path] = {}
-
-    def add_to(self, trainer: Any) -> InfluenceLoggingCallback:
-        """Put this callback first in ``trainer``'s list, so ``report_to`` sees its metrics."""
-        trainer.callback_handler.callbacks.insert(0, self)
-        return self
 
     def on_train_begin(
         self,
@@ -211,64 +300,14 @@ class InfluenceLoggingCallback(TrainerCallback):
         model: nn.Module | None = None,
         **kwargs: Any,
     ) -> None:
-        model = check_trainer_setup(args, model)
-        self.engine = CaptureEngine(
-            model,
-            self.settings.selection(),
-            self.settings.projection_config(),
-            [self.logger],
-            CausalLMNormalization(),
-        ).attach()
-        self.engine.resume_at_step(state.global_step)
+        self.attach(check_trainer_setup(args, model), state).add_consumer(self.logger)
 
-    def on_step_begin(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        model: nn.Module | None = None,
-        lr_scheduler: Any = None,
-        **kwargs: Any,
-    ) -> None:
-        if self.engine is None or model is None:
-            return
-        if state.global_step % self.every_n_steps:
-            self.logger.set_queries(None)
-            return
-        device = next(model.parameters()).device
-        batch = {k: v.to(device) for k, v in self.queries.items()}
-        was_training = model.training
-        model.eval()
-        try:
-            with self.engine.paused():
-                record = capture_batch(
-                    model, batch, None, self.settings.selection(), self.settings.projection_config()
-                )
-        finally:
-            model.train(was_training)
+    def use_pool(self, record: MicroBatchRecord | None, lr_scheduler: Any) -> None:
         rate = float(lr_scheduler.get_last_lr()[0]) if lr_scheduler is not None else 1.0
         self.logger.set_queries(record, rate)
 
-    def on_pre_optimizer_step(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        if self.engine is not None:
-            self.engine.optimizer_step()
-
-    def on_log(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        logs: dict[str, float] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        metrics = self.logger.metrics()
-        if logs is None or not metrics or "loss" not in logs:
-            return
-        logs.update(metrics)
-        if state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1].update(metrics)
+    def step_metrics(self) -> dict[str, float]:
+        return self.logger.metrics()
 
     def on_train_end(
         self,
@@ -280,10 +319,8 @@ class InfluenceLoggingCallback(TrainerCallback):
     ) -> None:
         if self.engine is None:
             return
-        self.engine.end()
-        self.engine.detach()
-        self.engine = None
-        query_ids = content_hash(self.queries["input_ids"], self.queries["attention_mask"])
+        self.detach()
+        query_ids = content_hash(self.pool["input_ids"], self.pool["attention_mask"])
         decode = getattr(processing_class, "decode", None)
 
         def text(tokens: list[int] | None) -> str | None:
@@ -296,7 +333,7 @@ class InfluenceLoggingCallback(TrainerCallback):
         query_texts = {
             int(q): str(text(ids[m.bool()].tolist()))
             for q, ids, m in zip(
-                query_ids, self.queries["input_ids"], self.queries["attention_mask"], strict=True
+                query_ids, self.pool["input_ids"], self.pool["attention_mask"], strict=True
             )
         }
         directory = self.report_dir or str(Path(str(args.output_dir)) / "influence")
@@ -322,7 +359,7 @@ def uncaptured_trainable(model: nn.Module, engine: CaptureEngine) -> list[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered]
 
 
-class DataSelectionCallback(TrainerCallback):
+class DataSelectionCallback(PoolCallback):
     """Online data selection for ``Trainer``/``SFTTrainer`` (LoRA or full fine-tuning).
 
     At every optimizer step, scores the step's examples (all micro-batches of the
@@ -359,20 +396,13 @@ class DataSelectionCallback(TrainerCallback):
         log_path: str | None = None,
         **options: Any,
     ):
-        if not target:
-            raise ValueError("DataSelectionCallback needs at least one target example")
-        if refresh_every < 1:
-            raise ValueError(f"refresh_every must be >= 1, got {refresh_every}")
         if options.get("projection", "none") != "none":
             raise ValueError("data selection removes exact contributions: use projection='none'")
-        self.settings = _settings(None, {"store_dir": "", **options})
-        self.target = pad_examples(target)
+        super().__init__(target, refresh_every, options)
         self.rule = rule_by_name(rule, **_rule_options(rule, fraction, threshold))
         self.score = score
         self.granularity = granularity
-        self.refresh_every = refresh_every
         self.log_path = log_path
-        self.engine: CaptureEngine | None = None
         self.selector: DataSelector | None = None
         self._max_grad_norm = 0.0
 
@@ -391,11 +421,10 @@ class DataSelectionCallback(TrainerCallback):
         **kwargs: Any,
     ) -> None:
         model = check_trainer_setup(args, model)
-        engine = CaptureEngine(model, self.settings.selection(), None, (), CausalLMNormalization())
-        engine.attach()
+        engine = self.attach(model, state)
         missing = uncaptured_trainable(model, engine)
         if missing:
-            engine.detach()
+            self.detach()
             raise UnsupportedTrainingSetup(
                 f"{len(missing)} trainable parameters are not captured ({missing[:3]}...), so "
                 "their .grad could not be corrected; use layers='all' for full fine-tuning, or "
@@ -412,33 +441,12 @@ class DataSelectionCallback(TrainerCallback):
             log_path,
         )
         engine.add_consumer(self.selector)
-        engine.resume_at_step(state.global_step)
-        self.engine = engine
         self._max_grad_norm = float(args.max_grad_norm or 0.0)
         args.max_grad_norm = 0.0  # clipping happens after selection, in on_pre_optimizer_step
 
-    def on_step_begin(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        model: nn.Module | None = None,
-        **kwargs: Any,
-    ) -> None:
-        if self.engine is None or self.selector is None or model is None:
-            return
-        if state.global_step % self.refresh_every:
-            return
-        device = next(model.parameters()).device
-        batch = {k: v.to(device) for k, v in self.target.items()}
-        was_training = model.training
-        model.eval()
-        try:
-            with self.engine.paused():
-                record = capture_batch(model, batch, None, self.settings.selection())
-        finally:
-            model.train(was_training)
-        self.selector.set_target(record)
+    def use_pool(self, record: MicroBatchRecord | None, lr_scheduler: Any) -> None:
+        if record is not None and self.selector is not None:
+            self.selector.set_target(record)
 
     def on_pre_optimizer_step(
         self,
@@ -448,39 +456,24 @@ class DataSelectionCallback(TrainerCallback):
         model: nn.Module | None = None,
         **kwargs: Any,
     ) -> None:
-        if self.engine is None or model is None:
-            return
-        self.engine.optimizer_step()
-        if self._max_grad_norm > 0:
+        super().on_pre_optimizer_step(args, state, control)
+        if model is not None and self._max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), self._max_grad_norm)
 
-    def on_log(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        logs: dict[str, float] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        if logs is None or not self.history or "loss" not in logs:
-            return
+    def step_metrics(self) -> dict[str, float]:
+        if not self.history:
+            return {}
         last = self.history[-1].summary()
-        metrics = {
+        return {
             "selection/kept": float(last["kept"]),
             "selection/dropped": float(last["dropped"]),
             "selection/mean_score": last["mean_score"],
         }
-        logs.update(metrics)
-        if state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1].update(metrics)
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self.engine is not None:
-            self.engine.end()
-            self.engine.detach()
-            self.engine = None
+        self.detach()
         args.max_grad_norm = self._max_grad_norm
 
 
