@@ -82,6 +82,18 @@ class CaptureSettings:
         )
 
 
+class UnsupportedTrainingSetup(ValueError):
+    """The trainer is configured in a way that per-example capture cannot follow."""
+
+
+def has_adam_moments(optimizer: torch.optim.Optimizer | None) -> bool:
+    """Adam-family optimizers (Adam, AdamW, OLMo-core's SkipStepAdamW...): betas and eps
+    in every parameter group."""
+    if optimizer is None or not optimizer.param_groups:
+        return False
+    return all("betas" in g and "eps" in g for g in optimizer.param_groups)
+
+
 def _checkpoint_curvature(directory: str | Path, rank: int) -> Path:
     return Path(directory) / f"tda_curvature-rank{rank}.safetensors"
 
@@ -133,10 +145,15 @@ class CaptureSession:
         self.curvature = (
             CurvatureAccumulator(settings.store_dir, rank) if settings.curvature else None
         )
-        if self.curvature is not None and resume_from is not None:
+        if self.curvature is not None and resume_from is not None and committed:
             saved = _checkpoint_curvature(resume_from, rank)
-            if saved.exists():
-                self.curvature.restore(saved)
+            if not saved.exists():
+                raise StoreError(
+                    f"the checkpoint {resume_from} has no K-FAC statistics ({saved.name}), so "
+                    "resuming would count the steps after it twice; resume from a checkpoint "
+                    "saved by this callback, or capture with curvature=False"
+                )
+            self.curvature.restore(saved)
         own: tuple[CaptureConsumer, ...] = (self.store,)
         if self.curvature is not None:
             own = (*own, self.curvature)
@@ -162,10 +179,7 @@ class CaptureSession:
     def end(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Finish: commit, save statistics and (for Adam) the optimizer moments; detach."""
         self.engine.end()
-        if (
-            self.settings.save_optimizer_state
-            and self.rank == 0
-            and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
-        ):
+        wants_moments = self.settings.save_optimizer_state and self.rank == 0
+        if wants_moments and optimizer is not None and has_adam_moments(optimizer):
             save_adam_state(self.settings.store_dir, self.engine, optimizer)
         self.engine.detach()

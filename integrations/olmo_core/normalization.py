@@ -22,13 +22,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tda_plugins.capture.normalization import LossScale
+from tda_plugins.capture.normalization import GradientAt, LossScale
 
 
 def _loss_divisor(kwargs: dict[str, Any]) -> Tensor:
     """``N`` with ``model loss = sum of per-example summed losses / N`` (fp64)."""
     reduction = kwargs.get("loss_reduction", "mean")
-    divisor = torch.as_tensor(kwargs.get("loss_div_factor", 1.0), dtype=torch.float64)
+    factor = kwargs.get("loss_div_factor")
+    divisor = torch.as_tensor(1.0 if factor is None else factor, dtype=torch.float64)
     if reduction == "sum":
         return divisor
     if reduction == "mean":
@@ -62,16 +63,10 @@ class OLMoCoreLossNormalization:
                 "with labels and loss_reduction='sum' or 'mean'"
             )
         divisor = _loss_divisor(kwargs)
-        arrived: list[Tensor] = []
-        loss.register_hook(arrived.append)
+        at_loss = GradientAt(loss)
 
         def loss_scale() -> Tensor:
-            if not arrived:
-                raise RuntimeError(
-                    "the micro-batch's loss was not backpropagated through the model's loss "
-                    "output; tda-plugins cannot derive the loss normalization of this loop"
-                )
-            grad = arrived[-1].double()
+            grad = at_loss.value().double()
             return divisor.to(grad.device) / grad
 
         return loss_scale

@@ -24,11 +24,7 @@ from tda_plugins.influence import InfluenceLogger
 from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
 from tda_plugins.selection import DataSelector, StepSelection, rule_by_name
 from tda_plugins.selection.selector import Granularity, ScoreMode
-from tda_plugins.session import CaptureSession, CaptureSettings
-
-
-class UnsupportedTrainingSetup(ValueError):
-    """The trainer is configured in a way that per-example capture cannot follow."""
+from tda_plugins.session import CaptureSession, CaptureSettings, UnsupportedTrainingSetup
 
 
 def check_trainer_setup(args: TrainingArguments, model: nn.Module | None) -> nn.Module:

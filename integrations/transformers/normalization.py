@@ -20,24 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-
-class _GradientAt:
-    """Registers a hook on ``tensor`` and keeps the gradient that arrives there."""
-
-    def __init__(self, tensor: Tensor):
-        self.grad: Tensor | None = None
-        tensor.register_hook(self._keep)
-
-    def _keep(self, grad: Tensor) -> None:
-        self.grad = grad
-
-    def value(self) -> Tensor:
-        if self.grad is None:
-            raise RuntimeError(
-                "the trainer's loss was not backpropagated through the model output; "
-                "tda-plugins cannot derive the loss normalization of this trainer"
-            )
-        return self.grad
+from tda_plugins.capture.normalization import GradientAt
 
 
 def _field(output: Any, name: str) -> Tensor | None:
@@ -51,7 +34,7 @@ class CausalLMNormalization:
     def observe(self, kwargs: dict[str, Any], output: Any) -> Callable[[], float | Tensor]:
         log_probs = _field(output, "log_probs")
         if log_probs is not None:
-            at_log_probs = _GradientAt(log_probs)
+            at_log_probs = GradientAt(log_probs)
             return lambda: -1.0 / at_log_probs.value().double().mean()
         loss = _field(output, "loss")
         if loss is None:
@@ -60,7 +43,7 @@ class CausalLMNormalization:
                 "(a causal-LM collator), or capture with the engine and a LossNormalization "
                 "of your own"
             )
-        at_loss = _GradientAt(loss)
+        at_loss = GradientAt(loss)
         count = kwargs.get("num_items_in_batch")
         if count is None:
             labels = kwargs.get("labels")

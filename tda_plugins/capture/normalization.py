@@ -35,3 +35,27 @@ class SummedLoss:
 
 def _one() -> float:
     return 1.0
+
+
+class GradientAt:
+    """Keeps the gradient that arrives at a tensor of the model output during backward.
+
+    Normalization strategies read the trainer's loss factor off it: the gradient at the
+    model's loss output is exactly the factor the trainer applied after the model.
+    """
+
+    def __init__(self, tensor: Tensor):
+        self.grad: Tensor | None = None
+        tensor.register_hook(self._keep)
+
+    def _keep(self, grad: Tensor) -> None:
+        self.grad = grad
+
+    def value(self) -> Tensor:
+        """The gradient; an error when the backward never reached the tensor."""
+        if self.grad is None:
+            raise RuntimeError(
+                "the micro-batch's loss was not backpropagated through the model output; "
+                "tda-plugins cannot derive the loss normalization of this training loop"
+            )
+        return self.grad

@@ -162,11 +162,12 @@ class LayerSelection:
             return mods
         if self.last_n_blocks < 1:
             raise LayerSelectionError(f"last_n_blocks must be >= 1, got {self.last_n_blocks}")
-        lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+        lists = [(n, m) for n, m in model.named_modules() if _is_block_list(m)]
         if not lists:
             raise LayerSelectionError(
                 f"last_n_blocks={self.last_n_blocks} needs a list of transformer blocks, but "
-                f"{type(model).__name__} has no nn.ModuleList; select layers by include instead"
+                f"{type(model).__name__} has no nn.ModuleList or numbered nn.ModuleDict; select "
+                "layers by include instead"
             )
         prefix, blocks = max(lists, key=lambda item: len(item[1]))
         first = max(0, len(blocks) - self.last_n_blocks)
@@ -195,6 +196,18 @@ class LayerSelection:
                     "or a wider include) or exclude both"
                 )
         return out
+
+
+def _is_block_list(module: nn.Module) -> bool:
+    """transformers keep blocks in an ``nn.ModuleList``; OLMo-core in an ``nn.ModuleDict``
+    keyed ``"0"``, ``"1"``, ..."""
+    if isinstance(module, nn.ModuleList):
+        return True
+    return (
+        isinstance(module, nn.ModuleDict)
+        and all(key == str(i) for i, key in enumerate(module.keys()))
+        and len(module) > 0
+    )
 
 
 def _preview(names: Iterable[str], limit: int = 6) -> str:

@@ -32,8 +32,9 @@ def save_adam_state(
     root: str | Path, engine: CaptureEngine, optimizer: torch.optim.Optimizer
 ) -> None:
     """Save an Adam/AdamW optimizer's moments for the engine's captured layers."""
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        raise TypeError(f"LESS needs an Adam or AdamW optimizer, got {type(optimizer).__name__}")
+    groups = optimizer.param_groups
+    if not groups or any("betas" not in g or "eps" not in g for g in groups):
+        raise TypeError(f"LESS needs an Adam-family optimizer, got {type(optimizer).__name__}")
     group = optimizer.param_groups[0]
     tensors: dict[str, Tensor] = {}
     step = 0

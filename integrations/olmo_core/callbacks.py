@@ -1,0 +1,228 @@
+"""An OLMo-core ``Callback``: add it to the trainer and the run records.
+
+    config = trainer_config.with_callback(
+        "tda", GradientCaptureCallback(CaptureSettings(store_dir="run/grads"))
+    )
+
+No train-module subclass and no patched optimizer: the callback hooks the model at the
+first ``pre_step`` (after OLMo-core's dry-run batch, whose random tokens must not be
+recorded), commits each optimizer step's per-example gradients at ``pre_optim_step``
+(after every micro-batch's backward), stages what a resumed run needs when a checkpoint
+is taken, and finishes at ``post_train``.
+
+Example ids are OLMo-core's instance indices: the batch's ``index`` (each instance's
+position in the global dataset) travels through ``TransformerTrainModule``'s micro-batch
+split into the model call as a keyword, where a forward pre-hook hands each micro-batch's
+slice to the engine. Reading it off the call itself, rather than re-splitting the batch
+the way the train module does, cannot go out of step with the train module. Store step
+``k`` is OLMo-core step ``k + 1`` (OLMo-core counts steps from 1).
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from olmo_core.aliases import PathOrStr
+from olmo_core.io import is_url, join_path
+from olmo_core.nn.lm_head import LMLossImplementation
+from olmo_core.nn.transformer import Transformer
+from olmo_core.train.callbacks import Callback
+from olmo_core.train.train_module import TrainModule, TransformerTrainModule
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from tda_plugins.integrations.olmo_core.normalization import OLMoCoreLossNormalization
+from tda_plugins.session import CaptureSession, CaptureSettings, UnsupportedTrainingSetup
+
+
+def check_train_module(train_module: TrainModule, settings: CaptureSettings) -> Transformer:
+    """The model to hook; refuses, before any step runs, what would make gradients wrong."""
+    if not isinstance(train_module, TransformerTrainModule):
+        raise UnsupportedTrainingSetup(
+            f"{type(train_module).__name__} is not a TransformerTrainModule, whose micro-batch "
+            "loop the capture follows (pipeline parallelism and OLMoDDPTrainModule are not "
+            "supported); build the train module with TransformerTrainModuleConfig"
+        )
+    if train_module.tp_enabled or train_module.cp_enabled:
+        raise UnsupportedTrainingSetup(
+            "tensor/context parallelism splits each sequence across ranks, so no rank sees an "
+            "example's whole gradient; train without tp_config and cp_config"
+        )
+    model = train_module.model
+    if model.compile_enabled:
+        raise UnsupportedTrainingSetup(
+            "the model is torch.compile'd, which bypasses module hooks; set compile_model=False"
+        )
+    if model.fp8_enabled:
+        raise UnsupportedTrainingSetup(
+            "float8 linear layers compute their weight gradients in float8, which the captured "
+            "per-example gradients would not match; set float8_config=None"
+        )
+    fused = LMLossImplementation.fused_linear
+    if model.lm_head is not None and model.lm_head.loss_implementation == fused:
+        name = next(n for n, m in model.named_modules() if m is model.lm_head.w_out)
+        if name in settings.selection().resolve(model):
+            raise UnsupportedTrainingSetup(
+                f"the fused linear cross-entropy computes {name}'s output without calling it, "
+                "so its gradient is never seen; use LMLossImplementation.default or exclude "
+                f"{name!r} from the layers"
+            )
+    return model
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+@dataclass
+class GradientCaptureCallback(Callback):
+    """Writes every step's exact per-example gradients (and K-FAC statistics) to a store.
+
+    Stored gradients follow the store convention: each example's own *summed* token loss
+    (cross-entropy, plus the z-loss term when the train module uses one), whatever
+    ``loss_div_factor``, micro-batch size or data-parallel size the run uses (see
+    :mod:`~tda_plugins.integrations.olmo_core.normalization`). An example is an OLMo-core
+    instance (with fixed-sequence-length datasets, a chunk of the token stream that may
+    span several documents); its id is the instance's dataset index (a content hash of its
+    tokens if the batch has no ``index``). Each rank writes its own part of the store
+    (rank from ``torch.distributed``).
+
+    Resuming: a run that loads a checkpoint with trainer state continues the store at the
+    checkpoint's step and restores the curvature statistics saved beside it, so no step is
+    counted twice. Those statistics are staged in the trainer's ``work_dir`` when OLMo-core
+    takes the checkpoint (its :meth:`state_dict` call, also for asynchronous saves) and moved
+    into the checkpoint folder once it is saved, which needs a local ``save_folder``.
+
+    Args:
+        settings: what to record (``store_dir`` is required).
+    """
+
+    settings: CaptureSettings
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.settings, CaptureSettings):
+            raise TypeError(
+                f"settings must be a CaptureSettings, got {type(self.settings).__name__}"
+            )
+        self._session: CaptureSession | None = None
+        self._ids_hook: RemovableHandle | None = None
+        self._batch_has_index = False
+        self._loaded_checkpoint: str | None = None
+        self._staged: dict[str, Path] = {}
+
+    @property
+    def session(self) -> CaptureSession | None:
+        """The running capture (``None`` before the first step and after training)."""
+        return self._session
+
+    # -- OLMo-core events --------------------------------------------------------------
+
+    def post_checkpoint_loaded(self, path: PathOrStr) -> None:
+        self._loaded_checkpoint = str(path)
+
+    def pre_train(self) -> None:
+        check_train_module(self.trainer.train_module, self.settings)
+        if not self.settings.curvature:
+            return
+        resumed_from = self._loaded_checkpoint if self.trainer.global_step > 0 else None
+        for folder in (self.trainer.save_folder, resumed_from):
+            if folder is not None and is_url(folder):
+                raise UnsupportedTrainingSetup(
+                    f"{folder} is remote, but the curvature statistics a resumed run needs are "
+                    "kept beside each checkpoint in a local folder; use a local save_folder, "
+                    "or set curvature=False"
+                )
+
+    def pre_step(self, batch: dict[str, Any]) -> None:
+        if self._session is None:
+            self._session = self._open_session()
+        # A step in the trainer's steps_to_skip runs no optimizer step; numbering from the
+        # trainer's step keeps store steps equal to OLMo-core's steps (minus one) anyway.
+        self._session.engine.resume_at_step(self.trainer.global_step - 1)
+        self._batch_has_index = "index" in batch
+
+    def pre_optim_step(self) -> None:
+        if self._session is not None:
+            self._session.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Called as OLMo-core starts saving the checkpoint of the current step (also an
+        asynchronous one): stage the capture state that matches it."""
+        if self._session is not None:
+            trainer = self.trainer
+            step = trainer.global_step
+            rank = self._session.rank
+            staging = Path(trainer.work_dir) / f"tda_plugins-step{step}-rank{rank}"
+            self._session.save_checkpoint(staging)
+            checkpoint = join_path(
+                trainer.save_folder, trainer.checkpointer.checkpoint_dirname(step)
+            )
+            self._staged[str(checkpoint)] = staging
+        return {}
+
+    def post_checkpoint_saved(self, path: PathOrStr) -> None:
+        staging = self._staged.pop(str(path), None)
+        if staging is None or not staging.is_dir():
+            return
+        for file in staging.iterdir():
+            shutil.move(file, Path(path) / file.name)
+        staging.rmdir()
+
+    def post_train(self) -> None:
+        if self._session is not None:
+            train_module = self.trainer.train_module
+            optimizer = (
+                train_module.optim if isinstance(train_module, TransformerTrainModule) else None
+            )
+            self._session.end(optimizer)
+            self._release()
+
+    def close(self) -> None:
+        """Always runs as ``fit`` exits: after an error, unhook without committing."""
+        if self._session is not None:
+            self._session.engine.detach()
+            self._release()
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _open_session(self) -> CaptureSession:
+        model = check_train_module(self.trainer.train_module, self.settings)
+        start_step = self.trainer.global_step - 1
+        session = CaptureSession(
+            self.settings,
+            model,
+            OLMoCoreLossNormalization(),
+            rank=_rank(),
+            start_step=start_step,
+            resume_from=self._loaded_checkpoint if start_step > 0 else None,
+        )
+        self._ids_hook = model.register_forward_pre_hook(
+            self._give_example_ids, prepend=True, with_kwargs=True
+        )
+        return session
+
+    def _give_example_ids(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        if self._session is None or not torch.is_grad_enabled():
+            return
+        index = kwargs.get("index")
+        if isinstance(index, Tensor):
+            self._session.engine.set_example_ids(index)
+        elif self._batch_has_index:
+            raise UnsupportedTrainingSetup(
+                f"the batch has instance indices ('index'), but {type(module).__name__} was "
+                "called without them, so micro-batches cannot be matched to dataset instances; "
+                "pass the batch's remaining keys to the model as TransformerTrainModule does"
+            )
+
+    def _release(self) -> None:
+        if self._ids_hook is not None:
+            self._ids_hook.remove()
+        self._ids_hook = None
+        self._session = None
