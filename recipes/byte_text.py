@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import random
 import re
+from pydoc_data.topics import topics
 
 import torch
-from pydoc_data.topics import topics
 from torch import nn
 
 VOCAB = 256
