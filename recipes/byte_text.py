@@ -13,6 +13,7 @@ from pydoc_data.topics import topics
 
 import torch
 from torch import nn
+from transformers import PreTrainedTokenizerFast
 
 VOCAB = 256
 
@@ -71,3 +72,25 @@ def tiny_llama(seed: int = 0, hidden: int = 64, layers: int = 2) -> nn.Module:
         attn_implementation="eager",
     )
     return LlamaForCausalLM(config)
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A tokenizer for these byte ids, so TRL and reports can decode them (no download).
+
+    Encoding raw text is not needed (the recipes pass ``input_ids``); decoding joins the
+    bytes back into the text.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {_byte_token(i): i for i in range(VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=_byte_token(0)))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token=_byte_token(0), eos_token=_byte_token(10)
+    )
+
+
+def _byte_token(i: int) -> str:
+    return chr(i) if 33 <= i < 127 else f"<0x{i:02X}>" if i != 32 else " "

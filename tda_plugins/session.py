@@ -21,6 +21,7 @@ from tda_plugins.grads.projection import MapKind, ProjectionConfig
 from tda_plugins.precondition.adam import save_adam_state
 from tda_plugins.precondition.curvature import CurvatureAccumulator
 from tda_plugins.store import GradientStore, StoreError
+from tda_plugins.store.layout import rank_dir
 
 
 @dataclass
@@ -94,8 +95,9 @@ def has_adam_moments(optimizer: torch.optim.Optimizer | None) -> bool:
     return all("betas" in g and "eps" in g for g in optimizer.param_groups)
 
 
-def _checkpoint_curvature(directory: str | Path, rank: int) -> Path:
-    return Path(directory) / f"tda_curvature-rank{rank}.safetensors"
+def _curvature_snapshot(store_dir: str | Path, rank: int, next_step: int) -> Path:
+    """The K-FAC statistics of the steps before ``next_step``, kept in the store."""
+    return rank_dir(Path(store_dir), rank) / f"curvature-before-step{next_step}.safetensors"
 
 
 class CaptureSession:
@@ -107,13 +109,12 @@ class CaptureSession:
         normalization: how the trainer normalizes its loss (see ``capture.normalization``).
         rank: this process's rank.
         start_step: the optimizer step the run starts at (non-zero when resuming).
-        resume_from: the training checkpoint resumed from (restores the curvature
-            statistics saved with it, so no step is counted twice).
         consumers: further consumers (influence logging, data selection).
 
     A fresh run (``start_step == 0``) refuses a store that already holds steps; a resumed
     run drops the store's steps from ``start_step`` on, so the store continues with no
-    duplicated or missing step.
+    duplicated or missing step, and restores the K-FAC statistics that
+    :meth:`save_checkpoint` kept for that step, so no step is counted twice.
     """
 
     def __init__(
@@ -123,7 +124,6 @@ class CaptureSession:
         normalization: LossNormalization,
         rank: int = 0,
         start_step: int = 0,
-        resume_from: str | Path | None = None,
         consumers: tuple[CaptureConsumer, ...] = (),
     ):
         self.settings = settings
@@ -145,13 +145,13 @@ class CaptureSession:
         self.curvature = (
             CurvatureAccumulator(settings.store_dir, rank) if settings.curvature else None
         )
-        if self.curvature is not None and resume_from is not None and committed:
-            saved = _checkpoint_curvature(resume_from, rank)
+        if self.curvature is not None and committed:
+            saved = _curvature_snapshot(settings.store_dir, rank, start_step)
             if not saved.exists():
                 raise StoreError(
-                    f"the checkpoint {resume_from} has no K-FAC statistics ({saved.name}), so "
-                    "resuming would count the steps after it twice; resume from a checkpoint "
-                    "saved by this callback, or capture with curvature=False"
+                    f"{settings.store_dir} has no K-FAC statistics saved at step {start_step} "
+                    f"({saved.name}), so resuming there would count later steps twice; resume "
+                    "from a checkpoint saved while this capture ran, or use curvature=False"
                 )
             self.curvature.restore(saved)
         own: tuple[CaptureConsumer, ...] = (self.store,)
@@ -171,10 +171,11 @@ class CaptureSession:
         """An optimizer step is about to happen: commit its micro-batches."""
         self.engine.optimizer_step()
 
-    def save_checkpoint(self, directory: str | Path) -> None:
-        """Save what a resumed run needs beside the trainer's checkpoint."""
+    def save_checkpoint(self, next_step: int) -> None:
+        """The trainer checkpoints after ``next_step`` optimizer steps: keep what a run
+        resumed from that checkpoint needs (the K-FAC statistics so far, in the store)."""
         if self.curvature is not None:
-            self.curvature.save(_checkpoint_curvature(directory, self.rank))
+            self.curvature.save(_curvature_snapshot(self.settings.store_dir, self.rank, next_step))
 
     def end(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Finish: commit, save statistics and (for Adam) the optimizer moments; detach."""

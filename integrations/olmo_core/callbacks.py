@@ -7,8 +7,8 @@
 No train-module subclass and no patched optimizer: the callback hooks the model at the
 first ``pre_step`` (after OLMo-core's dry-run batch, whose random tokens must not be
 recorded), commits each optimizer step's per-example gradients at ``pre_optim_step``
-(after every micro-batch's backward), stages what a resumed run needs when a checkpoint
-is taken, and finishes at ``post_train``.
+(after every micro-batch's backward), keeps in the store what a resumed run needs when a
+checkpoint is taken, and finishes at ``post_train``.
 
 Example ids are OLMo-core's instance indices: the batch's ``index`` (each instance's
 position in the global dataset) travels through ``TransformerTrainModule``'s micro-batch
@@ -20,15 +20,11 @@ the way the train module does, cannot go out of step with the train module. Stor
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from olmo_core.aliases import PathOrStr
-from olmo_core.io import is_url, join_path
 from olmo_core.nn.lm_head import LMLossImplementation
 from olmo_core.nn.transformer import Transformer
 from olmo_core.train.callbacks import Callback
@@ -112,8 +108,6 @@ class GradientCaptureCallback(Callback):
         self._session: CaptureSession | None = None
         self._ids_hook: RemovableHandle | None = None
         self._batch_has_index = False
-        self._loaded_checkpoint: str | None = None
-        self._staged: dict[str, Path] = {}
 
     @property
     def session(self) -> CaptureSession | None:
@@ -122,21 +116,8 @@ class GradientCaptureCallback(Callback):
 
     # -- OLMo-core events --------------------------------------------------------------
 
-    def post_checkpoint_loaded(self, path: PathOrStr) -> None:
-        self._loaded_checkpoint = str(path)
-
     def pre_train(self) -> None:
         check_train_module(self.trainer.train_module, self.settings)
-        if not self.settings.curvature:
-            return
-        resumed_from = self._loaded_checkpoint if self.trainer.global_step > 0 else None
-        for folder in (self.trainer.save_folder, resumed_from):
-            if folder is not None and is_url(folder):
-                raise UnsupportedTrainingSetup(
-                    f"{folder} is remote, but the curvature statistics a resumed run needs are "
-                    "kept beside each checkpoint in a local folder; use a local save_folder, "
-                    "or set curvature=False"
-                )
 
     def pre_step(self, batch: dict[str, Any]) -> None:
         if self._session is None:
@@ -152,26 +133,12 @@ class GradientCaptureCallback(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         """Called as OLMo-core starts saving the checkpoint of the current step (also an
-        asynchronous one): stage the capture state that matches it."""
+        asynchronous one): keep the capture state that matches it, in the store."""
         if self._session is not None:
-            trainer = self.trainer
-            step = trainer.global_step
-            rank = self._session.rank
-            staging = Path(trainer.work_dir) / f"tda_plugins-step{step}-rank{rank}"
-            self._session.save_checkpoint(staging)
-            checkpoint = join_path(
-                trainer.save_folder, trainer.checkpointer.checkpoint_dirname(step)
-            )
-            self._staged[str(checkpoint)] = staging
+            # Store step k is OLMo-core step k + 1: after global_step steps, the next store
+            # step is global_step.
+            self._session.save_checkpoint(self.trainer.global_step)
         return {}
-
-    def post_checkpoint_saved(self, path: PathOrStr) -> None:
-        staging = self._staged.pop(str(path), None)
-        if staging is None or not staging.is_dir():
-            return
-        for file in staging.iterdir():
-            shutil.move(file, Path(path) / file.name)
-        staging.rmdir()
 
     def post_train(self) -> None:
         if self._session is not None:
@@ -199,7 +166,6 @@ class GradientCaptureCallback(Callback):
             OLMoCoreLossNormalization(),
             rank=_rank(),
             start_step=start_step,
-            resume_from=self._loaded_checkpoint if start_step > 0 else None,
         )
         self._ids_hook = model.register_forward_pre_hook(
             self._give_example_ids, prepend=True, with_kwargs=True

@@ -11,6 +11,8 @@ needs at ``on_save``, and finishes at ``on_train_end``.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -51,13 +53,33 @@ def check_trainer_setup(args: TrainingArguments, model: nn.Module | None) -> nn.
     return model
 
 
+def uses_fused_head(args: TrainingArguments) -> bool:
+    """TRL's ``SFTTrainer`` computes logits from ``lm_head.weight`` directly (its fused LM
+    head, the default without label smoothing), so no module hook sees the head."""
+    return type(args).__name__ == "SFTConfig" and not getattr(args, "label_smoothing_factor", 0)
+
+
+def adapt_settings(
+    settings: CaptureSettings, args: TrainingArguments, model: nn.Module
+) -> CaptureSettings:
+    """Leave out the output head where the trainer bypasses its module call (logged)."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if head is None or not uses_fused_head(args):
+        return settings
+    name = next(n for n, m in model.named_modules() if m is head)
+    logger.warning(
+        "tda-plugins: TRL's fused LM head bypasses %s's forward, so its per-example gradient "
+        "cannot be captured; it is left out of the captured layers",
+        name,
+    )
+    pattern = rf"^{re.escape(name)}$"
+    exclude = pattern if settings.exclude is None else rf"(?:{settings.exclude})|{pattern}"
+    return dataclasses.replace(settings, exclude=exclude)
+
+
 def _process_index(args: TrainingArguments) -> int:
     return int(getattr(args, "process_index", 0))
-
-
-def checkpoint_dir(args: TrainingArguments, state: TrainerState) -> Path:
-    """The folder ``Trainer`` saves the checkpoint of ``state.global_step`` to."""
-    return Path(str(args.output_dir)) / f"checkpoint-{state.global_step}"
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
@@ -75,6 +97,9 @@ def _settings(settings: CaptureSettings | None, options: dict[str, Any]) -> Capt
     if unknown:
         raise TypeError(f"unknown capture options {unknown}; known: {sorted(known)}")
     return CaptureSettings(**options)
+
+
+logger = logging.getLogger(__name__)
 
 
 class GradientCaptureCallback(TrainerCallback):
@@ -101,14 +126,12 @@ class GradientCaptureCallback(TrainerCallback):
         **kwargs: Any,
     ) -> None:
         model = check_trainer_setup(args, model)
-        resume = checkpoint_dir(args, state) if state.global_step > 0 else None
         self.session = CaptureSession(
-            self.settings,
+            adapt_settings(self.settings, args, model),
             model,
             CausalLMNormalization(),
             rank=_process_index(args),
             start_step=state.global_step,
-            resume_from=resume,
         )
 
     def on_pre_optimizer_step(
@@ -121,7 +144,7 @@ class GradientCaptureCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         if self.session is not None:
-            self.session.save_checkpoint(checkpoint_dir(args, state))
+            self.session.save_checkpoint(state.global_step)
 
     def on_train_end(
         self,
@@ -174,8 +197,11 @@ class PoolCallback(TrainerCallback):
         trainer.callback_handler.callbacks.insert(0, self)
         return self
 
-    def attach(self, model: nn.Module, state: TrainerState) -> CaptureEngine:
+    def attach(
+        self, args: TrainingArguments, model: nn.Module, state: TrainerState
+    ) -> CaptureEngine:
         """Hook ``model`` with this callback's layers and normalization (no consumer yet)."""
+        self.settings = adapt_settings(self.settings, args, model)
         engine = CaptureEngine(
             model,
             self.settings.selection(),
@@ -296,7 +322,7 @@ class InfluenceLoggingCallback(PoolCallback):
         model: nn.Module | None = None,
         **kwargs: Any,
     ) -> None:
-        self.attach(check_trainer_setup(args, model), state).add_consumer(self.logger)
+        self.attach(args, check_trainer_setup(args, model), state).add_consumer(self.logger)
 
     def use_pool(self, record: MicroBatchRecord | None, lr_scheduler: Any) -> None:
         rate = float(lr_scheduler.get_last_lr()[0]) if lr_scheduler is not None else 1.0
@@ -417,7 +443,7 @@ class DataSelectionCallback(PoolCallback):
         **kwargs: Any,
     ) -> None:
         model = check_trainer_setup(args, model)
-        engine = self.attach(model, state)
+        engine = self.attach(args, model, state)
         missing = uncaptured_trainable(model, engine)
         if missing:
             self.detach()

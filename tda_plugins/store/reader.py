@@ -116,6 +116,12 @@ class StoreReader:
             aliases: dict[str, str] = json.loads(header["aliases"])
             grads = {}
             for name in layers:
+                if name not in meta:
+                    raise StoreError(
+                        f"{shard.path.name} holds no gradient for layer {name!r}: it received "
+                        "none through its module call (unused, or its weight used directly, "
+                        "as a fused loss head does); recapture without that layer"
+                    )
                 keys = {field: f"{name}::{field}" for field in meta[name]["fields"]}
                 tensors = {field: f.get_tensor(aliases.get(k, k)) for field, k in keys.items()}
                 grads[name] = decode(meta[name]["kind"], tensors, meta[name]["attrs"])

@@ -1,0 +1,516 @@
+"""The transformers/TRL ``GradientCaptureCallback`` inside real ``Trainer`` and ``SFTTrainer`` runs.
+
+Every run trains a tiny Llama built from a config (``tests.models``) on CPU in fp32 and
+checks what the store holds against a reference that never touches the engine: the
+weights of each step (``tests.trainers.WeightSnapshots``) loaded into an fp64 copy of the
+model, one backward per example of its own summed token loss on its unpadded tokens, with
+the labels the trainer actually used (``tests.trainers.RecordingCollator``). Covered:
+
+1. ``Trainer`` with gradient accumulation 1, 2 and 4, without and with gradient
+   checkpointing (non-reentrant and reentrant): exact gradients for every layer, and each
+   step holds exactly its micro-batches' examples.
+2. TRL ``SFTTrainer`` (fused LM head, completion-only loss, TRL's own tokenization with a
+   local tokenizer) on the full model and on a PEFT LoRA model; the fused head's
+   ``lm_head``, which no hook sees.
+3. Resuming from a checkpoint (after a crash, or after a finished run, and from a
+   checkpoint outside the new run's output_dir): the store and the K-FAC statistics
+   equal those of an uninterrupted run.
+4. Evaluation and generation during and after training record nothing.
+5. Bad configurations (packing, padding-free, a selection matching nothing, another run's
+   store, a compiled model) fail at ``on_train_begin``, before any step.
+6. LESS: the trainer's Adam moments are saved and ``less`` scores the store.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from datasets import Dataset
+from safetensors.torch import load_file
+from torch import nn
+from transformers import Trainer, TrainerCallback
+from trl import SFTConfig, SFTTrainer
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+from tda_plugins import LayerSelection, LayerSelectionError
+from tda_plugins.capture.adapters import DEFAULT_REGISTRY
+from tda_plugins.integrations.transformers.callbacks import (
+    GradientCaptureCallback,
+    UnsupportedTrainingSetup,
+    unwrap_optimizer,
+)
+from tda_plugins.methods import method_by_name
+from tda_plugins.precondition import load_curvature
+from tda_plugins.store import StoreError, StoreReader
+from tests.models import tiny_causal_lm, with_lora
+from tests.stores import capture_store
+from tests.trainers import (
+    PAD_ID,
+    RecordingCollator,
+    WeightSnapshots,
+    assert_steps_hold_their_micro_batches,
+    assert_store_matches_oracle,
+    pad_rows,
+    prompt_completion_pairs,
+    stored_ids_per_step,
+    token_rows,
+    training_args,
+    word_tokenizer,
+)
+
+ROWS = 24
+ALL = LayerSelection(kind="all")
+
+
+def llama() -> nn.Module:
+    """The tiny Llama in fp32 (``Trainer`` puts it in train mode)."""
+    return tiny_causal_lm("llama", torch.float32)
+
+
+def fp64_llama() -> nn.Module:
+    """The oracle's model: the same architecture in fp64 (weights are loaded per step)."""
+    return tiny_causal_lm("llama", torch.float64)
+
+
+def fp64_lora_llama() -> nn.Module:
+    """The oracle's LoRA model (r=4 on every linear; weights are loaded per step)."""
+    return with_lora(tiny_causal_lm("llama", torch.float64))
+
+
+@dataclass
+class Run:
+    """A finished (or failed) training run and what the test recorded of it."""
+
+    trainer: Trainer
+    collator: RecordingCollator
+    snapshots: WeightSnapshots
+    store_dir: Path
+    error: BaseException | None = None
+    #: For prompt/completion data: token ids -> the completion-only labels expected.
+    expected_labels: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+
+    @property
+    def store(self) -> StoreReader:
+        return StoreReader(self.store_dir)
+
+
+def train(
+    tmp_path: Path,
+    model: nn.Module | None = None,
+    capture: dict[str, Any] | None = None,
+    rows: int = ROWS,
+    extra_callbacks: Sequence[TrainerCallback] = (),
+    store: str = "store",
+    output: str = "out",
+    resume_from: str | Path | None = None,
+    expect_failure: bool = False,
+    eval_dataset: Dataset | None = None,
+    **overrides: Any,
+) -> Run:
+    """``Trainer`` on ``rows`` token rows with ``GradientCaptureCallback(**capture)``
+    (default: every layer) writing to ``tmp_path/store``. With ``expect_failure`` an
+    exception of ``train()`` is kept in ``Run.error`` instead of raised."""
+    store_dir = tmp_path / store
+    collator = RecordingCollator()
+    snapshots = WeightSnapshots()
+    callback = GradientCaptureCallback(store_dir=str(store_dir), **(capture or {"layers": "all"}))
+    trainer = Trainer(
+        model=model if model is not None else llama(),
+        args=training_args(tmp_path / output, **overrides),
+        train_dataset=Dataset.from_list([{"input_ids": r} for r in token_rows(rows)]),
+        eval_dataset=eval_dataset,
+        data_collator=collator,
+        callbacks=[snapshots, *extra_callbacks, callback],
+    )
+    run = Run(trainer, collator, snapshots, store_dir)
+    resume = None if resume_from is None else str(resume_from)
+    return finish(run, lambda: trainer.train(resume_from_checkpoint=resume), expect_failure)
+
+
+def finish(run: Run, train_call: Callable[[], object], expect_failure: bool) -> Run:
+    """Run ``train_call``; keep its exception in ``run.error`` if one is expected."""
+    try:
+        train_call()
+    except Exception as error:
+        if not expect_failure:
+            raise
+        run.error = error
+    return run
+
+
+# -- 1. Trainer: exact per-example gradients -----------------------------------------------
+
+
+CHECKPOINTING = {
+    "plain": (1, None),
+    "accumulation4": (4, None),
+    "accumulation4-checkpointing": (4, {}),
+    "reentrant-checkpointing": (2, {"use_reentrant": True}),
+}
+
+
+@pytest.mark.parametrize("case", CHECKPOINTING)
+def test_trainer_stores_each_examples_exact_gradient(tmp_path: Path, case: str) -> None:
+    """Every stored gradient (all layers: linear, embedding, RMSNorm) equals the fp64 oracle
+    of that example's own summed loss at its step's weights, whatever the accumulation
+    (the trainer divides by the window's token count) and under gradient checkpointing
+    (transformers' default non-reentrant, and reentrant); steps 0..2 each hold exactly
+    their ``2 x accumulation`` examples, none twice."""
+    accumulation, checkpointing = CHECKPOINTING[case]
+    run = train(
+        tmp_path,
+        gradient_accumulation_steps=accumulation,
+        gradient_checkpointing=checkpointing is not None,
+        gradient_checkpointing_kwargs=checkpointing,
+    )
+    assert run.trainer.model.is_gradient_checkpointing == (checkpointing is not None)
+    assert run.snapshots.steps_begun == 3
+    assert run.store.num_examples == 3 * 2 * accumulation
+    assert_steps_hold_their_micro_batches(run.store, run.collator, accumulation, steps=3)
+    report = assert_store_matches_oracle(
+        run.store_dir, run.snapshots, run.collator.examples(), fp64_llama
+    )
+    assert report.compared == run.store.num_examples * len(run.store.layer_names)
+
+
+def training_output_fields(model: nn.Module) -> list[set[str]]:
+    """Filled with the output fields of every forward call of ``model`` under grad."""
+    seen: list[set[str]] = []
+
+    def keep(module: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            seen.append({k for k, v in output.items() if v is not None})
+
+    model.register_forward_hook(keep)
+    return seen
+
+
+# -- 2. TRL SFTTrainer ---------------------------------------------------------------------
+
+
+def sft_train(
+    tmp_path: Path,
+    model: nn.Module,
+    capture: dict[str, Any],
+    rows: int = 16,
+    record_batches: bool = True,
+    expect_failure: bool = False,
+    **overrides: Any,
+) -> Run:
+    """``SFTTrainer`` on prompt/completion text (completion-only loss, TRL's own tokenization
+    with a local word tokenizer), fused LM head, packing off unless ``overrides`` say so.
+    ``record_batches``: wrap TRL's collator in a :class:`RecordingCollator` (else TRL
+    picks its own collator, as packing needs)."""
+    pairs = prompt_completion_pairs(rows)
+    store_dir = tmp_path / "store"
+    collator = RecordingCollator(DataCollatorForLanguageModeling(pad_token_id=PAD_ID))
+    snapshots = WeightSnapshots()
+    options: dict[str, Any] = dict(packing=False, gradient_accumulation_steps=2)
+    options.update(overrides)
+    trainer = SFTTrainer(
+        model=model,
+        args=training_args(tmp_path / "out", config_cls=SFTConfig, **options),
+        train_dataset=Dataset.from_list([p.row() for p in pairs]),
+        processing_class=word_tokenizer(),
+        data_collator=collator if record_batches else None,
+        callbacks=[snapshots, GradientCaptureCallback(store_dir=str(store_dir), **capture)],
+    )
+    run = Run(trainer, collator, snapshots, store_dir)
+    run.expected_labels = {p.tokens(): p.labels() for p in pairs}
+    return finish(run, trainer.train, expect_failure)
+
+
+def assert_completion_only_labels(run: Run) -> None:
+    """TRL trained on labels that are -100 exactly on the prompt tokens (and padding)."""
+    examples = run.collator.examples()
+    assert examples
+    for ids, labels in examples.values():
+        assert labels.tolist() == run.expected_labels[tuple(ids.tolist())]
+
+
+SFT_MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], nn.Module], dict[str, Any]]] = {
+    # TRL's fused LM head reads lm_head.weight without calling lm_head (see the bug test).
+    "full": (llama, fp64_llama, {"layers": "all", "exclude": r"^lm_head$"}),
+    "lora": (lambda: with_lora(llama()), fp64_lora_llama, {}),
+}
+
+
+@pytest.mark.parametrize("kind", SFT_MODELS)
+def test_sft_trainer_stores_each_examples_exact_gradient(tmp_path: Path, kind: str) -> None:
+    """SFTTrainer (fused LM head: the loss arrives through ``output.log_probs``; gradient
+    checkpointing on, SFTConfig's default; accumulation 2) on prompt/completion data:
+    the labels mask exactly the prompt, and every stored gradient equals the oracle of
+    the example's own summed completion loss. Full model: every layer but ``lm_head``;
+    LoRA: the default selection, the ``lora_A``/``lora_B`` adapters only."""
+    build, oracle_model, capture = SFT_MODELS[kind]
+    model = build()
+    fields = training_output_fields(model)
+    run = sft_train(tmp_path, model, capture)
+    assert fields and all("log_probs" in f for f in fields), "the fused LM head was not used"
+    assert run.trainer.model.is_gradient_checkpointing
+    assert_completion_only_labels(run)
+    if kind == "lora":
+        assert run.store.layer_names and all(
+            ".lora_A." in n or ".lora_B." in n for n in run.store.layer_names
+        )
+    assert_steps_hold_their_micro_batches(run.store, run.collator, accumulation=2, steps=3)
+    assert_store_matches_oracle(run.store_dir, run.snapshots, run.collator.examples(), oracle_model)
+
+
+def test_sft_full_model_stores_only_layers_it_captured(tmp_path: Path) -> None:
+    """Bug: TRL's fused LM head computes the logits from ``lm_head.weight`` without calling
+    ``lm_head``, so no hook ever sees it. With the default selection (linear, which includes
+    ``lm_head``) the run must either refuse before step 0, naming ``lm_head``, or store only
+    layers it captured, all readable and exact. Today the store lists ``lm_head`` but no
+    shard holds it: reading the store fails with ``KeyError: 'lm_head'``."""
+    run = sft_train(tmp_path, llama(), {}, expect_failure=True)
+    if run.error is not None:
+        assert run.snapshots.steps_begun == 0
+        assert "lm_head" in str(run.error)
+        return
+    assert_store_matches_oracle(run.store_dir, run.snapshots, run.collator.examples(), fp64_llama)
+
+
+# -- 3. resuming from a checkpoint ---------------------------------------------------------
+
+
+class SimulatedCrash(RuntimeError):
+    """Raised by :class:`CrashAtStep`."""
+
+
+class CrashAtStep(TrainerCallback):
+    """Kills training at the start of optimizer step ``step`` (steps before it are done)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.step:
+            raise SimulatedCrash(f"crash at step {self.step}")
+
+
+def assert_same_store(got: StoreReader, ref: StoreReader) -> None:
+    """Same layers, same (step, example id) sequence, bitwise-equal gradients."""
+    assert got.layer_names == ref.layer_names
+    a, b = got.load_all(), ref.load_all()
+    assert a.steps.tolist() == b.steps.tolist()
+    assert a.example_ids.tolist() == b.example_ids.tolist()
+    for layer in ref.layer_names:
+        assert torch.equal(a.layers[layer].materialize(), b.layers[layer].materialize()), layer
+
+
+def assert_same_curvature(got: Path, ref: Path) -> None:
+    """Same K-FAC sums and token counts for the same layers."""
+    a, b = load_curvature(got), load_curvature(ref)
+    assert a and sorted(a) == sorted(b)
+    for layer in b:
+        assert torch.equal(a[layer].tokens, b[layer].tokens), layer
+        assert torch.allclose(a[layer].a_sum, b[layer].a_sum, rtol=1e-12, atol=0), layer
+        assert torch.allclose(a[layer].g_sum, b[layer].g_sum, rtol=1e-12, atol=0), layer
+
+
+RESUMABLE: dict[str, Any] = dict(
+    max_steps=4, save_strategy="steps", save_steps=2, gradient_accumulation_steps=2
+)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """The 4-step run every resumed run must reproduce."""
+    return train(tmp_path_factory.mktemp("uninterrupted"), **RESUMABLE)
+
+
+def crash_at_step_3(tmp_path: Path) -> Run:
+    """Steps 0..2 done (step 2 already in the store), checkpoint-2 saved, then a crash."""
+    run = train(tmp_path, extra_callbacks=[CrashAtStep(3)], expect_failure=True, **RESUMABLE)
+    assert isinstance(run.error, SimulatedCrash)
+    assert run.store.steps == [0, 1, 2]
+    return run
+
+
+@pytest.mark.parametrize("first_run", ["crashed", "finished"])
+def test_resumed_run_stores_what_an_uninterrupted_run_stores(
+    tmp_path: Path, uninterrupted: Run, first_run: str
+) -> None:
+    """A run that crashed at the start of step 3 (step 2 already in the store) or that
+    finished all 4 steps, resumed from ``checkpoint-2`` with a fresh callback on the same
+    store: the store holds steps 0..3 once each, bitwise equal to an uninterrupted run's,
+    and the K-FAC statistics (restored from the copy the store kept for step 2, not
+    double-counted) equal the uninterrupted run's."""
+    if first_run == "crashed":
+        crash_at_step_3(tmp_path)
+    else:
+        assert train(tmp_path, **RESUMABLE).store.steps == [0, 1, 2, 3]
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    assert (uninterrupted.store_dir / "rank-0" / "curvature-before-step2.safetensors").exists()
+
+    resumed = train(tmp_path, resume_from=checkpoint, **RESUMABLE)
+    assert resumed.snapshots.steps_begun == 2  # steps 2 and 3 only
+    assert resumed.store.steps == [0, 1, 2, 3]
+    assert_same_store(resumed.store, uninterrupted.store)
+    assert_same_curvature(resumed.store_dir, uninterrupted.store_dir)
+
+
+def test_resume_from_a_checkpoint_outside_output_dir(tmp_path: Path, uninterrupted: Run) -> None:
+    """``trainer.train(resume_from_checkpoint=<path>)`` accepts a checkpoint anywhere: a
+    crashed run resumed from its ``checkpoint-2`` by a trainer writing to a new output_dir
+    continues the store exactly like an uninterrupted run, K-FAC statistics included (the
+    store keeps them per checkpointed step, independent of where checkpoints live)."""
+    crash_at_step_3(tmp_path)
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    resumed = train(tmp_path, output="retry-out", resume_from=checkpoint, **RESUMABLE)
+    assert resumed.store.steps == [0, 1, 2, 3]
+    assert_same_store(resumed.store, uninterrupted.store)
+    assert_same_curvature(resumed.store_dir, uninterrupted.store_dir)
+
+
+# -- 4. evaluation and generation ----------------------------------------------------------
+
+
+class GenerateAtStepEnd(TrainerCallback):
+    """Greedy ``model.generate`` after every optimizer step (while capture is attached)."""
+
+    def __init__(self) -> None:
+        self.generated: list[torch.Tensor] = []
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        prompt = torch.tensor([[5, 6, 7]])
+        self.generated.append(kwargs["model"].generate(prompt, max_new_tokens=3, do_sample=False))
+
+
+def test_evaluation_and_generation_record_nothing(tmp_path: Path) -> None:
+    """Evaluation after every step and generation after every step during training, then
+    both again after training: the store equals that of the same run without them (same
+    examples per step, same gradients), and is untouched by the calls after training."""
+    plain = train(tmp_path, store="plain-store", output="plain-out")
+    generate = GenerateAtStepEnd()
+    eval_rows = Dataset.from_list([{"input_ids": r} for r in token_rows(6, seed=1)])
+    run = train(
+        tmp_path,
+        extra_callbacks=[generate],
+        eval_strategy="steps",
+        eval_steps=1,
+        per_device_eval_batch_size=2,
+        eval_dataset=eval_rows,
+    )
+    assert len(generate.generated) == 3
+    assert sum("eval_loss" in entry for entry in run.trainer.state.log_history) == 3
+    assert_same_store(run.store, plain.store)
+
+    stored = stored_ids_per_step(run.store)
+    run.trainer.evaluate()
+    run.trainer.model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False)
+    assert stored_ids_per_step(run.store) == stored
+    assert run.store.num_examples == 3 * 2
+
+
+# -- 5. bad configurations fail before the first step --------------------------------------
+
+
+def assert_refused_before_any_step(run: Run, error: type[Exception], message: str) -> None:
+    """``train()`` raised ``error`` naming ``message``; no optimizer step began and no
+    training batch was even built."""
+    assert isinstance(run.error, error), repr(run.error)
+    assert message in str(run.error)
+    assert run.snapshots.steps_begun == 0
+    assert run.collator.batches == []
+
+
+@pytest.mark.parametrize(
+    "options, named",
+    [({"packing": True, "max_length": 32}, "packing"), ({"padding_free": True}, "padding_free")],
+    ids=["packing", "padding_free"],
+)
+def test_sft_batches_that_mix_examples_are_refused_at_train_begin(
+    tmp_path: Path, options: dict[str, Any], named: str
+) -> None:
+    """SFTConfig(packing=True) and SFTConfig(padding_free=True) put several examples in one
+    sequence: refused by name at on_train_begin, before step 0, weights untouched, no store."""
+    model = llama()
+    initial = copy.deepcopy(model.state_dict())
+    options = {"max_length": None, **options}
+    run = sft_train(tmp_path, model, {}, record_batches=False, expect_failure=True, **options)
+    assert_refused_before_any_step(run, UnsupportedTrainingSetup, named)
+    assert_same_weights(model, initial)
+    assert not run.store_dir.exists()
+
+
+def test_selection_matching_nothing_is_refused_at_train_begin(tmp_path: Path) -> None:
+    """``include="nothing"`` selects no layer: a LayerSelectionError that says so, before
+    step 0, with the weights untouched."""
+    model = llama()
+    initial = copy.deepcopy(model.state_dict())
+    run = train(tmp_path, model, capture={"include": "nothing"}, expect_failure=True)
+    assert_refused_before_any_step(run, LayerSelectionError, "matched no layer")
+    assert_same_weights(model, initial)
+    assert not run.store_dir.exists()
+
+
+def test_store_of_another_run_is_refused_at_train_begin(tmp_path: Path) -> None:
+    """A fresh (not resumed) run into a store that holds another run's steps: a StoreError
+    naming the held steps and the fix, before step 0; the first run's store is intact."""
+    first = train(tmp_path, output="first-out")
+    before = first.store.load_all()
+    model = llama()
+    initial = copy.deepcopy(model.state_dict())
+    run = train(tmp_path, model, output="second-out", expect_failure=True)
+    assert_refused_before_any_step(run, StoreError, "already holds steps 0..2")
+    assert_same_weights(model, initial)
+    after = first.store.load_all()
+    assert after.example_ids.tolist() == before.example_ids.tolist()
+    assert after.steps.tolist() == before.steps.tolist()
+
+
+def test_compiled_model_is_refused_at_train_begin(tmp_path: Path) -> None:
+    """``Trainer`` passes a ``torch.compile``'d model (an ``OptimizedModule``) through to
+    the callbacks, which refuse it by name before anything is compiled or trained."""
+    model = llama()
+    initial = copy.deepcopy(model.state_dict())
+    run = train(tmp_path, torch.compile(model), expect_failure=True)
+    assert_refused_before_any_step(run, UnsupportedTrainingSetup, "torch.compile")
+    assert_same_weights(model, initial)
+
+
+def assert_same_weights(model: nn.Module, initial: dict[str, torch.Tensor]) -> None:
+    """No optimizer step touched ``model``: its weights are still ``initial``."""
+    current = model.state_dict()
+    assert all(torch.equal(current[k], v) for k, v in initial.items())
+
+
+# -- 6. LESS -------------------------------------------------------------------------------
+
+
+def test_less_scores_a_trainer_store(tmp_path: Path) -> None:
+    """After training with the trainer's AdamW, ``optimizer.safetensors`` holds exactly the
+    optimizer's final moments of every captured layer, and ``less`` scores the store
+    against queries captured with the same layers on the final model: one finite cosine
+    per (training example, query)."""
+    run = train(tmp_path)
+    optimizer = unwrap_optimizer(run.trainer.optimizer)
+    assert isinstance(optimizer, torch.optim.AdamW)
+    saved = load_file(run.store_dir / "optimizer.safetensors")
+    model = run.trainer.model
+    for layer in run.store.layer_names:
+        module = model.get_submodule(layer)
+        adapter = DEFAULT_REGISTRY.lookup(module)
+        assert adapter is not None
+        params = adapter.captured_parameters(module)
+        for moment in ("exp_avg", "exp_avg_sq"):
+            values = {n: optimizer.state[p][moment] for n, p in params.items()}
+            assert torch.equal(saved[f"{layer}::{moment}"], adapter.flatten(module, values))
+
+    query_rows = token_rows(3, seed=7)
+    queries = capture_store(
+        model, [pad_rows([{"input_ids": r} for r in query_rows])], tmp_path / "queries", ALL
+    )
+    scores = method_by_name("less").score(run.store, queries)
+    assert scores.values.shape == (run.store.num_examples, len(query_rows))
+    assert torch.isfinite(scores.values).all()
+    assert scores.values.abs().max() <= 1 + 1e-5  # cosines
+    assert scores.values.abs().min() > 0
