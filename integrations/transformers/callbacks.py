@@ -447,10 +447,15 @@ class DataSelectionCallback(PoolCallback):
         missing = uncaptured_trainable(model, engine)
         if missing:
             self.detach()
+            fix = (
+                "TRL's fused LM head bypasses the head's forward: freeze the head or train with "
+                "label smoothing"
+                if uses_fused_head(args)
+                else "use layers='all' for full fine-tuning, or freeze them"
+            )
             raise UnsupportedTrainingSetup(
-                f"{len(missing)} trainable parameters are not captured ({missing[:3]}...), so "
-                "their .grad could not be corrected; use layers='all' for full fine-tuning, or "
-                "freeze them"
+                f"{len(missing)} trainable parameters are not captured ({missing[:3]}), so "
+                f"their .grad could not be corrected; {fix}"
             )
         log_path = self.log_path or str(Path(str(args.output_dir)) / "selection.jsonl")
         self.selector = DataSelector(

@@ -66,6 +66,7 @@ class StepSelection:
     def summary(self) -> dict[str, Any]:
         return {
             "step": self.step,
+            "rank": dist.get_rank() if dist.is_available() and dist.is_initialized() else 0,
             "kept": int((~self.dropped).sum()),
             "dropped": int(self.dropped.sum()),
             "mean_score": float(self.scores.mean()),
@@ -96,7 +97,7 @@ class DataSelector(CaptureConsumer):
         score: ``"dot"``, ``"cosine"`` or ``"adam"``.
         granularity: ``"global"`` or ``"per_layer"``.
         optimizer: needed for ``score="adam"``.
-        log_path: JSONL file receiving one line per step (dropped ids).
+        log_path: JSONL file receiving one line per step and rank (dropped ids).
     """
 
     wants_step_records: ClassVar[bool] = True
@@ -129,6 +130,7 @@ class DataSelector(CaptureConsumer):
         self._check_tied_parameters()
 
     def _check_tied_parameters(self) -> None:
+        """Group layers that share a parameter (tied embeddings): they are scored as one."""
         owners: dict[int, list[str]] = {}
         for name, (module, adapter) in self.layers.items():
             for p in adapter.captured_parameters(module).values():
@@ -139,6 +141,28 @@ class DataSelector(CaptureConsumer):
                 f"layers {shared[0]} share a parameter, so per-layer selection would apply two "
                 "different kept sets to it; use granularity='global'"
             )
+        unit_of = {name: [name] for name in self.layers}
+        for names in shared:
+            merged = sorted(
+                {n for name in names for n in unit_of[name]}, key=list(self.layers).index
+            )
+            for name in merged:
+                unit_of[name] = merged
+        self.units = list({tuple(u): u for u in unit_of.values()}.values())
+
+    def _in_parameters(self, unit: list[str], per_layer: dict[str, Tensor]) -> Tensor:
+        """``(..., D)`` per layer -> the unit's parameters, tied parts added: ``(..., D_u)``."""
+        if len(unit) == 1:
+            return per_layer[unit[0]]
+        lead = per_layer[unit[0]].shape[:-1]
+        by_param: dict[int, Tensor] = {}
+        for name in unit:
+            module, adapter = self.layers[name]
+            params = adapter.captured_parameters(module)
+            for local, value in adapter.unflatten(module, per_layer[name]).items():
+                key = id(params[local])
+                by_param[key] = value if key not in by_param else by_param[key] + value
+        return torch.cat([v.reshape(*lead, -1) for v in by_param.values()], dim=-1)
 
     def set_target(self, target: MicroBatchRecord) -> None:
         """The target pool's per-example gradients at the current weights; the target is
@@ -167,33 +191,39 @@ class DataSelector(CaptureConsumer):
         v_hat = adapter.flatten(module, v).to(like.dtype) / (1 - beta2**step)
         return 1.0 / (v_hat.sqrt() + eps)
 
-    def _layer_scores(self, records: list[MicroBatchRecord]) -> tuple[dict[str, Tensor], ...]:
-        """Per layer: ``(N,)`` dots with the (preconditioned) target and squared norms."""
-        assert self.target is not None
-        dots: dict[str, Tensor] = {}
-        squares: dict[str, Tensor] = {}
+    def _unit_scores(
+        self, records: list[MicroBatchRecord], target: dict[str, Tensor]
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]:
+        """Per unit (a layer, or layers sharing a parameter): ``(N,)`` dots with the
+        (preconditioned) target, ``(N,)`` squared norms, and the target's squared norm."""
+        grads, scaled = {}, {}
         for name in self.layers:
-            target = self.target[name]
-            if self.score == "adam":
-                target = target * self._adam_scale(name, target)
             rows = [r.layers[name].grads.materialize() * r.loss_scale for r in records]
-            grads = torch.cat(rows)
-            dots[name] = grads @ target.to(grads.dtype)
-            squares[name] = grads.pow(2).sum(dim=1)
-        return dots, squares
+            grads[name] = torch.cat(rows)
+            scaled[name] = target[name]
+            if self.score == "adam":
+                scaled[name] = target[name] * self._adam_scale(name, target[name])
+        dots, squares, target_sq = {}, {}, {}
+        for unit in self.units:
+            key = "+".join(unit)
+            g = self._in_parameters(unit, grads)
+            dots[key] = g @ self._in_parameters(unit, scaled).to(g.dtype)
+            squares[key] = g.pow(2).sum(dim=1)
+            target_sq[key] = self._in_parameters(unit, target).double().pow(2).sum()
+        return dots, squares, target_sq
 
     def _keep_masks(
-        self, dots: dict[str, Tensor], squares: dict[str, Tensor]
+        self, dots: dict[str, Tensor], squares: dict[str, Tensor], target_sq: dict[str, Tensor]
     ) -> tuple[dict[str, Tensor], Tensor]:
+        """Keep masks per layer, and the ``(N,)`` scores recorded for the step."""
         cosine = self.score == "cosine"
-        target_sq = {n: t.double().pow(2).sum() for n, t in (self.target or {}).items()}
         if self.granularity == "global":
             scores = torch.stack(list(dots.values())).sum(0)
             if cosine:
                 norm = torch.stack(list(squares.values())).sum(0).sqrt()
                 scores = scores / (norm * torch.stack(list(target_sq.values())).sum().sqrt())
             keep = self.rule.keep(scores)
-            return dict.fromkeys(dots, keep), scores
+            return dict.fromkeys(self.layers, keep), scores
         masks = {}
         for name, dot in dots.items():
             layer_scores = dot / (squares[name].sqrt() * target_sq[name].sqrt()) if cosine else dot
@@ -205,8 +235,8 @@ class DataSelector(CaptureConsumer):
     def on_optimizer_step(self, step: int, records: list[MicroBatchRecord]) -> None:
         if self.target is None or not records:
             return
-        dots, squares = self._layer_scores(records)
-        masks, scores = self._keep_masks(dots, squares)
+        dots, squares, target_sq = self._unit_scores(records, self.target)
+        masks, scores = self._keep_masks(dots, squares, target_sq)
         counts = torch.cat([self.token_counts(r) for r in records]).double()
         total = _all_reduce(counts.sum().clone())
         corrections: dict[int, tuple[nn.Parameter, Tensor, Tensor]] = {}

@@ -1,0 +1,235 @@
+"""References for online data selection: what ``.grad`` must be after a step's selection.
+
+* :func:`fresh_kept_gradient`: one backward over the kept examples alone, in their own
+  micro-batches, of ``sum of their summed token losses / their label tokens`` (the
+  normalization of a trainer that divides by ``num_items_in_batch``), without the engine.
+* :func:`clipped`: that gradient after ``clip_grad_norm_``'s rule.
+* :class:`SelectionAudit`: a ``TrainerCallback`` placed after ``DataSelectionCallback``
+  that keeps, per optimizer step, the weights, the micro-batches the model trained on,
+  the ``num_items_in_batch`` it was told and every ``.grad`` the optimizer is about to use.
+* :func:`assert_trainer_grads_match_fresh`: that audit against the fresh backward over
+  the examples the selection kept, clipped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+from transformers import TrainerCallback
+
+from tda_plugins import causal_lm_example_losses
+from tda_plugins.capture import content_hash
+from tests.oracle import max_rel_error
+
+Batch = Mapping[str, Tensor]
+
+
+def label_counts(batch: Batch) -> Tensor:
+    """``(B,)`` tokens each example's causal-LM loss sums over: shifted labels != -100."""
+    return (batch["labels"][:, 1:] != -100).sum(dim=1)
+
+
+def example_losses(model: nn.Module, batch: Batch) -> Tensor:
+    """``(B,)`` each example's summed next-token loss. ``labels`` go into the model call
+    too, as a trainer passes them (the selection counts loss tokens from them)."""
+    inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "labels")}
+    return causal_lm_example_losses(model(**inputs).logits, batch["labels"])
+
+
+def trainable(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Trainable parameters by name (a tied weight once, under its first name)."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def current_grads(model: nn.Module) -> dict[str, Tensor]:
+    """A copy of every trainable parameter's ``.grad`` (zeros where it is ``None``)."""
+    return {
+        n: torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+        for n, p in trainable(model).items()
+    }
+
+
+def fresh_kept_gradient(
+    model: nn.Module,
+    micro_batches: Sequence[Batch],
+    keep: Sequence[Tensor],
+    backprop_tokens: float | None = None,
+) -> dict[str, Tensor]:
+    """Gradient of ``sum_{kept i} L_i / N_kept`` for every trainable parameter.
+
+    ``L_i`` is example ``i``'s summed token loss and ``N_kept`` the kept examples' label
+    tokens. Each micro-batch is forwarded with its dropped rows removed (``keep[j]`` is
+    the ``(B_j,)`` bool mask of micro-batch ``j``); the engine and ``.grad`` are untouched.
+
+    ``backprop_tokens``: backpropagate ``sum_{kept} L_i / backprop_tokens`` (what the
+    trainer's own backward divided by) and rescale by ``backprop_tokens / N_kept`` in
+    fp64 afterwards. The same gradient, but rounded as the trainer's backward was: the
+    Llama RMSNorm computes in fp32 even in an fp64 model, so there a different loss scale
+    alone moves the gradient by ~1e-7 relative.
+    """
+    params = trainable(model)
+    total = torch.zeros((), dtype=torch.float64)
+    tokens = 0
+    for batch, kept in zip(micro_batches, keep, strict=True):
+        if not bool(kept.any()):
+            continue
+        rows = {k: v[kept] for k, v in batch.items()}
+        total = total + example_losses(model, rows).sum()
+        tokens += int(label_counts(rows).sum())
+    assert tokens > 0, "the kept examples have no label tokens"
+    divisor = tokens if backprop_tokens is None else backprop_tokens
+    grads = torch.autograd.grad(total / divisor, list(params.values()), allow_unused=True)
+    rescale = divisor / tokens
+    return {
+        n: torch.zeros_like(p) if g is None else g * rescale
+        for (n, p), g in zip(params.items(), grads, strict=True)
+    }
+
+
+def global_norm(grads: Mapping[str, Tensor]) -> float:
+    return math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
+
+
+def clipped(grads: Mapping[str, Tensor], max_norm: float) -> dict[str, Tensor]:
+    """``grads`` scaled as ``torch.nn.utils.clip_grad_norm_`` scales them."""
+    coefficient = min(1.0, max_norm / (global_norm(grads) + 1e-6))
+    return {n: g * coefficient for n, g in grads.items()}
+
+
+# -- auditing a real Trainer run ------------------------------------------------------------
+
+
+@dataclass
+class StepAudit:
+    """One optimizer step as the trainer ran it."""
+
+    weights: dict[str, Tensor] = field(default_factory=dict)
+    micro_batches: list[dict[str, Tensor]] = field(default_factory=list)
+    #: Per micro-batch: the ``num_items_in_batch`` the model was called with (nan: none).
+    num_items: list[float] = field(default_factory=list)
+    #: Per micro-batch: loss tokens TRL's fused head counted (``label_mask``; -1: none).
+    label_mask_tokens: list[int] = field(default_factory=list)
+    grads: dict[str, Tensor] = field(default_factory=dict)
+
+
+class SelectionAudit(TrainerCallback):
+    """Records each step's weights (``on_step_begin``), training micro-batches (a forward
+    hook; evaluation-mode forwards such as the target's are not training data) and
+    ``.grad`` at ``on_pre_optimizer_step``. Put it after ``DataSelectionCallback``, so
+    that ``.grad`` is the one the optimizer steps with."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, StepAudit] = {}
+        self._step = 0
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        kwargs["model"].register_forward_hook(self._record_batch, with_kwargs=True)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._step = state.global_step
+        weights = {k: v.detach().clone() for k, v in kwargs["model"].state_dict().items()}
+        self.steps[self._step] = StepAudit(weights)
+
+    def _record_batch(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        audit = self.steps[self._step]
+        keys = ("input_ids", "attention_mask", "labels")
+        audit.micro_batches.append({k: kwargs[k].detach().clone() for k in keys})
+        count = kwargs.get("num_items_in_batch")
+        audit.num_items.append(float("nan") if count is None else float(count))
+        label_mask = getattr(output, "label_mask", None)
+        audit.label_mask_tokens.append(-1 if label_mask is None else int(label_mask.sum()))
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.steps[state.global_step].grads = current_grads(kwargs["model"])
+
+    def save(self, directory: Path) -> None:
+        """Write every step to ``directory`` (safetensors and JSON), for another process."""
+        directory.mkdir(parents=True, exist_ok=True)
+        for step, audit in self.steps.items():
+            tensors = {f"weights/{k}": v.contiguous() for k, v in audit.weights.items()}
+            tensors.update({f"grads/{k}": v.contiguous() for k, v in audit.grads.items()})
+            for j, batch in enumerate(audit.micro_batches):
+                tensors.update({f"batch{j}/{k}": v.contiguous() for k, v in batch.items()})
+            save_file(tensors, str(directory / f"step{step}.safetensors"))
+            meta = {
+                "micro_batches": len(audit.micro_batches),
+                "num_items": audit.num_items,
+                "label_mask_tokens": audit.label_mask_tokens,
+            }
+            (directory / f"step{step}.json").write_text(json.dumps(meta))
+
+    @classmethod
+    def load(cls, directory: Path) -> SelectionAudit:
+        """What :meth:`save` wrote."""
+        audit = cls()
+        for meta_path in sorted(directory.glob("step*.json")):
+            step = int(meta_path.stem.removeprefix("step"))
+            meta = json.loads(meta_path.read_text())
+            tensors = load_file(str(directory / f"step{step}.safetensors"))
+
+            def part(prefix: str, tensors: dict[str, Tensor] = tensors) -> dict[str, Tensor]:
+                return {
+                    k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)
+                }
+
+            batches = [part(f"batch{j}/") for j in range(meta["micro_batches"])]
+            audit.steps[step] = StepAudit(
+                part("weights/"),
+                batches,
+                meta["num_items"],
+                meta["label_mask_tokens"],
+                part("grads/"),
+            )
+        return audit
+
+
+def kept_masks(micro_batches: Sequence[Batch], dropped_ids: set[int]) -> list[Tensor]:
+    """Per micro-batch, ``(B,)`` true at the examples (content-hash ids) not dropped."""
+    masks = []
+    for batch in micro_batches:
+        ids = content_hash(batch["input_ids"], batch["attention_mask"]).tolist()
+        masks.append(torch.tensor([i not in dropped_ids for i in ids]))
+    return masks
+
+
+@dataclass
+class TrainerCheck:
+    """What :func:`assert_trainer_grads_match_fresh` compared."""
+
+    steps: int
+    worst: float
+    fresh_norms: list[float]
+
+
+def assert_trainer_grads_match_fresh(
+    steps: Mapping[int, StepAudit],
+    dropped_per_step: Mapping[int, set[int]],
+    build_model: Callable[[], nn.Module],
+    max_norm: float,
+    tol: float,
+) -> TrainerCheck:
+    """Every step's ``.grad`` equals ``clip(fresh_kept_gradient)`` within ``tol`` (relative,
+    per parameter), the fresh gradient taken in a ``build_model()`` (fp64) at the step's
+    weights over the micro-batches of all ranks (``steps``) minus the dropped examples."""
+    worst, norms = 0.0, []
+    assert steps, "no optimizer step was audited"
+    for step, audit in sorted(steps.items()):
+        model = build_model()
+        model.load_state_dict(audit.weights)
+        keep = kept_masks(audit.micro_batches, dropped_per_step[step])
+        fresh = fresh_kept_gradient(model, audit.micro_batches, keep)
+        norms.append(global_norm(fresh))
+        error = max_rel_error(audit.grads, clipped(fresh, max_norm))
+        assert error <= tol, f"step {step}: .grad is {error:.2e} away from the fresh backward"
+        worst = max(worst, error)
+    return TrainerCheck(len(steps), worst, norms)

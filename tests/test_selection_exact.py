@@ -1,0 +1,697 @@
+"""Online data selection is exact: after a step's selection, ``.grad`` is a fresh backward
+over the kept examples alone, with the trainer's normalization.
+
+The reference never touches the engine (``tests.selection_helpers``): one backward over
+the kept examples of each micro-batch of ``sum_{kept} L_i / N_kept`` (``L_i`` an example's
+summed token loss, ``N_kept`` the kept examples' label tokens). Which examples must be
+kept is worked out independently too: each example's own gradient from the loop oracle
+(one backward per unpadded example, ``tests.oracle``), scored against the oracle target
+gradient, and the rule applied by hand. Covered:
+
+1. The core without a trainer (fp64, tiny Llama and GPT-2, padded batches): full
+   fine-tuning (``kind="all"``, GPT-2's tied ``lm_head``/``wte`` captured twice) and LoRA,
+   accumulation 1 and 4 with the trainer's ``/ N_window`` loss, every score mode (dot,
+   cosine, Adam-preconditioned) x granularity (global, per layer) x rule; the global
+   scores themselves; dropping nothing; dropping everything.
+2. ``Trainer`` + ``DataSelectionCallback`` (fp32; full fine-tuning and LoRA; accumulation
+   1 and 4) with clipping after selection, the JSONL log, the trainer's logs and
+   ``max_grad_norm`` restored; TRL ``SFTTrainer`` + LoRA; refusals before step 0.
+3. DDP with two gloo ranks: both ranks' ``.grad`` agree and equal the fresh backward over
+   the union of the kept examples.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from datasets import Dataset
+from torch import Tensor, nn
+from transformers import Trainer
+
+from tda_plugins import CaptureEngine, LayerSelection
+from tda_plugins.api import capture_batch
+from tda_plugins.integrations.transformers.callbacks import (
+    DataSelectionCallback,
+    UnsupportedTrainingSetup,
+    causal_lm_token_counts,
+)
+from tda_plugins.selection import DataSelector, StepSelection, rule_by_name
+from tests.models import lm_batch, tiny_causal_lm, with_lora
+from tests.oracle import loop_oracle, max_rel_error
+from tests.selection_helpers import (
+    SelectionAudit,
+    StepAudit,
+    assert_trainer_grads_match_fresh,
+    current_grads,
+    example_losses,
+    fresh_kept_gradient,
+    label_counts,
+    trainable,
+)
+from tests.stores import ManualScale
+from tests.trainers import (
+    FP32_TOL,
+    pad_rows,
+    prompt_completion_pairs,
+    token_rows,
+    training_args,
+    word_tokenizer,
+)
+
+FP64_TOL = 1e-6
+#: Right-padded lengths of the 8 examples of a step (length 10).
+LENGTHS = (10, 7, 9, 5, 10, 8, 6, 10)
+EXAMPLES = len(LENGTHS)
+MODELS = ("llama-full", "llama-lora", "gpt2-full", "gpt2-lora")
+SCORES = ("dot", "cosine", "adam")
+GRANULARITIES = ("global", "per_layer")
+RULES = ("bottom_fraction", "threshold", "negative_in_bottom")
+#: 0.45 * 8 = 3.6: the fraction rules consider floor = 3 examples, not round = 4.
+FRACTION = 0.45
+
+
+# -- 1. the core, fp64 ------------------------------------------------------------------
+
+
+@dataclass
+class Subject:
+    """A tiny fp64 model, a step's 8 examples and a target batch, with the oracle's view:
+    each example's own gradient and the target's summed gradient, per parameter."""
+
+    model: nn.Module
+    layers: LayerSelection | None
+    optimizer: torch.optim.Adam | None
+    window: dict[str, Tensor]
+    target: dict[str, Tensor]
+    per_example: dict[str, Tensor]
+    target_grad: dict[str, Tensor]
+    fresh_cache: dict[tuple, dict[str, Tensor]] = field(default_factory=dict)
+
+    def micro_batches(self, accumulation: int) -> list[dict[str, Tensor]]:
+        size = EXAMPLES // accumulation
+        return [
+            {k: v[j * size : (j + 1) * size] for k, v in self.window.items()}
+            for j in range(accumulation)
+        ]
+
+    def layer_groups(self) -> dict[str, list[str]]:
+        """Owning module -> its trainable parameter names (a captured layer each)."""
+        groups: dict[str, list[str]] = {}
+        for name in self.per_example:
+            groups.setdefault(name.rsplit(".", 1)[0], []).append(name)
+        return groups
+
+    def preconditioner(self, name: str) -> Tensor | None:
+        """Adam's ``1 / (sqrt(v_hat) + eps)`` for a parameter, from the optimizer's state."""
+        if self.optimizer is None:
+            return None
+        param = self.model.get_parameter(name)
+        state = self.optimizer.state[param]
+        group = self.optimizer.param_groups[0]
+        beta2, eps = group["betas"][1], group["eps"]
+        v_hat = state["exp_avg_sq"] / (1 - beta2 ** float(state["step"]))
+        return 1.0 / (v_hat.sqrt() + eps)
+
+    def fresh(self, accumulation: int, keep: Tensor) -> dict[str, Tensor]:
+        """:func:`fresh_kept_gradient` over the kept examples (``(8,)`` mask), cached."""
+        key = (accumulation, tuple(keep.tolist()))
+        if key not in self.fresh_cache:
+            size = EXAMPLES // accumulation
+            masks = [keep[j * size : (j + 1) * size] for j in range(accumulation)]
+            self.fresh_cache[key] = fresh_kept_gradient(
+                self.model, self.micro_batches(accumulation), masks, self.window_tokens
+            )
+        return self.fresh_cache[key]
+
+    @property
+    def window_tokens(self) -> float:
+        """Label tokens of the step's 8 examples: the trainer's loss divides by this."""
+        return float(label_counts(self.window).sum())
+
+    def row_grads(self, accumulation: int) -> dict[str, Tensor]:
+        """``(8, *shape)`` per parameter: the terms of the fresh backward, one per example
+        (``L_i / N_window``, taken in its own padded micro-batch; cached). By linearity of
+        the backward, the fresh backward over a kept set ``K`` is their sum over ``K``
+        times ``N_window / N_K``: per-layer selection needs one fresh gradient per distinct
+        kept set, and this gives them all from 8 backward passes
+        (:func:`test_row_terms_sum_to_the_fresh_backward`)."""
+        key = ("rows", accumulation)
+        if key not in self.fresh_cache:
+            params = list(trainable(self.model).items())
+            rows: list[tuple[Tensor, ...]] = []
+            for batch in self.micro_batches(accumulation):
+                losses = example_losses(self.model, batch) / self.window_tokens
+                for loss in losses:
+                    rows.append(
+                        torch.autograd.grad(loss, [p for _, p in params], retain_graph=True)
+                    )
+            self.fresh_cache[key] = {
+                n: torch.stack([r[j] for r in rows]) for j, (n, _) in enumerate(params)
+            }
+        return self.fresh_cache[key]
+
+    def fresh_by_rows(self, accumulation: int, keep: Tensor) -> dict[str, Tensor]:
+        """The fresh backward over ``keep`` from :meth:`row_grads`."""
+        rescale = self.window_tokens / float(label_counts(self.window)[keep].sum())
+        return {n: g[keep].sum(0) * rescale for n, g in self.row_grads(accumulation).items()}
+
+
+def build_model(spec: str, dtype: torch.dtype = torch.float64) -> nn.Module:
+    """``"<arch>-full"`` or ``"<arch>-lora"`` (default LoRA on every linear)."""
+    arch, kind = spec.split("-")
+    model = tiny_causal_lm(arch, dtype)
+    return with_lora(model) if kind == "lora" else model
+
+
+def capture_layers(spec: str) -> LayerSelection | None:
+    """Full fine-tuning captures every layer; LoRA the default selection (its adapters)."""
+    return LayerSelection("all") if spec.endswith("-full") else None
+
+
+@functools.cache
+def subject(spec: str, adam: bool = False) -> Subject:
+    """Cached per model and optimizer: with ``adam``, one Adam step has run on another
+    batch first, so that the optimizer holds moments (and the weights moved)."""
+    model = build_model(spec)
+    optimizer = None
+    if adam:
+        optimizer = torch.optim.Adam(trainable(model).values(), lr=1e-3)
+        warmup = lm_batch(4, 10, lengths=(10, 6, 8, 9), seed=3)
+        (example_losses(model, warmup).sum() / label_counts(warmup).sum()).backward()
+        optimizer.step()
+        model.zero_grad(set_to_none=True)
+    window = lm_batch(EXAMPLES, 10, lengths=LENGTHS, seed=1)
+    target = lm_batch(3, 10, lengths=(10, 8, 6), seed=2)
+    names = list(trainable(model))
+    per_example = loop_oracle(model, window, names)
+    target_grad = {n: g.sum(0) for n, g in loop_oracle(model, target, names).items()}
+    return Subject(model, capture_layers(spec), optimizer, window, target, per_example, target_grad)
+
+
+@dataclass
+class Outcome:
+    """One optimizer step through the engine and a ``DataSelector``."""
+
+    before: dict[str, Tensor]
+    after: dict[str, Tensor]
+    selection: StepSelection
+    layer_names: list[str]
+
+
+def run_step(
+    s: Subject,
+    accumulation: int,
+    rule: str,
+    options: dict[str, float],
+    score: str = "dot",
+    granularity: str = "global",
+) -> Outcome:
+    """The trainer's step, by hand: the target captured with the engine paused, then per
+    micro-batch ``sum of its summed losses / N_window`` backpropagated (the engine told
+    ``loss_scale = N_window``), then ``engine.optimizer_step()``; ``.grad`` before and
+    after the selection."""
+    micro_batches = s.micro_batches(accumulation)
+    normalization = ManualScale()
+    normalization.value = s.window_tokens
+    with CaptureEngine(s.model, s.layers, None, (), normalization) as engine:
+        selector = DataSelector(
+            engine.captured_layers,
+            rule_by_name(rule, **options),
+            causal_lm_token_counts,
+            score,  # type: ignore[arg-type]
+            granularity,  # type: ignore[arg-type]
+            s.optimizer,
+        )
+        engine.add_consumer(selector)
+        with engine.paused():
+            selector.set_target(capture_batch(s.model, s.target, None, s.layers))
+        s.model.zero_grad(set_to_none=True)
+        first = 0
+        for batch in micro_batches:
+            size = batch["input_ids"].shape[0]
+            engine.set_example_ids(torch.arange(first, first + size))
+            first += size
+            (example_losses(s.model, batch).sum() / normalization.value).backward()
+        before = current_grads(s.model)
+        engine.optimizer_step()
+        after = current_grads(s.model)
+        layer_names = engine.layer_names
+    s.model.zero_grad(set_to_none=True)
+    assert len(selector.history) == 1
+    return Outcome(before, after, selector.history[0], layer_names)
+
+
+def oracle_scores(s: Subject, score: str, names: list[str]) -> Tensor:
+    """``(8,)`` each example's score over the parameters ``names``, from the oracle:
+    ``<g_i, T>``, ``<g_i, T> / (|g_i| |T|)`` or ``<g_i, T / (sqrt(v_hat) + eps)>``."""
+    dot = torch.zeros(EXAMPLES, dtype=torch.float64)
+    g_sq = torch.zeros(EXAMPLES, dtype=torch.float64)
+    t_sq = torch.zeros((), dtype=torch.float64)
+    for name in names:
+        g, t = s.per_example[name].flatten(1), s.target_grad[name].flatten()
+        pre = s.preconditioner(name) if score == "adam" else None
+        dot += g @ (t if pre is None else t * pre.flatten())
+        g_sq += g.pow(2).sum(1)
+        t_sq += t.pow(2).sum()
+    return dot / (g_sq.sqrt() * t_sq.sqrt()) if score == "cosine" else dot
+
+
+def rule_keep(scores: Tensor, rule: str, option: float) -> Tensor:
+    """The rule by hand: ``(N,)`` kept mask. Fractions consider the ``floor(f N)`` lowest;
+    an empty kept set keeps the best-scoring example (``rules.py``)."""
+    n = scores.shape[0]
+    if rule == "threshold":
+        dropped = {i for i in range(n) if scores[i] < option}
+    else:
+        lowest = sorted(range(n), key=lambda i: float(scores[i]))[: math.floor(option * n)]
+        negative = rule == "negative_in_bottom"
+        dropped = {i for i in lowest if scores[i] < 0 or not negative}
+    keep = torch.tensor([i not in dropped for i in range(n)])
+    if not keep.any():
+        keep[int(torch.argmax(scores))] = True
+    return keep
+
+
+def rule_option(s: Subject, rule: str, score: str, granularity: str) -> float:
+    """Fraction rules: :data:`FRACTION`. Threshold: globally, between the 3rd and 4th
+    lowest oracle scores (3 dropped); per layer 0 (each layer drops its negatives)."""
+    if rule != "threshold":
+        return FRACTION
+    if granularity == "per_layer":
+        return 0.0
+    ordered = oracle_scores(s, score, list(s.per_example)).sort().values
+    return float(ordered[2] + ordered[3]) / 2
+
+
+def _option_name(rule: str) -> str:
+    return "value" if rule == "threshold" else "fraction"
+
+
+def expected_keep(
+    s: Subject, rule: str, option: float, score: str, granularity: str
+) -> dict[str, Tensor]:
+    """Parameter name -> ``(8,)`` kept mask: one global mask, or each layer's own."""
+    if granularity == "global":
+        keep = rule_keep(oracle_scores(s, score, list(s.per_example)), rule, option)
+        return dict.fromkeys(s.per_example, keep)
+    out = {}
+    for names in s.layer_groups().values():
+        keep = rule_keep(oracle_scores(s, score, names), rule, option)
+        out.update(dict.fromkeys(names, keep))
+    return out
+
+
+def assert_grad_is_fresh_over_kept(
+    s: Subject, outcome: Outcome, accumulation: int, keep: Tensor | dict[str, Tensor]
+) -> None:
+    """Every trainable ``.grad`` equals the fresh backward over the kept set: one ``(8,)``
+    mask for all, or each parameter's own (its layer's; from :meth:`Subject.row_grads`)."""
+    if isinstance(keep, Tensor):
+        expected = s.fresh(accumulation, keep)
+    else:
+        expected = {n: s.fresh_by_rows(accumulation, mask)[n] for n, mask in keep.items()}
+    error = max_rel_error(outcome.after, expected)
+    assert error <= FP64_TOL, f".grad is {error:.2e} away from the fresh backward over kept"
+
+
+CORE_CASES = [
+    pytest.param(spec, acc, score, gran, rule, id=f"{spec}-ga{acc}-{score}-{gran}-{rule}")
+    for spec in MODELS
+    for acc in (1, 4)
+    for score in SCORES
+    for gran in GRANULARITIES
+    for rule in RULES
+    # A tied weight would get two kept sets: refused (test_per_layer_refuses_a_tied_weight).
+    if not (spec == "gpt2-full" and gran == "per_layer")
+]
+
+
+@pytest.mark.parametrize("spec, accumulation, score, granularity, rule", CORE_CASES)
+def test_grad_after_selection_is_a_fresh_backward_over_the_kept_examples(
+    spec: str, accumulation: int, score: str, granularity: str, rule: str
+) -> None:
+    """The engine's selection keeps exactly the examples the rule picks from the oracle's
+    scores (per layer: each layer its own), and every trainable ``.grad`` then equals the
+    fresh backward over those kept examples (per layer: over that layer's kept set),
+    normalized by their own label tokens, within fp64 rounding."""
+    s = subject(spec, adam=score == "adam")
+    option = rule_option(s, rule, score, granularity)
+    outcome = run_step(s, accumulation, rule, {_option_name(rule): option}, score, granularity)
+    keep = expected_keep(s, rule, option, score, granularity)
+    masks = torch.stack(list(keep.values()))
+    assert not masks.all(), "the case is vacuous: the rule drops nothing anywhere"
+    assert outcome.selection.example_ids.tolist() == list(range(EXAMPLES))
+
+    if granularity == "global":
+        # The surgery first, on the kept set the selector chose; then that choice.
+        assert_grad_is_fresh_over_kept(s, outcome, accumulation, ~outcome.selection.dropped)
+        assert outcome.selection.dropped.tolist() == (~masks[0]).tolist()
+        return
+    assert sorted(outcome.layer_names) == sorted(s.layer_groups())
+    assert len({tuple(m.tolist()) for m in masks}) > 1, "per-layer sets all coincide"
+    assert outcome.selection.dropped.tolist() == (~masks).any(0).tolist()
+    assert_grad_is_fresh_over_kept(s, outcome, accumulation, keep)
+
+
+@pytest.mark.parametrize("spec", ["llama-lora", "gpt2-full"])
+def test_row_terms_sum_to_the_fresh_backward(spec: str) -> None:
+    """The per-layer reference is sound: summing :meth:`Subject.row_grads` over a kept set
+    gives the fresh backward over those examples alone (fp64 rounding apart)."""
+    s = subject(spec)
+    for keep in (torch.tensor([1, 0, 1, 1, 0, 0, 1, 1]).bool(), torch.ones(EXAMPLES).bool()):
+        assert max_rel_error(s.fresh_by_rows(4, keep), s.fresh(4, keep)) <= 1e-13
+
+
+@pytest.mark.parametrize("score", SCORES)
+@pytest.mark.parametrize("spec", MODELS)
+def test_global_scores_are_each_examples_gradient_against_the_target(spec: str, score: str) -> None:
+    """The step's recorded scores are the oracle's ``<g_i, T>`` (cosine: over the norms;
+    adam: ``T`` preconditioned by the optimizer's ``1 / (sqrt(v_hat) + eps)``), with
+    ``g_i`` and ``T`` each parameter's full gradient: for a tied weight (GPT-2's
+    ``lm_head``/``wte``) the sum of both layers' contributions, cross terms included.
+    Scores are kept in fp32."""
+    s = subject(spec, adam=score == "adam")
+    outcome = run_step(s, 4, "bottom_fraction", {"fraction": FRACTION}, score)
+    expected = oracle_scores(s, score, list(s.per_example))
+    error = ((outcome.selection.scores.double() - expected).norm() / expected.norm()).item()
+    assert error <= 1e-5, f"scores are {error:.2e} (relative) away from the oracle's"
+
+
+@pytest.mark.parametrize("spec", MODELS)
+@pytest.mark.parametrize(
+    "rule, options",
+    [("threshold", {"value": -math.inf}), ("bottom_fraction", {"fraction": 0.0})],
+    ids=["threshold-inf", "fraction0"],
+)
+def test_dropping_nothing_leaves_grad_unchanged(
+    spec: str, rule: str, options: dict[str, float]
+) -> None:
+    """A rule that drops no example leaves every ``.grad`` bit for bit as the backward
+    left it (accumulation 4), and the step records no dropped example."""
+    s = subject(spec)
+    outcome = run_step(s, 4, rule, options)
+    assert not outcome.selection.dropped.any()
+    changed = [n for n in outcome.before if not torch.equal(outcome.before[n], outcome.after[n])]
+    assert not changed, f".grad changed: {changed[:3]}"
+
+
+@pytest.mark.parametrize(
+    "spec, granularity",
+    [(m, g) for m in MODELS for g in GRANULARITIES if not (m == "gpt2-full" and g == "per_layer")],
+)
+def test_dropping_everything_keeps_the_best_example(spec: str, granularity: str) -> None:
+    """``threshold=+inf`` would drop every example; as ``rules.py`` documents, the
+    best-scoring one (per layer: each layer's best) is kept, and ``.grad`` is the fresh
+    backward over it alone, normalized by its own label tokens."""
+    s = subject(spec)
+    outcome = run_step(s, 4, "threshold", {"value": math.inf}, granularity=granularity)
+    keep = expected_keep(s, "threshold", math.inf, "dot", granularity)
+    assert all(int(mask.sum()) == 1 for mask in keep.values())
+    assert outcome.selection.dropped.tolist() == (~torch.stack(list(keep.values()))).any(0).tolist()
+    if granularity == "global":
+        assert_grad_is_fresh_over_kept(s, outcome, 4, next(iter(keep.values())))
+    else:
+        assert_grad_is_fresh_over_kept(s, outcome, 4, keep)
+
+
+def test_per_layer_refuses_a_tied_weight() -> None:
+    """GPT-2's ``lm_head`` and ``wte`` share one weight: per-layer selection would give it
+    two kept sets, so the selector refuses and names the layers."""
+    model = tiny_causal_lm("gpt2")
+    refused = pytest.raises(ValueError, match=r"share a parameter.*granularity='global'")
+    with CaptureEngine(model, LayerSelection("all")) as engine, refused as info:
+        DataSelector(
+            engine.captured_layers,
+            rule_by_name("bottom_fraction"),
+            causal_lm_token_counts,
+            granularity="per_layer",
+        )
+    assert "lm_head" in str(info.value) and "transformer.wte" in str(info.value)
+
+
+# -- 2. Trainer and SFTTrainer, fp32 ---------------------------------------------------
+
+
+MAX_GRAD_NORM = 0.05
+STEPS = 3
+PER_DEVICE = 2
+#: Weights move visibly each step, but stay where fp32 gradients are accurate to ~1e-5:
+#: after two AdamW steps at 1e-2 the LoRA model's own fp32 backward is 4e-4 off fp64.
+LEARNING_RATE = 1e-3
+
+
+def target_rows() -> list[dict[str, Any]]:
+    return [{"input_ids": r} for r in token_rows(3, seed=7)]
+
+
+def fp64_twin(spec: str) -> Callable[[], nn.Module]:
+    """The reference model: the trained model's architecture in fp64 (weights loaded)."""
+    return lambda: build_model(spec, torch.float64)
+
+
+@dataclass
+class SelectionRun:
+    trainer: Trainer
+    selection: DataSelectionCallback
+    audit: SelectionAudit
+
+
+def dropped_per_step(selection: DataSelectionCallback) -> dict[int, set[int]]:
+    return {h.step: set(h.summary()["dropped_ids"]) for h in selection.history}
+
+
+def assert_window_token_counts(steps: dict[int, StepAudit]) -> None:
+    """Each micro-batch was told ``num_items_in_batch`` = its window's shifted label
+    tokens: the count the selection renormalizes with (``causal_lm_token_counts``)."""
+    for audit in steps.values():
+        window = sum(int(label_counts(b).sum()) for b in audit.micro_batches)
+        assert audit.num_items == [window] * len(audit.micro_batches)
+
+
+def train_with_selection(
+    tmp_path: Path, spec: str, accumulation: int, **selection_options: Any
+) -> SelectionRun:
+    """``Trainer`` (fp32, 3 steps, batch 2, ``max_grad_norm=0.05``, logging every step)
+    with ``DataSelectionCallback(fraction=0.5, **selection_options)`` then the audit."""
+    selection = DataSelectionCallback(target_rows(), fraction=0.5, **selection_options)
+    audit = SelectionAudit()
+    trainer = Trainer(
+        model=build_model(spec, torch.float32),
+        args=training_args(
+            tmp_path / "out",
+            gradient_accumulation_steps=accumulation,
+            max_grad_norm=MAX_GRAD_NORM,
+            learning_rate=LEARNING_RATE,
+            logging_strategy="steps",
+            logging_steps=1,
+        ),
+        train_dataset=Dataset.from_list([{"input_ids": r} for r in token_rows(24)]),
+        data_collator=pad_rows,
+        callbacks=[selection, audit],
+    )
+    trainer.train()
+    return SelectionRun(trainer, selection, audit)
+
+
+TRAINER_CASES = [
+    pytest.param("llama-full", 1, {"layers": "all"}, id="full-ga1"),
+    pytest.param("llama-full", 4, {"layers": "all"}, id="full-ga4"),
+    pytest.param("llama-lora", 1, {}, id="lora-ga1"),
+    pytest.param("llama-lora", 4, {"score": "adam"}, id="lora-ga4-adam"),
+]
+
+
+@pytest.mark.parametrize("spec, accumulation, options", TRAINER_CASES)
+def test_trainer_grad_is_the_clipped_fresh_backward_over_kept(
+    tmp_path: Path, spec: str, accumulation: int, options: dict[str, Any]
+) -> None:
+    """Through ``Trainer``: each step drops half its examples, and the ``.grad`` the
+    optimizer steps with is ``clip(fresh backward over the kept examples, 0.05)`` (so
+    clipping follows selection and the trainer's own clipping before it is off); every
+    fresh gradient is above 0.05, so the clipping is in effect. Afterwards
+    ``max_grad_norm`` is 0.05 again, ``selection.jsonl`` has one line per step with its
+    dropped ids, and the trainer's logs carry ``selection/kept`` and friends."""
+    run = train_with_selection(tmp_path, spec, accumulation, **options)
+    history = run.selection.history
+    examples_per_step = PER_DEVICE * accumulation
+    assert [h.step for h in history] == list(range(STEPS))
+    assert all(int(h.dropped.sum()) == examples_per_step // 2 for h in history)
+    assert_window_token_counts(run.audit.steps)
+    check = assert_trainer_grads_match_fresh(
+        run.audit.steps, dropped_per_step(run.selection), fp64_twin(spec), MAX_GRAD_NORM, FP32_TOL
+    )
+    assert check.steps == STEPS and min(check.fresh_norms) > MAX_GRAD_NORM
+
+    assert run.trainer.args.max_grad_norm == MAX_GRAD_NORM
+    lines = (tmp_path / "out" / "selection.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [h.summary() for h in history]
+    logged = [e for e in run.trainer.state.log_history if "selection/kept" in e]
+    assert [e["step"] for e in logged] == [1, 2, 3]
+    assert all(e["selection/kept"] == examples_per_step // 2 for e in logged)
+    assert all("selection/dropped" in e and "selection/mean_score" in e for e in logged)
+
+
+def sft_with_selection(tmp_path: Path, model: nn.Module, **options: Any) -> SelectionRun:
+    """``SFTTrainer`` (TRL's tokenization, collator and fused LM head; completion-only
+    loss; gradient checkpointing, its default; accumulation 2) with selection + audit,
+    not yet trained."""
+    from trl import SFTConfig, SFTTrainer
+
+    pairs = prompt_completion_pairs(16)
+    targets = [{"input_ids": list(p.tokens()), "labels": p.labels()} for p in pairs[-3:]]
+    selection = DataSelectionCallback(targets, fraction=0.5, **options)
+    audit = SelectionAudit()
+    args = training_args(
+        tmp_path / "out",
+        config_cls=SFTConfig,
+        packing=False,
+        gradient_accumulation_steps=2,
+        max_grad_norm=MAX_GRAD_NORM,
+        learning_rate=LEARNING_RATE,
+    )
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list([p.row() for p in pairs[:12]]),
+        processing_class=word_tokenizer(),
+        callbacks=[selection, audit],
+    )
+    return SelectionRun(trainer, selection, audit)
+
+
+def test_sft_trainer_lora_selection_is_exact(tmp_path: Path) -> None:
+    """Through TRL's ``SFTTrainer`` on a LoRA model (the loss reaches the model through
+    ``log_probs``, not ``loss``): the labels the model is called with mask the prompt,
+    TRL's fused head counts exactly their shifted label tokens (what the selection
+    renormalizes with), and ``.grad`` is the clipped fresh backward over the kept
+    examples' completion tokens."""
+    run = sft_with_selection(tmp_path, build_model("llama-lora", torch.float32))
+    run.trainer.train()
+    assert len(run.selection.history) == STEPS
+    assert all(int(h.dropped.sum()) == 2 for h in run.selection.history)
+    for audit in run.audit.steps.values():
+        assert all(bool((b["labels"][:, 0] == -100).all()) for b in audit.micro_batches)
+        # TRL divides by its own count (the fused head's label_mask), not told the model.
+        counted = [int(label_counts(b).sum()) for b in audit.micro_batches]
+        assert audit.label_mask_tokens == counted
+    check = assert_trainer_grads_match_fresh(
+        run.audit.steps,
+        dropped_per_step(run.selection),
+        fp64_twin("llama-lora"),
+        MAX_GRAD_NORM,
+        FP32_TOL,
+    )
+    assert check.steps == STEPS
+
+
+def test_sft_trainer_full_fine_tuning_refuses_or_is_exact(tmp_path: Path) -> None:
+    """``SFTTrainer``'s fused LM head reads ``lm_head.weight`` without calling ``lm_head``,
+    so no hook sees its per-example gradients. Full fine-tuning with ``layers="all"`` must
+    then refuse before step 0, naming ``lm_head``, or give the exact kept gradient."""
+    run = sft_with_selection(tmp_path, build_model("llama-full", torch.float32), layers="all")
+    try:
+        run.trainer.train()
+    except UnsupportedTrainingSetup as error:
+        assert "lm_head" in str(error)
+        assert not run.audit.steps, "refused only after training had begun"
+        return
+    check = assert_trainer_grads_match_fresh(
+        run.audit.steps,
+        dropped_per_step(run.selection),
+        fp64_twin("llama-full"),
+        MAX_GRAD_NORM,
+        FP32_TOL,
+    )
+    assert check.steps == STEPS
+
+
+def test_full_fine_tuning_with_default_layers_is_refused_before_any_step(
+    tmp_path: Path,
+) -> None:
+    """Full fine-tuning with the default (linear) selection leaves the embedding and the
+    norms uncaptured: ``train()`` fails at ``on_train_begin``, naming them, before any
+    step, with no hook left on the model and ``max_grad_norm`` untouched."""
+    audit = SelectionAudit()
+    model = build_model("llama-full", torch.float32)
+    trainer = Trainer(
+        model=model,
+        args=training_args(tmp_path / "out", max_grad_norm=1.0),
+        train_dataset=Dataset.from_list([{"input_ids": r} for r in token_rows(8)]),
+        data_collator=pad_rows,
+        callbacks=[audit, DataSelectionCallback(target_rows())],
+    )
+    with pytest.raises(UnsupportedTrainingSetup, match=r"not captured.*layers='all'") as info:
+        trainer.train()
+    assert "embed_tokens" in str(info.value) and "norm" in str(info.value)
+    assert not audit.steps
+    assert trainer.args.max_grad_norm == 1.0
+    hooked = [n for n, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
+    assert hooked == [""], f"hooks left on {hooked}"  # only the audit's hook on the root
+
+
+# -- 3. DDP -----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_ddp_ranks_agree_and_equal_the_fresh_backward_over_all_kept(tmp_path: Path) -> None:
+    """Two gloo ranks (``Trainer`` under torchrun, full fine-tuning, accumulation 2, the
+    token count averaged across ranks): each rank drops half of its own examples, both
+    ranks' ``.grad`` after selection are bit-identical, and they equal the fresh backward
+    over the union of both ranks' kept examples normalized by their label tokens. The
+    shared JSONL log holds exactly the dropped ids of every rank under their step."""
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(repo / "tests" / "selection_ddp_worker.py"),
+        str(tmp_path),
+    ]
+    result = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    ranks = [SelectionAudit.load(tmp_path / f"rank{r}") for r in (0, 1)]
+    histories = [json.loads((tmp_path / f"rank{r}" / "history.json").read_text()) for r in (0, 1)]
+    assert json.loads((tmp_path / "rank0" / "world.json").read_text())["world_size"] == 2
+    steps = sorted(ranks[0].steps)
+    assert steps == [0, 1] == sorted(ranks[1].steps)
+
+    merged: dict[int, StepAudit] = {}
+    dropped: dict[int, set[int]] = {}
+    for step in steps:
+        zero, one = ranks[0].steps[step], ranks[1].steps[step]
+        differ = [n for n in zero.grads if not torch.equal(zero.grads[n], one.grads[n])]
+        assert not differ, f"step {step}: ranks disagree on .grad of {differ[:3]}"
+        assert all(torch.equal(zero.weights[k], one.weights[k]) for k in zero.weights)
+        per_rank = [set(h[str(step)]) for h in histories]
+        assert [len(d) for d in per_rank] == [2, 2]  # each rank: half of its 4 examples
+        dropped[step] = per_rank[0] | per_rank[1]
+        batches = zero.micro_batches + one.micro_batches
+        merged[step] = StepAudit(
+            zero.weights, batches, zero.num_items + one.num_items, grads=zero.grads
+        )
+    assert_window_token_counts(merged)
+    check = assert_trainer_grads_match_fresh(
+        merged, dropped, fp64_twin("llama-full"), math.inf, FP32_TOL
+    )
+    assert check.steps == 2
+
+    logged: dict[int, set[int]] = {}
+    for line in (tmp_path / "trainer" / "selection.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        logged.setdefault(entry["step"], set()).update(entry["dropped_ids"])
+    assert logged == dropped, "the JSONL log misses or invents dropped examples"
