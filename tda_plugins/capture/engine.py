@@ -37,7 +37,7 @@ from tda_plugins.capture.identity import content_hash
 from tda_plugins.capture.normalization import LossNormalization, LossScale, SummedLoss
 from tda_plugins.capture.records import LayerRecord, MicroBatchRecord
 from tda_plugins.capture.selection import LayerSelection
-from tda_plugins.grads.factors import PerExampleGrad
+from tda_plugins.grads.factors import PerExampleGrad, unique_nbytes
 from tda_plugins.grads.projection import ProjectionConfig, Projector
 
 
@@ -234,9 +234,11 @@ class CaptureEngine:
             consumer.on_end()
 
     def held_bytes(self) -> int:
-        """Bytes of gradient tensors the engine itself holds right now."""
-        pending = sum(g.nbytes() for b in self._unfinished for g in b.grads.values())
-        return pending + sum(r.nbytes() for r in self._step_records)
+        """Bytes of gradient tensors the engine itself holds right now (a tensor shared by
+        several layers, such as the q/k/v input, counts once)."""
+        grads = [g for b in self._unfinished for g in b.grads.values()]
+        grads += [r.grads for record in self._step_records for r in record.layers.values()]
+        return unique_nbytes(grads)
 
     # -- hooks -----------------------------------------------------------------------
 
@@ -310,7 +312,10 @@ class CaptureEngine:
             out = out.expand(examples, *out.shape[1:])
             x = x.expand(examples, *x.shape[1:])
             replaced = out if isinstance(output, Tensor) else (out, *output[1:])
-        out.register_hook(partial(self._on_layer_grad, batch, name, module, adapter, x))
+        # The hook holds the input through a one-slot holder it empties when it fires, so the
+        # input is not kept alive past this call's backward by the hook itself.
+        holder: list[Tensor | None] = [x]
+        out.register_hook(partial(self._on_layer_grad, batch, name, module, adapter, holder))
         return replaced
 
     def _on_layer_grad(
@@ -319,10 +324,11 @@ class CaptureEngine:
         name: str,
         module: nn.Module,
         adapter: LayerAdapter,
-        x: Tensor,
+        holder: list[Tensor | None],
         grad: Tensor,
     ) -> None:
-        if not self.attached:
+        x, holder[0] = holder[0], None
+        if not self.attached or x is None:  # detached, or a second backward through the call
             return
         grads = adapter.capture(module, x, grad)
         if self.projector is not None:

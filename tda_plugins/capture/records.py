@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from tda_plugins.capture.adapters import LayerAdapter
-from tda_plugins.grads.factors import PerExampleGrad
+from tda_plugins.grads.factors import PerExampleGrad, unique_nbytes
 
 
 @dataclass
@@ -110,5 +110,5 @@ class MicroBatchRecord:
         return out
 
     def nbytes(self) -> int:
-        """Bytes held by the gradient tensors."""
-        return sum(r.grads.nbytes() for r in self.layers.values())
+        """Bytes held by the gradient tensors (a shared input factor counts once)."""
+        return unique_nbytes([r.grads for r in self.layers.values()])

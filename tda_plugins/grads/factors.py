@@ -97,15 +97,7 @@ class PerExampleGrad(ABC):
 
     def nbytes(self) -> int:
         """Bytes held by this record's tensors."""
-        total = 0
-
-        def count(t: Tensor) -> Tensor:
-            nonlocal total
-            total += t.numel() * t.element_size()
-            return t
-
-        self.map_tensors(count)
-        return total
+        return unique_nbytes([self])
 
     # Operations: each returns {route: flops} and implements the factorized route; the
     # materialized route is shared below.
@@ -499,6 +491,21 @@ class DenseGrad(PerExampleGrad):
     def gram_costs(self, other: PerExampleGrad) -> dict[Route, float]:
         self._check_dim(other)
         return super().gram_costs(other)
+
+
+def unique_nbytes(grads: list[PerExampleGrad]) -> int:
+    """Bytes held by the tensors of ``grads``, each storage counted once (layers fed by one
+    input share its factor)."""
+    storages: dict[int, int] = {}
+
+    def count(t: Tensor) -> Tensor:
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    for g in grads:
+        g.map_tensors(count)
+    return sum(storages.values())
 
 
 def stack_examples(parts: list[PerExampleGrad]) -> PerExampleGrad:
