@@ -54,7 +54,8 @@ def capture_batch(
 
     Same arguments as :func:`per_example_gradients`, plus ``projection``; returns the
     engine's record (factorized or projected). The model's ``.grad`` is set aside during
-    the backward and restored.
+    the backward and restored, and other engines attached to the model (a training run's)
+    do not record this pass.
     """
     loss_fn = loss_fn or _default_loss
     collector = RecordCollector()
@@ -65,7 +66,8 @@ def capture_batch(
     try:
         for p in trainable:
             p.grad = None
-        with CaptureEngine(model, layers, projection, [collector]) as engine:
+        engine = CaptureEngine(model, layers, projection, [collector])
+        with engine, engine.exclusive():
             with torch.enable_grad():
                 losses = loss_fn(model, batch)
                 if losses.dim() != 1:

@@ -26,6 +26,7 @@ from transformers import PreTrainedTokenizerFast, TrainerCallback, TrainingArgum
 
 from tda_plugins.capture import content_hash
 from tda_plugins.capture.adapters import DEFAULT_REGISTRY
+from tda_plugins.integrations.transformers.callbacks import pad_examples
 from tda_plugins.store import StoreReader
 from tests.models import VOCAB
 from tests.oracle import loop_oracle
@@ -131,17 +132,8 @@ def training_args(
 
 def pad_rows(features: list[Mapping[str, Any]]) -> dict[str, Tensor]:
     """Right-pad ``input_ids`` (and ``labels``, default: a copy) into a causal-LM batch:
-    pad id 0, mask 0 and label -100 at padding."""
-    length = max(len(f["input_ids"]) for f in features)
-    ids = torch.full((len(features), length), PAD_ID, dtype=torch.long)
-    labels = torch.full_like(ids, -100)
-    mask = torch.zeros_like(ids)
-    for i, f in enumerate(features):
-        n = len(f["input_ids"])
-        ids[i, :n] = torch.as_tensor(f["input_ids"])
-        labels[i, :n] = torch.as_tensor(f.get("labels", f["input_ids"]))
-        mask[i, :n] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    pad id 0, mask 0 and label -100 at padding (the library's collator)."""
+    return pad_examples([dict(f) for f in features], PAD_ID)
 
 
 class RecordingCollator:

@@ -179,7 +179,7 @@ class PoolCallback(TrainerCallback):
 
     Subclasses give the consumer that scores the step and what to do with the pool's
     gradients (:meth:`use_pool`); this class owns the engine, the pool capture (training
-    hooks paused, model in eval mode), the step signal and the log plumbing.
+    engines ignoring it, model in eval mode), the step signal and the log plumbing.
     """
 
     def __init__(self, pool: list[dict[str, Any]], every_n_steps: int, options: dict[str, Any]):
@@ -236,10 +236,9 @@ class PoolCallback(TrainerCallback):
         was_training = model.training
         model.eval()
         try:
-            with self.engine.paused():
-                record = capture_batch(
-                    model, batch, None, self.settings.selection(), self.settings.projection_config()
-                )
+            record = capture_batch(
+                model, batch, None, self.settings.selection(), self.settings.projection_config()
+            )
         finally:
             model.train(was_training)
         self.use_pool(record, lr_scheduler)
@@ -281,7 +280,7 @@ class InfluenceLoggingCallback(PoolCallback):
     """Logs, during SFT, how each step's examples influence a fixed set of query examples.
 
     Every ``every_n_steps`` optimizer steps it computes the queries' gradients at the
-    current weights (captured with the training run's hooks paused), scores the step's
+    current weights (no training engine records that pass), scores the step's
     examples against them from the training backward itself, and adds
     ``influence/q<j>_mean`` and ``influence/q<j>_max`` to the trainer's logs (console,
     ``state.log_history``; for ``report_to`` integrations, add it with

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from functools import partial
 from typing import Any, Self
 
@@ -39,6 +40,9 @@ from tda_plugins.capture.records import LayerRecord, MicroBatchRecord
 from tda_plugins.capture.selection import LayerSelection
 from tda_plugins.grads.factors import PerExampleGrad, unique_nbytes
 from tda_plugins.grads.projection import ProjectionConfig, Projector
+
+#: The engine that alone captures in the current context (see CaptureEngine.exclusive).
+_EXCLUSIVE: ContextVar[CaptureEngine | None] = ContextVar("tda_plugins_exclusive", default=None)
 
 
 class _PendingBatch:
@@ -191,13 +195,27 @@ class CaptureEngine:
 
     @contextmanager
     def paused(self) -> Iterator[None]:
-        """Forward and backward passes inside this block are not captured (e.g. the
-        gradients of query examples computed between training steps)."""
+        """Forward and backward passes inside this block are not captured by this engine."""
         self._paused, self._pending = True, None
         try:
             yield
         finally:
             self._paused = False
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Inside this block (in this thread or task), only this engine captures: every
+        other engine on any model ignores the passes. Query or target gradients computed
+        between training steps use it, so no training engine records them."""
+        token = _EXCLUSIVE.set(self)
+        try:
+            yield
+        finally:
+            _EXCLUSIVE.reset(token)
+
+    def _ignoring(self) -> bool:
+        owner = _EXCLUSIVE.get()
+        return self._paused or (owner is not None and owner is not self)
 
     def add_consumer(self, consumer: CaptureConsumer) -> None:
         """Register a consumer for the micro-batches that finish from now on."""
@@ -243,7 +261,7 @@ class CaptureEngine:
     # -- hooks -----------------------------------------------------------------------
 
     def _on_root_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._paused or not torch.is_grad_enabled():
+        if self._ignoring() or not torch.is_grad_enabled():
             return
         # A previous micro-batch whose end-of-backward callback never ran is done now.
         self.flush()
@@ -271,7 +289,7 @@ class CaptureEngine:
 
     def _on_root_output(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         batch = self._pending
-        if batch is None or not torch.is_grad_enabled():
+        if batch is None or self._ignoring() or not torch.is_grad_enabled():
             return
         batch.loss_scale = self.normalization.observe(kwargs, output)
         for tensor in _output_tensors(output):
@@ -291,7 +309,7 @@ class CaptureEngine:
         self, name: str, adapter: LayerAdapter, module: nn.Module, args: tuple, output: Any
     ) -> Any:
         batch = self._pending
-        if batch is None or self._paused or not torch.is_grad_enabled():
+        if batch is None or self._ignoring() or not torch.is_grad_enabled():
             return None
         out = output if isinstance(output, Tensor) else output[0]
         if not out.requires_grad:

@@ -1,0 +1,144 @@
+"""One rank of an OLMo-core ``Trainer`` run with ``GradientCaptureCallback``: the subject of
+the data-parallel tests.
+
+``python -m torch.distributed.run --standalone --nproc-per-node=2
+tests/olmo_core_dist_worker.py FOLDER {ddp,fsdp}`` trains the tiny OLMo-2 transformer
+(fp32, CPU, gloo) for :data:`STEPS` steps on the token file that :func:`write_tokens` put
+in ``FOLDER``, data-parallel through OLMo-core's own
+``TransformerTrainModuleConfig(dp_config=TransformerDataParallelConfig(name=...))``
+(``replicate`` for DDP, ``fully_shard`` for FSDP), AdamW with a non-zero learning rate,
+two micro-batches per rank and step, and captures every layer (``layers="all"``: linear,
+embedding, norm scales; K-FAC statistics and Adam moments too) into ``FOLDER/<mode>/grads``.
+Each rank saves ``FOLDER/<mode>/rank<r>.pt``: its batch's instance indices at each step
+and (rank 0) the full parameters each step started from.
+
+:func:`train` with ``mode="single"`` is the one-process reference on the same data and
+global batch size (no ``torch.distributed``, two micro-batches per step); the test calls
+it in its own process.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
+from olmo_core.distributed.parallel import DataParallelType
+from olmo_core.nn.transformer import TransformerConfig
+from olmo_core.optim import AdamWConfig
+from olmo_core.train import Duration, TrainerConfig
+from olmo_core.train.callbacks import Callback
+from olmo_core.train.train_module import (
+    TransformerDataParallelConfig,
+    TransformerTrainModule,
+    TransformerTrainModuleConfig,
+)
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from tda_plugins.integrations.olmo_core import GradientCaptureCallback
+from tda_plugins.session import CaptureSettings
+
+Mode = Literal["single", "ddp", "fsdp"]
+
+VOCAB = 64
+SEQ = 8
+INSTANCES = 24
+GLOBAL_BATCH = 4  # instances per optimizer step, over all ranks
+WORLD = 2
+STEPS = 3
+LEARNING_RATE = 1e-2
+HANG_SECONDS = 150  # a rank still running then dumps every thread's stack and exits
+MODEL = TransformerConfig.olmo2_1M(vocab_size=VOCAB, n_layers=2)
+
+
+def dataset_config(folder: Path, mode: Mode) -> NumpyFSLDatasetConfig:
+    tokenizer = TokenizerConfig(vocab_size=VOCAB, eos_token_id=0, pad_token_id=0)
+    return NumpyFSLDatasetConfig(
+        paths=[str(folder / "tokens.npy")],
+        sequence_length=SEQ,
+        tokenizer=tokenizer,
+        work_dir=str(folder / mode / "data"),
+    )
+
+
+def write_tokens(folder: Path) -> None:
+    """``INSTANCES`` random sequences of ``SEQ`` tokens, in OLMo-core's raw token format."""
+    dtype = dataset_config(folder, "single").get_dtype()
+    tokens = np.random.default_rng(0).integers(1, VOCAB, size=INSTANCES * SEQ).astype(dtype)
+    tokens.tofile(folder / "tokens.npy")  # no .npy header: OLMo-core reads raw arrays
+
+
+def _full(t: Tensor) -> Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+@dataclass
+class StepLog(Callback):
+    """Before each step: this rank's instance indices and the full parameters."""
+
+    indices: list[Tensor] = field(default_factory=list)
+    params: list[dict[str, Tensor]] = field(default_factory=list)
+
+    def pre_step(self, batch: dict) -> None:
+        self.indices.append(batch["index"].clone())
+        train_module = self.trainer.train_module
+        assert isinstance(train_module, TransformerTrainModule)
+        model = train_module.model
+        # Under FSDP full_tensor() is an all-gather, which every rank joins here.
+        self.params.append({n: _full(p) for n, p in model.named_parameters()})
+
+
+def train(folder: Path, mode: Mode) -> StepLog:
+    """Train :data:`STEPS` steps, capturing into ``folder/mode/grads``."""
+    torch.manual_seed(0)
+    world = 1 if mode == "single" else WORLD
+    dataset = dataset_config(folder, mode).build()
+    loader = NumpyDataLoaderConfig(global_batch_size=GLOBAL_BATCH * SEQ, seed=0).build(dataset)
+    dp_config = (
+        None if mode == "single" else TransformerDataParallelConfig(name=DataParallelType(mode))
+    )
+    module = TransformerTrainModuleConfig(
+        rank_microbatch_size=GLOBAL_BATCH // world // 2 * SEQ,  # two micro-batches per rank
+        max_sequence_length=SEQ,
+        optim=AdamWConfig(lr=LEARNING_RATE),
+        dp_config=dp_config,
+    ).build(MODEL.build(init_device="cpu"), device=torch.device("cpu"))
+    settings = CaptureSettings(store_dir=str(folder / mode / "grads"), layers="all")
+    log = StepLog()
+    config = TrainerConfig(
+        save_folder=str(folder / mode / "run"),
+        max_duration=Duration.steps(STEPS),
+        metrics_collect_interval=1,
+        no_checkpoints=True,
+    ).with_callbacks({"tda": GradientCaptureCallback(settings), "log": log})
+    config.build(module, loader).fit()
+    return log
+
+
+def save_log(log: StepLog, path: Path, keep_params: bool) -> None:
+    torch.save({"indices": log.indices, "params": log.params if keep_params else []}, path)
+
+
+def main(folder: Path, mode: Mode) -> None:
+    torch.set_num_threads(1)
+    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
+    dist.init_process_group("gloo")
+    try:
+        log = train(folder, mode)
+        rank = dist.get_rank()
+        save_log(log, folder / mode / f"rank{rank}.pt", keep_params=rank == 0)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[2] not in ("ddp", "fsdp"):
+        sys.exit("usage: olmo_core_dist_worker.py FOLDER {ddp,fsdp}")
+    main(Path(sys.argv[1]), "ddp" if sys.argv[2] == "ddp" else "fsdp")

@@ -1,0 +1,83 @@
+"""InfluenceLoggingCallback: the logged per-step influence equals scores recomputed from a
+store captured in the same run, and the report names real example ids."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import Trainer
+
+from tda_plugins import LayerSelection
+from tda_plugins.integrations.transformers.callbacks import (
+    GradientCaptureCallback,
+    InfluenceLoggingCallback,
+)
+from tda_plugins.methods import method_by_name
+from tda_plugins.store import StoreReader
+from tests.models import tiny_causal_lm
+from tests.stores import capture_store
+from tests.trainers import pad_rows, token_rows, training_args
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Train 4 steps at learning rate 0 (fixed weights) with both callbacks."""
+    tmp = tmp_path_factory.mktemp("influence")
+    rows = [{"input_ids": r} for r in token_rows(16)]
+    queries = [{"input_ids": r} for r in token_rows(2, seed=9)]
+    model = tiny_causal_lm("llama", torch.float32)
+    influence = InfluenceLoggingCallback(
+        queries=queries, method="graddot", layers="linear", report_dir=str(tmp / "report"), top_k=3
+    )
+    capture = GradientCaptureCallback(store_dir=str(tmp / "store"), layers="linear")
+    args = training_args(
+        tmp / "out", learning_rate=0.0, max_steps=STEPS, logging_strategy="steps", logging_steps=1
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        data_collator=pad_rows,
+        callbacks=[capture, influence],
+    )
+    trainer.train()
+    query_store = capture_store(
+        model, [pad_rows(queries)], tmp / "queries", LayerSelection("linear"), curvature=False
+    )
+    scores = method_by_name("graddot").score(StoreReader(tmp / "store"), query_store)
+    return {"trainer": trainer, "influence": influence, "scores": scores, "tmp": tmp}
+
+
+def test_logged_influence_equals_scores_recomputed_from_the_store(run: dict) -> None:
+    """Per step and query, the logged mean and max equal those of GradDot scores of the
+    step's stored examples against the queries (weights are fixed, so the queries' gradients
+    are the same at every step)."""
+    scores = run["scores"]
+    steps = StoreReader(run["tmp"] / "store").load_all().steps
+    logged = {h["step"]: h for h in run["trainer"].state.log_history if "influence/q0_mean" in h}
+    assert sorted(logged) == list(range(1, STEPS + 1))
+    for step in range(STEPS):
+        values = scores.values[steps == step]
+        assert values.shape[0] == 2  # the step's examples
+        entry = logged[step + 1]
+        for j in range(values.shape[1]):
+            for stat, reference in (("mean", values[:, j].mean()), ("max", values[:, j].max())):
+                got = entry[f"influence/q{j}_{stat}"]
+                assert got == pytest.approx(float(reference), rel=1e-4, abs=1e-6)
+
+
+def test_report_files_exist_and_name_stored_example_ids(run: dict) -> None:
+    report = run["influence"].report
+    assert set(report) == {"json", "html", "png"} and all(Path(p).exists() for p in report.values())
+    summary = json.loads(Path(report["json"]).read_text())
+    stored = set(run["scores"].train_ids.tolist())
+    named = {e["id"] for q in summary["top_k"] for kind in ("helpful", "harmful") for e in q[kind]}
+    assert named and named <= stored
+    assert len(summary["history"]) == STEPS
+    assert str(next(iter(named))) in Path(report["html"]).read_text()
