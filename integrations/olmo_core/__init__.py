@@ -1,10 +1,17 @@
-"""OLMo-core integration: a trainer ``Callback`` and OLMo-core's loss normalization.
+"""OLMo-core integration: trainer ``Callback``s and OLMo-core's loss normalization.
 
     from tda_plugins.integrations.olmo_core import GradientCaptureCallback
     from tda_plugins.session import CaptureSettings
 
     trainer_config = trainer_config.with_callback(
         "tda", GradientCaptureCallback(CaptureSettings(store_dir="run/grads"))
+    )
+
+Online data selection (drop, at every step, the instances whose gradient works against a
+target pool, exactly, from ``.grad``):
+
+    trainer_config = trainer_config.with_callback(
+        "selection", DataSelectionCallback(target=target_token_ids, fraction=0.25)
     )
 
 Needs the ``[olmo]`` extra (``ai2-olmo-core``).
@@ -16,8 +23,10 @@ from tda_plugins.integrations.olmo_core.callbacks import (
     check_train_module,
 )
 from tda_plugins.integrations.olmo_core.normalization import OLMoCoreLossNormalization
+from tda_plugins.integrations.olmo_core.selection import DataSelectionCallback
 
 __all__ = [
+    "DataSelectionCallback",
     "GradientCaptureCallback",
     "OLMoCoreLossNormalization",
     "UnsupportedTrainingSetup",

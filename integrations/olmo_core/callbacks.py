@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
+from tda_plugins.capture import CaptureEngine
 from tda_plugins.integrations.olmo_core.normalization import OLMoCoreLossNormalization
 from tda_plugins.session import (
     CaptureSession,
@@ -116,6 +117,24 @@ def _unsharded_moments(
         if session.rank == 0:  # the only rank that saves them
             full[p] = gathered
     return cast(torch.optim.Optimizer, _GatheredAdamState(optimizer.param_groups, full))
+
+
+def give_example_ids(
+    engine: CaptureEngine, module: nn.Module, kwargs: dict[str, Any], batch_has_index: bool
+) -> None:
+    """Forward pre-hook body: hand a micro-batch's ``index`` slice (OLMo-core instance
+    indices, passed to the model call by ``TransformerTrainModule``) to the engine."""
+    if not engine.capturing:  # a pool or query pass that another engine holds exclusively
+        return
+    index = kwargs.get("index")
+    if isinstance(index, Tensor):
+        engine.set_example_ids(index)
+    elif batch_has_index:
+        raise UnsupportedTrainingSetup(
+            f"the batch has instance indices ('index'), but {type(module).__name__} was "
+            "called without them, so micro-batches cannot be matched to dataset instances; "
+            "pass the batch's remaining keys to the model as TransformerTrainModule does"
+        )
 
 
 @dataclass
@@ -222,17 +241,8 @@ class GradientCaptureCallback(Callback):
     def _give_example_ids(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
-        if self._session is None or not torch.is_grad_enabled():
-            return
-        index = kwargs.get("index")
-        if isinstance(index, Tensor):
-            self._session.engine.set_example_ids(index)
-        elif self._batch_has_index:
-            raise UnsupportedTrainingSetup(
-                f"the batch has instance indices ('index'), but {type(module).__name__} was "
-                "called without them, so micro-batches cannot be matched to dataset instances; "
-                "pass the batch's remaining keys to the model as TransformerTrainModule does"
-            )
+        if self._session is not None and torch.is_grad_enabled():
+            give_example_ids(self._session.engine, module, kwargs, self._batch_has_index)
 
     def _release(self) -> None:
         if self._ids_hook is not None:

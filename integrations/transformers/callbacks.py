@@ -22,6 +22,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from tda_plugins.api import capture_batch
 from tda_plugins.capture import CaptureEngine, MicroBatchRecord, content_hash
+from tda_plugins.capture.selection import uncovered_trainable
 from tda_plugins.influence import InfluenceLogger
 from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
 from tda_plugins.selection import DataSelector, StepSelection, rule_by_name
@@ -370,16 +371,6 @@ def causal_lm_token_counts(record: MicroBatchRecord) -> Tensor:
     return (record.labels[..., 1:] != -100).sum(dim=-1)
 
 
-def uncaptured_trainable(model: nn.Module, engine: CaptureEngine) -> list[str]:
-    """Names of trainable parameters that no captured layer covers."""
-    covered = {
-        id(p)
-        for module, adapter in engine.captured_layers.values()
-        for p in adapter.captured_parameters(module).values()
-    }
-    return [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered]
-
-
 class DataSelectionCallback(PoolCallback):
     """Online data selection for ``Trainer``/``SFTTrainer`` (LoRA or full fine-tuning).
 
@@ -443,7 +434,7 @@ class DataSelectionCallback(PoolCallback):
     ) -> None:
         model = check_trainer_setup(args, model)
         engine = self.attach(args, model, state)
-        missing = uncaptured_trainable(model, engine)
+        missing = uncovered_trainable(model, engine.captured_layers)
         if missing:
             self.detach()
             fix = (

@@ -213,6 +213,12 @@ class CaptureEngine:
         finally:
             _EXCLUSIVE.reset(token)
 
+    @property
+    def capturing(self) -> bool:
+        """Whether passes made now are recorded by this engine (attached, not paused, and
+        no other engine holds :meth:`exclusive`)."""
+        return self.attached and not self._ignoring()
+
     def _ignoring(self) -> bool:
         owner = _EXCLUSIVE.get()
         return self._paused or (owner is not None and owner is not self)

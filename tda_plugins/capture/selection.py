@@ -198,6 +198,19 @@ class LayerSelection:
         return out
 
 
+def uncovered_trainable(
+    model: nn.Module, layers: dict[str, tuple[nn.Module, LayerAdapter]]
+) -> list[str]:
+    """Names of ``model``'s trainable parameters that none of ``layers`` captures (their
+    per-example gradients are unknown: data selection cannot correct their ``.grad``)."""
+    covered = {
+        id(p)
+        for module, adapter in layers.values()
+        for p in adapter.captured_parameters(module).values()
+    }
+    return [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered]
+
+
 def _is_block_list(module: nn.Module) -> bool:
     """transformers keep blocks in an ``nn.ModuleList``; OLMo-core in an ``nn.ModuleDict``
     keyed ``"0"``, ``"1"``, ..."""
