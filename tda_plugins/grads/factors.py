@@ -81,6 +81,10 @@ class PerExampleGrad(ABC):
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> Self:
         """Apply ``fn`` to every tensor (device moves, detaching)."""
 
+    def select(self, rows: Tensor) -> Self:
+        """The examples ``rows`` (every field has the example axis first)."""
+        return self.map_tensors(lambda t: t[rows])
+
     @abstractmethod
     def weighted_sum(self, weights: Tensor) -> Tensor:
         """``sum_i w_i dW_i`` as a ``(D,)`` vector, for ``(B,)`` weights, without

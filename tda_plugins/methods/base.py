@@ -102,7 +102,7 @@ class AttributionMethod(ABC):
             if not rows:
                 continue
             index = torch.tensor(rows)
-            t_layers = {n: self.train_side(n, _rows(g, index)) for n, g in chunk.layers.items()}
+            t_layers = {n: self.train_side(n, g.select(index)) for n, g in chunk.layers.items()}
             per_token = _layer_sum([per_token_scores(t_layers[n], q_layers[n]) for n in q_layers])
             if q_norms is not None:
                 scale = torch.outer(_norms(t_layers), q_norms)
@@ -121,11 +121,6 @@ def _layer_sum(parts: list[Tensor]) -> Tensor:
     for p in parts[1:]:
         dtype = torch.promote_types(dtype, p.dtype)
     return torch.stack([p.to(dtype) for p in parts]).sum(dim=0)
-
-
-def _rows(grads: PerExampleGrad, index: Tensor) -> PerExampleGrad:
-    """The examples ``index`` of a capture (every field has the example axis first)."""
-    return grads.map_tensors(lambda t: t[index])
 
 
 def _load_queries(queries: StoreReader) -> StoreChunk:

@@ -232,6 +232,20 @@ class DataSelector(CaptureConsumer):
 
     # -- surgery -----------------------------------------------------------------------
 
+    def _dropped_sum(self, records: list[MicroBatchRecord], name: str, dropped: Tensor) -> Tensor:
+        """``(D,)`` sum of the dropped examples' contributions to layer ``name``'s ``.grad``;
+        only the dropped rows enter the product, so its cost scales with their share."""
+        dim = records[0].layers[name].grads.dim
+        total = torch.zeros(dim, dtype=torch.float64, device=dropped.device)
+        start = 0
+        for r in records:
+            rows = dropped[start : start + r.batch_size].nonzero().flatten()
+            start += r.batch_size
+            if rows.numel():
+                grads = r.layers[name].grads.select(rows)
+                total += grads.weighted_sum(torch.ones(rows.numel(), device=rows.device))
+        return total
+
     def on_optimizer_step(self, step: int, records: list[MicroBatchRecord]) -> None:
         if self.target is None or not records:
             return
@@ -242,14 +256,7 @@ class DataSelector(CaptureConsumer):
         corrections: dict[int, tuple[nn.Parameter, Tensor, Tensor]] = {}
         for name, keep in masks.items():
             module, adapter = self.layers[name]
-            drop = (~keep).double()
-            offsets = [0]
-            for r in records:
-                offsets.append(offsets[-1] + r.batch_size)
-            removed = sum(
-                r.layers[name].grads.weighted_sum(drop[start:stop])
-                for r, start, stop in zip(records, offsets[:-1], offsets[1:], strict=True)
-            )
+            removed = self._dropped_sum(records, name, ~keep)
             kept_tokens = _all_reduce((counts * keep.double()).sum().clone())
             factor = total / kept_tokens
             world = _world_size()
