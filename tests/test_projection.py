@@ -117,3 +117,13 @@ def test_oversized_dense_map_is_refused_with_a_fix() -> None:
 def test_bad_projection_config_is_refused(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
         ProjectionConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_factor_sides_no_wider_than_k_stay_exact() -> None:
+    """A rank-4 LoRA side (N_i = 4 <= k_a) is not projected: the result is ``P_g dW``."""
+    grads = TokenFactors(_randn(3, 5, 4), _randn(3, 5, 8), bias=True)
+    projector = Projector(ProjectionConfig(k_a=16, k_g=3))
+    projected = projector("lora_B", grads)
+    p_g = projector.map_for("lora_B", "g", grads.out_dim, 3).matrix(grads.g)
+    dw = grads.materialize().view(3, 8, grads.in_dim)
+    torch.testing.assert_close(projected.materialize().view(3, 3, grads.in_dim), p_g @ dw)

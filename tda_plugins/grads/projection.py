@@ -38,8 +38,9 @@ class ProjectionConfig:
 
     Attributes:
         kind: ``"factor"`` projects the two factors of each linear/embedding layer
-            separately (LoGra; layers captured materialized, such as norm scales, are kept
-            in full); ``"dense"`` projects each layer's flattened gradient.
+            separately (LoGra; a side no wider than its ``k``, such as a LoRA rank, and
+            layers captured materialized, such as norm scales, are kept exact);
+            ``"dense"`` projects each layer's flattened gradient.
         k_a: rows of ``P_a`` (factor projection of layer inputs).
         k_g: rows of ``P_g`` (factor projection of output gradients).
         k: output dimension of a dense projection, per layer.
@@ -185,10 +186,17 @@ def _factor_project(grads: PerExampleGrad, projector: Projector, layer: str) -> 
 
 @_factor_project.register
 def _(grads: TokenFactors, projector: Projector, layer: str) -> PerExampleGrad:
+    # A side no wider than its k stays exact: projecting it would only enlarge it (LoRA's
+    # rank-r sides), and costs a product for nothing.
     cfg = projector.config
-    p_a = projector.map_for(layer, "a", grads.in_dim, cfg.k_a)
-    p_g = projector.map_for(layer, "g", grads.out_dim, cfg.k_g)
-    return TokenFactors(p_a.apply(grads.a, bias_column=grads.bias), p_g.apply(grads.g))
+    a, bias = grads.a, grads.bias
+    if cfg.k_a < grads.in_dim:
+        a = projector.map_for(layer, "a", grads.in_dim, cfg.k_a).apply(a, bias_column=bias)
+        bias = False
+    g = grads.g
+    if cfg.k_g < grads.out_dim:
+        g = projector.map_for(layer, "g", grads.out_dim, cfg.k_g).apply(g)
+    return TokenFactors(a, g, bias)
 
 
 @_factor_project.register
