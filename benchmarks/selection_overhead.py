@@ -1,0 +1,567 @@
+"""Data selection overhead: HF ``Trainer`` step time with ``DataSelectionCallback`` / plain.
+
+Protocol (DESIGN.md section 6): one process builds a Llama-architecture model from its
+config (random init, seed 0, fp32) and, per mode -- PEFT LoRA (r=8 on every linear layer
+but the head; selection over the adapters, the default) and full fine-tuning (selection
+over every trainable parameter, ``layers="all"``) -- one identical copy of it per
+configuration:
+
+* ``plain``: the ``Trainer`` alone;
+* ``select``: with ``DataSelectionCallback`` (target pool of 16 sequences, its gradient
+  refreshed every step, rule ``bottom_fraction`` 0.25, score ``"dot"``);
+* ``select, fixed target``: the same with the target captured at a run's first step only
+  (``refresh_every`` beyond the run), so that the timed steps show selection without the
+  target's forward and backward; a refresh every ``n`` steps costs about
+  ``fixed + (select - fixed) / n``.
+
+Short ``trainer.train()`` runs of the configurations alternate (order rotated every
+round); a ``TrainerCallback`` first in the list times each step from ``on_step_begin`` to
+``on_step_end`` (batch loading outside; forward, backward, selection, clipping, AdamW and
+``zero_grad`` inside), the first steps of each run are discarded (AdamW state creation),
+and the median of at least 10 timed steps per configuration is compared: ratio =
+median(select) / median(plain), wall and CPU (``time.process_time``).
+
+Where the time goes: the selection callback used here is a subclass that times its own
+two entry points in the same timed runs -- the target capture (``on_step_begin``) and the
+selection at the optimizer step (``on_pre_optimizer_step``: scoring, dropping, ``.grad``
+surgery, clipping) -- and the rest of the extra time is the capture hooks on the
+training forward/backward. A short cProfile run splits the selection step into scoring
+(materializing per-example gradients, dots with the target, the rule) and surgery.
+
+Usage::
+
+    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false \\
+        .venv/bin/python benchmarks/selection_overhead.py
+    .venv/bin/python benchmarks/selection_overhead.py --quick     # smoke run, no write
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import (
+    MIN_REPEATS,
+    Comparison,
+    Sample,
+    StepProfiler,
+    StepTimer,
+    Stopwatch,
+    base_parser,
+    causal_lm,
+    command_line,
+    contention_note,
+    cumulative_seconds,
+    load_average,
+    load_text,
+    machine_info,
+    make_trainer,
+    median_of,
+    parameter_count,
+    publish,
+    quiet_transformers,
+    rotated,
+    runs_needed,
+    tidy,
+    token_rows,
+    training_args,
+    utc_now,
+    verdict,
+    with_lora,
+)
+from torch import nn
+from transformers import TrainerCallback
+
+from tda_plugins.integrations.transformers.callbacks import DataSelectionCallback
+
+SECTION = "## Data selection overhead (benchmarks/selection_overhead.py)"
+SCRIPT = "benchmarks/selection_overhead.py"
+TARGET = 1.3
+PLAIN = "plain"
+SELECT = "select"
+FIXED = "select, fixed target"
+#: ``refresh_every`` that never comes due inside one run.
+NEVER = 10**9
+SELECTOR = "tda_plugins/selection/selector.py"
+#: Code whose cumulative time splits the selection's cost (the scoring functions are the
+#: selector's own: ``_layer_scores`` in earlier versions, ``_unit_scores`` now).
+PROFILED = {
+    "pool forward/backward": (("tda_plugins/api.py", "capture_batch"),),
+    "target sum": ((SELECTOR, "set_target"),),
+    "scoring": ((SELECTOR, "_unit_scores"), (SELECTOR, "_layer_scores"), (SELECTOR, "_keep_masks")),
+    "selection step": ((SELECTOR, "on_optimizer_step"),),
+}
+
+MODEL = dict(
+    vocab_size=8000,
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    tie_word_embeddings=False,
+)
+QUICK_MODEL = dict(
+    vocab_size=256,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+)
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A fine-tuning mode: LoRA rank (None: full fine-tuning) and selection layers."""
+
+    name: str
+    label: str
+    lora_rank: int | None
+    layers: dict[str, str]
+
+
+MODES: dict[str, Mode] = {
+    "lora": Mode("lora", "LoRA r=8 (selection over the adapters)", 8, {}),
+    "full": Mode("full", 'full fine-tuning (`layers="all"`)', None, {"layers": "all"}),
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Resolved command-line settings."""
+
+    modes: tuple[str, ...]
+    seq: int
+    batch: int
+    pool: int
+    repeats: int
+    steps_per_run: int
+    warmup_steps: int
+    profile_steps: int
+    quick: bool
+    write: bool
+    results: Path
+
+    @property
+    def runs(self) -> int:
+        """Alternating runs per configuration."""
+        return runs_needed(self.repeats, self.steps_per_run, self.warmup_steps)
+
+
+# -- the timed selection callback ------------------------------------------------------
+
+
+@dataclass
+class PhaseTimes:
+    """Per-step cost of the selection callback's entry points, one list per run."""
+
+    target: list[list[Sample]] = field(default_factory=list)
+    select: list[list[Sample]] = field(default_factory=list)
+
+    def timed(self, warmup: int) -> tuple[list[Sample], list[Sample]]:
+        """Target and selection costs of every run's steps after ``warmup``."""
+        return (
+            [t for run in self.target for t in run[warmup:]],
+            [t for run in self.select for t in run[warmup:]],
+        )
+
+
+class TimedSelection(DataSelectionCallback):
+    """``DataSelectionCallback`` that also times its target capture and its selection."""
+
+    def __init__(self, times: PhaseTimes, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.times = times
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.times.target.append([])
+        self.times.select.append([])
+        super().on_train_begin(args, state, control, **kwargs)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        with Stopwatch() as watch:
+            super().on_step_begin(args, state, control, **kwargs)
+        self.times.target[-1].append(watch.sample)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        with Stopwatch() as watch:
+            super().on_pre_optimizer_step(args, state, control, **kwargs)
+        self.times.select[-1].append(watch.sample)
+
+
+# -- models, data, trainers ------------------------------------------------------------
+
+
+def build_base(settings: Settings) -> nn.Module:
+    """The Llama-architecture model, fp32, seed 0, train mode."""
+    config = QUICK_MODEL if settings.quick else MODEL
+    model = causal_lm(
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        max_position_embeddings=settings.seq,
+        attn_implementation="sdpa",
+        **config,
+    )
+    return model.train()
+
+
+def copy_for(mode: Mode, base: nn.Module) -> nn.Module:
+    """An identical copy of ``base`` prepared for ``mode`` (LoRA adapters seeded)."""
+    model = copy.deepcopy(base)
+    if mode.lora_rank is None:
+        return model
+    torch.manual_seed(1)
+    return with_lora(model, mode.lora_rank)
+
+
+def vocab(settings: Settings) -> int:
+    """Vocabulary size of the model at these settings."""
+    return int((QUICK_MODEL if settings.quick else MODEL)["vocab_size"])
+
+
+def target_pool(settings: Settings) -> list[dict[str, Any]]:
+    """The selection target: ``pool`` sequences as long as the training ones."""
+    rows = token_rows(settings.pool, settings.seq, vocab(settings), seed=3)
+    return [{"input_ids": r.tolist()} for r in rows]
+
+
+@dataclass
+class Config:
+    """One configuration of a mode: its model copy, timer, and selection options."""
+
+    name: str
+    model: nn.Module
+    timer: StepTimer
+    refresh_every: int | None
+    phases: PhaseTimes = field(default_factory=PhaseTimes)
+
+
+class ModeBench:
+    """Alternating short ``Trainer`` runs of the configurations of one mode."""
+
+    def __init__(self, mode: Mode, settings: Settings, base: nn.Module, work: Path):
+        self.mode = mode
+        self.settings = settings
+        self.work = work
+        count = settings.steps_per_run * settings.batch
+        self.rows = token_rows(count, settings.seq, vocab(settings), seed=4)
+        self.pool = target_pool(settings)
+        self.configs = {
+            name: Config(name, copy_for(mode, base), StepTimer(), refresh)
+            for name, refresh in ((PLAIN, None), (SELECT, 1), (FIXED, NEVER))
+        }
+        self.loads: list[float] = []
+
+    def selection(self, config: Config, refresh_every: int) -> TimedSelection:
+        """A fresh selection callback for one run of ``config``."""
+        return TimedSelection(
+            config.phases,
+            self.pool,
+            rule="bottom_fraction",
+            fraction=0.25,
+            score="dot",
+            refresh_every=refresh_every,
+            **self.mode.layers,
+        )
+
+    def train(
+        self, config: Config, run: int, steps: int, first: TrainerCallback | None = None
+    ) -> None:
+        """One ``trainer.train()`` of ``steps`` steps for ``config``; ``first`` (a
+        profiler) goes before its timer. Selection must have run at every step."""
+        callbacks: list[TrainerCallback] = [config.timer]
+        if first is not None:
+            callbacks.insert(0, first)
+        selection = None
+        if config.refresh_every is not None:
+            selection = self.selection(config, config.refresh_every)
+            callbacks.append(selection)
+        out = self.work / f"{self.mode.name}-{config.name}-{run}".replace(" ", "_")
+        args = training_args(out, steps, self.settings.batch)
+        make_trainer(config.model, self.rows, args, callbacks).train()
+        if selection is not None and len(selection.history) != steps:
+            raise RuntimeError(
+                f"{config.name}: selection ran at {len(selection.history)} of {steps} steps"
+            )
+
+    def measure(self) -> None:
+        """``runs`` rounds of one run per configuration, order rotated."""
+        names = list(self.configs)
+        for round_ in range(self.settings.runs):
+            for name in rotated(names, round_):
+                self.train(self.configs[name], round_, self.settings.steps_per_run)
+            self.loads.append(load_average())
+            print(f"  {self.mode.name} round {round_ + 1}/{self.settings.runs}", flush=True)
+
+    def profile_split(self) -> dict[str, float]:
+        """Seconds per step of each :data:`PROFILED` part in the cProfiled steps of a
+        selection run (after its warm-up steps), and ``surgery`` = the selection step
+        minus its scoring; the run's steps are not among the timed ones."""
+        config = dataclasses.replace(self.configs[SELECT], timer=StepTimer(), phases=PhaseTimes())
+        profiler = StepProfiler(self.settings.warmup_steps)
+        self.train(config, -1, self.settings.warmup_steps + self.settings.profile_steps, profiler)
+        table, steps = profiler.table(), profiler.steps
+        split = {
+            label: sum(cumulative_seconds(table, ref) for ref in refs) / steps
+            for label, refs in PROFILED.items()
+        }
+        split["surgery"] = split.pop("selection step") - split["scoring"]
+        return split
+
+
+# -- results ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModeResult:
+    """One mode's measurements.
+
+    Attributes:
+        samples: timed steps per configuration.
+        target_s: median CPU seconds per step of the target capture, per configuration.
+        select_s: median CPU seconds per step of the selection at the optimizer step.
+        profile: cProfiled seconds per step of the :data:`PROFILED` parts and ``surgery``.
+    """
+
+    mode: Mode
+    params: int
+    trainable: int
+    samples: dict[str, list[Sample]]
+    target_s: dict[str, float]
+    select_s: dict[str, float]
+    profile: dict[str, float]
+
+    def comparison(self, name: str) -> Comparison:
+        """``name`` against the plain configuration."""
+        return Comparison.of(self.samples[name], self.samples[PLAIN])
+
+
+def run_mode(
+    mode: Mode, settings: Settings, base: nn.Module, work: Path
+) -> tuple[ModeResult, list[float]]:
+    """Measure one mode: timed alternating runs, then the profile run."""
+    bench = ModeBench(mode, settings, base, work)
+    bench.measure()
+    split = bench.profile_split() if settings.profile_steps else {}
+    warm = settings.warmup_steps
+    samples = {name: c.timer.timed(warm) for name, c in bench.configs.items()}
+    target_s, select_s = {}, {}
+    for name in (SELECT, FIXED):
+        target, select = bench.configs[name].phases.timed(warm)
+        target_s[name] = median_of(target, "cpu")
+        select_s[name] = median_of(select, "cpu")
+    model = bench.configs[PLAIN].model
+    result = ModeResult(
+        mode,
+        parameter_count(model),
+        parameter_count(model, trainable_only=True),
+        samples,
+        target_s,
+        select_s,
+        split,
+    )
+    return result, bench.loads
+
+
+def time_table(results: list[ModeResult]) -> str:
+    """The markdown table of step times and ratios."""
+    lines = [
+        "| mode | configuration | step s, wall median [IQR] | **wall ratio** "
+        "| paired wall ratio [IQR] | step s, CPU median [IQR] | CPU ratio | target | met "
+        "(wall / CPU) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|:-:|",
+    ]
+    for r in results:
+        for name in (PLAIN, SELECT, FIXED):
+            c = r.comparison(name)
+            target = f"{TARGET:.2f}x" if name == SELECT else "—"
+            met = (
+                f"{verdict(c.wall_ratio, TARGET)} / {verdict(c.cpu_ratio, TARGET)}"
+                if name == SELECT
+                else ""
+            )
+            lines.append(
+                f"| {r.mode.label} | {name} | {c.wall.text()} | **{c.wall_ratio:.2f}x** "
+                f"| {c.wall_paired.text('.2f', 'x')} | {c.cpu.text()} | {c.cpu_ratio:.2f}x "
+                f"| {target} | {met} |"
+            )
+    return "\n".join(lines)
+
+
+def split_table(results: list[ModeResult]) -> str:
+    """Where the extra CPU time of a selection step goes, in ms and % of the plain step."""
+    lines = [
+        "| mode | configuration | plain step, ms | extra per step, ms | target capture "
+        "(pool forward/backward / target sum) | selection at the step (scoring / surgery) "
+        "| capture hooks in training + rest "
+        "| refresh every 8 steps, estimated ratio (wall / CPU) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        plain = median_of(r.samples[PLAIN], "cpu")
+        for name in (SELECT, FIXED):
+            extra = median_of(r.samples[name], "cpu") - plain
+            target, select = r.target_s[name], r.select_s[name]
+            target_parts = select_parts = ""
+            if r.profile and name == SELECT:
+                p = r.profile
+                target_parts = f" ({ms(p['pool forward/backward'])} / {ms(p['target sum'])})"
+                select_parts = f" ({ms(p['scoring'])} / {ms(p['surgery'])})"
+            lines.append(
+                f"| {r.mode.label} | {name} | {1e3 * plain:.0f} | {1e3 * extra:+.0f} "
+                f"| {share(target, plain)}{target_parts} | {share(select, plain)}{select_parts} "
+                f"| {share(extra - target - select, plain)} "
+                f"| {refresh_estimate(r, 8) if name == SELECT else ''} |"
+            )
+    return "\n".join(lines)
+
+
+def refresh_estimate(r: ModeResult, every: int) -> str:
+    """Ratio of a target refreshed every ``every`` steps, ``fixed + (select - fixed) /
+    every``, from the wall and the CPU ratios."""
+    select, fixed = r.comparison(SELECT), r.comparison(FIXED)
+    wall = fixed.wall_ratio + (select.wall_ratio - fixed.wall_ratio) / every
+    cpu = fixed.cpu_ratio + (select.cpu_ratio - fixed.cpu_ratio) / every
+    return f"{wall:.2f}x / {cpu:.2f}x"
+
+
+def timed_steps(results: list[ModeResult]) -> int:
+    """Timed steps per configuration (the same for all)."""
+    return min(len(v) for r in results for v in r.samples.values())
+
+
+def ms(seconds: float) -> str:
+    """Milliseconds, no decimals."""
+    return f"{1e3 * seconds:.0f}"
+
+
+def share(seconds: float, plain: float) -> str:
+    """``ms (x% of the plain step)``."""
+    return f"{1e3 * seconds:.0f} ms ({100 * seconds / plain:.0f}%)"
+
+
+def models_text(results: list[ModeResult], settings: Settings) -> str:
+    """One line per mode: parameters and trainable parameters."""
+    config = QUICK_MODEL if settings.quick else MODEL
+    shape = ", ".join(f"{k}={v}" for k, v in config.items())
+    modes = "; ".join(
+        f"{r.mode.name}: {r.params / 1e6:.2f}M parameters, {r.trainable / 1e6:.2f}M trainable"
+        for r in results
+    )
+    return f"Model: `LlamaConfig({shape})` ({modes})."
+
+
+def report(
+    results: list[ModeResult], loads: list[float], settings: Settings, argv: Sequence[str]
+) -> str:
+    """The full markdown section for RESULTS.md."""
+    warnings = "\n\n".join(
+        note for r in results if (note := contention_note(r.mode.name, r.samples[PLAIN]))
+    )
+    return tidy(f"""{SECTION}
+
+Command: `{command_line(SCRIPT, argv)}`
+
+Date: {utc_now()}. Machine: {machine_info()}; {load_text(loads)}.
+
+HF `Trainer` (CPU, fp32, AdamW, `max_grad_norm=1.0`), batch {settings.batch} x sequence \
+{settings.seq}, no padding. {models_text(results, settings)} `select` = \
+`DataSelectionCallback(target, rule="bottom_fraction", fraction=0.25, score="dot", \
+refresh_every=1)` with a target pool of {settings.pool} sequences of {settings.seq} \
+tokens; `select, fixed target` = the same with the target captured at each run's first \
+step only. Runs of {settings.steps_per_run} steps alternate (order rotated, \
+{settings.runs} run(s) per configuration, identical model copies), the first \
+{settings.warmup_steps} step(s) of each run discarded: median of {timed_steps(results)} \
+steps per configuration, each timed `on_step_begin` -> `on_step_end` by a callback placed \
+first. Ratio = median / median(plain) of the same mode; paired = step / plain step in \
+the same slot. Target: <= {TARGET}x with selection (the dattri-llm paper reports 1.64x).
+
+{time_table(results)}
+
+{warnings}
+
+Where the extra time of a step goes (CPU time, steadier than wall time here; medians of \
+the timed steps): the target's \
+capture and the selection at the optimizer step are timed by the callback itself in \
+the runs above; their splits, in ms per step under cProfile ({settings.profile_steps} \
+steps), are: target capture = the pool's forward and backward through a temporary engine \
+(`capture_batch`) / the sum of its per-example gradients (`set_target`); selection = \
+scoring (per-example gradients materialized, dots with the target, the rule) / surgery \
+(dropped examples' contributions summed and removed from `.grad`, logging). The rest \
+is the capture hooks on the training forward/backward (and the records they keep). \
+The last column estimates a target refreshed every 8 steps: fixed + (select - fixed) / 8.
+
+{split_table(results)}
+""")
+
+
+# -- command line ----------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str]) -> Settings:
+    """Parse and validate the command line into :class:`Settings`."""
+    p = base_parser(__doc__.split("\n\n")[0])
+    p.add_argument("--mode", choices=[*MODES, "both"], default="both")
+    p.add_argument("--seq", type=int, help="sequence length (default 128; quick 16)")
+    p.add_argument("--batch", type=int, default=8, help="examples per step")
+    p.add_argument("--pool", type=int, default=16, help="target pool size")
+    p.add_argument("--repeats", type=int, help="timed steps per configuration (default 12)")
+    p.add_argument("--steps-per-run", type=int, default=4, help="steps of one train() run")
+    p.add_argument("--warmup-steps", type=int, default=1, help="discarded steps of each run")
+    p.add_argument("--profile-steps", type=int, help="cProfiled selection steps (default 3)")
+    a = p.parse_args(argv)
+    quick = a.quick
+    settings = Settings(
+        modes=tuple(MODES) if a.mode == "both" else (a.mode,),
+        seq=a.seq or (16 if quick else 128),
+        batch=a.batch,
+        pool=a.pool,
+        repeats=a.repeats or (3 if quick else 12),
+        steps_per_run=a.steps_per_run,
+        warmup_steps=a.warmup_steps,
+        profile_steps=a.profile_steps if a.profile_steps is not None else (1 if quick else 3),
+        quick=quick,
+        write=a.write if a.write is not None else not quick,
+        results=a.results,
+    )
+    check(p, settings)
+    return settings
+
+
+def check(p: argparse.ArgumentParser, settings: Settings) -> None:
+    """Refuse settings that cannot give a valid measurement."""
+    for name in ("seq", "batch", "pool", "repeats", "steps_per_run"):
+        if getattr(settings, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= settings.warmup_steps < settings.steps_per_run:
+        p.error("--warmup-steps must be in [0, --steps-per-run)")
+    if settings.repeats < MIN_REPEATS and not settings.quick:
+        p.error(f"--repeats must be >= {MIN_REPEATS} (DESIGN.md section 6); use --quick to smoke")
+
+
+def main(argv: Sequence[str]) -> None:
+    """Run the benchmark, print the tables and the command, update RESULTS.md."""
+    settings = parse_args(argv)
+    quiet_transformers()
+    base = build_base(settings)
+    results, loads = [], []
+    with tempfile.TemporaryDirectory(prefix="tda-select-") as work:
+        for name in settings.modes:
+            result, mode_loads = run_mode(MODES[name], settings, base, Path(work))
+            results.append(result)
+            loads += mode_loads
+    publish(report(results, loads, settings, argv), SECTION, settings.results, settings.write)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,480 @@
+"""Capture overhead in real training: HF ``Trainer`` step time with
+``GradientCaptureCallback`` / without, on a PEFT LoRA model, and peak RSS.
+
+Protocol (DESIGN.md section 6): one process builds a Llama-architecture model from its
+config (random init, seed 0, fp32), wraps two identical copies in PEFT LoRA (r=8 on every
+linear layer but the head), and alternates short ``trainer.train()`` runs of
+
+* ``plain``: the ``Trainer`` alone;
+* ``capture``: with ``GradientCaptureCallback(layers="lora", projection="factor", k_a=16,
+  k_g=16, curvature=True)`` writing a new gradient store on local disk each run (factor-
+  projected per-example gradients of every adapter, crash-safe shards committed at every
+  step, inline K-FAC statistics of the projected factors).
+
+A ``TrainerCallback`` first in the list times each step from ``on_step_begin`` to
+``on_step_end`` (batch loading outside; forward, backward, the callback's commit,
+clipping, AdamW and ``zero_grad`` inside); the first steps of each run are discarded
+(AdamW state creation) and the median of at least 10 timed steps per configuration is
+compared: ratio = median(capture) / median(plain), wall and CPU (``time.process_time``).
+The end of a run (saving the K-FAC statistics and Adam moments) is outside the steps.
+
+Peak RSS: each configuration runs a few steps in fresh child processes (``VmHWM``),
+started before the parent builds any model. Where the time goes: a few cProfiled capture
+steps, cumulative time of the engine's hooks, the projection inside them, the store
+writes and the curvature accumulation, per step.
+
+Usage::
+
+    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false \\
+        .venv/bin/python benchmarks/training_overhead.py
+    .venv/bin/python benchmarks/training_overhead.py --quick     # smoke run, no write
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from common import (
+    MIN_REPEATS,
+    Comparison,
+    FuncRef,
+    Sample,
+    StepProfiler,
+    StepTimer,
+    base_parser,
+    causal_lm,
+    command_line,
+    contention_note,
+    cumulative_seconds,
+    load_average,
+    load_text,
+    machine_info,
+    make_trainer,
+    median_of,
+    parameter_count,
+    peak_rss_mb,
+    publish,
+    quiet_transformers,
+    rotated,
+    run_child,
+    runs_needed,
+    tidy,
+    token_rows,
+    training_args,
+    utc_now,
+    verdict,
+    with_lora,
+)
+from torch import nn
+from transformers import TrainerCallback
+
+from tda_plugins import LayerSelection
+from tda_plugins.integrations.transformers.callbacks import GradientCaptureCallback
+from tda_plugins.store import StoreReader
+
+SECTION = "## Capture overhead in real training (benchmarks/training_overhead.py)"
+SCRIPT = "benchmarks/training_overhead.py"
+TARGET = 1.05
+PLAIN = "plain"
+CAPTURE = "capture"
+CONFIGS = (PLAIN, CAPTURE)
+LORA_RANK = 8
+
+MODEL = dict(
+    vocab_size=8000,
+    hidden_size=512,
+    intermediate_size=1376,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    tie_word_embeddings=False,
+)
+QUICK_MODEL = dict(
+    vocab_size=256,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    tie_word_embeddings=False,
+)
+
+#: Engine code whose cumulative time is reported, by what it does (nested: the layer
+#: hooks include the projection; consumers run inside the end-of-backward callback).
+PROFILED: dict[str, tuple[FuncRef, ...]] = {
+    "layer hooks (capture + projection)": (
+        ("capture/engine.py", "_on_layer_forward"),
+        ("capture/engine.py", "_on_layer_grad"),
+    ),
+    "of which factor extraction (adapter)": (("adapters/linear.py", "capture"),),
+    "of which projection": (("grads/projection.py", "__call__"),),
+    "of which random-map matmuls": (("grads/projection.py", "apply"),),
+    "root hooks (example ids, loss scale)": (
+        ("capture/engine.py", "_on_root_forward"),
+        ("capture/engine.py", "_on_root_output"),
+    ),
+    "store writes (shards + index commit)": (
+        ("store/writer.py", "on_micro_batch"),
+        ("store/writer.py", "on_optimizer_step"),
+    ),
+    "curvature (inline K-FAC)": (("precondition/curvature.py", "on_micro_batch"),),
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Resolved command-line settings."""
+
+    seq: int
+    batch: int
+    k: int
+    repeats: int
+    steps_per_run: int
+    warmup_steps: int
+    profile_steps: int
+    rss_steps: int
+    rss_repeats: int
+    quick: bool
+    write: bool
+    results: Path
+
+    @property
+    def runs(self) -> int:
+        """Alternating runs per configuration."""
+        return runs_needed(self.repeats, self.steps_per_run, self.warmup_steps)
+
+    def child_flags(self) -> list[str]:
+        """The settings a peak-RSS child needs, as command-line flags."""
+        flags = ["--seq", str(self.seq), "--batch", str(self.batch), "--k", str(self.k)]
+        flags += ["--rss-steps", str(self.rss_steps)]
+        return flags + (["--quick"] if self.quick else [])
+
+
+# -- model, data, one run --------------------------------------------------------------
+
+
+def build_base(settings: Settings) -> nn.Module:
+    """The Llama-architecture model, fp32, seed 0, train mode."""
+    config = QUICK_MODEL if settings.quick else MODEL
+    model = causal_lm(
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        max_position_embeddings=settings.seq,
+        attn_implementation="sdpa",
+        **config,
+    )
+    return model.train()
+
+
+def lora_copy(base: nn.Module) -> nn.Module:
+    """An identical LoRA-wrapped copy of ``base`` (adapters seeded)."""
+    torch.manual_seed(1)
+    return with_lora(copy.deepcopy(base), LORA_RANK)
+
+
+def training_rows(settings: Settings, steps: int) -> torch.Tensor:
+    """Random token rows for ``steps`` steps of ``batch``."""
+    vocab = int((QUICK_MODEL if settings.quick else MODEL)["vocab_size"])
+    return token_rows(steps * settings.batch, settings.seq, vocab, seed=4)
+
+
+def capture_callback(store_dir: Path, settings: Settings) -> GradientCaptureCallback:
+    """The measured callback, writing a new store at ``store_dir``."""
+    return GradientCaptureCallback(
+        store_dir=str(store_dir),
+        layers="lora",
+        projection="factor",
+        k_a=settings.k,
+        k_g=settings.k,
+        curvature=True,
+    )
+
+
+def train_run(
+    config: str,
+    model: nn.Module,
+    settings: Settings,
+    work: Path,
+    tag: str,
+    steps: int,
+    first: TrainerCallback | None = None,
+) -> StepTimer:
+    """One ``trainer.train()`` of ``steps`` steps of ``config``, timed by a fresh
+    :class:`StepTimer`; ``first`` (a profiler) goes before it. A capture run must leave a
+    store holding every step."""
+    timer = StepTimer()
+    callbacks: list[TrainerCallback] = [timer] if first is None else [first, timer]
+    store = work / f"store-{tag}"
+    if config == CAPTURE:
+        callbacks.append(capture_callback(store, settings))
+    args = training_args(work / f"out-{tag}", steps, settings.batch)
+    make_trainer(model, training_rows(settings, steps), args, callbacks).train()
+    if config == CAPTURE and StoreReader(store).steps != list(range(steps)):
+        raise RuntimeError(f"the capture run {tag} did not commit all {steps} steps to {store}")
+    return timer
+
+
+# -- timing (parent process) -----------------------------------------------------------
+
+
+def measure(
+    models: dict[str, nn.Module], settings: Settings, work: Path
+) -> tuple[dict[str, list[Sample]], list[float]]:
+    """Alternating runs (order rotated each round): timed steps per configuration."""
+    samples: dict[str, list[Sample]] = {name: [] for name in CONFIGS}
+    loads = []
+    for round_ in range(settings.runs):
+        for name in rotated(CONFIGS, round_):
+            tag = f"{name}-{round_}"
+            timer = train_run(name, models[name], settings, work, tag, settings.steps_per_run)
+            samples[name] += timer.timed(settings.warmup_steps)
+        loads.append(load_average())
+        print(f"  round {round_ + 1}/{settings.runs}", flush=True)
+    return samples, loads
+
+
+def profile_capture(model: nn.Module, settings: Settings, work: Path) -> dict[str, float]:
+    """Seconds per step of each :data:`PROFILED` part in the cProfiled steps of a capture
+    run (after its warm-up steps)."""
+    profiler = StepProfiler(settings.warmup_steps)
+    steps = settings.warmup_steps + settings.profile_steps
+    train_run(CAPTURE, model, settings, work, "profile", steps, first=profiler)
+    table = profiler.table()
+    return {
+        label: sum(cumulative_seconds(table, ref) for ref in refs) / profiler.steps
+        for label, refs in PROFILED.items()
+    }
+
+
+# -- peak memory (child processes) -----------------------------------------------------
+
+
+def rss_child(config: str, settings: Settings) -> dict[str, float]:
+    """Body of ``--rss-child``: a few steps of one configuration in this fresh process."""
+    quiet_transformers()
+    model = lora_copy(build_base(settings))
+    with tempfile.TemporaryDirectory(prefix="tda-train-rss-") as work:
+        train_run(config, model, settings, Path(work), "rss", settings.rss_steps)
+    return {"peak_mb": peak_rss_mb()}
+
+
+def measure_rss(settings: Settings) -> dict[str, list[float]]:
+    """Peak RSS (MB) of each configuration over ``rss_repeats`` fresh children, started
+    one at a time, alternating configurations."""
+    script = Path(__file__).resolve()
+    peaks: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    for repeat in range(settings.rss_repeats):
+        for name in rotated(CONFIGS, repeat):
+            found = run_child(script, ["--rss-child", name, *settings.child_flags()])
+            peaks[name].append(found["peak_mb"])
+    return peaks
+
+
+# -- reporting -------------------------------------------------------------------------
+
+
+def time_table(samples: dict[str, list[Sample]]) -> str:
+    """The markdown table of step times and ratios."""
+    lines = [
+        "| configuration | step s, wall median [IQR] | **wall ratio** | paired wall ratio "
+        "[IQR] | step s, CPU median [IQR] | CPU ratio | paired CPU ratio [IQR] | target "
+        "| met (wall / CPU) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|:-:|",
+    ]
+    for name in CONFIGS:
+        c = Comparison.of(samples[name], samples[PLAIN])
+        target = f"{TARGET:.2f}x" if name == CAPTURE else "—"
+        met = (
+            f"{verdict(c.wall_ratio, TARGET)} / {verdict(c.cpu_ratio, TARGET)}"
+            if name == CAPTURE
+            else ""
+        )
+        lines.append(
+            f"| {name} | {c.wall.text()} | **{c.wall_ratio:.3f}x** "
+            f"| {c.wall_paired.text('.3f', 'x')} | {c.cpu.text()} | {c.cpu_ratio:.3f}x "
+            f"| {c.cpu_paired.text('.3f', 'x')} | {target} | {met} |"
+        )
+    return "\n".join(lines)
+
+
+def memory_table(peaks: dict[str, list[float]]) -> str:
+    """Peak RSS per configuration and the ratio of medians (empty when not measured)."""
+    if not all(peaks.get(name) for name in CONFIGS):
+        return ""
+    base = statistics.median(peaks[PLAIN])
+    lines = ["| configuration | peak RSS MB, median (min–max) | RSS ratio | delta MB |"]
+    lines.append("|---|---:|---:|---:|")
+    for name in CONFIGS:
+        mid = statistics.median(peaks[name])
+        lines.append(
+            f"| {name} | {mid:.0f} ({min(peaks[name]):.0f}–{max(peaks[name]):.0f}) "
+            f"| {mid / base:.3f}x | {mid - base:+.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def profile_table(split: dict[str, float], samples: dict[str, list[Sample]]) -> str:
+    """Engine parts in ms per step and as a share of the plain step's CPU time."""
+    if not split:
+        return ""
+    plain = median_of(samples[PLAIN], "cpu")
+    extra = median_of(samples[CAPTURE], "cpu") - plain
+    lines = [
+        f"Measured extra CPU time per step: {1e3 * extra:+.0f} ms "
+        f"({100 * extra / plain:+.1f}% of the plain step's {1e3 * plain:.0f} ms).",
+        "",
+        "| part (cumulative, cProfile) | ms / step | % of plain step CPU |",
+        "|---|---:|---:|",
+    ]
+    for label, seconds in split.items():
+        lines.append(f"| {label} | {1e3 * seconds:.1f} | {100 * seconds / plain:.1f}% |")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the parent measured."""
+
+    samples: dict[str, list[Sample]]
+    loads: list[float]
+    peaks: dict[str, list[float]]
+    split: dict[str, float]
+    params: int
+    trainable: int
+    adapters: int
+
+
+def report(m: Measured, settings: Settings, argv: Sequence[str]) -> str:
+    """The full markdown section for RESULTS.md."""
+    config = QUICK_MODEL if settings.quick else MODEL
+    shape = ", ".join(f"{k}={v}" for k, v in config.items())
+    rss = (
+        f"each configuration in {settings.rss_repeats} fresh child process(es) of "
+        f"{settings.rss_steps} steps, `VmHWM`, median"
+        if m.peaks
+        else "not measured"
+    )
+    return tidy(f"""{SECTION}
+
+Command: `{command_line(SCRIPT, argv)}`
+
+Date: {utc_now()}. Machine: {machine_info()}; {load_text(m.loads)}.
+
+HF `Trainer` (CPU, fp32, AdamW, `max_grad_norm=1.0`), batch {settings.batch} x sequence \
+{settings.seq}, no padding. Model: `LlamaConfig({shape})` ({m.params / 1e6:.2f}M \
+parameters) with PEFT LoRA r={LORA_RANK} on every linear layer but the head \
+({m.trainable / 1e6:.3f}M trainable, {m.adapters} adapter layers captured). `capture` = \
+`GradientCaptureCallback(layers="lora", projection="factor", k_a={settings.k}, \
+k_g={settings.k}, curvature=True)`, a new store on local disk (ext4) per run. Runs of \
+{settings.steps_per_run} steps alternate (order rotated, {settings.runs} runs per \
+configuration, identical model copies), the first {settings.warmup_steps} step(s) of \
+each run discarded: median of {len(m.samples[PLAIN])} steps per configuration, each timed \
+`on_step_begin` -> `on_step_end` by a callback placed first. Ratio = median / \
+median(plain); paired = step / plain step in the same slot. Target: <= {TARGET}x \
+(Traceprop reports 1.026x on a GPU). Peak RSS: {rss}.
+
+{time_table(m.samples)}
+
+{contention_note("the plain steps", m.samples[PLAIN])}
+
+{memory_table(m.peaks)}
+
+Where the capture time goes ({settings.profile_steps} cProfiled capture steps; \
+cumulative times, torch operations included; the layer hooks include the projection):
+
+{profile_table(m.split, m.samples)}
+""")
+
+
+# -- command line ----------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
+    """Parse and validate the command line into :class:`Settings`."""
+    p = base_parser(__doc__.split("\n\n")[0])
+    p.add_argument("--seq", type=int, help="sequence length (default 256; quick 16)")
+    p.add_argument("--batch", type=int, default=8, help="examples per step")
+    p.add_argument("--k", type=int, default=16, help="factor projection k_a = k_g")
+    p.add_argument("--repeats", type=int, help="timed steps per configuration (default 20)")
+    p.add_argument("--steps-per-run", type=int, default=3, help="steps of one train() run")
+    p.add_argument("--warmup-steps", type=int, default=1, help="discarded steps of each run")
+    p.add_argument("--profile-steps", type=int, help="cProfiled capture steps (default 3)")
+    p.add_argument("--rss-steps", type=int, default=3, help="steps per peak-RSS child")
+    p.add_argument("--rss-repeats", type=int, help="children per configuration (default 2)")
+    p.add_argument("--rss-child", choices=CONFIGS, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    quick = a.quick
+    settings = Settings(
+        seq=a.seq or (16 if quick else 256),
+        batch=a.batch,
+        k=a.k,
+        repeats=a.repeats or (3 if quick else 20),
+        steps_per_run=a.steps_per_run,
+        warmup_steps=a.warmup_steps,
+        profile_steps=a.profile_steps if a.profile_steps is not None else (1 if quick else 3),
+        rss_steps=a.rss_steps,
+        rss_repeats=a.rss_repeats if a.rss_repeats is not None else (0 if quick else 2),
+        quick=quick,
+        write=a.write if a.write is not None else not quick,
+        results=a.results,
+    )
+    check(p, settings)
+    return settings, a
+
+
+def check(p: argparse.ArgumentParser, settings: Settings) -> None:
+    """Refuse settings that cannot give a valid measurement."""
+    for name in ("seq", "batch", "k", "repeats", "steps_per_run", "rss_steps"):
+        if getattr(settings, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= settings.warmup_steps < settings.steps_per_run:
+        p.error("--warmup-steps must be in [0, --steps-per-run)")
+    if settings.repeats < MIN_REPEATS and not settings.quick:
+        p.error(f"--repeats must be >= {MIN_REPEATS} (DESIGN.md section 6); use --quick to smoke")
+
+
+def run(settings: Settings) -> Measured:
+    """Peak-RSS children first (before this process grows), then the timed runs."""
+    peaks = measure_rss(settings) if settings.rss_repeats else {}
+    quiet_transformers()
+    base = build_base(settings)
+    models = {name: lora_copy(base) for name in CONFIGS}
+    with tempfile.TemporaryDirectory(prefix="tda-train-") as work:
+        samples, loads = measure(models, settings, Path(work))
+        split = {}
+        if settings.profile_steps:
+            split = profile_capture(models[CAPTURE], settings, Path(work))
+    model = models[PLAIN]
+    adapters = len(LayerSelection(kind="lora").resolve(model))
+    return Measured(
+        samples,
+        loads,
+        peaks,
+        split,
+        parameter_count(model),
+        parameter_count(model, trainable_only=True),
+        adapters,
+    )
+
+
+def main(argv: Sequence[str]) -> None:
+    """Run the benchmark, print the tables and the command, update RESULTS.md."""
+    settings, args = parse_args(argv)
+    if args.rss_child:
+        print(json.dumps(rss_child(args.rss_child, settings)))
+        return
+    measured = run(settings)
+    publish(report(measured, settings, argv), SECTION, settings.results, settings.write)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
