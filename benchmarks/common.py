@@ -17,6 +17,7 @@ import os
 import platform
 import pstats
 import re
+import resource
 import shlex
 import statistics
 import subprocess
@@ -58,31 +59,62 @@ class Sample:
         cpu: CPU seconds of this process, user + system (``time.process_time``); with one
             torch thread it is the work itself, far less disturbed than wall time by other
             processes competing for the cores of a shared machine.
+        sys: system CPU seconds (page faults, zeroing fresh pages, file writes).
+        faults: minor page faults (fresh pages the work touched).
     """
 
     wall: float
     cpu: float
+    sys: float = 0.0
+    faults: int = 0
 
     def to_json(self) -> dict[str, float]:
-        """``{"wall": ..., "cpu": ...}``."""
-        return {"wall": self.wall, "cpu": self.cpu}
+        """The fields as a JSON object."""
+        return {"wall": self.wall, "cpu": self.cpu, "sys": self.sys, "faults": self.faults}
 
     @classmethod
     def from_json(cls, value: Mapping[str, float]) -> Sample:
         """Inverse of :meth:`to_json`."""
-        return cls(float(value["wall"]), float(value["cpu"]))
+        return cls(
+            float(value["wall"]),
+            float(value["cpu"]),
+            float(value.get("sys", 0.0)),
+            int(value.get("faults", 0)),
+        )
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A point in time on every clock a :class:`Sample` reads."""
+
+    wall: float
+    cpu: float
+    sys: float
+    faults: int
+
+    @classmethod
+    def now(cls) -> Mark:
+        """The clocks now."""
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return cls(time.perf_counter(), time.process_time(), usage.ru_stime, usage.ru_minflt)
+
+    def elapsed(self) -> Sample:
+        """What passed on each clock since this mark."""
+        now = Mark.now()
+        return Sample(
+            now.wall - self.wall, now.cpu - self.cpu, now.sys - self.sys, now.faults - self.faults
+        )
 
 
 class Stopwatch:
-    """Wall and CPU time of a ``with`` block: ``with Stopwatch() as sw: ...; sw.sample``."""
+    """The cost of a ``with`` block: ``with Stopwatch() as sw: ...; sw.sample``."""
 
     def __enter__(self) -> Stopwatch:
-        self._wall = time.perf_counter()
-        self._cpu = time.process_time()
+        self._start = Mark.now()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.sample = Sample(time.perf_counter() - self._wall, time.process_time() - self._cpu)
+        self.sample = self._start.elapsed()
 
 
 @dataclass(frozen=True)
@@ -344,12 +376,10 @@ class StepTimer(TrainerCallback):
         self.runs.append([])
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._wall = time.perf_counter()
-        self._cpu = time.process_time()
+        self._start = Mark.now()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        sample = Sample(time.perf_counter() - self._wall, time.process_time() - self._cpu)
-        self.runs[-1].append(sample)
+        self.runs[-1].append(self._start.elapsed())
 
     def timed(self, warmup: int) -> list[Sample]:
         """Every run's steps after its first ``warmup`` steps, in order."""
@@ -369,12 +399,14 @@ FuncRef = tuple[str, str]
 
 class StepProfiler(TrainerCallback):
     """cProfile over the optimizer steps after the first ``warmup`` ones of a run, from
-    ``on_step_begin`` to ``on_step_end`` (put it first, like :class:`StepTimer`)."""
+    ``on_step_begin`` to ``on_step_end`` (put it first, like :class:`StepTimer`). It counts
+    this process's CPU time (``time.process_time``), so that other processes on the
+    machine do not inflate the split."""
 
     def __init__(self, warmup: int):
         self.warmup = warmup
         self.steps = 0
-        self.profiler = cProfile.Profile()
+        self.profiler = cProfile.Profile(time.process_time)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.global_step >= self.warmup:

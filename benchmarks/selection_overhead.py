@@ -493,7 +493,7 @@ the same slot. Target: <= {TARGET}x with selection (the dattri-llm paper reports
 Where the extra time of a step goes (CPU time, steadier than wall time here; medians of \
 the timed steps): the target's \
 capture and the selection at the optimizer step are timed by the callback itself in \
-the runs above; their splits, in ms per step under cProfile ({settings.profile_steps} \
+the runs above; their splits, in CPU ms per step under cProfile ({settings.profile_steps} \
 steps), are: target capture = the pool's forward and backward through a temporary engine \
 (`capture_batch`) / the sum of its per-example gradients (`set_target`); selection = \
 scoring (per-example gradients materialized, dots with the target, the rule) / surgery \

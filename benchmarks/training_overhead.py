@@ -328,9 +328,14 @@ def profile_table(split: dict[str, float], samples: dict[str, list[Sample]]) -> 
         return ""
     plain = median_of(samples[PLAIN], "cpu")
     extra = median_of(samples[CAPTURE], "cpu") - plain
+    extra_sys = median_of(samples[CAPTURE], "sys") - median_of(samples[PLAIN], "sys")
+    extra_faults = median_of(samples[CAPTURE], "faults") - median_of(samples[PLAIN], "faults")
     lines = [
-        f"Measured extra CPU time per step: {1e3 * extra:+.0f} ms "
-        f"({100 * extra / plain:+.1f}% of the plain step's {1e3 * plain:.0f} ms).",
+        f"Measured extra CPU time per step (medians): {1e3 * extra:+.0f} ms "
+        f"({100 * extra / plain:+.1f}% of the plain step's {1e3 * plain:.0f} ms), of which "
+        f"system time {1e3 * extra_sys:+.0f} ms; minor page faults {extra_faults:+,.0f} per "
+        "step. The parts below are the engine's own code; extra time beyond their sum is "
+        "spent outside it (allocator, page faults, cache effects on the training's own work).",
         "",
         "| part (cumulative, cProfile) | ms / step | % of plain step CPU |",
         "|---|---:|---:|",
@@ -389,7 +394,7 @@ median(plain); paired = step / plain step in the same slot. Target: <= {TARGET}x
 {memory_table(m.peaks)}
 
 Where the capture time goes ({settings.profile_steps} cProfiled capture steps; \
-cumulative times, torch operations included; the layer hooks include the projection):
+cumulative CPU times, torch operations included; the layer hooks include the projection):
 
 {profile_table(m.split, m.samples)}
 """)
