@@ -24,15 +24,21 @@ def causal_lm_example_losses(logits: Tensor, labels: Tensor) -> Tensor:
     Labels are shifted inside (as transformers' causal LMs do); ``-100`` is ignored.
     Each example's loss is the *sum* over its predicted tokens, not the mean.
     """
-    shifted = labels[:, 1:]
+    # Each position predicts the next label; the last one predicts nothing (-100). Cross
+    # entropy over the flattened (B*T, V) logits: no transposed or shifted copy of them.
+    shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
     dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16 -> fp32, fp64 stays
     per_token = F.cross_entropy(
-        logits[:, :-1].transpose(1, 2).to(dtype), shifted, ignore_index=-100, reduction="none"
+        logits.reshape(-1, logits.shape[-1]).to(dtype),
+        shifted.reshape(-1),
+        ignore_index=-100,
+        reduction="none",
     )
-    return per_token.sum(dim=1)
+    return per_token.view(labels.shape).sum(dim=1)
 
 
-def _default_loss(model: nn.Module, batch: Mapping[str, Any]) -> Tensor:
+def causal_lm_losses(model: nn.Module, batch: Mapping[str, Any]) -> Tensor:
+    """``(B,)`` summed next-token losses of a transformers causal LM on ``batch``."""
     if "labels" not in batch:
         raise ValueError(
             "loss_fn=None needs a causal LM batch with 'labels' (use input_ids with padding "
@@ -57,7 +63,7 @@ def capture_batch(
     the backward and restored, and other engines attached to the model (a training run's)
     do not record this pass.
     """
-    loss_fn = loss_fn or _default_loss
+    loss_fn = loss_fn or causal_lm_losses
     collector = RecordCollector()
     trainable = [p for p in model.parameters() if p.requires_grad]
     # A real backward (reentrant checkpointing cannot run under autograd.grad), with the

@@ -153,3 +153,11 @@ def test_weighted_sum_equals_weighted_materialized_rows(kind: str) -> None:
     train, _ = _pair(kind)
     weights = torch.tensor([0.5, 0.0, -2.0], dtype=torch.float64)
     torch.testing.assert_close(train.weighted_sum(weights), weights @ _explicit_materialize(train))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dot_with_a_vector_equals_materialized_rows(kind: str) -> None:
+    """``<dW_i, v>`` from the factors (no ``(B, D)`` tensor) equals the explicit rows' dot."""
+    train, _ = _pair(kind)
+    vector = _randn(train.dim)
+    torch.testing.assert_close(train.dot(vector), _explicit_materialize(train) @ vector)

@@ -40,13 +40,14 @@ from torch import Tensor, nn
 from transformers import Trainer
 
 from tda_plugins import CaptureEngine, LayerSelection
-from tda_plugins.api import capture_batch
+from tda_plugins.api import causal_lm_losses
 from tda_plugins.integrations.transformers.callbacks import (
     DataSelectionCallback,
     UnsupportedTrainingSetup,
     causal_lm_token_counts,
 )
 from tda_plugins.selection import DataSelector, StepSelection, rule_by_name
+from tda_plugins.selection.target import target_gradient
 from tests.models import lm_batch, tiny_causal_lm, with_lora
 from tests.oracle import loop_oracle, max_rel_error
 from tests.selection_helpers import (
@@ -235,7 +236,9 @@ def run_step(
         )
         engine.add_consumer(selector)
         with engine.paused():
-            selector.set_target(capture_batch(s.model, s.target, None, s.layers))
+            selector.set_target(
+                target_gradient(s.model, engine.captured_layers, s.target, causal_lm_losses)
+            )
         s.model.zero_grad(set_to_none=True)
         first = 0
         for batch in micro_batches:
@@ -540,6 +543,42 @@ def test_trainer_grad_is_the_clipped_fresh_backward_over_kept(
     assert [e["step"] for e in logged] == [1, 2, 3]
     assert all(e["selection/kept"] == examples_per_step // 2 for e in logged)
     assert all("selection/dropped" in e and "selection/mean_score" in e for e in logged)
+
+
+def _param_grad(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    """Gradient of ``batch``'s summed example losses over the trainable parameters, flat."""
+    params = list(trainable(model).values())
+    grads = torch.autograd.grad(example_losses(model, batch).sum(), params)
+    return torch.cat([g.flatten() for g in grads])
+
+
+def test_target_examples_score_each_step_against_the_next_pool_example(tmp_path: Path) -> None:
+    """``target_examples=1`` (the dattri-llm protocol): step ``k``'s scores are the
+    oracle's ``<g_i, T_k>`` with ``T_k`` the gradient of pool example ``k`` alone at the
+    step's weights (fp64 autograd, one example at a time), and removal stays exact."""
+    run = train_with_selection(tmp_path, "llama-lora", 1, target_examples=1)
+    pool = target_rows()
+    reference = fp64_twin("llama-lora")()
+    for step, audit in run.audit.steps.items():
+        reference.load_state_dict(audit.weights)
+        ids = torch.tensor([pool[step % len(pool)]["input_ids"]])
+        target = _param_grad(reference, {"input_ids": ids, "labels": ids})
+        rows = [
+            {k: v[i : i + 1] for k, v in batch.items()}
+            for batch in audit.micro_batches
+            for i in range(batch["input_ids"].shape[0])
+        ]
+        expected = torch.stack([_param_grad(reference, row) @ target for row in rows])
+        got = run.selection.history[step].scores.double()
+        assert ((got - expected).norm() / expected.norm()).item() <= 1e-4
+    check = assert_trainer_grads_match_fresh(
+        run.audit.steps,
+        dropped_per_step(run.selection),
+        fp64_twin("llama-lora"),
+        MAX_GRAD_NORM,
+        FP32_TOL,
+    )
+    assert check.steps == STEPS
 
 
 def sft_with_selection(tmp_path: Path, model: nn.Module, **options: Any) -> SelectionRun:

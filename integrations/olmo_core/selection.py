@@ -35,19 +35,19 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
-from tda_plugins.api import capture_batch
 from tda_plugins.capture import CaptureEngine, MicroBatchRecord
 from tda_plugins.capture.selection import SelectionKind, uncovered_trainable
 from tda_plugins.integrations.olmo_core.callbacks import check_train_module, give_example_ids
 from tda_plugins.integrations.olmo_core.normalization import OLMoCoreLossNormalization
 from tda_plugins.selection import DataSelector, StepSelection, rule_by_name
 from tda_plugins.selection.selector import Granularity, ScoreMode
+from tda_plugins.selection.target import TargetPool, target_gradient
 from tda_plugins.session import CaptureSettings, UnsupportedTrainingSetup
 
-TargetPool = Tensor | Sequence[Sequence[int]]
+TargetTokens = Tensor | Sequence[Sequence[int]]
 
 
-def target_batch(target: TargetPool, ignore_index: int = -100) -> dict[str, Tensor]:
+def target_batch(target: TargetTokens, ignore_index: int = -100) -> dict[str, Tensor]:
     """``input_ids`` and OLMo-core ``labels`` (inputs shifted left, ``ignore_index`` at the
     last position and at padding) of a target pool: a ``(P, T)`` tensor of token ids, or
     token-id lists of any lengths (right-padded with token 0, which carries no loss)."""
@@ -79,12 +79,12 @@ def summed_token_losses(model: nn.Module, batch: dict[str, Tensor], ignore_index
     logits = model(batch["input_ids"])
     dtype = torch.promote_types(logits.dtype, torch.float32)
     per_token = F.cross_entropy(
-        logits.transpose(1, 2).to(dtype),
-        batch["labels"],
+        logits.reshape(-1, logits.shape[-1]).to(dtype),
+        batch["labels"].reshape(-1),
         ignore_index=ignore_index,
         reduction="none",
     )
-    return per_token.sum(dim=1)
+    return per_token.view(batch["labels"].shape).sum(dim=1)
 
 
 def loss_token_counts(labels: Tensor, ignore_index: int, instance_mask: Any = None) -> Tensor:
@@ -120,6 +120,8 @@ class DataSelectionCallback(Callback):
         granularity: ``"global"`` or ``"per_layer"``.
         refresh_every: recompute the target gradient every n optimizer steps (and at the
             first step of a run or a resumed run).
+        target_examples: target sequences per refresh: ``None`` (default) the whole pool,
+            ``m`` the next ``m`` of it in turn (cost: a forward/backward over ``m``).
         log_path: JSONL of dropped instance indices per step and rank (default
             ``<trainer work_dir>/selection.jsonl``). Its ``step`` is OLMo-core's step - 1.
         layers, include, exclude, last_n_blocks: the layer fields of
@@ -133,13 +135,14 @@ class DataSelectionCallback(Callback):
     refused.
     """
 
-    target: TargetPool
+    target: TargetTokens
     rule: str = "bottom_fraction"
     fraction: float = 0.25
     threshold: float = 0.0
     score: ScoreMode = "dot"
     granularity: Granularity = "global"
     refresh_every: int = 1
+    target_examples: int | None = None
     log_path: str | None = None
     layers: SelectionKind = "all"
     include: str | None = None
@@ -158,7 +161,7 @@ class DataSelectionCallback(Callback):
             raise ValueError(
                 f"granularity must be 'global' or 'per_layer', got {self.granularity!r}"
             )
-        target_batch(self.target)  # refuse a malformed pool at construction
+        self._pool = TargetPool(target_batch(self.target), self.target_examples)
         self._engine: CaptureEngine | None = None
         self._selector: DataSelector | None = None
         self._ids_hook: RemovableHandle | None = None
@@ -286,15 +289,17 @@ class DataSelectionCallback(Callback):
             self._observe_call, prepend=True, with_kwargs=True
         )
 
-    def _capture_target(self) -> MicroBatchRecord:
-        """The target pool's per-sequence gradients at the current weights."""
+    def _capture_target(self) -> dict[str, Tensor]:
+        """The summed gradient of this refresh's target sequences at the current weights
+        (one plain backward; the training capture paused)."""
         assert self._engine is not None
         model = self._engine.model
-        device = next(model.parameters()).device
-        pool = {k: v.to(device) for k, v in target_batch(self.target, self._ignore_index).items()}
+        pool = self._pool.next_batch(next(model.parameters()).device)
         ignore_index = self._ignore_index
+        if ignore_index != -100:
+            pool["labels"] = pool["labels"].masked_fill(pool["labels"] == -100, ignore_index)
 
-        def loss_fn(model: nn.Module, batch: Any) -> Tensor:
+        def losses(model: nn.Module, batch: Any) -> Tensor:
             return summed_token_losses(model, batch, ignore_index)
 
         no_sync = getattr(model, "no_sync", None)  # DDP: no gradient all-reduce for the pool
@@ -302,9 +307,11 @@ class DataSelectionCallback(Callback):
         model.eval()
         self._in_pool = True
         try:
-            # capture_batch's engine is exclusive: no training engine records the pool.
-            with no_sync() if callable(no_sync) else contextlib.nullcontext():
-                return capture_batch(model, pool, loss_fn, self.settings.selection())
+            with (
+                no_sync() if callable(no_sync) else contextlib.nullcontext(),
+                self._engine.paused(),
+            ):
+                return target_gradient(model, self._engine.captured_layers, pool, losses)
         finally:
             self._in_pool = False
             model.train(was_training)

@@ -20,13 +20,14 @@ import torch
 from torch import Tensor, nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from tda_plugins.api import capture_batch
+from tda_plugins.api import capture_batch, causal_lm_losses
 from tda_plugins.capture import CaptureEngine, MicroBatchRecord, content_hash
 from tda_plugins.capture.selection import uncovered_trainable
 from tda_plugins.influence import InfluenceLogger
 from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
 from tda_plugins.selection import DataSelector, StepSelection, rule_by_name
 from tda_plugins.selection.selector import Granularity, ScoreMode
+from tda_plugins.selection.target import TargetPool, target_gradient
 from tda_plugins.session import CaptureSession, CaptureSettings, UnsupportedTrainingSetup
 
 
@@ -214,7 +215,16 @@ class PoolCallback(TrainerCallback):
         self.engine = engine
         return engine
 
-    def use_pool(self, record: MicroBatchRecord | None, lr_scheduler: Any) -> None:
+    def pool_gradients(self, model: nn.Module, args: TrainingArguments) -> Any:
+        """The pool's gradients at the current weights, in the form :meth:`use_pool`
+        takes (default: per-example, through a temporary exclusive engine)."""
+        device = next(model.parameters()).device
+        batch = {k: v.to(device) for k, v in self.pool.items()}
+        return capture_batch(
+            model, batch, None, self.settings.selection(), self.settings.projection_config()
+        )
+
+    def use_pool(self, pooled: Any, lr_scheduler: Any) -> None:
         """The pool's gradients at the coming step's weights (``None``: not due)."""
         raise NotImplementedError
 
@@ -232,17 +242,13 @@ class PoolCallback(TrainerCallback):
         if state.global_step % self.every_n_steps:
             self.use_pool(None, lr_scheduler)
             return
-        device = next(model.parameters()).device
-        batch = {k: v.to(device) for k, v in self.pool.items()}
         was_training = model.training
         model.eval()
         try:
-            record = capture_batch(
-                model, batch, None, self.settings.selection(), self.settings.projection_config()
-            )
+            pooled = self.pool_gradients(model, args)
         finally:
             model.train(was_training)
-        self.use_pool(record, lr_scheduler)
+        self.use_pool(pooled, lr_scheduler)
 
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -324,9 +330,9 @@ class InfluenceLoggingCallback(PoolCallback):
     ) -> None:
         self.attach(args, check_trainer_setup(args, model), state).add_consumer(self.logger)
 
-    def use_pool(self, record: MicroBatchRecord | None, lr_scheduler: Any) -> None:
+    def use_pool(self, pooled: MicroBatchRecord | None, lr_scheduler: Any) -> None:
         rate = float(lr_scheduler.get_last_lr()[0]) if lr_scheduler is not None else 1.0
-        self.logger.set_queries(record, rate)
+        self.logger.set_queries(pooled, rate)
 
     def step_metrics(self) -> dict[str, float]:
         return self.logger.metrics()
@@ -390,6 +396,10 @@ class DataSelectionCallback(PoolCallback):
         score: ``"dot"``, ``"cosine"`` or ``"adam"`` (preconditioned by Adam's state).
         granularity: ``"global"`` or ``"per_layer"``.
         refresh_every: recompute the target gradient every n optimizer steps.
+        target_examples: target examples per refresh: ``None`` (default) uses the whole
+            pool each time; ``m`` uses the next ``m`` pool examples in turn (the
+            dattri-llm protocol: one example of a 16-example pool per step), which
+            costs a forward/backward over ``m`` examples instead of the pool.
         log_path: JSONL of dropped ids per step (default ``<output_dir>/selection.jsonl``).
         **options: layer fields of :class:`CaptureSettings` (default layers: LoRA
             adapters on PEFT models; full fine-tuning needs ``layers="all"`` so that
@@ -405,12 +415,14 @@ class DataSelectionCallback(PoolCallback):
         score: ScoreMode = "dot",
         granularity: Granularity = "global",
         refresh_every: int = 1,
+        target_examples: int | None = None,
         log_path: str | None = None,
         **options: Any,
     ):
         if options.get("projection", "none") != "none":
             raise ValueError("data selection removes exact contributions: use projection='none'")
         super().__init__(target, refresh_every, options)
+        self.target_pool = TargetPool(self.pool, target_examples)
         self.rule = rule_by_name(rule, **_rule_options(rule, fraction, threshold))
         self.score = score
         self.granularity = granularity
@@ -461,9 +473,23 @@ class DataSelectionCallback(PoolCallback):
         self._max_grad_norm = float(args.max_grad_norm or 0.0)
         args.max_grad_norm = 0.0  # clipping happens after selection, in on_pre_optimizer_step
 
-    def use_pool(self, record: MicroBatchRecord | None, lr_scheduler: Any) -> None:
-        if record is not None and self.selector is not None:
-            self.selector.set_target(record)
+    def pool_gradients(self, model: nn.Module, args: TrainingArguments) -> dict[str, Tensor]:
+        """The summed gradient of this refresh's target examples: one plain backward,
+        chunked by the training batch size, that the training engine does not record."""
+        assert self.engine is not None
+        batch = self.target_pool.next_batch(next(model.parameters()).device)
+        with self.engine.paused():
+            return target_gradient(
+                model,
+                self.engine.captured_layers,
+                batch,
+                causal_lm_losses,
+                args.per_device_train_batch_size,
+            )
+
+    def use_pool(self, pooled: dict[str, Tensor] | None, lr_scheduler: Any) -> None:
+        if pooled is not None and self.selector is not None:
+            self.selector.set_target(pooled)
 
     def on_pre_optimizer_step(
         self,

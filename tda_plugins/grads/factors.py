@@ -94,6 +94,12 @@ class PerExampleGrad(ABC):
     def scaled(self, factor: float | Tensor) -> Self:
         """``factor`` times the per-example gradients."""
 
+    def dot(self, vector: Tensor) -> Tensor:
+        """``(B,)`` inner products ``<dW_i, v>`` with one ``(D,)`` vector (a target
+        gradient in this layer's flattened layout), in the accumulation dtype."""
+        grads = self.materialize()
+        return grads @ vector.to(grads.dtype)
+
     @classmethod
     @abstractmethod
     def stack(cls, parts: list[Self]) -> Self:
@@ -298,6 +304,13 @@ class TokenFactors(PerTokenGrad):
     def scaled(self, factor: float | Tensor) -> TokenFactors:
         return TokenFactors(self.a, self.g * factor, self.bias)
 
+    def dot(self, vector: Tensor) -> Tensor:
+        # sum_t g_it^T V a_it: one (B*T, N_o) @ (N_o, N_i) product, no (B, D) tensor.
+        g = self.g.to(accumulation_dtype(self.g))
+        h = g.reshape(-1, self.out_dim) @ vector.to(g.dtype).view(self.out_dim, self.in_dim)
+        a = self.augmented_a().reshape(self.batch_size, -1)
+        return (h.view(self.batch_size, -1) * a).sum(dim=1)
+
     @classmethod
     def stack(cls, parts: list[TokenFactors]) -> TokenFactors:
         a = _stack_tokens([p.a for p in parts])
@@ -402,6 +415,12 @@ class EmbeddingFactors(PerTokenGrad):
 
     def scaled(self, factor: float | Tensor) -> EmbeddingFactors:
         return EmbeddingFactors(self.ids, self.g * factor, self.num_embeddings)
+
+    def dot(self, vector: Tensor) -> Tensor:
+        # sum_t g_it . V[ids_it]: a gather of the looked-up rows, no (B, V*D) tensor.
+        g = self._g()
+        rows = vector.to(g.dtype).view(self.num_embeddings, -1)[self.ids]
+        return (g * rows).sum(dim=(1, 2))
 
     @classmethod
     def stack(cls, parts: list[EmbeddingFactors]) -> EmbeddingFactors:

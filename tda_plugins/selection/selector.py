@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from tda_plugins.capture.adapters import LayerAdapter
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.records import MicroBatchRecord
+from tda_plugins.grads.ops import sq_norms
 from tda_plugins.selection.rules import DropRule
 
 ScoreMode = Literal["dot", "cosine", "adam"]
@@ -164,17 +165,14 @@ class DataSelector(CaptureConsumer):
                 by_param[key] = value if key not in by_param else by_param[key] + value
         return torch.cat([v.reshape(*lead, -1) for v in by_param.values()], dim=-1)
 
-    def set_target(self, target: MicroBatchRecord) -> None:
-        """The target pool's per-example gradients at the current weights; the target is
-        their sum (``target.loss_scale`` applied)."""
-        missing = set(self.layers) - set(target.layers)
+    def set_target(self, target: dict[str, Tensor]) -> None:
+        """The target gradient at the current weights: layer name -> ``(D,)`` summed
+        loss gradient of the target examples in the layer's flattened layout (as
+        :func:`~tda_plugins.selection.target.target_gradient` returns it)."""
+        missing = set(self.layers) - set(target)
         if missing:
-            raise ValueError(f"the target was captured without layers {sorted(missing)[:3]}")
-        ones = torch.ones(target.batch_size, device=target.example_ids.device)
-        self.target = {
-            name: target.layers[name].grads.scaled(target.loss_scale).weighted_sum(ones)
-            for name in self.layers
-        }
+            raise ValueError(f"the target has no gradient for layers {sorted(missing)[:3]}")
+        self.target = {name: target[name] for name in self.layers}
 
     # -- scoring ---------------------------------------------------------------------
 
@@ -195,22 +193,51 @@ class DataSelector(CaptureConsumer):
         self, records: list[MicroBatchRecord], target: dict[str, Tensor]
     ) -> tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]:
         """Per unit (a layer, or layers sharing a parameter): ``(N,)`` dots with the
-        (preconditioned) target, ``(N,)`` squared norms, and the target's squared norm."""
-        grads, scaled = {}, {}
-        for name in self.layers:
-            rows = [r.layers[name].grads.materialize() * r.loss_scale for r in records]
-            grads[name] = torch.cat(rows)
-            scaled[name] = target[name]
-            if self.score == "adam":
-                scaled[name] = target[name] * self._adam_scale(name, target[name])
+        (preconditioned) target, ``(N,)`` squared norms (cosine only, else empty), and
+        the target's squared norm.
+
+        Dots come from each layer's factors (``<dW_i, T>`` without a ``(N, D)`` tensor);
+        a tied parameter's target is its full gradient in each sharing layer, so a unit's
+        dot is the sum of its layers' dots."""
         dots, squares, target_sq = {}, {}, {}
         for unit in self.units:
             key = "+".join(unit)
-            g = self._in_parameters(unit, grads)
-            dots[key] = g @ self._in_parameters(unit, scaled).to(g.dtype)
-            squares[key] = g.pow(2).sum(dim=1)
-            target_sq[key] = self._in_parameters(unit, target).double().pow(2).sum()
+            layer_dots = []
+            for name in unit:
+                vector = target[name]
+                if self.score == "adam":
+                    vector = vector * self._adam_scale(name, vector)
+                layer_dots.append(
+                    torch.cat([r.layers[name].grads.dot(vector) * r.loss_scale for r in records])
+                )
+            dots[key] = torch.stack(layer_dots).sum(0)
+            if self.score == "cosine":
+                squares[key] = self._unit_sq_norms(unit, records)
+            target_sq[key] = self._unit_target(unit, target).double().pow(2).sum()
         return dots, squares, target_sq
+
+    def _unit_sq_norms(self, unit: list[str], records: list[MicroBatchRecord]) -> Tensor:
+        """``(N,)`` squared norms of the unit's per-example gradients (a tied unit's
+        layers add up inside each parameter, so those are materialized)."""
+        if len(unit) == 1:
+            return torch.cat([sq_norms(r.layers[unit[0]].grads) * r.loss_scale**2 for r in records])
+        grads = {
+            name: torch.cat([r.layers[name].grads.materialize() * r.loss_scale for r in records])
+            for name in unit
+        }
+        return self._in_parameters(unit, grads).pow(2).sum(dim=1)
+
+    def _unit_target(self, unit: list[str], target: dict[str, Tensor]) -> Tensor:
+        """The unit's target over its distinct parameters (a tied one counted once)."""
+        if len(unit) == 1:
+            return target[unit[0]]
+        distinct: dict[int, Tensor] = {}
+        for name in unit:
+            module, adapter = self.layers[name]
+            params = adapter.captured_parameters(module)
+            for local, value in adapter.unflatten(module, target[name]).items():
+                distinct.setdefault(id(params[local]), value.flatten())
+        return torch.cat(list(distinct.values()))
 
     def _keep_masks(
         self, dots: dict[str, Tensor], squares: dict[str, Tensor], target_sq: dict[str, Tensor]
