@@ -72,17 +72,20 @@ class MixtureSizes:
         prompt_words: words of the passage that go into the prompt.
         min_words: fewest words of a passage (prompt and completion together).
         max_words: most words of a passage; a passage is whole sentences.
+        code_chars: most characters of a wrong answer's code snippet (code takes more
+            tokens per character than prose: this keeps the examples about as long).
     """
 
-    target_train: int = 160
-    off_target: int = 96
-    wrong_answers: int = 64
-    shuffled: int = 64
+    target_train: int = 128
+    off_target: int = 64
+    wrong_answers: int = 96
+    shuffled: int = 96
     target_pool: int = 16
     eval: int = 32
     prompt_words: int = 8
     min_words: int = 14
-    max_words: int = 32
+    max_words: int = 28
+    code_chars: int = 100
 
 
 @dataclass(frozen=True)
@@ -166,10 +169,10 @@ def module_docstring_passages(min_words: int) -> tuple[Passage, ...]:
     return tuple(passages)
 
 
-def code_snippets(words: int) -> list[str]:
-    """One snippet per standard-library file: ``words`` words of code from its first
-    ``def``, comments and docstring lines left out."""
-    snippets = []
+def code_snippets(max_chars: int) -> list[str]:
+    """One snippet per standard-library file: the code from its first ``def`` (comment and
+    docstring lines left out), cut at a space to at most ``max_chars`` characters."""
+    snippets: list[str] = []
     for path in _stdlib_sources():
         try:
             lines = path.read_text(encoding="utf-8").splitlines()
@@ -178,13 +181,15 @@ def code_snippets(words: int) -> list[str]:
         start = next((i for i, line in enumerate(lines) if line.lstrip().startswith("def ")), None)
         if start is None:
             continue
-        code = [
+        code = " ".join(
             line.strip()
             for line in lines[start:]
             if line.strip() and not line.lstrip().startswith(("#", '"', "'"))
-        ]
-        snippet = " ".join(" ".join(code).split()[:words])
-        if len(snippet.split()) == words and snippet not in snippets:
+        )
+        if len(code) <= max_chars:
+            continue
+        snippet = " ".join(code[: max_chars + 1].split()[:-1])
+        if snippet not in snippets:
             snippets.append(snippet)
     return snippets
 
@@ -284,7 +289,7 @@ def build_mixture(seed: int = 0, sizes: MixtureSizes | None = None) -> DemoMixtu
     target = [
         reference_example(p, sizes) for p in _take(train_passages, sizes.target_train, "target")
     ]
-    code = code_snippets(sizes.max_words - sizes.prompt_words)
+    code = code_snippets(sizes.code_chars)
     rng.shuffle(code)
     wrong = [
         wrong_answer(p, snippet, sizes)
