@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE := 1
 export OMP_NUM_THREADS := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test lint typecheck pytest bench-capture demo demo-seeds clean
+.PHONY: install test lint typecheck pytest bench-capture bench demo demo-seeds clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,6 +48,32 @@ test: lint typecheck pytest
 
 bench-capture: $(STAMP)
 	$(PY) benchmarks/capture_overhead.py
+
+# `make bench`: the peer comparison (benchmarks/bench_peers.py) in its own venv. torch is
+# installed first, alone, then everything under constraints that pin it, so that no peer
+# resolves a CUDA build. kronfluence, bergson and logix-ai go in with --no-deps: the first
+# two ask for torchvision/torchaudio (CUDA builds that break `import transformers` beside
+# the CPU torch) and logix-ai declares Python < 3.11; their needed dependencies are named.
+PEERS_VENV := benchmarks/.venv-peers
+PEERS_PY := $(PEERS_VENV)/bin/python
+PEERS_STAMP := $(PEERS_VENV)/.installed
+PEERS_C := -c benchmarks/peers/constraints.txt
+
+$(PEERS_STAMP): pyproject.toml constraints.txt benchmarks/peers/constraints.txt
+	test -x $(PEERS_PY) || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_PY) -m pip install --quiet --upgrade pip
+	$(PEERS_PY) -m pip install --quiet torch==2.13.0 $(PEERS_C)
+	$(PEERS_PY) -m pip install --quiet $(PEERS_C) -e ".[hf]"
+	$(PEERS_PY) -m pip install --quiet $(PEERS_C) dattri dattri-llm opacus traker \
+		einops einconv opt-einsum jinja2 jaxtyping ml_dtypes natsort scipy petname pyarrow \
+		pyyaml simple-parsing
+	$(PEERS_PY) -m pip install --quiet $(PEERS_C) --no-deps --ignore-requires-python \
+		kronfluence bergson logix-ai
+	$(PEERS_PY) -m pip freeze > $(PEERS_VENV)/versions.txt
+	touch $(PEERS_STAMP)
+
+bench: $(PEERS_STAMP)
+	$(PEERS_PY) benchmarks/bench_peers.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache demo_out

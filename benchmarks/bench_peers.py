@@ -1,0 +1,470 @@
+"""Side by side with the peer libraries: time, peak RSS and agreement with the exact
+reference, per library, method and model, on one workload (issue 6).
+
+Workload (``benchmarks/peers/workload.py``): a GPT-2 and a Llama causal LM from configs
+(about 10M parameters, seed 0, fp32, dropout off, tied embeddings), ``--train`` training
+rows and 8 or 256 query rows of ``--seq`` random tokens, the attention and MLP linear
+layers (no embedding, no head), each example's own summed token loss.
+
+Rows, per model and query count:
+
+* **floor**: plain forward + backward, and forward only, over the same training and query
+  rows, measured inside every cell's process between its runs;
+* **graddot** (full-dimensional), **graddot_proj** (factor projection, k per side, or the
+  nearest the library has), **kfac**, **ekfac**, for each library in
+  ``benchmarks/peers/base.py:LIBRARIES``.
+
+Each cell (model, library, method, query count) runs in a fresh child process: an untimed
+warm-up on one micro-batch, then ``--rounds`` rounds of [floor forward + backward, forward
+only, the library's whole capture-and-score call] in rotated order; medians are reported.
+Peak RSS is the child's ``VmHWM`` over the library's calls (reset before them), model and
+data included. Agreement: the first 8 query columns against the fp64 ``torch.func``
+reference (``benchmarks/peers/reference.py``, computed once per model and cached in
+``--out``): Spearman per query (mean and minimum) and ``max |s - r| / max |r|``.
+
+Usage (the peers' venv, ``make bench``; our library alone runs in ``.venv``)::
+
+    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false \\
+        benchmarks/.venv-peers/bin/python benchmarks/bench_peers.py
+    .venv/bin/python benchmarks/bench_peers.py --quick --libraries ours   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from attribution import spearman
+from common import (
+    REPO,
+    Stopwatch,
+    base_parser,
+    command_line,
+    load_average,
+    load_text,
+    machine_info,
+    parameter_count,
+    phase_peak,
+    publish,
+    rotated,
+    run_child,
+    tidy,
+    utc_now,
+)
+from peers.base import LIBRARIES, Unsupported, adapter, library_version
+from peers.reference import reference_scores
+from peers.workload import METHODS, Shape, floor_backward, floor_forward, make_problem
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+SECTION = "## Peer comparison (benchmarks/bench_peers.py)"
+SCRIPT = "benchmarks/bench_peers.py"
+OUT = REPO / "benchmarks" / "out"
+CHART = REPO / "benchmarks" / "peer_ratios.png"
+#: Query columns compared with the reference (the first rows of every query set).
+REF_QUERIES = 8
+FLOOR, FORWARD, RUN = "floor", "forward", "run"
+
+
+# -- one cell (child process) ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One measured configuration."""
+
+    model: str
+    library: str
+    method: str
+    queries: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.model}/{self.library}/{self.method}/q{self.queries}"
+
+
+@dataclass
+class CellResult:
+    """What a cell's child reports. ``status``: ``ok``, ``unsupported`` or ``error``
+    (``reason`` says why, with the library's version)."""
+
+    cell: Cell
+    status: str
+    reason: str = ""
+    note: str = ""
+    samples: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+    peaks: dict[str, float] = field(default_factory=dict)
+    spearman: tuple[float, float] | None = None
+    max_rel_err: float | None = None
+
+    def median(self, phase: str, attr: str = "wall") -> float:
+        """Median wall (or CPU) seconds of a phase."""
+        return statistics.median(s[attr] for s in self.samples[phase])
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> CellResult:
+        rho = value.get("spearman")
+        fields = {**value, "cell": Cell(**value["cell"]), "spearman": tuple(rho) if rho else None}
+        return cls(**fields)
+
+
+def agreement(scores: Tensor, reference: Tensor) -> tuple[tuple[float, float], float]:
+    """Spearman (mean, min over query columns) and ``max |s - r| / max |r|`` of ``(Q, N)``
+    scores against the ``(N, R)`` reference, over the first ``min(Q, R)`` queries."""
+    columns = min(scores.shape[0], reference.shape[1])
+    mine, ref = scores[:columns].T.double(), reference[:, :columns]
+    rho = spearman(mine, ref)
+    err = (mine - ref).abs().max() / ref.abs().max()
+    return (float(rho.mean()), float(rho.min())), float(err)
+
+
+def run_cell(cell: Cell, shape: Shape, rounds: int, reference: Path) -> CellResult:
+    """Body of ``--child``: warm-up, ``rounds`` rotated rounds, agreement."""
+    try:
+        peer = adapter(cell.library)
+    except ImportError as missing:
+        reason = f"{library_version(cell.library)}: cannot import ({missing})"
+        return CellResult(cell, "error", reason=reason)
+    result = CellResult(cell, "ok", note=peer.notes.get(cell.method, ""))
+    with tempfile.TemporaryDirectory(prefix="tda-peers-") as work:
+        problem = make_problem(replace(shape, queries=cell.queries), Path(work))
+        try:
+            peer.check(cell.method)
+            problem = peer.prepare(problem, cell.method)
+            warm = problem.head(shape.batch, min(cell.queries, 2))
+            floor_backward(warm)
+            peer.scores(warm, cell.method)
+            scores = None
+            phases: dict[str, Callable[[], Any]] = {
+                FLOOR: lambda: floor_backward(problem),
+                FORWARD: lambda: floor_forward(problem),
+                RUN: lambda: peer.scores(problem, cell.method),
+            }
+            for round_ in range(rounds):
+                for phase in rotated(list(phases), round_):
+                    with phase_peak(result.peaks, phase), Stopwatch() as watch:
+                        out = phases[phase]()
+                    result.samples.setdefault(phase, []).append(watch.sample.to_json())
+                    if phase == RUN:
+                        scores = out
+        except Unsupported as why:
+            return replace(result, status="unsupported", reason=str(why))
+        except Exception as error:  # a peer's failure is a result, recorded in its cell
+            last = traceback.format_exception_only(error)[-1].strip()
+            reason = f"{peer.version_text()}: {last[:300]}"
+            traceback.print_exc(file=sys.stderr)
+            return replace(result, status="error", reason=reason)
+    expected = (cell.queries, shape.train)
+    if scores is None or tuple(scores.shape) != expected:
+        got = None if scores is None else tuple(scores.shape)
+        return replace(result, status="error", reason=f"scores of shape {got}, not {expected}")
+    ref = load_file(reference)["graddot" if cell.method.startswith("graddot") else cell.method]
+    result.spearman, result.max_rel_err = agreement(scores, ref)
+    return result
+
+
+def run_reference(shape: Shape, path: Path) -> None:
+    """Body of ``--reference``: the exact scores against the first 8 queries, saved."""
+    with tempfile.TemporaryDirectory(prefix="tda-peers-ref-") as work:
+        problem = make_problem(replace(shape, queries=REF_QUERIES), Path(work))
+        scores = reference_scores(problem, REF_QUERIES)
+    save_file({k: v.contiguous() for k, v in scores.items()}, path)
+
+
+# -- parent ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Resolved command-line settings."""
+
+    models: tuple[str, ...]
+    libraries: tuple[str, ...]
+    methods: tuple[str, ...]
+    query_counts: tuple[int, ...]
+    shape: Shape
+    rounds: int
+    out: Path
+    write: bool
+    results: Path
+    chart: Path | None
+
+    def shape_flags(self) -> list[str]:
+        """The workload sizes as command-line flags for a child."""
+        s = self.shape
+        flags = ["--train", str(s.train), "--seq", str(s.seq), "--batch", str(s.batch)]
+        return flags + ["--k", str(s.k)] + (["--tiny"] if s.tiny else [])
+
+    def reference_path(self, model: str) -> Path:
+        """Cache file of a model's reference scores (keyed by the sizes that change it)."""
+        s = self.shape
+        tag = f"{model}-{'tiny' if s.tiny else 'full'}-n{s.train}-t{s.seq}"
+        return self.out / f"peers-reference-{tag}.safetensors"
+
+
+def cells_of(settings: Settings, model: str) -> list[Cell]:
+    """Every cell of one model: per query count and method, ours first, then the peers."""
+    return [
+        Cell(model, library, method, queries)
+        for queries in settings.query_counts
+        for method in settings.methods
+        for library in settings.libraries
+    ]
+
+
+def collect(settings: Settings) -> tuple[list[CellResult], dict[str, int], list[float]]:
+    """Run the reference and every cell's child; results, model sizes, load averages."""
+    script = Path(__file__).resolve()
+    results, params, loads = [], {}, []
+    settings.out.mkdir(parents=True, exist_ok=True)
+    for model in settings.models:
+        params[model] = parameter_count(
+            make_problem(replace(settings.shape, model=model), settings.out).model
+        )
+        ref = settings.reference_path(model)
+        if not ref.exists():
+            print(f"  {model}: reference ...", flush=True)
+            run_child(
+                script, ["--reference", model, "--out", str(settings.out), *settings.shape_flags()]
+            )
+        for cell in cells_of(settings, model):
+            print(f"  {cell.key} ...", flush=True)
+            args = ["--child", json.dumps(asdict(cell)), "--rounds", str(settings.rounds)]
+            args += ["--out", str(settings.out), *settings.shape_flags()]
+            try:
+                found = CellResult.from_json(run_child(script, args))
+            except RuntimeError as died:  # killed (memory) or crashed outside the adapter
+                tail = str(died).strip().splitlines()[-1][:300]
+                found = CellResult(cell, "error", reason=f"child process died: {tail}")
+            print(f"    {status_text(found)}", flush=True)
+            results.append(found)
+            loads.append(load_average())
+    return results, params, loads
+
+
+def status_text(r: CellResult) -> str:
+    """One line on a cell for the console."""
+    if r.status != "ok":
+        return f"{r.status}: {r.reason}"
+    return (
+        f"{r.median(RUN):.2f} s ({r.median(RUN) / r.median(FLOOR):.2f}x floor), "
+        f"peak {r.peaks[RUN]:.0f} MB, Spearman {r.spearman[0]:.3f}"  # type: ignore[index]
+    )
+
+
+def versions(libraries: Sequence[str]) -> str:
+    """``name version`` of torch, transformers and every library's distribution."""
+    return ", ".join(library_version(n) for n in ["torch", "transformers", *libraries])
+
+
+# -- tables and chart -----------------------------------------------------------------
+
+
+def cell_text(r: CellResult, ours: CellResult | None) -> tuple[str, str, str, str, str]:
+    """(time, x floor, x ours, peak RSS, agreement) cells of one result."""
+    if r.status != "ok":
+        return (f"{r.status}: {r.reason}", "—", "—", "—", "—")
+    run, floor = r.median(RUN), r.median(FLOOR)
+    vs_ours = "—"
+    if ours is not None and ours.status == "ok" and r is not ours:
+        vs_ours = f"{(run / floor) / (ours.median(RUN) / ours.median(FLOOR)):.2f}x"
+    rho = r.spearman or (float("nan"), float("nan"))
+    return (
+        f"{run:.2f}",
+        f"{run / floor:.2f}x",
+        vs_ours,
+        f"{r.peaks[RUN]:.0f} ({r.peaks[RUN] / r.peaks[FLOOR]:.2f}x)",
+        f"{rho[0]:.3f} [{rho[1]:.3f}] / {r.max_rel_err:.2g}",
+    )
+
+
+def results_table(results: list[CellResult]) -> str:
+    """One markdown row per cell, with the floor of the cell's own process."""
+    lines = [
+        "| model | queries | method | library | note | time s (wall) | / floor "
+        "| / ours (floor-normalized) | peak RSS MB (/ floor's) "
+        "| Spearman mean [min] / max rel. err. | floor fwd+bwd s / fwd s |",
+        "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    ours = {
+        (r.cell.model, r.cell.method, r.cell.queries): r
+        for r in results
+        if r.cell.library == "ours"
+    }
+    for r in results:
+        c = r.cell
+        floors = "—"
+        if r.status == "ok":
+            floors = f"{r.median(FLOOR):.2f} / {r.median(FORWARD):.2f}"
+        texts = cell_text(r, ours.get((c.model, c.method, c.queries)))
+        lines.append(
+            f"| {c.model} | {c.queries} | {c.method} | {c.library} | {r.note} | "
+            + " | ".join(texts)
+            + f" | {floors} |"
+        )
+    return "\n".join(lines)
+
+
+def draw_chart(results: list[CellResult], path: Path) -> None:
+    """Bar chart of time / floor per library, one panel per (model, query count)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r.cell.model, r.cell.queries) for r in results})
+    libraries = list(dict.fromkeys(r.cell.library for r in results))
+    methods = list(dict.fromkeys(r.cell.method for r in results))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    width = 0.8 / len(libraries)
+    for ax, (model, queries) in zip(axes[0], panels, strict=True):
+        for i, lib in enumerate(libraries):
+            heights = []
+            for method in methods:
+                hit = [r for r in results if r.cell == Cell(model, lib, method, queries)]
+                ok = hit and hit[0].status == "ok"
+                heights.append(hit[0].median(RUN) / hit[0].median(FLOOR) if ok else 0.0)
+            xs = [m + i * width for m in range(len(methods))]
+            ax.bar(xs, heights, width, label=lib)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([m + 0.4 - width / 2 for m in range(len(methods))], methods)
+        ax.set_title(f"{model}, {queries} queries")
+        ax.set_ylabel("time / floor (forward + backward)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(
+    results: list[CellResult],
+    params: dict[str, int],
+    loads: list[float],
+    settings: Settings,
+    argv: Sequence[str],
+) -> str:
+    """The RESULTS.md section."""
+    s = settings.shape
+    models = ", ".join(f"{m} {p / 1e6:.2f}M parameters" for m, p in params.items())
+    chart = ""
+    if settings.chart is not None:
+        chart = f"![time / floor per library]({settings.chart.name})"
+    return tidy(f"""{SECTION}
+
+Command: `{command_line(SCRIPT, argv)}`
+
+Date: {utc_now()}. Machine: {machine_info()}; {load_text(loads)}. Versions: \
+{versions(settings.libraries)}.
+
+Workload: {models} (`benchmarks/peers/workload.py`), {s.train} training rows and \
+{" / ".join(map(str, settings.query_counts))} query rows of {s.seq} random tokens, \
+micro-batches of {s.batch}, attention and MLP linear layers only, fp32, each example's \
+own summed token loss; projection k = {s.k} per side. Each cell is a fresh process: \
+warm-up on one micro-batch, then {settings.rounds} rotated round(s) of [floor forward + \
+backward, forward only, the library's whole capture + score call]; medians. "/ floor" = \
+the call over the floor (forward + backward over the same rows) of the same process; \
+"/ ours" = that ratio over ours for the same model, method and query count (each \
+normalized by its own floor, so that load drift between processes cancels). Peak RSS = \
+`VmHWM` over the library's calls (reset before them), model and data included, and its \
+ratio to the floor pass's. Agreement = the first {REF_QUERIES} query columns against \
+the fp64 `torch.func` reference (`benchmarks/peers/reference.py`; damping 0.1 x mean \
+eigenvalue): Spearman per query, mean [min], and max |s - r| / max |r|; projected rows \
+are compared with the exact full-dimensional GradDot. A cell that could not run says why.
+
+{results_table(results)}
+
+{chart}
+""")
+
+
+# -- command line ----------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
+    """Parse the command line."""
+    p = base_parser(__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", choices=["gpt2", "llama"], help="default both")
+    p.add_argument("--libraries", nargs="+", choices=list(LIBRARIES), help="default all")
+    p.add_argument("--methods", nargs="+", choices=METHODS, help="default all four")
+    p.add_argument("--queries", nargs="+", type=int, help="query counts (default 8 256)")
+    p.add_argument("--train", type=int, help="training rows (default 256; quick 8)")
+    p.add_argument("--seq", type=int, help="tokens per row (default 128; quick 16)")
+    p.add_argument("--batch", type=int, default=8, help="micro-batch size")
+    p.add_argument("--k", type=int, default=16, help="factor projection per side")
+    p.add_argument("--rounds", type=int, help="timed rounds per cell (default 3; quick 1)")
+    p.add_argument("--tiny", action="store_true", help="tiny models (implied by --quick)")
+    p.add_argument("--out", type=Path, default=OUT, help="JSON and reference cache folder")
+    p.add_argument("--chart", type=Path, default=CHART, help="PNG of the ratios ('' = none)")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--reference", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    quick = a.quick
+    shape = Shape(
+        model="gpt2",
+        tiny=a.tiny or quick,
+        train=a.train or (8 if quick else 256),
+        seq=a.seq or (16 if quick else 128),
+        batch=a.batch,
+        k=a.k,
+    )
+    settings = Settings(
+        models=tuple(a.models or (["gpt2"] if quick else ["gpt2", "llama"])),
+        libraries=tuple(a.libraries or (["ours"] if quick else list(LIBRARIES))),
+        methods=tuple(a.methods or METHODS),
+        query_counts=tuple(a.queries or ([4] if quick else [8, 256])),
+        shape=shape,
+        rounds=a.rounds or (1 if quick else 3),
+        out=a.out,
+        write=a.write if a.write is not None else not quick,
+        results=a.results,
+        chart=a.chart if str(a.chart) else None,
+    )
+    return settings, a
+
+
+def main(argv: Sequence[str]) -> None:
+    """Run the comparison, write JSON, the RESULTS.md section and the chart."""
+    settings, args = parse_args(argv)
+    torch.set_num_threads(1)
+    if args.reference:
+        shape = replace(settings.shape, model=args.reference)
+        run_reference(shape, settings.reference_path(args.reference))
+        print(json.dumps({"ok": True}))
+        return
+    if args.child:
+        cell = Cell(**json.loads(args.child))
+        shape = replace(settings.shape, model=cell.model)
+        found = run_cell(cell, shape, settings.rounds, settings.reference_path(cell.model))
+        print(json.dumps(found.to_json()))
+        return
+    results, params, loads = collect(settings)
+    stamp = utc_now().replace(" ", "_").replace(":", "")
+    dump = settings.out / f"peers-{stamp}.json"
+    dump.write_text(
+        json.dumps(
+            {"argv": list(argv), "params": params, "results": [r.to_json() for r in results]},
+            indent=1,
+        )
+    )
+    print(f"wrote {dump}")
+    if settings.chart is not None and settings.write:
+        draw_chart(results, settings.chart)
+    publish(
+        report(results, params, loads, settings, argv), SECTION, settings.results, settings.write
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,189 @@
+"""The workload every library runs: models from configs, token rows, captured layers, the
+floor passes, and the score conventions.
+
+Models are transformers causal LMs built from configs (random init, seed 0, fp32, dropout
+off, tied input/output embeddings), so the captured layers are exactly the attention and
+MLP linear layers: no embedding, no head. Each example's loss is its own *summed*
+next-token cross-entropy; a score is ``<g_query, P g_train>`` with higher = more helpful.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import causal_lm, token_rows
+from torch import Tensor, nn
+
+from tda_plugins import LayerSelection, causal_lm_example_losses
+
+#: The four measured configurations; ``"graddot_proj"`` is factor projection k per side.
+METHODS = ("graddot", "graddot_proj", "kfac", "ekfac")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A transformers causal LM from its config, at full size and as a tiny smoke model."""
+
+    config_cls: str
+    model_cls: str
+    full: dict[str, Any]
+    tiny: dict[str, Any]
+
+
+MODELS: dict[str, ModelSpec] = {
+    "gpt2": ModelSpec(
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        full=dict(vocab_size=2048, n_embd=384, n_layer=5, n_head=6),
+        tiny=dict(vocab_size=64, n_embd=16, n_layer=1, n_head=2),
+    ),
+    "llama": ModelSpec(
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        full=dict(
+            vocab_size=2048,
+            hidden_size=384,
+            intermediate_size=1024,
+            num_hidden_layers=5,
+            num_attention_heads=6,
+            num_key_value_heads=6,
+        ),
+        tiny=dict(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        ),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Sizes of one run: model size, sequences, tokens, micro-batch, projection k."""
+
+    model: str
+    tiny: bool = False
+    train: int = 256
+    queries: int = 8
+    seq: int = 128
+    batch: int = 8
+    k: int = 16
+
+    def config(self) -> dict[str, Any]:
+        """The model's config keyword arguments."""
+        spec = MODELS[self.model]
+        return dict(spec.tiny if self.tiny else spec.full)
+
+
+def build_model(shape: Shape) -> nn.Module:
+    """The shape's model: fp32, seed 0, dropout off, tied embeddings, eval mode."""
+    spec = MODELS[shape.model]
+    kwargs = shape.config()
+    if shape.model == "gpt2":
+        kwargs |= dict(n_positions=shape.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        kwargs |= dict(bos_token_id=0, eos_token_id=0)
+    else:
+        kwargs |= dict(max_position_embeddings=shape.seq, tie_word_embeddings=True)
+    model = causal_lm(spec.config_cls, spec.model_cls, attn_implementation="sdpa", **kwargs)
+    return model.eval()
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What an adapter gets: the model, the token rows and the layers to attribute.
+
+    Attributes:
+        model: fp32 causal LM in eval mode (the adapter may wrap or hook it).
+        train: ``(N, T)`` int64 training token rows (no padding).
+        queries: ``(M, T)`` int64 query token rows.
+        layers: module names of the captured linear layers, in model order.
+        batch: micro-batch size for every pass.
+        k: factor projection size per side.
+        work: scratch folder (stores, caches), emptied between runs.
+    """
+
+    model: nn.Module
+    train: Tensor
+    queries: Tensor
+    layers: tuple[str, ...]
+    batch: int
+    k: int
+    work: Path
+
+    def head(self, train: int, queries: int) -> Problem:
+        """The same problem on the first rows only (warm-up)."""
+        return Problem(
+            self.model,
+            self.train[:train],
+            self.queries[:queries],
+            self.layers,
+            self.batch,
+            self.k,
+            self.work,
+        )
+
+
+def make_problem(shape: Shape, work: Path) -> Problem:
+    """Model, rows (train seed 1, queries seed 2: the first 8 queries of any count are the
+    same rows) and the linear layers our engine captures (no embedding, no tied head)."""
+    model = build_model(shape)
+    vocab = int(shape.config()["vocab_size"])
+    train = token_rows(shape.train, shape.seq, vocab, seed=1)
+    queries = token_rows(shape.queries, shape.seq, vocab, seed=2)
+    layers = tuple(LayerSelection(kind="linear").resolve(model))
+    return Problem(model, train, queries, layers, shape.batch, shape.k, work)
+
+
+def row_batches(rows: Tensor, batch: int) -> Iterator[Tensor]:
+    """Consecutive ``(b, T)`` slices of ``rows``."""
+    for start in range(0, rows.shape[0], batch):
+        yield rows[start : start + batch]
+
+
+def example_losses(model: nn.Module, ids: Tensor) -> Tensor:
+    """``(B,)`` each row's own summed next-token loss (all-ones mask, labels = inputs)."""
+    return causal_lm_example_losses(model(input_ids=ids).logits, ids)
+
+
+def floor_backward(problem: Problem) -> None:
+    """Plain forward + backward over every training and query row, no attribution."""
+    for ids in [
+        *row_batches(problem.train, problem.batch),
+        *row_batches(problem.queries, problem.batch),
+    ]:
+        example_losses(problem.model, ids).sum().backward()
+        problem.model.zero_grad(set_to_none=True)
+
+
+@torch.no_grad()
+def floor_forward(problem: Problem) -> None:
+    """Forward only over every training and query row."""
+    for ids in [
+        *row_batches(problem.train, problem.batch),
+        *row_batches(problem.queries, problem.batch),
+    ]:
+        example_losses(problem.model, ids)
+
+
+def linear_twin(model: nn.Module) -> nn.Module:
+    """``model`` with every transformers ``Conv1D`` replaced in place by the equivalent
+    ``nn.Linear`` (weight transposed): same function, same gradients up to the transpose,
+    for libraries that hook ``nn.Linear`` only."""
+    from transformers.pytorch_utils import Conv1D
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, Conv1D):
+            linear = nn.Linear(module.weight.shape[0], module.weight.shape[1])
+            with torch.no_grad():
+                linear.weight.copy_(module.weight.T)
+                linear.bias.copy_(module.bias)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, linear)
+    return model

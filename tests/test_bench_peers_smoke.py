@@ -1,0 +1,54 @@
+"""Smoke test of benchmarks/bench_peers.py: one tiny configuration, our library only, in
+process (no peers needed). Checks the rows and columns of the table and that our scores
+agree with the exact ``torch.func`` reference."""
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import bench_peers
+
+METHODS = ("graddot", "kfac")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[bench_peers.CellResult]:
+    out = tmp_path_factory.mktemp("peers")
+    settings, _ = bench_peers.parse_args(["--quick", "--out", str(out), "--chart", ""])
+    shape = replace(settings.shape, model="gpt2")
+    reference = settings.reference_path("gpt2")
+    bench_peers.run_reference(shape, reference)
+    cells = [bench_peers.Cell("gpt2", "ours", m, 4) for m in METHODS]
+    return [bench_peers.run_cell(c, shape, 1, reference) for c in cells]
+
+
+def test_ours_agrees_with_the_reference(results: list[bench_peers.CellResult]) -> None:
+    assert [r.cell.method for r in results] == list(METHODS)
+    for r in results:
+        assert r.status == "ok", r.reason
+        assert r.spearman is not None and r.spearman[1] > 0.999
+        assert r.max_rel_err is not None and r.max_rel_err < 1e-4
+        for phase in (bench_peers.FLOOR, bench_peers.FORWARD, bench_peers.RUN):
+            assert len(r.samples[phase]) == 1
+            assert r.peaks[phase] > 0
+
+
+def test_table_has_a_row_per_cell(results: list[bench_peers.CellResult]) -> None:
+    table = bench_peers.results_table(results).splitlines()
+    header = [c.strip() for c in table[0].strip("|").split("|")]
+    assert header[:4] == ["model", "queries", "method", "library"]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table[2:]]
+    assert [row[2] for row in rows] == list(METHODS)
+    assert all(len(row) == len(header) for row in rows)
+
+
+def test_unsupported_configuration_is_recorded(tmp_path: Path) -> None:
+    settings, _ = bench_peers.parse_args(["--quick", "--out", str(tmp_path)])
+    shape = replace(settings.shape, model="gpt2")
+    cell = bench_peers.Cell("gpt2", "kronfluence", "graddot_proj", 4)
+    found = bench_peers.run_cell(cell, shape, 1, settings.reference_path("gpt2"))
+    assert found.status in ("unsupported", "error") and found.reason
