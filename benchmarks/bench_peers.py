@@ -134,6 +134,8 @@ def run_cell(cell: Cell, shape: Shape, rounds: int, reference: Path) -> CellResu
     """Body of ``--child``: warm-up, ``rounds`` rotated rounds, agreement."""
     try:
         peer = adapter(cell.library)
+    except Unsupported as why:
+        return CellResult(cell, "unsupported", reason=str(why))
     except ImportError as missing:
         reason = f"{library_version(cell.library)}: cannot import ({missing})"
         return CellResult(cell, "error", reason=reason)
@@ -244,7 +246,10 @@ def collect(settings: Settings) -> tuple[list[CellResult], dict[str, int], list[
             args = ["--child", json.dumps(asdict(cell)), "--rounds", str(settings.rounds)]
             args += ["--out", str(settings.out), *settings.shape_flags()]
             try:
-                found = CellResult.from_json(run_child(script, args))
+                if LIBRARIES[cell.library].module is None:  # nothing to run: no process
+                    found = run_cell(cell, settings.shape, 0, ref)
+                else:
+                    found = CellResult.from_json(run_child(script, args))
             except RuntimeError as died:  # killed (memory) or crashed outside the adapter
                 tail = str(died).strip().splitlines()[-1][:300]
                 found = CellResult(cell, "error", reason=f"child process died: {tail}")

@@ -27,22 +27,45 @@ from peers.workload import Problem
 
 @dataclass(frozen=True)
 class Library:
-    """Where a library's adapter lives (a module of ``benchmarks/peers``) and the PyPI
+    """Where a library's adapter lives (a module of ``benchmarks/peers``, or ``None`` while
+    none is written: then ``pending`` says what adapting it involves) and the PyPI
     distribution its version comes from."""
 
-    module: str
+    module: str | None
     distribution: str
+    pending: str = ""
 
 
+_PENDING = "no adapter in benchmarks/peers yet (issue 6 follow-up): "
 LIBRARIES = {
     "ours": Library("ours", "tda-plugins"),
     "dattri-llm": Library("dattri_llm_adapter", "dattri-llm"),
     "kronfluence": Library("kronfluence_adapter", "kronfluence"),
-    "bergson": Library("bergson_adapter", "bergson"),
-    "logix": Library("logix_adapter", "logix-ai"),
     "opacus": Library("opacus_adapter", "opacus"),
-    "traker": Library("traker_adapter", "traker"),
-    "dattri": Library("dattri_adapter", "dattri"),
+    "bergson": Library(
+        None,
+        "bergson",
+        _PENDING + "its Python collector (GradientCollector over a datasets.Dataset) and its "
+        "EK-FAC pipeline (the `bergson ekfac` CLI) are not wired to this workload",
+    ),
+    "logix": Library(
+        None,
+        "logix-ai",
+        _PENDING + "its global `logix.init` run, `run.watch` and LoGra/K-FAC/EK-FAC "
+        "logging are not wired to this workload",
+    ),
+    "traker": Library(
+        None,
+        "traker",
+        _PENDING + "TRAK projects whole per-example gradients with a dense JL map and its "
+        "own (X^T X)^-1; not wired to this workload",
+    ),
+    "dattri": Library(
+        None,
+        "dattri",
+        _PENDING + "its torch.func AttributionTask over all parameters is not wired to this "
+        "workload",
+    ),
 }
 _ADAPTERS: dict[str, type[PeerAdapter]] = {}
 A = TypeVar("A", bound="type[PeerAdapter]")
@@ -103,8 +126,12 @@ def register_peer(cls: A) -> A:
 
 
 def adapter(name: str) -> PeerAdapter:
-    """A fresh adapter of library ``name`` (imports its module on first use)."""
+    """A fresh adapter of library ``name`` (imports its module on first use); raises
+    :class:`Unsupported` for a library without an adapter."""
     if name not in LIBRARIES:
         raise KeyError(f"unknown library {name!r}; known: {', '.join(LIBRARIES)}")
-    importlib.import_module(f"peers.{LIBRARIES[name].module}")
+    library = LIBRARIES[name]
+    if library.module is None:
+        raise Unsupported(f"{library_version(name)}: {library.pending}")
+    importlib.import_module(f"peers.{library.module}")
     return _ADAPTERS[name]()
