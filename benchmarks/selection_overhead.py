@@ -9,6 +9,8 @@ configuration:
 * ``plain``: the ``Trainer`` alone;
 * ``select``: with ``DataSelectionCallback`` (target pool of 16 sequences, its gradient
   refreshed every step, rule ``bottom_fraction`` 0.25, score ``"dot"``);
+* ``select, 1 of pool``: the same, each step's target one example of the pool in turn
+  (``target_examples=1``: the dattri-llm paper's protocol, whose 1.64x is measured so);
 * ``select, fixed target``: the same with the target captured at a run's first step only
   (``refresh_every`` beyond the run), so that the timed steps show selection without the
   target's forward and backward; a refresh every ``n`` steps costs about
@@ -22,11 +24,11 @@ and the median of at least 10 timed steps per configuration is compared: ratio =
 median(select) / median(plain), wall and CPU (``time.process_time``).
 
 Where the time goes: the selection callback used here is a subclass that times its own
-two entry points in the same timed runs -- the target capture (``on_step_begin``) and the
+two entry points in the same timed runs -- the target gradient (``on_step_begin``) and the
 selection at the optimizer step (``on_pre_optimizer_step``: scoring, dropping, ``.grad``
 surgery, clipping) -- and the rest of the extra time is the capture hooks on the
 training forward/backward. A short cProfile run splits the selection step into scoring
-(materializing per-example gradients, dots with the target, the rule) and surgery.
+(dots of the per-example factors with the target, the rule) and surgery.
 
 Usage::
 
@@ -87,16 +89,19 @@ SCRIPT = "benchmarks/selection_overhead.py"
 TARGET = 1.3
 PLAIN = "plain"
 SELECT = "select"
+ONE = "select, 1 of pool"
 FIXED = "select, fixed target"
-#: ``refresh_every`` that never comes due inside one run.
-NEVER = 10**9
+#: Configurations: name -> (refresh_every, target_examples); plain has no selection.
+CONFIGS: dict[str, tuple[int | None, int | None]] = {
+    PLAIN: (None, None),
+    SELECT: (1, None),
+    ONE: (1, 1),
+    FIXED: (10**9, None),
+}
 SELECTOR = "tda_plugins/selection/selector.py"
-#: Code whose cumulative time splits the selection's cost (the scoring functions are the
-#: selector's own: ``_layer_scores`` in earlier versions, ``_unit_scores`` now).
+#: Code whose cumulative time splits the selection's cost.
 PROFILED = {
-    "pool forward/backward": (("tda_plugins/api.py", "capture_batch"),),
-    "target sum": ((SELECTOR, "set_target"),),
-    "scoring": ((SELECTOR, "_unit_scores"), (SELECTOR, "_layer_scores"), (SELECTOR, "_keep_masks")),
+    "scoring": ((SELECTOR, "_unit_scores"), (SELECTOR, "_keep_masks")),
     "selection step": ((SELECTOR, "on_optimizer_step"),),
 }
 
@@ -243,6 +248,7 @@ class Config:
     model: nn.Module
     timer: StepTimer
     refresh_every: int | None
+    target_examples: int | None
     phases: PhaseTimes = field(default_factory=PhaseTimes)
 
 
@@ -257,8 +263,8 @@ class ModeBench:
         self.rows = token_rows(count, settings.seq, vocab(settings), seed=4)
         self.pool = target_pool(settings)
         self.configs = {
-            name: Config(name, copy_for(mode, base), StepTimer(), refresh)
-            for name, refresh in ((PLAIN, None), (SELECT, 1), (FIXED, NEVER))
+            name: Config(name, copy_for(mode, base), StepTimer(), refresh, examples)
+            for name, (refresh, examples) in CONFIGS.items()
         }
         self.loads: list[float] = []
 
@@ -271,6 +277,7 @@ class ModeBench:
             fraction=0.25,
             score="dot",
             refresh_every=refresh_every,
+            target_examples=config.target_examples,
             **self.mode.layers,
         )
 
@@ -356,7 +363,7 @@ def run_mode(
     warm = settings.warmup_steps
     samples = {name: c.timer.timed(warm) for name, c in bench.configs.items()}
     target_s, select_s = {}, {}
-    for name in (SELECT, FIXED):
+    for name in (SELECT, ONE, FIXED):
         target, select = bench.configs[name].phases.timed(warm)
         target_s[name] = median_of(target, "cpu")
         select_s[name] = median_of(select, "cpu")
@@ -382,13 +389,12 @@ def time_table(results: list[ModeResult]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|:-:|",
     ]
     for r in results:
-        for name in (PLAIN, SELECT, FIXED):
+        for name in CONFIGS:
             c = r.comparison(name)
-            target = f"{TARGET:.2f}x" if name == SELECT else "—"
+            timed = name in (SELECT, ONE)
+            target = f"{TARGET:.2f}x" if timed else "—"
             met = (
-                f"{verdict(c.wall_ratio, TARGET)} / {verdict(c.cpu_ratio, TARGET)}"
-                if name == SELECT
-                else ""
+                f"{verdict(c.wall_ratio, TARGET)} / {verdict(c.cpu_ratio, TARGET)}" if timed else ""
             )
             lines.append(
                 f"| {r.mode.label} | {name} | {c.wall.text()} | **{c.wall_ratio:.2f}x** "
@@ -401,25 +407,23 @@ def time_table(results: list[ModeResult]) -> str:
 def split_table(results: list[ModeResult]) -> str:
     """Where the extra CPU time of a selection step goes, in ms and % of the plain step."""
     lines = [
-        "| mode | configuration | plain step, ms | extra per step, ms | target capture "
-        "(pool forward/backward / target sum) | selection at the step (scoring / surgery) "
+        "| mode | configuration | plain step, ms | extra per step, ms | target gradient "
+        "| selection at the step (scoring / surgery) "
         "| capture hooks in training + rest "
         "| refresh every 8 steps, estimated ratio (wall / CPU) |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         plain = median_of(r.samples[PLAIN], "cpu")
-        for name in (SELECT, FIXED):
+        for name in (SELECT, ONE, FIXED):
             extra = median_of(r.samples[name], "cpu") - plain
             target, select = r.target_s[name], r.select_s[name]
-            target_parts = select_parts = ""
+            select_parts = ""
             if r.profile and name == SELECT:
-                p = r.profile
-                target_parts = f" ({ms(p['pool forward/backward'])} / {ms(p['target sum'])})"
-                select_parts = f" ({ms(p['scoring'])} / {ms(p['surgery'])})"
+                select_parts = f" ({ms(r.profile['scoring'])} / {ms(r.profile['surgery'])})"
             lines.append(
                 f"| {r.mode.label} | {name} | {1e3 * plain:.0f} | {1e3 * extra:+.0f} "
-                f"| {share(target, plain)}{target_parts} | {share(select, plain)}{select_parts} "
+                f"| {share(target, plain)} | {share(select, plain)}{select_parts} "
                 f"| {share(extra - target - select, plain)} "
                 f"| {refresh_estimate(r, 8) if name == SELECT else ''} |"
             )
@@ -478,8 +482,15 @@ HF `Trainer` (CPU, fp32, AdamW, `max_grad_norm=1.0`), batch {settings.batch} x s
 {settings.seq}, no padding. {models_text(results, settings)} `select` = \
 `DataSelectionCallback(target, rule="bottom_fraction", fraction=0.25, score="dot", \
 refresh_every=1)` with a target pool of {settings.pool} sequences of {settings.seq} \
-tokens; `select, fixed target` = the same with the target captured at each run's first \
-step only. Runs of {settings.steps_per_run} steps alternate (order rotated, \
+tokens (its gradient: one plain forward/backward of the summed losses); \
+`select, 1 of pool` = the same with `target_examples=1`, each step's target the next \
+example of the pool (the dattri-llm paper's protocol: one example of a 16-example \
+validation pool per step, batch 8, whose 1.64x the target is set against); \
+`select, fixed target` = the target computed at each run's first step only. With the \
+whole pool every step the target's forward/backward alone is \
+{settings.pool} / {settings.batch} of a training step's, so that configuration's floor \
+is about 1 + {settings.pool} / {settings.batch}. \
+Runs of {settings.steps_per_run} steps alternate (order rotated, \
 {settings.runs} run(s) per configuration, identical model copies), the first \
 {settings.warmup_steps} step(s) of each run discarded: median of {timed_steps(results)} \
 steps per configuration, each timed `on_step_begin` -> `on_step_end` by a callback placed \
@@ -491,13 +502,11 @@ the same slot. Target: <= {TARGET}x with selection (the dattri-llm paper reports
 {warnings}
 
 Where the extra time of a step goes (CPU time, steadier than wall time here; medians of \
-the timed steps): the target's \
-capture and the selection at the optimizer step are timed by the callback itself in \
-the runs above; their splits, in CPU ms per step under cProfile ({settings.profile_steps} \
-steps), are: target capture = the pool's forward and backward through a temporary engine \
-(`capture_batch`) / the sum of its per-example gradients (`set_target`); selection = \
-scoring (per-example gradients materialized, dots with the target, the rule) / surgery \
-(dropped examples' contributions summed and removed from `.grad`, logging). The rest \
+the timed steps): the target's gradient and the selection at the optimizer step are \
+timed by the callback itself in the runs above; the selection's split, in CPU ms per \
+step under cProfile ({settings.profile_steps} steps), is scoring (dots of the \
+per-example factors with the target, the rule) / surgery (dropped examples' \
+contributions summed and removed from `.grad`, logging). The rest \
 is the capture hooks on the training forward/backward (and the records they keep). \
 The last column estimates a target refreshed every 8 steps: fixed + (select - fixed) / 8.
 

@@ -75,7 +75,7 @@ class Reference:
             logits = functional_call(self.model, params, (), inputs, strict=False).logits
             return causal_lm_example_losses(logits, ids[None]).sum()
 
-        flat = vmap(grad(loss), in_dims=(None, 0))(self.params, rows)
+        flat = vmap(grad(loss), in_dims=(None, 0), chunk_size=2)(self.params, rows)
         out = {}
         for name, module in self.modules.items():
             mine = {k.rsplit(".", 1)[1]: v for k, v in flat.items() if k.rsplit(".", 1)[0] == name}

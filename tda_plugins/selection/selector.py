@@ -14,7 +14,9 @@ over layers, ``per_layer`` lets each layer keep its own best examples. A
 :class:`~tda_plugins.selection.rules.DropRule` picks the dropped examples, and their
 exact contributions are removed from every captured parameter's ``.grad``:
 
-    G_new = (G - sum_{dropped} c_i) * N_all / N_kept
+    G_new = (G - sum_{dropped} c_i) * N_all / N_kept    (= sum_{kept} c_i * N_all / N_kept)
+
+(whichever of the two sums has fewer examples is computed, in the gradient's dtype)
 
 ``c_i`` is example ``i``'s contribution to ``.grad`` (the captured gradient) and ``N`` the
 loss's token counts (all examples of the window / kept ones). For a trainer that
@@ -259,19 +261,31 @@ class DataSelector(CaptureConsumer):
 
     # -- surgery -----------------------------------------------------------------------
 
-    def _dropped_sum(self, records: list[MicroBatchRecord], name: str, dropped: Tensor) -> Tensor:
-        """``(D,)`` sum of the dropped examples' contributions to layer ``name``'s ``.grad``;
-        only the dropped rows enter the product, so its cost scales with their share."""
-        dim = records[0].layers[name].grads.dim
-        total = torch.zeros(dim, dtype=torch.float64, device=dropped.device)
+    def _rows_sum(self, records: list[MicroBatchRecord], name: str, rows: Tensor) -> Tensor:
+        """``(D,)`` sum of the contributions of the ``(N,)`` bool ``rows`` to layer
+        ``name``'s ``.grad``, in the accumulation dtype; only those rows enter the product,
+        so its cost scales with their share."""
+        total: Tensor | None = None
         start = 0
         for r in records:
-            rows = dropped[start : start + r.batch_size].nonzero().flatten()
+            picked = rows[start : start + r.batch_size].nonzero().flatten()
             start += r.batch_size
-            if rows.numel():
-                grads = r.layers[name].grads.select(rows)
-                total += grads.weighted_sum(torch.ones(rows.numel(), device=rows.device))
+            if picked.numel():
+                grads = r.layers[name].grads.select(picked)
+                part = grads.weighted_sum(torch.ones(picked.numel(), device=picked.device))
+                total = part if total is None else total + part
+        if total is None:
+            grads = records[0].layers[name].grads
+            return torch.zeros(grads.dim, device=rows.device)
         return total
+
+    def _plan(self, keep: Tensor, counts: Tensor, total: Tensor) -> tuple[bool, Tensor]:
+        """For one keep mask: whether to rebuild ``.grad`` from the kept rows (fewer than
+        the dropped ones, over all ranks) rather than subtract the dropped ones, and the
+        ``N_all / N_kept`` token factor."""
+        kept_tokens = _all_reduce((counts * keep.double()).sum().clone())
+        kept_rows = _all_reduce(torch.stack([keep.sum(), (~keep).sum()]))
+        return bool(kept_rows[0] < kept_rows[1]), total / kept_tokens
 
     def on_optimizer_step(self, step: int, records: list[MicroBatchRecord]) -> None:
         if self.target is None or not records:
@@ -280,24 +294,28 @@ class DataSelector(CaptureConsumer):
         masks, scores = self._keep_masks(dots, squares, target_sq)
         counts = torch.cat([self.token_counts(r) for r in records]).double()
         total = _all_reduce(counts.sum().clone())
-        corrections: dict[int, tuple[nn.Parameter, Tensor, Tensor]] = {}
+        world = _world_size()
+        plans: dict[int, tuple[bool, Tensor]] = {}  # id(mask) -> plan (global: one mask)
+        corrections: dict[int, tuple[nn.Parameter, Tensor, tuple[bool, Tensor]]] = {}
         for name, keep in masks.items():
+            plan = plans.setdefault(id(keep), self._plan(keep, counts, total))
+            rebuild = plan[0]
+            part = self._rows_sum(records, name, keep if rebuild else ~keep)
+            if world > 1:
+                part = _all_reduce(part) / world
             module, adapter = self.layers[name]
-            removed = self._dropped_sum(records, name, ~keep)
-            kept_tokens = _all_reduce((counts * keep.double()).sum().clone())
-            factor = total / kept_tokens
-            world = _world_size()
-            removed = _all_reduce(torch.as_tensor(removed).clone()) / world
-            for local, value in adapter.unflatten(module, removed).items():
-                param = adapter.captured_parameters(module)[local]
-                previous = corrections.get(id(param))
-                total_value = value if previous is None else previous[1] + value
-                corrections[id(param)] = (param, total_value, factor)
-        for param, removed_value, factor in corrections.values():
+            params = adapter.captured_parameters(module)
+            for local, value in adapter.unflatten(module, part).items():
+                previous = corrections.get(id(params[local]))
+                summed = value if previous is None else previous[1] + value
+                corrections[id(params[local])] = (params[local], summed, plan)
+        for param, value, (rebuild, factor) in corrections.values():
             if param.grad is None:
                 continue
-            new = (param.grad.double() - removed_value.double()) * factor
-            param.grad.copy_(new.to(param.grad.dtype))
+            if rebuild:  # G_new = sum_kept c_i * N_all / N_kept
+                param.grad.copy_(value.to(param.grad.dtype)).mul_(factor.to(param.grad.dtype))
+            else:  # G_new = (G - sum_dropped c_i) * N_all / N_kept
+                param.grad.sub_(value.to(param.grad.dtype)).mul_(factor.to(param.grad.dtype))
         dropped = torch.stack([~m for m in masks.values()]).any(0)
         ids = torch.cat([r.example_ids for r in records])
         outcome = StepSelection(step, ids.cpu(), scores.detach().float().cpu(), dropped.cpu())
