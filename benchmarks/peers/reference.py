@@ -1,6 +1,6 @@
-"""The exact reference every row is compared with: ``torch.func`` per-example gradients in
-fp64 (``vmap`` over ``grad`` of ``functional_call``, an all-ones attention mask), independent of
-the capture engine.
+"""The exact reference every row is compared with: per-example gradients in fp64 by one
+backward per example (the oracle of DESIGN.md section 5), independent of the capture
+engine.
 
 Per captured layer the gradient is the ``(N_o, N_i + 1)`` matrix ``[dW, db]`` (the bias
 column only where the layer has one; GPT-2 ``Conv1D`` weights transposed), each
@@ -13,7 +13,7 @@ example's own summed token loss. Scores, ``(N, M)``:
 * EK-FAC: eigenbases of ``A`` and ``S``, ``Lambda = E_n[(U_S^T G_n U_A)^2]`` over the
   training examples, ``l = damping * mean(Lambda)``.
 
-Cost: two ``vmap`` passes over the training rows and one over the queries, in fp64.
+Cost: two passes over the training rows and one over the queries, in fp64.
 """
 
 from __future__ import annotations
@@ -24,10 +24,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad, vmap
 
 from peers.workload import Problem, example_losses, row_batches
-from tda_plugins import causal_lm_example_losses
 
 DAMPING = 0.1
 Layers = dict[str, Tensor]
@@ -57,7 +55,6 @@ class Reference:
     def __init__(self, problem: Problem):
         self.problem = problem
         self.model = copy.deepcopy(problem.model).double()
-        self.model.set_attn_implementation("eager")  # sdpa's mask probing cannot vmap
         self.modules = {n: self.model.get_submodule(n) for n in problem.layers}
         self.params = {
             f"{n}.{p}": t.detach()
@@ -66,16 +63,15 @@ class Reference:
         }
 
     def gradients(self, rows: Tensor) -> Layers:
-        """Layer -> ``(B, N_o, N_i')`` exact per-example gradients of ``rows``."""
-
-        def loss(params: dict[str, Tensor], ids: Tensor) -> Tensor:
-            # An all-ones mask masks nothing; it keeps transformers from probing the ids
-            # for padding on the host, which vmap cannot do.
-            inputs = {"input_ids": ids[None], "attention_mask": torch.ones_like(ids[None])}
-            logits = functional_call(self.model, params, (), inputs, strict=False).logits
-            return causal_lm_example_losses(logits, ids[None]).sum()
-
-        flat = vmap(grad(loss), in_dims=(None, 0), chunk_size=2)(self.params, rows)
+        """Layer -> ``(B, N_o, N_i')`` exact per-example gradients of ``rows``: one
+        backward per example (``vmap`` over this fp64 model needs several GB)."""
+        names = list(self.params)
+        tensors = [self.model.get_parameter(n) for n in names]
+        per_row = []
+        for ids in rows:
+            loss = example_losses(self.model, ids[None]).sum()
+            per_row.append(torch.autograd.grad(loss, tensors))
+        flat = {n: torch.stack([g[i] for g in per_row]) for i, n in enumerate(names)}
         out = {}
         for name, module in self.modules.items():
             mine = {k.rsplit(".", 1)[1]: v for k, v in flat.items() if k.rsplit(".", 1)[0] == name}
