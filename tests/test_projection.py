@@ -9,7 +9,14 @@ import torch
 
 from tda_plugins import LayerSelection, ProjectionConfig
 from tda_plugins.capture import CaptureEngine, RecordCollector
-from tda_plugins.grads import EmbeddingFactors, Projector, RandomMap, TokenFactors, cross_gram
+from tda_plugins.grads import (
+    DenseGrad,
+    EmbeddingFactors,
+    Projector,
+    RandomMap,
+    TokenFactors,
+    cross_gram,
+)
 from tests.models import lm_batch, tiny_causal_lm
 
 MAPS = ["gaussian", "rademacher", "sparse_jl"]
@@ -127,3 +134,38 @@ def test_factor_sides_no_wider_than_k_stay_exact() -> None:
     p_g = projector.map_for("lora_B", "g", grads.out_dim, 3).matrix(grads.g)
     dw = grads.materialize().view(3, 8, grads.in_dim)
     torch.testing.assert_close(projected.materialize().view(3, 3, grads.in_dim), p_g @ dw)
+
+
+@pytest.mark.parametrize("case", ["linear", "linear-bias", "exact-a-side", "embedding", "dense"])
+def test_projected_vector_scores_as_the_projected_gradients(case: str) -> None:
+    """A target ``V`` under :meth:`Projector.project_vector` is ``P_g V P_a^T`` (embedding:
+    ``P_g V^T P_a^T``; dense layers and sides no wider than k: unchanged), so its dot with
+    each projected gradient is the projected inner product ``<P_g dW_i P_a^T, P_g V P_a^T>``."""
+    projector = Projector(ProjectionConfig(k_a=4, k_g=3))
+    v_out, v_in = 8, 10
+    if case == "embedding":
+        grads = EmbeddingFactors(torch.randint(0, 9, (3, 5), generator=gen), _randn(3, 5, 6), 9)
+        vector = _randn(9 * 6)
+        p_a = projector.map_for("l", "a", 9, 4).matrix(vector)
+        p_g = projector.map_for("l", "g", 6, 3).matrix(vector)
+        expected_vector = p_g @ vector.view(9, 6).T @ p_a.T
+    elif case == "dense":
+        grads = DenseGrad(_randn(3, 11))
+        vector = expected_vector = _randn(11)
+    else:
+        v_in = 3 if case == "exact-a-side" else v_in
+        grads = TokenFactors(_randn(3, 5, v_in), _randn(3, 5, v_out), bias=case == "linear-bias")
+        vector = _randn(grads.dim)
+        p_a = (
+            torch.eye(grads.in_dim, dtype=vector.dtype)
+            if case == "exact-a-side"
+            else projector.map_for("l", "a", grads.in_dim, 4).matrix(vector)
+        )
+        p_g = projector.map_for("l", "g", v_out, 3).matrix(vector)
+        expected_vector = p_g @ vector.view(v_out, grads.in_dim) @ p_a.T
+    projected_vector = projector.project_vector("l", grads, vector)
+    torch.testing.assert_close(projected_vector, expected_vector.flatten())
+    projected = projector("l", grads)
+    torch.testing.assert_close(
+        projected.dot(projected_vector), projected.materialize() @ expected_vector.flatten()
+    )

@@ -39,7 +39,7 @@ from datasets import Dataset
 from torch import Tensor, nn
 from transformers import Trainer
 
-from tda_plugins import CaptureEngine, LayerSelection
+from tda_plugins import CaptureEngine, LayerSelection, ProjectionConfig
 from tda_plugins.api import causal_lm_losses
 from tda_plugins.integrations.transformers.callbacks import (
     DataSelectionCallback,
@@ -512,6 +512,9 @@ TRAINER_CASES = [
     pytest.param("llama-full", 4, {"layers": "all"}, id="full-ga4"),
     pytest.param("llama-lora", 1, {}, id="lora-ga1"),
     pytest.param("llama-lora", 4, {"score": "adam"}, id="lora-ga4-adam"),
+    pytest.param(
+        "llama-full", 2, {"layers": "all", "score_projection": 4}, id="full-ga2-projected-scores"
+    ),
 ]
 
 
@@ -734,3 +737,15 @@ def test_ddp_ranks_agree_and_equal_the_fresh_backward_over_all_kept(tmp_path: Pa
         entry = json.loads(line)
         logged.setdefault(entry["step"], set()).update(entry["dropped_ids"])
     assert logged == dropped, "the JSONL log misses or invents dropped examples"
+
+
+def test_projected_scores_refuse_adam_preconditioning() -> None:
+    with pytest.raises(ValueError, match="score 'dot' or 'cosine'"):
+        DataSelector(
+            {},
+            rule_by_name("bottom_fraction", fraction=0.5),
+            causal_lm_token_counts,
+            "adam",
+            optimizer=torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1),
+            score_projection=ProjectionConfig(k_a=4, k_g=4),
+        )

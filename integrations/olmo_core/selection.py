@@ -37,6 +37,7 @@ from torch.utils.hooks import RemovableHandle
 
 from tda_plugins.capture import CaptureEngine, MicroBatchRecord
 from tda_plugins.capture.selection import SelectionKind, uncovered_trainable
+from tda_plugins.grads.projection import ProjectionConfig
 from tda_plugins.integrations.olmo_core.callbacks import check_train_module, give_example_ids
 from tda_plugins.integrations.olmo_core.normalization import OLMoCoreLossNormalization
 from tda_plugins.selection import DataSelector, StepSelection, rule_by_name
@@ -122,6 +123,8 @@ class DataSelectionCallback(Callback):
             first step of a run or a resumed run).
         target_examples: target sequences per refresh: ``None`` (default) the whole pool,
             ``m`` the next ``m`` of it in turn (cost: a forward/backward over ``m``).
+        score_projection: ``k``: approximate scores in a ``k x k`` factor-projected
+            space per layer (removal stays exact); ``None``: exact scores.
         log_path: JSONL of dropped instance indices per step and rank (default
             ``<trainer work_dir>/selection.jsonl``). Its ``step`` is OLMo-core's step - 1.
         layers, include, exclude, last_n_blocks: the layer fields of
@@ -143,6 +146,7 @@ class DataSelectionCallback(Callback):
     granularity: Granularity = "global"
     refresh_every: int = 1
     target_examples: int | None = None
+    score_projection: int | None = None
     log_path: str | None = None
     layers: SelectionKind = "all"
     include: str | None = None
@@ -282,6 +286,9 @@ class DataSelectionCallback(Callback):
             self.granularity,
             train_module.optim,
             log_path,
+            None
+            if self.score_projection is None
+            else ProjectionConfig("factor", k_a=self.score_projection, k_g=self.score_projection),
         )
         engine.add_consumer(self._selector)
         self._engine = engine

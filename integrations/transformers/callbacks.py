@@ -23,6 +23,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from tda_plugins.api import capture_batch, causal_lm_losses
 from tda_plugins.capture import CaptureEngine, MicroBatchRecord, content_hash
 from tda_plugins.capture.selection import uncovered_trainable
+from tda_plugins.grads.projection import ProjectionConfig
 from tda_plugins.influence import InfluenceLogger
 from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
 from tda_plugins.selection import DataSelector, StepSelection, rule_by_name
@@ -400,6 +401,10 @@ class DataSelectionCallback(PoolCallback):
             pool each time; ``m`` uses the next ``m`` pool examples in turn (the
             dattri-llm protocol: one example of a 16-example pool per step), which
             costs a forward/backward over ``m`` examples instead of the pool.
+        score_projection: ``k``: score each layer in a ``k x k`` factor-projected space
+            (approximate scores at a fraction of the exact scores' cost, which for full
+            fine-tuning is about one extra weight-gradient product per layer); the
+            removal stays exact. ``None`` (default): exact scores.
         log_path: JSONL of dropped ids per step (default ``<output_dir>/selection.jsonl``).
         **options: layer fields of :class:`CaptureSettings` (default layers: LoRA
             adapters on PEFT models; full fine-tuning needs ``layers="all"`` so that
@@ -416,6 +421,7 @@ class DataSelectionCallback(PoolCallback):
         granularity: Granularity = "global",
         refresh_every: int = 1,
         target_examples: int | None = None,
+        score_projection: int | None = None,
         log_path: str | None = None,
         **options: Any,
     ):
@@ -423,6 +429,11 @@ class DataSelectionCallback(PoolCallback):
             raise ValueError("data selection removes exact contributions: use projection='none'")
         super().__init__(target, refresh_every, options)
         self.target_pool = TargetPool(self.pool, target_examples)
+        self.score_projection = (
+            None
+            if score_projection is None
+            else ProjectionConfig("factor", k_a=score_projection, k_g=score_projection)
+        )
         self.rule = rule_by_name(rule, **_rule_options(rule, fraction, threshold))
         self.score = score
         self.granularity = granularity
@@ -468,6 +479,7 @@ class DataSelectionCallback(PoolCallback):
             self.granularity,
             unwrap_optimizer(optimizer),
             log_path,
+            self.score_projection,
         )
         engine.add_consumer(self.selector)
         self._max_grad_norm = float(args.max_grad_norm or 0.0)

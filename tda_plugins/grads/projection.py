@@ -177,6 +177,14 @@ class Projector:
             return DenseGrad(dense.apply(values))
         return _factor_project(grads, self, layer)
 
+    def project_vector(self, layer: str, grads: PerExampleGrad, vector: Tensor) -> Tensor:
+        """A ``(D,)`` vector in ``grads``' layout (a target gradient) with the maps that
+        :meth:`__call__` applies to ``grads`` (factor projection): the result's inner
+        product with each projected gradient is the projected inner product."""
+        if self.config.kind != "factor":
+            raise ValueError("project_vector supports factor projection only")
+        return _vector_project(grads, self, layer, vector)
+
 
 @singledispatch
 def _factor_project(grads: PerExampleGrad, projector: Projector, layer: str) -> PerExampleGrad:
@@ -211,3 +219,41 @@ def _(grads: EmbeddingFactors, projector: Projector, layer: str) -> PerExampleGr
 def _(grads: DenseGrad, projector: Projector, layer: str) -> PerExampleGrad:
     # Materialized layers (norm scales) are small: factor projection keeps them in full.
     return grads
+
+
+def _side(projector: Projector, layer: str, side: str, dim: int, k: int, like: Tensor) -> Tensor:
+    """``P`` of one factor side as a ``(k, dim)`` matrix, or the identity where a side no
+    wider than ``k`` stays exact (as :func:`_factor_project` keeps it)."""
+    if k >= dim:
+        return torch.eye(dim, dtype=like.dtype, device=like.device)
+    return projector.map_for(layer, side, dim, k).matrix(like)
+
+
+@singledispatch
+def _vector_project(
+    grads: PerExampleGrad, projector: Projector, layer: str, vector: Tensor
+) -> Tensor:
+    """Per representation: a layer-layout vector under the factor projection."""
+    raise TypeError(f"factor projection does not support {type(grads).__name__}")
+
+
+@_vector_project.register
+def _(grads: TokenFactors, projector: Projector, layer: str, vector: Tensor) -> Tensor:
+    cfg = projector.config
+    p_a = _side(projector, layer, "a", grads.in_dim, cfg.k_a, vector)
+    p_g = _side(projector, layer, "g", grads.out_dim, cfg.k_g, vector)
+    return (p_g @ vector.view(grads.out_dim, grads.in_dim) @ p_a.T).flatten()
+
+
+@_vector_project.register
+def _(grads: EmbeddingFactors, projector: Projector, layer: str, vector: Tensor) -> Tensor:
+    # The projected embedding gradient is sum_t (P_g g_t)(P_a e_{id_t})^T = P_g dW^T P_a^T.
+    cfg = projector.config
+    p_a = projector.map_for(layer, "a", grads.num_embeddings, cfg.k_a).matrix(vector)
+    p_g = projector.map_for(layer, "g", grads.g.shape[2], cfg.k_g).matrix(vector)
+    return (p_g @ vector.view(grads.num_embeddings, -1).T @ p_a.T).flatten()
+
+
+@_vector_project.register
+def _(grads: DenseGrad, projector: Projector, layer: str, vector: Tensor) -> Tensor:
+    return vector  # kept in full, as _factor_project keeps the gradients

@@ -41,7 +41,9 @@ from torch import Tensor, nn
 from tda_plugins.capture.adapters import LayerAdapter
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.records import MicroBatchRecord
+from tda_plugins.grads.factors import PerExampleGrad
 from tda_plugins.grads.ops import sq_norms
+from tda_plugins.grads.projection import ProjectionConfig, Projector
 from tda_plugins.selection.rules import DropRule
 
 ScoreMode = Literal["dot", "cosine", "adam"]
@@ -101,6 +103,12 @@ class DataSelector(CaptureConsumer):
         granularity: ``"global"`` or ``"per_layer"``.
         optimizer: needed for ``score="adam"``.
         log_path: JSONL file receiving one line per step and rank (dropped ids).
+        score_projection: score in a factor-projected space (LoGra's ``P_g dW P_a^T``,
+            ``k_g x k_a`` per layer) instead of the full one: scores become the
+            projected inner products (approximate, cost ~ tokens x (N_i + N_o) x k
+            instead of tokens x N_i x N_o per layer); removal stays exact. Not with
+            ``score="adam"``. A tied parameter's layers are projected separately, so
+            its cosine norm leaves out their cross terms.
     """
 
     wants_step_records: ClassVar[bool] = True
@@ -114,6 +122,7 @@ class DataSelector(CaptureConsumer):
         granularity: Granularity = "global",
         optimizer: torch.optim.Optimizer | None = None,
         log_path: str | Path | None = None,
+        score_projection: ProjectionConfig | None = None,
     ):
         if score not in ("dot", "cosine", "adam"):
             raise ValueError(f"score must be 'dot', 'cosine' or 'adam', got {score!r}")
@@ -121,6 +130,13 @@ class DataSelector(CaptureConsumer):
             raise ValueError(f"granularity must be 'global' or 'per_layer', got {granularity!r}")
         if score == "adam" and optimizer is None:
             raise ValueError("score='adam' needs the optimizer")
+        if score_projection is not None and (score == "adam" or score_projection.kind != "factor"):
+            raise ValueError(
+                "score_projection needs a factor ProjectionConfig and score 'dot' or 'cosine' "
+                "(Adam preconditions each parameter, which a projection mixes)"
+            )
+        self.projector = Projector(score_projection) if score_projection is not None else None
+        self._projected_target: dict[str, Tensor] = {}
         self.layers = layers
         self.rule = rule
         self.token_counts = token_counts
@@ -175,6 +191,7 @@ class DataSelector(CaptureConsumer):
         if missing:
             raise ValueError(f"the target has no gradient for layers {sorted(missing)[:3]}")
         self.target = {name: target[name] for name in self.layers}
+        self._projected_target = {}
 
     # -- scoring ---------------------------------------------------------------------
 
@@ -206,33 +223,59 @@ class DataSelector(CaptureConsumer):
             key = "+".join(unit)
             layer_dots = []
             for name in unit:
-                vector = target[name]
+                vector = self._layer_target(name, records, target)
                 if self.score == "adam":
                     vector = vector * self._adam_scale(name, vector)
                 layer_dots.append(
-                    torch.cat([r.layers[name].grads.dot(vector) * r.loss_scale for r in records])
+                    torch.cat([self._grads(r, name).dot(vector) * r.loss_scale for r in records])
                 )
             dots[key] = torch.stack(layer_dots).sum(0)
             if self.score == "cosine":
                 squares[key] = self._unit_sq_norms(unit, records)
-            target_sq[key] = self._unit_target(unit, target).double().pow(2).sum()
+            target_sq[key] = self._unit_target(unit, records, target).double().pow(2).sum()
         return dots, squares, target_sq
+
+    def _grads(self, record: MicroBatchRecord, name: str) -> PerExampleGrad:
+        """Layer ``name``'s per-example gradients as scored (projected if configured)."""
+        grads = record.layers[name].grads
+        return grads if self.projector is None else self.projector(name, grads)
+
+    def _layer_target(
+        self, name: str, records: list[MicroBatchRecord], target: dict[str, Tensor]
+    ) -> Tensor:
+        """Layer ``name``'s target as scored (projected once per refresh if configured)."""
+        if self.projector is None:
+            return target[name]
+        if name not in self._projected_target:
+            template = records[0].layers[name].grads
+            self._projected_target[name] = self.projector.project_vector(
+                name, template, target[name]
+            )
+        return self._projected_target[name]
 
     def _unit_sq_norms(self, unit: list[str], records: list[MicroBatchRecord]) -> Tensor:
         """``(N,)`` squared norms of the unit's per-example gradients (a tied unit's
         layers add up inside each parameter, so those are materialized)."""
-        if len(unit) == 1:
-            return torch.cat([sq_norms(r.layers[unit[0]].grads) * r.loss_scale**2 for r in records])
+        if len(unit) == 1 or self.projector is not None:
+            return torch.stack(
+                [
+                    torch.cat([sq_norms(self._grads(r, name)) * r.loss_scale**2 for r in records])
+                    for name in unit
+                ]
+            ).sum(0)
         grads = {
             name: torch.cat([r.layers[name].grads.materialize() * r.loss_scale for r in records])
             for name in unit
         }
         return self._in_parameters(unit, grads).pow(2).sum(dim=1)
 
-    def _unit_target(self, unit: list[str], target: dict[str, Tensor]) -> Tensor:
-        """The unit's target over its distinct parameters (a tied one counted once)."""
-        if len(unit) == 1:
-            return target[unit[0]]
+    def _unit_target(
+        self, unit: list[str], records: list[MicroBatchRecord], target: dict[str, Tensor]
+    ) -> Tensor:
+        """The unit's target over its distinct parameters (a tied one counted once; under
+        a projection, each layer's projected target)."""
+        if len(unit) == 1 or self.projector is not None:
+            return torch.cat([self._layer_target(name, records, target) for name in unit])
         distinct: dict[int, Tensor] = {}
         for name in unit:
             module, adapter = self.layers[name]
