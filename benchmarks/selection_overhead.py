@@ -90,14 +90,19 @@ TARGET = 1.3
 PLAIN = "plain"
 SELECT = "select"
 ONE = "select, 1 of pool"
+PROJECTED = "select, 1 of pool, k=16 scores"
 FIXED = "select, fixed target"
-#: Configurations: name -> (refresh_every, target_examples); plain has no selection.
-CONFIGS: dict[str, tuple[int | None, int | None]] = {
-    PLAIN: (None, None),
-    SELECT: (1, None),
-    ONE: (1, 1),
-    FIXED: (10**9, None),
+#: Configurations: name -> (refresh_every, target_examples, score_projection); plain has
+#: no selection.
+CONFIGS: dict[str, tuple[int | None, int | None, int | None]] = {
+    PLAIN: (None, None, None),
+    SELECT: (1, None, None),
+    ONE: (1, 1, None),
+    PROJECTED: (1, 1, 16),
+    FIXED: (10**9, None, None),
 }
+#: The configurations held to the target.
+TARGETED = (SELECT, ONE, PROJECTED)
 SELECTOR = "tda_plugins/selection/selector.py"
 #: Code whose cumulative time splits the selection's cost.
 PROFILED = {
@@ -249,6 +254,7 @@ class Config:
     timer: StepTimer
     refresh_every: int | None
     target_examples: int | None
+    score_projection: int | None
     phases: PhaseTimes = field(default_factory=PhaseTimes)
 
 
@@ -263,8 +269,8 @@ class ModeBench:
         self.rows = token_rows(count, settings.seq, vocab(settings), seed=4)
         self.pool = target_pool(settings)
         self.configs = {
-            name: Config(name, copy_for(mode, base), StepTimer(), refresh, examples)
-            for name, (refresh, examples) in CONFIGS.items()
+            name: Config(name, copy_for(mode, base), StepTimer(), *options)
+            for name, options in CONFIGS.items()
         }
         self.loads: list[float] = []
 
@@ -278,6 +284,7 @@ class ModeBench:
             score="dot",
             refresh_every=refresh_every,
             target_examples=config.target_examples,
+            score_projection=config.score_projection,
             **self.mode.layers,
         )
 
@@ -363,7 +370,7 @@ def run_mode(
     warm = settings.warmup_steps
     samples = {name: c.timer.timed(warm) for name, c in bench.configs.items()}
     target_s, select_s = {}, {}
-    for name in (SELECT, ONE, FIXED):
+    for name in (*TARGETED, FIXED):
         target, select = bench.configs[name].phases.timed(warm)
         target_s[name] = median_of(target, "cpu")
         select_s[name] = median_of(select, "cpu")
@@ -391,7 +398,7 @@ def time_table(results: list[ModeResult]) -> str:
     for r in results:
         for name in CONFIGS:
             c = r.comparison(name)
-            timed = name in (SELECT, ONE)
+            timed = name in TARGETED
             target = f"{TARGET:.2f}x" if timed else "—"
             met = (
                 f"{verdict(c.wall_ratio, TARGET)} / {verdict(c.cpu_ratio, TARGET)}" if timed else ""
@@ -415,7 +422,7 @@ def split_table(results: list[ModeResult]) -> str:
     ]
     for r in results:
         plain = median_of(r.samples[PLAIN], "cpu")
-        for name in (SELECT, ONE, FIXED):
+        for name in (*TARGETED, FIXED):
             extra = median_of(r.samples[name], "cpu") - plain
             target, select = r.target_s[name], r.select_s[name]
             select_parts = ""
@@ -486,6 +493,8 @@ tokens (its gradient: one plain forward/backward of the summed losses); \
 `select, 1 of pool` = the same with `target_examples=1`, each step's target the next \
 example of the pool (the dattri-llm paper's protocol: one example of a 16-example \
 validation pool per step, batch 8, whose 1.64x the target is set against); \
+`select, 1 of pool, k=16 scores` = that with `score_projection=16` (scores in a 16 x 16 \
+factor-projected space per layer, approximate; the removal stays exact); \
 `select, fixed target` = the target computed at each run's first step only. With the \
 whole pool every step the target's forward/backward alone is \
 {settings.pool} / {settings.batch} of a training step's, so that configuration's floor \
