@@ -1,0 +1,219 @@
+"""The attributor interface of the fidelity benchmark, and our methods behind it.
+
+An **attributor** gets a :class:`FidelityTask` (how to build the model, the trained
+weights and optimizer state, the training and validation blocks, the removed blocks, and a
+way to replay the training run) and returns a ``(M, R)`` score matrix: validation block
+``v`` against removed training block ``j``. Sign convention: a positive score says that
+``j`` helps ``v``, i.e. predicts that removing ``j`` *raises* ``v``'s loss (a positive
+leave-one-out effect ``loss_v(without j) - loss_v(full)``).
+
+Attributors are registered by name (:func:`register_attributor`); peer-library adapters
+register theirs the same way and are measured by the same code. Ours use the library as
+a user would: stores captured at the trained weights (``graddot``, ``gradcos``, ``kfac``,
+``ekfac``, ``less``; ``logra`` on a factor-projected store) scored with
+``method_by_name``, and ``tracin`` from the training run itself (the engine attached to a
+replay of it, :class:`~tda_plugins.influence.InfluenceLogger` summing each example's
+learning-rate-weighted dot with the validation gradients at the weights of its step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from attribution import capture_store, micro_batches
+from torch import Tensor, nn
+
+from tda_plugins import CaptureEngine, LayerSelection, ProjectionConfig, cross_gram
+from tda_plugins.api import capture_batch
+from tda_plugins.capture.identity import content_hash
+from tda_plugins.influence import InfluenceLogger
+from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
+from tda_plugins.methods import Scores, method_by_name
+from tda_plugins.store import StoreReader
+
+#: ``hook(step, model)``: called after each step's backward, before the optimizer step.
+StepHook = Callable[[int, nn.Module], None]
+#: ``replay(model, hook)``: rerun the training run on ``model`` (fresh from the factory),
+#: calling ``hook`` at each step; returns the trained optimizer.
+Replay = Callable[[nn.Module, StepHook | None], torch.optim.Optimizer]
+
+#: The layers our methods attribute with: GPT-2's Conv1D layers (``lm_head`` is tied to
+#: ``wte`` and left out, as are the embeddings and norms).
+LAYERS = LayerSelection(kind="linear")
+#: LoGra's factor projection.
+LOGRA_PROJECTION = ProjectionConfig(kind="factor", k_a=32, k_g=32)
+
+
+@dataclass(frozen=True)
+class FidelityTask:
+    """Everything an attributor may use.
+
+    Attributes:
+        model_factory: a fresh model with the run's random initialization (fp32).
+        state: the trained weights (``model.state_dict()`` after the epoch).
+        optimizer_state: the AdamW ``state_dict()`` after the epoch.
+        learning_rate: AdamW's constant learning rate.
+        batch: examples per optimizer step.
+        train: ``(N, T)`` int64 training blocks (byte ids), in dataset order.
+        validation: ``(M, T)`` int64 validation blocks.
+        removed: ``(R,)`` int64 indices into ``train`` of the blocks to score.
+        replay: reruns the training run exactly (same order, seeds and loss).
+        work: a scratch directory for this run (stores and the like).
+
+    Training loss: transformers' causal-LM loss, the mean over every predicted token of
+    the batch. Validation loss of a block: the mean over its ``T - 1`` predicted tokens.
+    """
+
+    model_factory: Callable[[], nn.Module]
+    state: dict[str, Tensor]
+    optimizer_state: dict[str, Any]
+    learning_rate: float
+    batch: int
+    train: Tensor
+    validation: Tensor
+    removed: Tensor
+    replay: Replay
+    work: Path
+
+    def trained_model(self) -> nn.Module:
+        """A fresh model holding the trained weights."""
+        model = self.model_factory()
+        model.load_state_dict(self.state)
+        return model
+
+    def trained_optimizer(self, model: nn.Module) -> torch.optim.AdamW:
+        """AdamW over ``model``'s parameters with the trained optimizer state."""
+        optimizer = torch.optim.AdamW(model.parameters(), lr=self.learning_rate)
+        optimizer.load_state_dict(self.optimizer_state)
+        return optimizer
+
+    def select(self, scores: Scores) -> Tensor:
+        """``(M, R)`` from library :class:`Scores` keyed by content hash: the rows of the
+        removed blocks, the columns of the validation blocks, transposed."""
+        rows = _positions(scores.train_ids, content_hash(self.train[self.removed]))
+        cols = _positions(scores.query_ids, content_hash(self.validation))
+        return scores.values[rows][:, cols].T.double()
+
+
+def _positions(ids: Tensor, wanted: Tensor) -> Tensor:
+    """``(K,)`` index of each of ``wanted``'s ids in ``ids``; an error when one is missing."""
+    where = {int(x): i for i, x in enumerate(ids.tolist())}
+    missing = [int(x) for x in wanted.tolist() if int(x) not in where]
+    if missing:
+        raise KeyError(f"{len(missing)} wanted example ids are not in the scores")
+    return torch.tensor([where[int(x)] for x in wanted.tolist()])
+
+
+#: ``attributor(task) -> (M, R)`` scores.
+Attributor = Callable[[FidelityTask], Tensor]
+ATTRIBUTORS: dict[str, Attributor] = {}
+
+
+def register_attributor(name: str) -> Callable[[Attributor], Attributor]:
+    """Decorator: make ``attributor`` available to the benchmark under ``name``."""
+
+    def register(attributor: Attributor) -> Attributor:
+        if name in ATTRIBUTORS:
+            raise ValueError(f"an attributor named {name!r} is already registered")
+        ATTRIBUTORS[name] = attributor
+        return attributor
+
+    return register
+
+
+# -- ours: stores at the trained weights ------------------------------------------------
+
+
+def trained_stores(
+    task: FidelityTask, projection: ProjectionConfig | None
+) -> tuple[StoreReader, StoreReader]:
+    """Training store (with inline K-FAC statistics and the AdamW moments) and validation
+    store captured at the trained weights, each example's own summed token loss; written
+    once per task and projection under ``task.work``."""
+    root = task.work / ("projected" if projection is not None else "full")
+    if not root.exists():
+        model = task.trained_model()
+        optimizer = task.trained_optimizer(model)
+        capture_store(
+            model,
+            micro_batches(task.train, task.batch),
+            root / "train",
+            projection,
+            curvature=True,
+            optimizer=optimizer,
+        )
+        capture_store(
+            model, micro_batches(task.validation, task.batch), root / "val", projection, False
+        )
+    return StoreReader(root / "train"), StoreReader(root / "val")
+
+
+def store_method(
+    method: str, projection: ProjectionConfig | None, task: FidelityTask, **options: Any
+) -> Tensor:
+    """``(M, R)`` scores of a registered library method (``options``: its constructor's,
+    such as ``damping``) on the trained-weight stores."""
+    store, queries = trained_stores(task, projection)
+    return task.select(method_by_name(method, **options).score(store, queries))
+
+
+def per_layer_scores(task: FidelityTask, method: str) -> dict[str, Tensor]:
+    """Layer name -> ``(M, R)`` scores of a registered library method from that layer
+    alone (the method fitted on every layer, as in its full score; no cosine)."""
+    store, queries = trained_stores(task, None)
+    attributor = method_by_name(method)
+    attributor.prepare(store, queries)
+    train, query = store.load_all(), queries.load_all()
+    out = {}
+    for name in store.layer_names:
+        values = cross_gram(
+            attributor.train_side(name, train.layers[name]),
+            attributor.query_side(name, query.layers[name]),
+        )
+        out[name] = task.select(Scores(train.example_ids, query.example_ids, values, method))
+    return out
+
+
+for _name in ("graddot", "gradcos", "kfac", "ekfac", "less"):
+    register_attributor(_name)(partial(store_method, _name, None))
+register_attributor("logra")(partial(store_method, "logra", LOGRA_PROJECTION))
+
+
+# -- ours: TracIn from the training run -------------------------------------------------
+
+
+@register_attributor("tracin")
+def tracin(task: FidelityTask) -> Tensor:
+    """``sum_s lr <g_v(theta_s), g_j(theta_s)>`` over the step ``s`` that trained ``j``.
+
+    The engine is attached to a replay of the training run; at each step, after the
+    backward and before the update, the validation gradients are taken at the step's
+    weights (``capture_batch``, which leaves the training ``.grad`` untouched) and the
+    step's captured examples are scored against them (per-example summed token loss,
+    converted from the training run's mean loss by ``CausalLMNormalization``).
+    """
+    logger = InfluenceLogger("graddot")
+    model = task.model_factory()
+    val = {"input_ids": task.validation, "labels": task.validation}
+
+    with CaptureEngine(model, LAYERS, None, [logger], CausalLMNormalization()) as engine:
+
+        def before_update(step: int, model: nn.Module) -> None:
+            logger.set_queries(capture_batch(model, val, layers=LAYERS), task.learning_rate)
+            engine.optimizer_step()
+
+        task.replay(model, before_update)
+        engine.end()
+    trained = model.state_dict()
+    drift = max(float((trained[k] - v).abs().max()) for k, v in task.state.items())
+    if drift != 0.0:
+        raise RuntimeError(
+            f"the captured replay ended {drift:.3g} away from the reference weights: capture "
+            "changed the training run"
+        )
+    return task.select(logger.cumulative_scores(content_hash(task.validation)))

@@ -1,0 +1,88 @@
+"""Smoke test of benchmarks/fidelity.py on its --quick configuration (our library only)."""
+
+import json
+import math
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import fidelity
+
+CONFIG = fidelity.QUICK
+
+
+@pytest.fixture(scope="module")
+def blocks() -> fidelity.Blocks:
+    return fidelity.make_blocks(CONFIG)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("loo-cache")
+
+
+@pytest.fixture(scope="module")
+def loo(blocks: fidelity.Blocks, cache: Path) -> fidelity.LeaveOneOut:
+    return fidelity.leave_one_out(CONFIG, blocks, cache)
+
+
+def test_blocks_are_distinct_and_removed_are_training_indices(blocks: fidelity.Blocks) -> None:
+    both = torch.cat([blocks.train, blocks.validation])
+    assert both.shape == (CONFIG.train_blocks + CONFIG.val_blocks, CONFIG.block)
+    assert torch.unique(both, dim=0).shape[0] == both.shape[0]
+    assert blocks.removed.unique().numel() == CONFIG.removed
+    assert int(blocks.removed.max()) < CONFIG.train_blocks
+    assert torch.equal(blocks.order.sort().values, torch.arange(CONFIG.train_blocks))
+
+
+def test_nothing_removed_is_exactly_zero_effect(
+    blocks: fidelity.Blocks, loo: fidelity.LeaveOneOut
+) -> None:
+    assert loo.determinism == 0.0
+    again = fidelity.run_losses(CONFIG, blocks)
+    assert torch.equal(again - loo.full, torch.zeros_like(loo.full))
+    # Each removal does change the run: no removed block has an all-zero effect row.
+    assert loo.effects.shape == (CONFIG.val_blocks, CONFIG.removed)
+    assert bool((loo.effects.abs().amax(dim=0) > 0).all())
+
+
+def test_cache_returns_the_same_runs(
+    blocks: fidelity.Blocks, loo: fidelity.LeaveOneOut, cache: Path
+) -> None:
+    assert len(list(cache.glob("loo-*.safetensors"))) == 1
+    cached = fidelity.leave_one_out(CONFIG, blocks, cache)
+    assert torch.equal(cached.without, loo.without) and torch.equal(cached.full, loo.full)
+    other = replace(CONFIG, learning_rate=2e-3)
+    assert fidelity.cache_key(other, blocks) != fidelity.cache_key(CONFIG, blocks)
+
+
+def test_metric_is_one_for_the_effects_themselves(loo: fidelity.LeaveOneOut) -> None:
+    same = fidelity.fidelity("self", loo.effects, loo.effects, 200, 0.0)
+    flipped = fidelity.fidelity("flipped", -loo.effects, loo.effects, 200, 0.0)
+    assert same.mean == pytest.approx(1.0) and flipped.mean == pytest.approx(-1.0)
+    low, high = same.interval()
+    assert low <= same.mean <= high
+    assert flipped.interval(same) == pytest.approx((-2.0, -2.0))
+
+
+def test_script_scores_every_attributor_on_the_cached_runs(
+    loo: fidelity.LeaveOneOut, cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "fidelity.json"
+    fidelity.main(["--quick", "--cache", str(cache), "--json", str(out), "--no-write"])
+    found = json.loads(out.read_text())
+    assert found["effects"] == loo.effects.tolist()  # read from the cache, not retrained
+    assert found["reproduced_max_abs"] == 0.0  # the attribution process's run is the same
+    assert {"graddot", "gradcos", "tracin", "kfac", "ekfac", "logra", "less"} == set(
+        found["methods"]
+    )
+    for name, result in found["methods"].items():
+        assert len(result["per_query"]) == CONFIG.val_blocks, name
+        assert all(math.isfinite(x) for x in result["per_query"]), name
+    assert len(found["layers"]) == 2 * CONFIG.n_layer * 2  # attention and MLP: 2 layers each
+    assert fidelity.SECTION in capsys.readouterr().out
