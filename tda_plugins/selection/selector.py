@@ -91,6 +91,21 @@ def _world_size() -> int:
     return 1
 
 
+@dataclass
+class _Plan:
+    """How one keep mask is applied to ``.grad``.
+
+    Attributes:
+        rebuild: sum the kept rows and rebuild ``.grad`` (else subtract the dropped rows).
+        factor: ``N_all / N_kept``, the token renormalization (0-dim fp64).
+        rows: per record, the ``(n,)`` rows summed and ``(n,)`` ones (``None``: no row).
+    """
+
+    rebuild: bool
+    factor: Tensor
+    rows: list[tuple[Tensor, Tensor] | None]
+
+
 class DataSelector(CaptureConsumer):
     """Consumer that selects examples at each optimizer step and edits ``.grad``.
 
@@ -212,8 +227,8 @@ class DataSelector(CaptureConsumer):
         self, records: list[MicroBatchRecord], target: dict[str, Tensor]
     ) -> tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]:
         """Per unit (a layer, or layers sharing a parameter): ``(N,)`` dots with the
-        (preconditioned) target, ``(N,)`` squared norms (cosine only, else empty), and
-        the target's squared norm.
+        (preconditioned) target, and for cosine only (else empty) the ``(N,)`` squared
+        norms and the target's squared norm.
 
         Dots come from each layer's factors (``<dW_i, T>`` without a ``(N, D)`` tensor);
         a tied parameter's target is its full gradient in each sharing layer, so a unit's
@@ -232,7 +247,7 @@ class DataSelector(CaptureConsumer):
             dots[key] = torch.stack(layer_dots).sum(0)
             if self.score == "cosine":
                 squares[key] = self._unit_sq_norms(unit, records)
-            target_sq[key] = self._unit_target(unit, records, target).double().pow(2).sum()
+                target_sq[key] = self._unit_target(unit, records, target).double().pow(2).sum()
         return dots, squares, target_sq
 
     def _grads(self, record: MicroBatchRecord, name: str) -> PerExampleGrad:
@@ -304,31 +319,36 @@ class DataSelector(CaptureConsumer):
 
     # -- surgery -----------------------------------------------------------------------
 
-    def _rows_sum(self, records: list[MicroBatchRecord], name: str, rows: Tensor) -> Tensor:
-        """``(D,)`` sum of the contributions of the ``(N,)`` bool ``rows`` to layer
-        ``name``'s ``.grad``, in the accumulation dtype; only those rows enter the product,
-        so its cost scales with their share."""
+    def _rows_sum(self, records: list[MicroBatchRecord], name: str, plan: _Plan) -> Tensor:
+        """``(D,)`` sum of the contributions of the plan's rows to layer ``name``'s
+        ``.grad``, in the accumulation dtype; only those rows enter the product, so its
+        cost scales with their share."""
         total: Tensor | None = None
-        start = 0
-        for r in records:
-            picked = rows[start : start + r.batch_size].nonzero().flatten()
-            start += r.batch_size
-            if picked.numel():
-                grads = r.layers[name].grads.select(picked)
-                part = grads.weighted_sum(torch.ones(picked.numel(), device=picked.device))
+        for r, rows in zip(records, plan.rows, strict=True):
+            if rows is not None:
+                part = r.layers[name].grads.select(rows[0]).weighted_sum(rows[1])
                 total = part if total is None else total + part
         if total is None:
-            grads = records[0].layers[name].grads
-            return torch.zeros(grads.dim, device=rows.device)
+            return torch.zeros(records[0].layers[name].grads.dim)
         return total
 
-    def _plan(self, keep: Tensor, counts: Tensor, total: Tensor) -> tuple[bool, Tensor]:
-        """For one keep mask: whether to rebuild ``.grad`` from the kept rows (fewer than
-        the dropped ones, over all ranks) rather than subtract the dropped ones, and the
-        ``N_all / N_kept`` token factor."""
+    def _plan(
+        self, records: list[MicroBatchRecord], keep: Tensor, counts: Tensor, total: Tensor
+    ) -> _Plan:
+        """For one keep mask: rebuild ``.grad`` from the kept rows when they are fewer
+        than the dropped ones (over all ranks), else subtract the dropped ones."""
         kept_tokens = _all_reduce((counts * keep.double()).sum().clone())
         kept_rows = _all_reduce(torch.stack([keep.sum(), (~keep).sum()]))
-        return bool(kept_rows[0] < kept_rows[1]), total / kept_tokens
+        rebuild = bool(kept_rows[0] < kept_rows[1])
+        summed = keep if rebuild else ~keep
+        rows: list[tuple[Tensor, Tensor] | None] = []
+        start = 0
+        for r in records:
+            picked = summed[start : start + r.batch_size].nonzero().flatten()
+            start += r.batch_size
+            ones = torch.ones(picked.numel(), device=picked.device)
+            rows.append((picked, ones) if picked.numel() else None)
+        return _Plan(rebuild, total / kept_tokens, rows)
 
     def on_optimizer_step(self, step: int, records: list[MicroBatchRecord]) -> None:
         if self.target is None or not records:
@@ -338,12 +358,13 @@ class DataSelector(CaptureConsumer):
         counts = torch.cat([self.token_counts(r) for r in records]).double()
         total = _all_reduce(counts.sum().clone())
         world = _world_size()
-        plans: dict[int, tuple[bool, Tensor]] = {}  # id(mask) -> plan (global: one mask)
-        corrections: dict[int, tuple[nn.Parameter, Tensor, tuple[bool, Tensor]]] = {}
+        plans: dict[int, _Plan] = {}  # id(mask) -> its plan (global: one mask)
+        corrections: dict[int, tuple[nn.Parameter, Tensor, _Plan]] = {}
         for name, keep in masks.items():
-            plan = plans.setdefault(id(keep), self._plan(keep, counts, total))
-            rebuild = plan[0]
-            part = self._rows_sum(records, name, keep if rebuild else ~keep)
+            if id(keep) not in plans:
+                plans[id(keep)] = self._plan(records, keep, counts, total)
+            plan = plans[id(keep)]
+            part = self._rows_sum(records, name, plan)
             if world > 1:
                 part = _all_reduce(part) / world
             module, adapter = self.layers[name]
@@ -352,10 +373,11 @@ class DataSelector(CaptureConsumer):
                 previous = corrections.get(id(params[local]))
                 summed = value if previous is None else previous[1] + value
                 corrections[id(params[local])] = (params[local], summed, plan)
-        for param, value, (rebuild, factor) in corrections.values():
+        for param, value, plan in corrections.values():
             if param.grad is None:
                 continue
-            if rebuild:  # G_new = sum_kept c_i * N_all / N_kept
+            factor = plan.factor
+            if plan.rebuild:  # G_new = sum_kept c_i * N_all / N_kept
                 param.grad.copy_(value.to(param.grad.dtype)).mul_(factor.to(param.grad.dtype))
             else:  # G_new = (G - sum_dropped c_i) * N_all / N_kept
                 param.grad.sub_(value.to(param.grad.dtype)).mul_(factor.to(param.grad.dtype))
