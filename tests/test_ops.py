@@ -155,9 +155,15 @@ def test_weighted_sum_equals_weighted_materialized_rows(kind: str) -> None:
     torch.testing.assert_close(train.weighted_sum(weights), weights @ _explicit_materialize(train))
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "wide-out", "wide-out-bias"])
 def test_dot_with_a_vector_equals_materialized_rows(kind: str) -> None:
-    """``<dW_i, v>`` from the factors (no ``(B, D)`` tensor) equals the explicit rows' dot."""
-    train, _ = _pair(kind)
+    """``<dW_i, v>`` from the factors (no ``(B, D)`` tensor) equals the explicit rows' dot,
+    on both product orders (``N_o < N_i`` and ``N_o >= N_i``), with and without bias."""
+    if kind.startswith("wide-out"):
+        train: PerExampleGrad = TokenFactors(
+            _randn(3, 5, 4), _randn(3, 5, 9), bias=kind.endswith("bias")
+        )
+    else:
+        train, _ = _pair(kind)
     vector = _randn(train.dim)
     torch.testing.assert_close(train.dot(vector), _explicit_materialize(train) @ vector)

@@ -305,11 +305,18 @@ class TokenFactors(PerTokenGrad):
         return TokenFactors(self.a, self.g * factor, self.bias)
 
     def dot(self, vector: Tensor) -> Tensor:
-        # sum_t g_it^T V a_it: one (B*T, N_o) @ (N_o, N_i) product, no (B, D) tensor.
-        g = self.g.to(accumulation_dtype(self.g))
-        h = g.reshape(-1, self.out_dim) @ vector.to(g.dtype).view(self.out_dim, self.in_dim)
-        a = self.augmented_a().reshape(self.batch_size, -1)
-        return (h.view(self.batch_size, -1) * a).sum(dim=1)
+        # sum_t g_it^T V a_it: one (B*T, N_o) x (N_o, N_i) product, no (B, D) tensor, whose
+        # result is taken on the narrower side (V a_it when N_o < N_i, else g_it^T V).
+        g = self.g.to(accumulation_dtype(self.g)).reshape(self.batch_size, -1, self.out_dim)
+        a = self.a.to(accumulation_dtype(self.a))
+        v = vector.to(g.dtype).view(self.out_dim, self.in_dim)
+        weight, bias = (v[:, :-1], v[:, -1]) if self.bias else (v, None)
+        if self.out_dim < self.in_dim:
+            h = a @ weight.T if bias is None else torch.addmm(bias, a.flatten(0, 1), weight.T)
+            return (h.view_as(g) * g).sum(dim=(1, 2))
+        h = g @ weight
+        out = (h * a).sum(dim=(1, 2))
+        return out if bias is None else out + (g @ bias).sum(dim=1)
 
     @classmethod
     def stack(cls, parts: list[TokenFactors]) -> TokenFactors:
