@@ -60,7 +60,8 @@ def target_gradient(
         for name, (module, adapter) in layers.items():
             params = adapter.captured_parameters(module)
             grads = {
-                local: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                # this backward's own .grad tensors (set aside below): no copy needed
+                local: p.grad.detach() if p.grad is not None else torch.zeros_like(p)
                 for local, p in params.items()
             }
             out[name] = adapter.flatten(module, grads)
