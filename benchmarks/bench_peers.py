@@ -18,15 +18,23 @@ Each cell (model, library, method, query count) runs in a fresh child process: a
 warm-up on one micro-batch, then ``--rounds`` rounds of [floor forward + backward, forward
 only, the library's whole capture-and-score call] in rotated order; medians are reported.
 Peak RSS is the child's ``VmHWM`` over the library's calls (reset before them), model and
-data included. Agreement: the first 8 query columns against the fp64 ``torch.func``
-reference (``benchmarks/peers/reference.py``, computed once per model and cached in
-``--out``): Spearman per query (mean and minimum) and ``max |s - r| / max |r|``.
+data included. Agreement: the first 8 query columns against the exact fp64 reference
+(``benchmarks/peers/reference.py``, one backward per example, computed once per model and
+size and cached in ``--out``): Spearman per query (mean and minimum) and
+``max |s - r| / max |r|``. A targets table sets each of our ways (``ours``: through the
+store; ``ours-live``: scored inside the backward) against the issue's targets.
+
+Every invocation writes its JSON dump to ``--out``; ``--report`` renders the section from
+several dumps (runs of the same sizes merged into one table), so that a comparison can be
+run in parts that each fit in the time at hand.
 
 Usage (the peers' venv, ``make bench``; our library alone runs in ``.venv``)::
 
     HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false \\
         benchmarks/.venv-peers/bin/python benchmarks/bench_peers.py
     .venv/bin/python benchmarks/bench_peers.py --quick --libraries ours   # smoke
+    benchmarks/.venv-peers/bin/python benchmarks/bench_peers.py \\
+        --report benchmarks/out/peers-A.json benchmarks/out/peers-B.json --notes notes.md
 """
 
 from __future__ import annotations
@@ -109,6 +117,10 @@ class CellResult:
     def median(self, phase: str, attr: str = "wall") -> float:
         """Median wall (or CPU) seconds of a phase."""
         return statistics.median(s[attr] for s in self.samples[phase])
+
+    def ratio(self) -> float:
+        """The library's call over the floor of the same process (median wall times)."""
+        return self.median(RUN) / self.median(FLOOR)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -226,10 +238,64 @@ def cells_of(settings: Settings, model: str) -> list[Cell]:
     ]
 
 
-def collect(settings: Settings) -> tuple[list[CellResult], dict[str, int], list[float]]:
-    """Run the reference and every cell's child; results, model sizes, load averages."""
+@dataclass
+class Run:
+    """The results of one workload size (one invocation, or several merged by
+    :func:`merged`), as its JSON dump keeps them (``--report`` renders several)."""
+
+    commands: list[list[str]]
+    dates: list[str]
+    shape: Shape
+    query_counts: tuple[int, ...]
+    rounds: int
+    params: dict[str, int]
+    loads: list[float]
+    results: list[CellResult]
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "results": [r.to_json() for r in self.results]}
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> Run:
+        return cls(
+            **{
+                **value,
+                "shape": Shape(**value["shape"]),
+                "query_counts": tuple(value["query_counts"]),
+                "results": [CellResult.from_json(r) for r in value["results"]],
+            }
+        )
+
+
+def merged(runs: Sequence[Run]) -> list[Run]:
+    """Runs of the same workload size and query counts joined into one (cells of later
+    runs replace earlier ones), in order of first appearance."""
+    groups: dict[tuple[Shape, tuple[int, ...]], Run] = {}
+    for run in runs:
+        key = (replace(run.shape, model=""), run.query_counts)
+        if key not in groups:
+            groups[key] = replace(run, results=list(run.results))
+            continue
+        into = groups[key]
+        cells = {r.cell: r for r in [*into.results, *run.results]}
+        groups[key] = replace(
+            into,
+            commands=into.commands + run.commands,
+            dates=into.dates + run.dates,
+            params=into.params | run.params,
+            loads=into.loads + run.loads,
+            results=list(cells.values()),
+        )
+    return list(groups.values())
+
+
+def collect(settings: Settings, argv: Sequence[str]) -> Run:
+    """Run the reference and every cell's child."""
     script = Path(__file__).resolve()
-    results, params, loads = [], {}, []
+    results: list[CellResult] = []
+    params: dict[str, int] = {}
+    loads: list[float] = []
+    date = utc_now()
     settings.out.mkdir(parents=True, exist_ok=True)
     for model in settings.models:
         params[model] = parameter_count(
@@ -256,7 +322,8 @@ def collect(settings: Settings) -> tuple[list[CellResult], dict[str, int], list[
             print(f"    {status_text(found)}", flush=True)
             results.append(found)
             loads.append(load_average())
-    return results, params, loads
+    s = settings
+    return Run([list(argv)], [date], s.shape, s.query_counts, s.rounds, params, loads, results)
 
 
 def status_text(r: CellResult) -> str:
@@ -322,30 +389,34 @@ def results_table(results: list[CellResult]) -> str:
     return "\n".join(lines)
 
 
-def draw_chart(results: list[CellResult], path: Path) -> None:
-    """Bar chart of time / floor per library, one panel per (model, query count)."""
+def draw_chart(runs: list[Run], path: Path) -> None:
+    """Bar chart of time / floor per library, one panel per (run, model, query count)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({(r.cell.model, r.cell.queries) for r in results})
-    libraries = list(dict.fromkeys(r.cell.library for r in results))
-    methods = list(dict.fromkeys(r.cell.method for r in results))
+    panels = [
+        (run, model, queries)
+        for run in runs
+        for model, queries in dict.fromkeys((r.cell.model, r.cell.queries) for r in run.results)
+    ]
+    libraries = list(dict.fromkeys(r.cell.library for run in runs for r in run.results))
+    methods = list(dict.fromkeys(r.cell.method for run in runs for r in run.results))
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     width = 0.8 / len(libraries)
-    for ax, (model, queries) in zip(axes[0], panels, strict=True):
+    for ax, (run, model, queries) in zip(axes[0], panels, strict=True):
+        found = {(r.cell.library, r.cell.method): r for r in run.results}
         for i, lib in enumerate(libraries):
             heights = []
             for method in methods:
-                hit = [r for r in results if r.cell == Cell(model, lib, method, queries)]
-                ok = hit and hit[0].status == "ok"
-                heights.append(hit[0].median(RUN) / hit[0].median(FLOOR) if ok else 0.0)
+                hit = found.get((lib, method))
+                heights.append(hit.ratio() if hit and hit.cell.queries == queries else 0.0)
             xs = [m + i * width for m in range(len(methods))]
             ax.bar(xs, heights, width, label=lib)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks([m + 0.4 - width / 2 for m in range(len(methods))], methods)
-        ax.set_title(f"{model}, {queries} queries")
+        ax.set_title(f"{model}, {run.shape.train} train x {queries} queries")
         ax.set_ylabel("time / floor (forward + backward)")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
@@ -353,42 +424,116 @@ def draw_chart(results: list[CellResult], path: Path) -> None:
     plt.close(fig)
 
 
-def report(
-    results: list[CellResult],
-    params: dict[str, int],
-    loads: list[float],
-    settings: Settings,
-    argv: Sequence[str],
-) -> str:
-    """The RESULTS.md section."""
-    s = settings.shape
-    models = ", ".join(f"{m} {p / 1e6:.2f}M parameters" for m, p in params.items())
+@dataclass(frozen=True)
+class Target:
+    """The issue's target for one row: ours within ``floor`` x the floor (``None``: no
+    such target) and the fastest peer at least ``lead`` x slower than ours."""
+
+    floor: float | None
+    lead: float
+
+
+def target_of(method: str, queries: int) -> Target:
+    """(1)-(2): within 1.2x of the floor, no slower than any peer; (3): within 2x of the
+    floor, 1.5x faster than the fastest peer; (1')-(3'), many queries: 3x faster."""
+    if queries > REF_QUERIES:
+        return Target(None, 3.0)
+    return Target(1.2, 1.0) if method.startswith("graddot") else Target(2.0, 1.5)
+
+
+def met(ok: bool) -> str:
+    return "met" if ok else "**missed**"
+
+
+def targets_table(results: list[CellResult]) -> str:
+    """Per model, query count, method and each of our ways: ours against the floor and
+    the fastest peer (floor-normalized times), and our peak RSS against the lowest
+    peer's."""
+    lines = [
+        "| model | queries | method | ours | ours / floor (target) | fastest peer (its / floor) "
+        "| fastest peer / ours (target) | time targets | ours RSS / lowest peer's (6) |",
+        "|---|---:|---|---|---:|---|---:|---|---:|",
+    ]
+    ok = [r for r in results if r.status == "ok"]
+    for ours in (r for r in ok if LIBRARIES[r.cell.library].ours):
+        c = ours.cell
+        peers = [
+            r
+            for r in ok
+            if not LIBRARIES[r.cell.library].ours and replace(r.cell, library=c.library) == c
+        ]
+        target = target_of(c.method, c.queries)
+        within = target.floor is None or ours.ratio() <= target.floor
+        bound = f" (<= {target.floor})" if target.floor is not None else ""
+        head = f"| {c.model} | {c.queries} | {c.method} | {c.library} | {ours.ratio():.2f}x{bound} "
+        if not peers:
+            lines.append(head + f"| no peer ran | — | {met(within)} (floor only) | — |")
+            continue
+        fastest = min(peers, key=CellResult.ratio)
+        lead = fastest.ratio() / ours.ratio()
+        rss = ours.peaks[RUN] / min(r.peaks[RUN] for r in peers)
+        lines.append(
+            head + f"| {fastest.cell.library} ({fastest.ratio():.2f}x) "
+            f"| {lead:.2f}x (>= {target.lead}) | {met(within and lead >= target.lead)} "
+            f"| {rss:.2f} ({met(rss <= 1.0)}) |"
+        )
+    return "\n".join(lines)
+
+
+def run_text(run: Run) -> str:
+    """One run's part of the section: commands, dates, load, sizes, tables."""
+    s = run.shape
+    models = ", ".join(f"{m} {p / 1e6:.2f}M parameters" for m, p in run.params.items())
+    commands = "\n".join(f"    {command_line(SCRIPT, argv)}" for argv in run.commands)
+    return f"""### {", ".join(run.params)}: {s.train} training rows x \
+{" / ".join(map(str, run.query_counts))} queries
+
+Commands:
+
+{commands}
+
+Dates: {", ".join(run.dates)}; {load_text(run.loads)}. Workload: {models}, {s.train} \
+training rows and {" / ".join(map(str, run.query_counts))} query rows of {s.seq} random \
+tokens, micro-batches of {s.batch}, projection k = {s.k} per side; {run.rounds} timed \
+round(s) per cell.
+
+Against the issue's targets (times normalized by each process's own floor):
+
+{targets_table(run.results)}
+
+{results_table(run.results)}
+"""
+
+
+def report(runs: list[Run], settings: Settings, notes: str) -> str:
+    """The RESULTS.md section: the protocol once, then each run's tables."""
+    libraries = list(dict.fromkeys(r.cell.library for run in runs for r in run.results))
     chart = ""
     if settings.chart is not None:
         chart = f"![time / floor per library]({settings.chart.name})"
+    parts = "\n".join(run_text(run) for run in runs)
     return tidy(f"""{SECTION}
 
-Command: `{command_line(SCRIPT, argv)}`
+Machine: {machine_info()}. Versions: {versions(libraries)}.
 
-Date: {utc_now()}. Machine: {machine_info()}; {load_text(loads)}. Versions: \
-{versions(settings.libraries)}.
+Workload (`benchmarks/peers/workload.py`): GPT-2 / Llama causal LMs from configs (seed 0, \
+fp32, dropout off, tied embeddings), random token rows, attention and MLP linear layers \
+only, each example's own summed token loss. Each cell is a fresh process: warm-up on one \
+micro-batch, then rotated rounds of [floor forward + backward, forward only, the \
+library's whole capture + score call]; medians. "/ floor" = the call over the floor \
+(forward + backward over the same training and query rows) of the same process; "/ ours" \
+= that ratio over ours for the same model, method and query count (each normalized by \
+its own floor, so that load drift between processes cancels). Peak RSS = `VmHWM` over \
+the library's calls (reset before them), model and data included, and its ratio to the \
+floor pass's. Agreement = the first {REF_QUERIES} query columns against the exact fp64 \
+reference (`benchmarks/peers/reference.py`: one backward per example, streamed; damping \
+0.1 x mean eigenvalue per factor, biases included): Spearman per query, mean [min], and \
+max |s - r| / max |r|; projected rows are compared with the exact full-dimensional \
+GradDot. A cell that could not run says why.
 
-Workload: {models} (`benchmarks/peers/workload.py`), {s.train} training rows and \
-{" / ".join(map(str, settings.query_counts))} query rows of {s.seq} random tokens, \
-micro-batches of {s.batch}, attention and MLP linear layers only, fp32, each example's \
-own summed token loss; projection k = {s.k} per side. Each cell is a fresh process: \
-warm-up on one micro-batch, then {settings.rounds} rotated round(s) of [floor forward + \
-backward, forward only, the library's whole capture + score call]; medians. "/ floor" = \
-the call over the floor (forward + backward over the same rows) of the same process; \
-"/ ours" = that ratio over ours for the same model, method and query count (each \
-normalized by its own floor, so that load drift between processes cancels). Peak RSS = \
-`VmHWM` over the library's calls (reset before them), model and data included, and its \
-ratio to the floor pass's. Agreement = the first {REF_QUERIES} query columns against \
-the fp64 `torch.func` reference (`benchmarks/peers/reference.py`; damping 0.1 x mean \
-eigenvalue): Spearman per query, mean [min], and max |s - r| / max |r|; projected rows \
-are compared with the exact full-dimensional GradDot. A cell that could not run says why.
+{notes}
 
-{results_table(results)}
+{parts}
 
 {chart}
 """)
@@ -412,6 +557,13 @@ def parse_args(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
     p.add_argument("--tiny", action="store_true", help="tiny models (implied by --quick)")
     p.add_argument("--out", type=Path, default=OUT, help="JSON and reference cache folder")
     p.add_argument("--chart", type=Path, default=CHART, help="PNG of the ratios ('' = none)")
+    p.add_argument(
+        "--report",
+        nargs="+",
+        type=Path,
+        help="render the section from these JSON dumps of earlier runs (runs nothing)",
+    )
+    p.add_argument("--notes", type=Path, help="markdown inserted above the runs' tables")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--reference", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -454,21 +606,18 @@ def main(argv: Sequence[str]) -> None:
         found = run_cell(cell, shape, settings.rounds, settings.reference_path(cell.model))
         print(json.dumps(found.to_json()))
         return
-    results, params, loads = collect(settings)
-    stamp = utc_now().replace(" ", "_").replace(":", "")
-    dump = settings.out / f"peers-{stamp}.json"
-    dump.write_text(
-        json.dumps(
-            {"argv": list(argv), "params": params, "results": [r.to_json() for r in results]},
-            indent=1,
-        )
-    )
-    print(f"wrote {dump}")
+    if args.report:
+        runs = merged([Run.from_json(json.loads(path.read_text())) for path in args.report])
+    else:
+        runs = [collect(settings, argv)]
+        stamp = utc_now().replace(" ", "_").replace(":", "")
+        dump = settings.out / f"peers-{stamp}.json"
+        dump.write_text(json.dumps(runs[0].to_json(), indent=1))
+        print(f"wrote {dump}")
     if settings.chart is not None and settings.write:
-        draw_chart(results, settings.chart)
-    publish(
-        report(results, params, loads, settings, argv), SECTION, settings.results, settings.write
-    )
+        draw_chart(runs, settings.chart)
+    notes = args.notes.read_text().strip() if args.notes else ""
+    publish(report(runs, settings, notes), SECTION, settings.results, settings.write)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 process (no peers needed). Checks the rows and columns of the table and that our scores
 agree with the exact ``torch.func`` reference."""
 
+import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -52,3 +53,17 @@ def test_unsupported_configuration_is_recorded(tmp_path: Path) -> None:
     cell = bench_peers.Cell("gpt2", "kronfluence", "graddot_proj", 4)
     found = bench_peers.run_cell(cell, shape, 1, settings.reference_path("gpt2"))
     assert found.status in ("unsupported", "error") and found.reason
+
+
+def test_report_renders_merged_runs(results: list[bench_peers.CellResult], tmp_path: Path) -> None:
+    settings, _ = bench_peers.parse_args(["--quick", "--out", str(tmp_path), "--chart", ""])
+    shape = replace(settings.shape, model="gpt2")
+    first = bench_peers.Run([["--quick"]], ["then"], shape, (4,), 1, {"gpt2": 1}, [], results)
+    again = bench_peers.Run.from_json(json.loads(json.dumps(first.to_json())))
+    runs = bench_peers.merged([first, replace(again, commands=[["--again"]], dates=["now"])])
+    assert len(runs) == 1 and len(runs[0].results) == len(METHODS)
+    assert runs[0].commands == [["--quick"], ["--again"]]
+    text = bench_peers.report(runs, settings, "a note")
+    assert text.startswith(bench_peers.SECTION) and "a note" in text
+    targets = [line for line in text.splitlines() if line.startswith("| gpt2 | 4 |")]
+    assert len(targets) == 2 * len(METHODS)  # a targets row and a results row per cell

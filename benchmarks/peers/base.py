@@ -28,32 +28,25 @@ from peers.workload import Problem
 @dataclass(frozen=True)
 class Library:
     """Where a library's adapter lives (a module of ``benchmarks/peers``, or ``None`` while
-    none is written: then ``pending`` says what adapting it involves) and the PyPI
-    distribution its version comes from."""
+    none is written: then ``pending`` says what adapting it involves), the PyPI
+    distribution its version comes from, and whether it is one of our own ways (compared
+    with the peers, not with each other)."""
 
     module: str | None
     distribution: str
     pending: str = ""
+    ours: bool = False
 
 
 _PENDING = "no adapter in benchmarks/peers yet (issue 6 follow-up): "
 LIBRARIES = {
-    "ours": Library("ours", "tda-plugins"),
+    "ours": Library("ours", "tda-plugins", ours=True),
+    "ours-live": Library("ours", "tda-plugins", ours=True),
     "dattri-llm": Library("dattri_llm_adapter", "dattri-llm"),
     "kronfluence": Library("kronfluence_adapter", "kronfluence"),
     "opacus": Library("opacus_adapter", "opacus"),
-    "bergson": Library(
-        None,
-        "bergson",
-        _PENDING + "its Python collector (GradientCollector over a datasets.Dataset) and its "
-        "EK-FAC pipeline (the `bergson ekfac` CLI) are not wired to this workload",
-    ),
-    "logix": Library(
-        None,
-        "logix-ai",
-        _PENDING + "its global `logix.init` run, `run.watch` and LoGra/K-FAC/EK-FAC "
-        "logging are not wired to this workload",
-    ),
+    "bergson": Library("bergson_adapter", "bergson"),
+    "logix": Library("logix_adapter", "logix-ai"),
     "traker": Library(
         None,
         "traker",

@@ -1,22 +1,43 @@
-"""tda-plugins: capture into a training store and a query store (hooks on the ordinary
-backward, factor projection inside the hook, inline K-FAC statistics), then
-``method_by_name(m).score`` -- the same path as ``benchmarks/attribution.py``."""
+"""tda-plugins, two ways:
+
+* ``ours``: capture into a training store and a query store (hooks on the ordinary
+  backward, factor projection inside the hook, inline K-FAC statistics), then
+  ``method_by_name(m).score`` -- the same path as ``benchmarks/attribution.py``; the run
+  ends attribution-ready, with everything on disk.
+* ``ours-live``: the query gradients are captured first and kept in memory; each
+  training micro-batch is scored against them as its backward finishes (a capture
+  consumer calling ``tda_plugins.influence.score_record``, the routed ops of the live
+  influence logger); nothing is written. GradDot only (live K-FAC needs the factors of
+  the whole training set before the first score).
+"""
 
 from __future__ import annotations
 
 import shutil
 from typing import ClassVar
 
+import torch
 from attribution import capture_store, micro_batches
 from torch import Tensor
 
 from peers.base import PeerAdapter, register_peer
-from peers.workload import Problem
-from tda_plugins import ProjectionConfig
+from peers.workload import Problem, example_losses, row_batches
+from tda_plugins import CaptureEngine, LayerSelection, ProjectionConfig
+from tda_plugins.capture import CaptureConsumer, RecordCollector
+from tda_plugins.capture.records import MicroBatchRecord
+from tda_plugins.influence import score_record
 from tda_plugins.methods import method_by_name
 
 #: Our method for each measured configuration.
 _METHOD = {"graddot": "graddot", "graddot_proj": "graddot", "kfac": "kfac", "ekfac": "ekfac"}
+_PROJECTION_NOTE = "factor projection k_a = k_g = k in the hook"
+
+
+def projection_of(problem: Problem, method: str) -> ProjectionConfig | None:
+    """Factor projection with ``k`` per side for the projected row, else none."""
+    if method != "graddot_proj":
+        return None
+    return ProjectionConfig(kind="factor", k_a=problem.k, k_g=problem.k)
 
 
 @register_peer
@@ -25,7 +46,8 @@ class Ours(PeerAdapter):
 
     name = "ours"
     notes: ClassVar[dict[str, str]] = {
-        "graddot_proj": "factor projection k_a = k_g = k in the hook",
+        "graddot": "store on disk, then graddot",
+        "graddot_proj": _PROJECTION_NOTE + ", store on disk",
         "kfac": "inline K-FAC statistics, damping 0.1 x mean eigenvalue per factor",
         "ekfac": "inline K-FAC statistics + one pass over the store, damping 0.1 x mean",
     }
@@ -33,11 +55,7 @@ class Ours(PeerAdapter):
     def scores(self, problem: Problem, method: str) -> Tensor:
         root = problem.work / "ours"
         shutil.rmtree(root, ignore_errors=True)
-        projection = (
-            ProjectionConfig(kind="factor", k_a=problem.k, k_g=problem.k)
-            if method == "graddot_proj"
-            else None
-        )
+        projection = projection_of(problem, method)
         curvature = method in ("kfac", "ekfac")
         train = capture_store(
             problem.model,
@@ -56,3 +74,48 @@ class Ours(PeerAdapter):
         result = method_by_name(_METHOD[method]).score(train, queries)
         shutil.rmtree(root, ignore_errors=True)
         return result.values.T
+
+
+class _LiveScores(CaptureConsumer):
+    """Scores each finished training micro-batch against every query record."""
+
+    def __init__(self, queries: list[MicroBatchRecord]):
+        self.queries = queries
+        self.blocks: list[Tensor] = []
+
+    def on_micro_batch(self, record: MicroBatchRecord) -> None:
+        parts = [score_record(record, q, cosine=False) for q in self.queries]
+        self.blocks.append(torch.cat(parts, dim=1))
+
+
+@register_peer
+class OursLive(PeerAdapter):
+    """In-memory query gradients, training rows scored inside their own backward."""
+
+    name = "ours-live"
+    notes: ClassVar[dict[str, str]] = {
+        "graddot": "live: queries in memory, each micro-batch scored as it finishes",
+        "graddot_proj": _PROJECTION_NOTE + ", live",
+    }
+    unsupported: ClassVar[dict[str, str]] = {
+        m: "no live path: K-FAC/EK-FAC need the whole training set's factors first "
+        "(see the row of `ours`)"
+        for m in ("kfac", "ekfac")
+    }
+
+    def _capture(self, problem: Problem, rows: Tensor, method: str, consumer: CaptureConsumer):
+        """One captured forward + backward of ``rows`` per micro-batch into ``consumer``."""
+        layers = LayerSelection(kind="linear")
+        projection = projection_of(problem, method)
+        with CaptureEngine(problem.model, layers, projection, [consumer]) as engine:
+            for ids in row_batches(rows, problem.batch):
+                example_losses(problem.model, ids).sum().backward()
+                problem.model.zero_grad(set_to_none=True)
+            engine.end()
+
+    def scores(self, problem: Problem, method: str) -> Tensor:
+        queries = RecordCollector()
+        self._capture(problem, problem.queries, method, queries)
+        live = _LiveScores(queries.records)
+        self._capture(problem, problem.train, method, live)
+        return torch.cat(live.blocks).T
