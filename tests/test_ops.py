@@ -13,7 +13,9 @@ from tda_plugins.grads import (
     TokenFactors,
     choose_route,
     cross_gram,
+    dots_with,
     per_token_scores,
+    rows_sums,
     sq_norms,
 )
 
@@ -167,3 +169,23 @@ def test_dot_with_a_vector_equals_materialized_rows(kind: str) -> None:
         train, _ = _pair(kind)
     vector = _randn(train.dim)
     torch.testing.assert_close(train.dot(vector), _explicit_materialize(train) @ vector)
+
+
+def test_layers_sharing_an_input_are_scored_and_summed_as_each_alone() -> None:
+    """``dots_with``/``rows_sums`` batch layers that share one input tensor (q/k/v); the
+    results equal each layer's explicit rows, for grouped and ungrouped layers alike."""
+    x = _randn(3, 5, 6)
+    grads: dict[str, PerExampleGrad] = {
+        "q": TokenFactors(x, _randn(3, 5, 2)),
+        "k": TokenFactors(x, _randn(3, 5, 4)),
+        "v": TokenFactors(x, _randn(3, 5, 9)),  # wider output: summed with q/k, dotted alone
+        "o": TokenFactors(_randn(3, 5, 6), _randn(3, 5, 2)),
+        "emb": _pair("embedding")[0],
+    }
+    vectors = {name: _randn(g.dim) for name, g in grads.items()}
+    rows = torch.tensor([0, 2])
+    dots, sums = dots_with(grads, vectors), rows_sums(grads, rows)
+    for name, g in grads.items():
+        explicit = _explicit_materialize(g)
+        torch.testing.assert_close(dots[name], explicit @ vectors[name])
+        torch.testing.assert_close(sums[name], explicit[rows].sum(0))

@@ -7,9 +7,12 @@ use it); by default :func:`~tda_plugins.grads.routing.choose_route` picks the ch
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+import torch
 from torch import Tensor
 
-from tda_plugins.grads.factors import PerExampleGrad
+from tda_plugins.grads.factors import PerExampleGrad, TokenFactors, accumulation_dtype
 from tda_plugins.grads.routing import Route, choose_route
 
 
@@ -44,3 +47,62 @@ def per_token_scores(
     if chosen is Route.FACTORIZED:
         return train.token_scores_factorized(query)
     return train.token_scores_materialized(query)
+
+
+Group = list[tuple[str, TokenFactors]]
+
+
+def _input_groups(
+    grads: Mapping[str, PerExampleGrad], narrow_output: bool
+) -> tuple[list[Group], list[str]]:
+    """Layers whose factors share one input tensor (q/k/v or gate/up projections, their
+    LoRA ``A`` adapters), as groups of two or more, and the other layers. Only bias-free
+    :class:`TokenFactors` group; ``narrow_output`` keeps those with ``N_o < N_i``."""
+    groups: dict[tuple[int, tuple[int, ...], tuple[int, ...]], Group] = {}
+    rest = []
+    for name, g in grads.items():
+        if (
+            isinstance(g, TokenFactors)
+            and not g.bias
+            and (g.out_dim < g.in_dim or not narrow_output)
+        ):
+            key = (g.a.data_ptr(), tuple(g.a.shape), g.a.stride())
+            groups.setdefault(key, []).append((name, g))
+        else:
+            rest.append(name)
+    shared = [group for group in groups.values() if len(group) > 1]
+    rest += [group[0][0] for group in groups.values() if len(group) == 1]
+    return shared, rest
+
+
+def dots_with(
+    grads: Mapping[str, PerExampleGrad], vectors: Mapping[str, Tensor]
+) -> dict[str, Tensor]:
+    """Per layer, ``(B,)`` inner products ``<dW_i, v>`` with the layer's ``(D,)`` vector;
+    layers that share an input (and have the narrower output side) take one product
+    ``a [V_1; V_2; ...]^T`` together instead of one narrow product each."""
+    shared, rest = _input_groups(grads, narrow_output=True)
+    out = {name: grads[name].dot(vectors[name]) for name in rest}
+    for group in shared:
+        a = group[0][1].a
+        a = a.to(accumulation_dtype(a))
+        stacked = torch.cat([vectors[n].to(a.dtype).view(f.out_dim, -1) for n, f in group])
+        parts = (a @ stacked.T).split([f.out_dim for _, f in group], dim=-1)
+        for (name, f), h in zip(group, parts, strict=True):
+            out[name] = (h * f.g.to(accumulation_dtype(f.g))).sum(dim=(1, 2))
+    return out
+
+
+def rows_sums(grads: Mapping[str, PerExampleGrad], rows: Tensor) -> dict[str, Tensor]:
+    """Per layer, ``(D,)`` sum of the per-example gradients of examples ``rows``; layers
+    that share an input select it once and take one ``[g_1 g_2 ...]^T a`` product."""
+    shared, rest = _input_groups(grads, narrow_output=False)
+    ones = torch.ones(rows.numel(), device=rows.device)
+    out = {name: grads[name].select(rows).weighted_sum(ones) for name in rest}
+    for group in shared:
+        a = group[0][1].a[rows]
+        a = a.to(accumulation_dtype(a)).reshape(-1, a.shape[-1])
+        g = torch.cat([f.g[rows].to(a.dtype) for _, f in group], dim=-1)
+        products = (g.reshape(-1, g.shape[-1]).T @ a).split([f.out_dim for _, f in group])
+        out.update({name: p.flatten() for (name, _), p in zip(group, products, strict=True)})
+    return out

@@ -42,7 +42,7 @@ from tda_plugins.capture.adapters import LayerAdapter
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.records import MicroBatchRecord
 from tda_plugins.grads.factors import PerExampleGrad
-from tda_plugins.grads.ops import sq_norms
+from tda_plugins.grads.ops import dots_with, rows_sums, sq_norms
 from tda_plugins.grads.projection import ProjectionConfig, Projector
 from tda_plugins.selection.rules import DropRule
 
@@ -98,12 +98,12 @@ class _Plan:
     Attributes:
         rebuild: sum the kept rows and rebuild ``.grad`` (else subtract the dropped rows).
         factor: ``N_all / N_kept``, the token renormalization (0-dim fp64).
-        rows: per record, the ``(n,)`` rows summed and ``(n,)`` ones (``None``: no row).
+        rows: per record, the ``(n,)`` rows summed (``None``: no row).
     """
 
     rebuild: bool
     factor: Tensor
-    rows: list[tuple[Tensor, Tensor] | None]
+    rows: list[Tensor | None]
 
 
 class DataSelector(CaptureConsumer):
@@ -233,18 +233,24 @@ class DataSelector(CaptureConsumer):
         Dots come from each layer's factors (``<dW_i, T>`` without a ``(N, D)`` tensor);
         a tied parameter's target is its full gradient in each sharing layer, so a unit's
         dot is the sum of its layers' dots."""
+        vectors = {}
+        for name in self.layers:
+            vectors[name] = self._layer_target(name, records, target)
+            if self.score == "adam":
+                vectors[name] = vectors[name] * self._adam_scale(name, vectors[name])
+        per_record = [
+            dots_with({name: self._grads(r, name) for name in self.layers}, vectors)
+            for r in records
+        ]
+        scales = [r.loss_scale for r in records]
+        layer_dots = {
+            name: torch.cat([d[name] * c for d, c in zip(per_record, scales, strict=True)])
+            for name in self.layers
+        }
         dots, squares, target_sq = {}, {}, {}
         for unit in self.units:
             key = "+".join(unit)
-            layer_dots = []
-            for name in unit:
-                vector = self._layer_target(name, records, target)
-                if self.score == "adam":
-                    vector = vector * self._adam_scale(name, vector)
-                layer_dots.append(
-                    torch.cat([self._grads(r, name).dot(vector) * r.loss_scale for r in records])
-                )
-            dots[key] = torch.stack(layer_dots).sum(0)
+            dots[key] = torch.stack([layer_dots[name] for name in unit]).sum(0)
             if self.score == "cosine":
                 squares[key] = self._unit_sq_norms(unit, records)
                 target_sq[key] = self._unit_target(unit, records, target).double().pow(2).sum()
@@ -319,18 +325,22 @@ class DataSelector(CaptureConsumer):
 
     # -- surgery -----------------------------------------------------------------------
 
-    def _rows_sum(self, records: list[MicroBatchRecord], name: str, plan: _Plan) -> Tensor:
-        """``(D,)`` sum of the contributions of the plan's rows to layer ``name``'s
-        ``.grad``, in the accumulation dtype; only those rows enter the product, so its
-        cost scales with their share."""
-        total: Tensor | None = None
+    def _rows_sums(
+        self, records: list[MicroBatchRecord], names: list[str], plan: _Plan
+    ) -> dict[str, Tensor]:
+        """Per layer of ``names``, the ``(D,)`` sum of the contributions of the plan's rows
+        to its ``.grad``, in the accumulation dtype; only those rows enter the products,
+        so their cost scales with the rows' share."""
+        totals: dict[str, Tensor] = {}
         for r, rows in zip(records, plan.rows, strict=True):
-            if rows is not None:
-                part = r.layers[name].grads.select(rows[0]).weighted_sum(rows[1])
-                total = part if total is None else total + part
-        if total is None:
-            return torch.zeros(records[0].layers[name].grads.dim)
-        return total
+            if rows is None:
+                continue
+            parts = rows_sums({name: r.layers[name].grads for name in names}, rows)
+            for name, part in parts.items():
+                totals[name] = totals[name] + part if name in totals else part
+        return {
+            name: totals.get(name, torch.zeros(records[0].layers[name].grads.dim)) for name in names
+        }
 
     def _plan(
         self, records: list[MicroBatchRecord], keep: Tensor, counts: Tensor, total: Tensor
@@ -341,13 +351,12 @@ class DataSelector(CaptureConsumer):
         kept_rows = _all_reduce(torch.stack([keep.sum(), (~keep).sum()]))
         rebuild = bool(kept_rows[0] < kept_rows[1])
         summed = keep if rebuild else ~keep
-        rows: list[tuple[Tensor, Tensor] | None] = []
+        rows: list[Tensor | None] = []
         start = 0
         for r in records:
             picked = summed[start : start + r.batch_size].nonzero().flatten()
             start += r.batch_size
-            ones = torch.ones(picked.numel(), device=picked.device)
-            rows.append((picked, ones) if picked.numel() else None)
+            rows.append(picked if picked.numel() else None)
         return _Plan(rebuild, total / kept_tokens, rows)
 
     def on_optimizer_step(self, step: int, records: list[MicroBatchRecord]) -> None:
@@ -358,21 +367,21 @@ class DataSelector(CaptureConsumer):
         counts = torch.cat([self.token_counts(r) for r in records]).double()
         total = _all_reduce(counts.sum().clone())
         world = _world_size()
-        plans: dict[int, _Plan] = {}  # id(mask) -> its plan (global: one mask)
-        corrections: dict[int, tuple[nn.Parameter, Tensor, _Plan]] = {}
+        by_mask: dict[int, list[str]] = {}  # id(mask) -> its layers (global: one mask)
         for name, keep in masks.items():
-            if id(keep) not in plans:
-                plans[id(keep)] = self._plan(records, keep, counts, total)
-            plan = plans[id(keep)]
-            part = self._rows_sum(records, name, plan)
-            if world > 1:
-                part = _all_reduce(part) / world
-            module, adapter = self.layers[name]
-            params = adapter.captured_parameters(module)
-            for local, value in adapter.unflatten(module, part).items():
-                previous = corrections.get(id(params[local]))
-                summed = value if previous is None else previous[1] + value
-                corrections[id(params[local])] = (params[local], summed, plan)
+            by_mask.setdefault(id(keep), []).append(name)
+        corrections: dict[int, tuple[nn.Parameter, Tensor, _Plan]] = {}
+        for names in by_mask.values():
+            plan = self._plan(records, masks[names[0]], counts, total)
+            for name, part in self._rows_sums(records, names, plan).items():
+                if world > 1:
+                    part = _all_reduce(part) / world
+                module, adapter = self.layers[name]
+                params = adapter.captured_parameters(module)
+                for local, value in adapter.unflatten(module, part).items():
+                    previous = corrections.get(id(params[local]))
+                    summed = value if previous is None else previous[1] + value
+                    corrections[id(params[local])] = (params[local], summed, plan)
         for param, value, plan in corrections.values():
             if param.grad is None:
                 continue
