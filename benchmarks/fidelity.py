@@ -29,12 +29,15 @@ The protocol (dattri-LLM, appendix B.2, at CPU scale):
 
 Attributors (``fidelity_methods.py``) get the trained state, the model factory, the
 blocks and a replay of the training run, and return a ``(64, 50)`` score matrix; ours are
-the library's methods, peers plug in through the same registry.
+the library's methods, the peers' (``fidelity_peers.py``, the adapters of
+``benchmarks/peers`` for every peer library installed) plug in through the same registry,
+and the report compares our best method with the best peer by the paired bootstrap.
 
 Usage::
 
     HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false \\
         .venv/bin/python benchmarks/fidelity.py
+    benchmarks/.venv-peers/bin/python benchmarks/fidelity.py   # ours and the peers
     .venv/bin/python benchmarks/fidelity.py --quick        # smoke run in seconds, no write
 """
 
@@ -70,6 +73,8 @@ from common import (
     utc_now,
 )
 from fidelity_methods import ATTRIBUTORS, FidelityTask, StepHook, per_layer_scores, store_method
+from fidelity_peers import PeerAttributor
+from peers.base import Unsupported
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from tqdm.auto import tqdm
@@ -412,14 +417,19 @@ def fidelity(
 
 def attribute(
     task: FidelityTask, names: Sequence[str], effects: Tensor, config: Config
-) -> list[Fidelity]:
-    """Run each named attributor on ``task`` and score it against ``effects``."""
-    results = []
+) -> tuple[list[Fidelity], dict[str, str]]:
+    """Run each named attributor on ``task`` and score it against ``effects``; returns the
+    results and, for the attributors that could not run, name -> why."""
+    results, skipped = [], {}
     for name in tqdm(names, desc="attributors"):
-        with Stopwatch() as watch:
-            scores = ATTRIBUTORS[name](task)
+        try:
+            with Stopwatch() as watch:
+                scores = ATTRIBUTORS[name](task)
+        except Unsupported as why:
+            skipped[name] = str(why)
+            continue
         results.append(fidelity(name, scores, effects, config.bootstrap, watch.sample.wall))
-    return results
+    return results, skipped
 
 
 @dataclass(frozen=True)
@@ -461,27 +471,74 @@ def diagnose(task: FidelityTask, effects: Tensor, config: Config) -> Diagnostics
 # -- report ------------------------------------------------------------------------------
 
 
+def peer_of(name: str) -> PeerAttributor | None:
+    """The peer attributor registered under ``name``, or ``None`` for ours."""
+    attributor = ATTRIBUTORS.get(name)
+    return attributor if isinstance(attributor, PeerAttributor) else None
+
+
 def interval_text(bounds: tuple[float, float]) -> str:
     """``[low, high]``."""
     return f"[{bounds[0]:.3f}, {bounds[1]:.3f}]"
 
 
 def results_table(results: Sequence[Fidelity]) -> str:
-    """Markdown: attributor, mean Spearman, interval, paired difference to GradDot, time."""
+    """Markdown: attributor, library (peers marked), mean Spearman, interval, paired
+    difference to our GradDot, time."""
     base = next((r for r in results if r.name == "graddot"), None)
     lines = [
-        "| method | mean Spearman vs LOO | bootstrap 95% interval "
-        "| minus GradDot [paired interval] | attribution s |",
-        "|---|---:|---:|---:|---:|",
+        "| method | library | mean Spearman vs LOO | bootstrap 95% interval "
+        "| minus our GradDot [paired interval] | attribution s |",
+        "|---|---|---:|---:|---:|---:|",
     ]
     for r in sorted(results, key=lambda r: -r.mean):
         diff = "—"
         if base is not None and r is not base:
             diff = f"{r.mean - base.mean:+.3f} {interval_text(r.interval(base))}"
+        peer = peer_of(r.name)
+        library = "ours" if peer is None else f"**peer**: {peer.version}"
         lines.append(
-            f"| {r.name} | {r.mean:.3f} | {interval_text(r.interval())} | {diff} "
+            f"| {r.name} | {library} | {r.mean:.3f} | {interval_text(r.interval())} | {diff} "
             f"| {r.seconds:.1f} |"
         )
+    return "\n".join(lines)
+
+
+def peers_text(results: Sequence[Fidelity], skipped: dict[str, str]) -> str:
+    """Markdown: what each peer row ran with, our best method against the best peer (the
+    paired bootstrap), and the peer methods that could not run, grouped by reason."""
+    ours = [r for r in results if peer_of(r.name) is None]
+    theirs = [(r, peer) for r in results if (peer := peer_of(r.name)) is not None]
+    if not theirs:
+        return (
+            "No peer attributor ran in this environment (the peer libraries are installed "
+            "in `benchmarks/.venv-peers`)."
+        )
+    notes = [f"- `{r.name}`: {peer.note or 'the adapter defaults'}" for r, peer in theirs]
+    best = max(ours, key=lambda r: r.mean)
+    rival = max((r for r, _ in theirs), key=lambda r: r.mean)
+    low, high = best.interval(rival)
+    if low > 0:
+        verdict = "more faithful (interval above 0): target met"
+    elif high < 0:
+        verdict = "less faithful (interval below 0): target missed"
+    else:
+        verdict = "not distinguishable (interval contains 0): not worse at 95%, target met"
+    lines = [
+        "Peer rows, as run:",
+        "",
+        *notes,
+        "",
+        f"**Our best method against the best peer**: `{best.name}` {best.mean:.3f} vs "
+        f"`{rival.name}` {rival.mean:.3f}, difference {best.mean - rival.mean:+.3f}, paired "
+        f"bootstrap 95% interval {interval_text((low, high))}: ours is {verdict}.",
+    ]
+    reasons: dict[str, list[str]] = {}
+    for name, why in skipped.items():
+        reasons.setdefault(why, []).append(f"`{name}`")
+    if reasons:
+        lines += ["", "Could not run:", ""]
+        lines += [f"- {', '.join(names)}: {why}" for why, names in reasons.items()]
     return "\n".join(lines)
 
 
@@ -557,7 +614,21 @@ dot with the validation gradients at the weights of the step that trained it \
 (`InfluenceLogger`). Attribution seconds include capturing the stores, shared by the \
 store-based methods (charged to the first of them).
 
+Peers (`benchmarks/fidelity_peers.py`): each installed peer library's adapter from \
+`benchmarks/peers` (the peer comparison's) on the same problem: the trained model, all \
+{config.train_blocks} training blocks (curvature statistics from all of them, as ours), \
+the validation blocks as queries, the same Conv1D layers (libraries that hook \
+`nn.Linear` only get an equivalent `nn.Linear` copy), each block's summed token loss, \
+micro-batches of {config.batch}, projected GradDot at k = 32 per side (our LoGra's), \
+damping 0.1 x the mean eigenvalue where the library exposes it. TRAK (`traker`) has no \
+adapter in `benchmarks/peers`: its glue is in `fidelity_peers.py`. Our best method is \
+compared with the best peer by the paired bootstrap of the difference of their means \
+(both picked as the best on these same validation blocks): the target is met unless the \
+interval lies below 0.
+
 {results_table(run.results)}
+
+{peers_text(run.results, run.skipped)}
 
 EK-FAC against GradDot: the damping sweep (relative to the mean eigenvalue) and each layer \
 alone, mean Spearman [bootstrap 95% interval]. A large damping turns EK-FAC into GradDot \
@@ -573,7 +644,9 @@ def to_json(config: Config, loo: LeaveOneOut, run: AttributionRun) -> dict[str, 
     """Everything the section shows, plus the effects and per-validation-block correlations."""
 
     def entry(r: Fidelity) -> dict[str, Any]:
+        peer = peer_of(r.name)
         return {
+            "library": "ours" if peer is None else peer.version,
             "mean_spearman": r.mean,
             "interval": list(r.interval()),
             "seconds": r.seconds,
@@ -589,6 +662,7 @@ def to_json(config: Config, loo: LeaveOneOut, run: AttributionRun) -> dict[str, 
         "full_losses": loo.full.tolist(),
         "effects": loo.effects.tolist(),
         "methods": {r.name: entry(r) for r in run.results},
+        "could_not_run": run.skipped,
         "damping": {
             f"{d:g}": {"kfac": entry(k), "ekfac": entry(e)}
             for d, (k, e) in run.diagnostics.damping.items()
@@ -605,7 +679,8 @@ class AttributionRun:
     """What the attribution process found.
 
     Attributes:
-        results: one per attributor.
+        results: one per attributor that ran.
+        skipped: attributor name -> why it could not run (version, reason).
         diagnostics: damping sweep and per-layer fidelity of our methods.
         reproduced: max |diff| of its reference run's validation losses to the cached ones.
         params: model parameters.
@@ -613,6 +688,7 @@ class AttributionRun:
     """
 
     results: list[Fidelity]
+    skipped: dict[str, str]
     diagnostics: Diagnostics
     reproduced: float
     params: int
@@ -626,11 +702,11 @@ def run_attribution(
     with Stopwatch() as watch:
         task = make_task(config, blocks, work)
         losses = validation_losses(task.trained_model(), blocks.validation)
-        results = attribute(task, names, loo.effects, config)
+        results, skipped = attribute(task, names, loo.effects, config)
         found = diagnose(task, loo.effects, config)
     reproduced = float((losses - loo.full).abs().max())
     params = parameter_count(task.trained_model())
-    return AttributionRun(results, found, reproduced, params, watch.sample.wall)
+    return AttributionRun(results, skipped, found, reproduced, params, watch.sample.wall)
 
 
 # -- command line ------------------------------------------------------------------------

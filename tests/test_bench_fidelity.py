@@ -12,6 +12,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import fidelity
+import fidelity_peers
 
 CONFIG = fidelity.QUICK
 
@@ -86,3 +87,32 @@ def test_script_scores_every_attributor_on_the_cached_runs(
         assert all(math.isfinite(x) for x in result["per_query"]), name
     assert len(found["layers"]) == 2 * CONFIG.n_layer * 2  # attention and MLP: 2 layers each
     assert fidelity.SECTION in capsys.readouterr().out
+
+
+def test_a_peer_that_cannot_run_is_a_row_with_its_reason(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # opacus is not installed in the main venv: its attributor must report that, not crash.
+    peer = fidelity_peers.PeerAttributor("opacus", "graddot")
+    monkeypatch.setitem(fidelity.ATTRIBUTORS, "opacus:graddot", peer)
+    out = tmp_path / "fidelity.json"
+    argv = ["--quick", "--cache", str(cache), "--json", str(out), "--no-write"]
+    fidelity.main([*argv, "--methods", "graddot", "opacus:graddot"])
+    found = json.loads(out.read_text())
+    assert set(found["methods"]) == {"graddot"}
+    assert "opacus" in found["could_not_run"]["opacus:graddot"]
+
+
+def test_our_best_is_compared_with_the_best_peer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(
+        fidelity.ATTRIBUTORS, "opacus:graddot", fidelity_peers.PeerAttributor("opacus", "graddot")
+    )
+    rho = torch.linspace(0.1, 0.3, 16, dtype=torch.float64)
+    ours = fidelity.Fidelity("graddot", rho + 0.1, 200)
+    peer = fidelity.Fidelity("opacus:graddot", rho, 200)
+    text = fidelity.peers_text([ours, peer], {"traker:trak": "traker 0.3.2: an error"})
+    assert "`graddot` 0.300 vs `opacus:graddot` 0.200, difference +0.100" in text
+    assert "ours is more faithful" in text
+    assert "- `traker:trak`: traker 0.3.2: an error" in text
+    worse = fidelity.Fidelity("graddot", rho - 0.1, 200)
+    assert "ours is less faithful" in fidelity.peers_text([worse, peer], {})
