@@ -367,7 +367,7 @@ def results_table(results: list[CellResult]) -> str:
     lines = [
         "| model | queries | method | library | note | time s (wall) | / floor "
         "| / ours (floor-normalized) | peak RSS MB (/ floor's) "
-        "| Spearman mean [min] / max rel. err. | floor fwd+bwd s / fwd s |",
+        "| Spearman mean [min] / max rel. err. | floor fwd+bwd s / fwd s (timed rounds) |",
         "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     ours = {
@@ -379,7 +379,7 @@ def results_table(results: list[CellResult]) -> str:
         c = r.cell
         floors = "—"
         if r.status == "ok":
-            floors = f"{r.median(FLOOR):.2f} / {r.median(FORWARD):.2f}"
+            floors = f"{r.median(FLOOR):.2f} / {r.median(FORWARD):.2f} ({len(r.samples[RUN])})"
         texts = cell_text(r, ours.get((c.model, c.method, c.queries)))
         lines.append(
             f"| {c.model} | {c.queries} | {c.method} | {c.library} | {r.note} | "
@@ -411,7 +411,8 @@ def draw_chart(runs: list[Run], path: Path) -> None:
             heights = []
             for method in methods:
                 hit = found.get((lib, method))
-                heights.append(hit.ratio() if hit and hit.cell.queries == queries else 0.0)
+                ok = hit is not None and hit.status == "ok" and hit.cell.queries == queries
+                heights.append(hit.ratio() if ok else 0.0)  # type: ignore[union-attr]
             xs = [m + i * width for m in range(len(methods))]
             ax.bar(xs, heights, width, label=lib)
         ax.axhline(1.0, color="black", linewidth=0.8)
@@ -480,11 +481,22 @@ def targets_table(results: list[CellResult]) -> str:
     return "\n".join(lines)
 
 
+def order_key(cell: Cell) -> tuple[str, int, int, int]:
+    """Table order: model, query count, method, then library as listed in ``LIBRARIES``."""
+    return (
+        cell.model,
+        cell.queries,
+        METHODS.index(cell.method),
+        list(LIBRARIES).index(cell.library),
+    )
+
+
 def run_text(run: Run) -> str:
     """One run's part of the section: commands, dates, load, sizes, tables."""
     s = run.shape
     models = ", ".join(f"{m} {p / 1e6:.2f}M parameters" for m, p in run.params.items())
     commands = "\n".join(f"    {command_line(SCRIPT, argv)}" for argv in run.commands)
+    ordered = sorted(run.results, key=lambda r: order_key(r.cell))
     return f"""### {", ".join(run.params)}: {s.train} training rows x \
 {" / ".join(map(str, run.query_counts))} queries
 
@@ -494,14 +506,14 @@ Commands:
 
 Dates: {", ".join(run.dates)}; {load_text(run.loads)}. Workload: {models}, {s.train} \
 training rows and {" / ".join(map(str, run.query_counts))} query rows of {s.seq} random \
-tokens, micro-batches of {s.batch}, projection k = {s.k} per side; {run.rounds} timed \
-round(s) per cell.
+tokens, micro-batches of {s.batch}, projection k = {s.k} per side; timed rounds per cell \
+in the last column.
 
 Against the issue's targets (times normalized by each process's own floor):
 
-{targets_table(run.results)}
+{targets_table(ordered)}
 
-{results_table(run.results)}
+{results_table(ordered)}
 """
 
 

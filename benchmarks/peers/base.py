@@ -50,14 +50,16 @@ LIBRARIES = {
     "traker": Library(
         None,
         "traker",
-        _PENDING + "TRAK projects whole per-example gradients with a dense JL map and its "
-        "own (X^T X)^-1; not wired to this workload",
+        _PENDING + "TRAK scores with its own estimator (dense JL projection of the whole "
+        "per-example gradient, (Phi^T Phi)^-1 and out-to-loss weights), none of the four "
+        "configurations measured here",
     ),
     "dattri": Library(
         None,
         "dattri",
-        _PENDING + "its torch.func AttributionTask over all parameters is not wired to this "
-        "workload",
+        _PENDING + "its TracInAttributor takes torch.func (vmap) per-example gradients of "
+        "the selected parameters and recomputes the query gradients once per training "
+        "batch; not wired to this workload in the time of this run",
     ),
 }
 _ADAPTERS: dict[str, type[PeerAdapter]] = {}
