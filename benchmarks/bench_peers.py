@@ -406,13 +406,12 @@ def draw_chart(runs: list[Run], path: Path) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     width = 0.8 / len(libraries)
     for ax, (run, model, queries) in zip(axes[0], panels, strict=True):
-        found = {(r.cell.library, r.cell.method): r for r in run.results}
+        found = {r.cell: r for r in run.results}
         for i, lib in enumerate(libraries):
             heights = []
             for method in methods:
-                hit = found.get((lib, method))
-                ok = hit is not None and hit.status == "ok" and hit.cell.queries == queries
-                heights.append(hit.ratio() if ok else 0.0)  # type: ignore[union-attr]
+                hit = found.get(Cell(model, lib, method, queries))
+                heights.append(hit.ratio() if hit is not None and hit.status == "ok" else 0.0)
             xs = [m + i * width for m in range(len(methods))]
             ax.bar(xs, heights, width, label=lib)
         ax.axhline(1.0, color="black", linewidth=0.8)
