@@ -40,11 +40,8 @@ import cProfile
 import gc
 import json
 import os
-import platform
 import pstats
-import re
 import resource
-import shlex
 import statistics
 import subprocess
 import sys
@@ -52,10 +49,23 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
+from common import (
+    CONTENDED,
+    MIN_REPEATS,
+    RESULTS,
+    Spread,
+    command_line,
+    load_text,
+    machine_info,
+    rotated,
+    tidy,
+    utc_now,
+    verdict,
+    write_section,
+)
 from torch import nn
 
 from tda_plugins import (
@@ -66,13 +76,8 @@ from tda_plugins import (
     ProjectionConfig,
 )
 
-REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "benchmarks" / "RESULTS.md"
 SECTION = "## Capture overhead (benchmarks/capture_overhead.py)"
-ENV_VARS = ("HF_HUB_OFFLINE", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")
-MIN_REPEATS = 10
-#: Baseline wall time above this multiple of its CPU time means the cores were contended.
-CONTENDED = 1.15
+SCRIPT = "benchmarks/capture_overhead.py"
 BASELINE = "baseline"
 
 
@@ -323,12 +328,6 @@ class Timings:
     profiles: dict[str, HookProfile] = field(default_factory=dict)
 
 
-def rotated(names: Sequence[str], shift: int) -> list[str]:
-    """``names`` rotated left by ``shift`` (so every configuration takes every slot)."""
-    shift %= len(names)
-    return [*names[shift:], *names[:shift]]
-
-
 def timed_step(
     trainer: Trainer, capture: tuple[CaptureEngine, StepRecordKeeper] | None, clean_hooks: int
 ) -> tuple[StepSample, int]:
@@ -520,27 +519,6 @@ class Memory:
 
 
 @dataclass(frozen=True)
-class Spread:
-    """Median with first and third quartile."""
-
-    q1: float
-    median: float
-    q3: float
-
-    @classmethod
-    def of(cls, values: Sequence[float]) -> Spread:
-        """Quartiles of ``values`` (all equal for a single value)."""
-        if len(values) < 2:
-            return cls(values[0], values[0], values[0])
-        q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
-        return cls(q1, median, q3)
-
-    def text(self, spec: str, suffix: str = "") -> str:
-        """``median [q1–q3]``."""
-        return f"{self.median:{spec}}{suffix} [{self.q1:{spec}}–{self.q3:{spec}}]"
-
-
-@dataclass(frozen=True)
 class Row:
     """One configuration of one model: times against the baseline, and memory."""
 
@@ -611,13 +589,6 @@ def build_row(t: Timings, name: str, runs: RssRuns) -> Row:
 def build_rows(timings: list[Timings], runs: RssRuns) -> list[Row]:
     """One row per (model, configuration), baseline first."""
     return [build_row(t, name, runs) for t in timings for name in t.samples]
-
-
-def verdict(ratio: float, target: float | None) -> str:
-    """Whether ``ratio`` meets ``target``."""
-    if target is None:
-        return ""
-    return "yes" if ratio <= target else "**no**"
 
 
 def time_table(rows: list[Row]) -> str:
@@ -708,32 +679,6 @@ def models_table(timings: list[Timings], settings: Settings) -> str:
     return "\n".join(lines)
 
 
-def command_line(argv: Sequence[str]) -> str:
-    """The exact command, with the environment variables that matter, as run from the repo."""
-    env = [f"{k}={os.environ[k]}" for k in ENV_VARS if k in os.environ]
-    python = Path(sys.executable)
-    if python.is_relative_to(REPO):
-        python = python.relative_to(REPO)
-    return " ".join([*env, shlex.join([str(python), "benchmarks/capture_overhead.py", *argv])])
-
-
-def machine_info() -> str:
-    """CPU count and model, threads, library versions, OS."""
-    import transformers
-
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        names = re.findall(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
-        cpu = names[0] if names else cpu
-    except OSError:
-        pass
-    return (
-        f"{os.cpu_count()} CPUs ({cpu}), torch {torch.__version__} on "
-        f"{torch.get_num_threads()} thread(s), transformers {transformers.__version__}, "
-        f"Python {platform.python_version()}, {platform.system()} {platform.release()}"
-    )
-
-
 def rss_note(runs: RssRuns) -> str:
     """How far ``ru_maxrss`` and ``VmHWM`` of the children disagree."""
     gaps = [
@@ -761,13 +706,6 @@ def memory_text(settings: Settings, runs: RssRuns) -> str:
     )
 
 
-def load_text(loads: Sequence[float]) -> str:
-    """The 1-minute load averages sampled during the run (other processes on the machine)."""
-    if not loads:
-        return "load average not available"
-    return "1-min load average during the run " + ", ".join(f"{x:.1f}" for x in loads)
-
-
 def contention_warning(rows: list[Row]) -> str:
     """A warning for models whose baseline wall time far exceeds its CPU time (the process
     waited for a core that other processes held), else nothing."""
@@ -789,13 +727,12 @@ def report(
     rows: list[Row], timings: list[Timings], settings: Settings, runs: RssRuns, argv: Sequence[str]
 ) -> str:
     """The full markdown section for RESULTS.md."""
-    date = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     loads = [x for t in timings for x in t.loads]
     return f"""{SECTION}
 
-Command: `{command_line(argv)}`
+Command: `{command_line(SCRIPT, argv)}`
 
-Date: {date}. Machine: {machine_info()}; {load_text(loads)}.
+Date: {utc_now()}. Machine: {machine_info()}; {load_text(loads)}.
 
 Step = forward + backward + AdamW step + `zero_grad`, fp32, batch {settings.batch} x \
 sequence {settings.seq}, attention `{settings.attn}`, capture of all linear layers \
@@ -821,18 +758,6 @@ nothing else; (b) adds `ProjectionConfig(kind="factor", k_a=16, k_g=16)`. Memory
 
 {memory_table(rows)}
 """
-
-
-def write_section(path: Path, section: str) -> None:
-    """Replace this benchmark's section of ``path`` (or append it), keeping the others."""
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.M | re.S)
-    block = section.rstrip() + "\n\n"
-    if pattern.search(text):
-        text = pattern.sub(lambda _: block, text, count=1)
-    else:
-        text = text.rstrip() + "\n\n" + block
-    path.write_text(text.rstrip() + "\n")
 
 
 # -- command line ----------------------------------------------------------------------
@@ -897,10 +822,10 @@ def main(argv: Sequence[str]) -> None:
     runs = measure_rss(settings) if settings.rss else {}
     timings = [time_model(MODELS[name], settings) for name in settings.models]
     section = report(build_rows(timings, runs), timings, settings, runs, argv)
-    section = re.sub(r"\n{3,}", "\n\n", section)
+    section = tidy(section)
     print("\n" + section)
     if settings.write:
-        write_section(settings.results, section)
+        write_section(settings.results, SECTION, section)
         print(f"updated {settings.results}")
 
 
