@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -49,6 +50,23 @@ def causal_lm_losses(model: nn.Module, batch: Mapping[str, Any]) -> Tensor:
     return causal_lm_example_losses(logits, batch["labels"])
 
 
+@contextmanager
+def grads_set_aside(model: nn.Module) -> Iterator[None]:
+    """Inside the block every trainable parameter's ``.grad`` starts as ``None``; the
+    caller's ``.grad`` tensors are put back afterwards. For a real backward between
+    training micro-batches (reentrant checkpointing cannot run under ``autograd.grad``)
+    that must not touch the training step's gradients."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    saved = [p.grad for p in trainable]
+    try:
+        for p in trainable:
+            p.grad = None
+        yield
+    finally:
+        for p, g in zip(trainable, saved, strict=True):
+            p.grad = g
+
+
 def capture_batch(
     model: nn.Module,
     batch: Mapping[str, Any],
@@ -65,27 +83,16 @@ def capture_batch(
     """
     loss_fn = loss_fn or causal_lm_losses
     collector = RecordCollector()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    # A real backward (reentrant checkpointing cannot run under autograd.grad), with the
-    # caller's .grad set aside and put back afterwards.
-    saved = [p.grad for p in trainable]
-    try:
-        for p in trainable:
-            p.grad = None
-        engine = CaptureEngine(model, layers, projection, [collector])
-        with engine, engine.exclusive():
-            with torch.enable_grad():
-                losses = loss_fn(model, batch)
-                if losses.dim() != 1:
-                    raise ValueError(
-                        "loss_fn must return (B,) per-example losses, got shape "
-                        f"{tuple(losses.shape)}"
-                    )
-                losses.sum().backward()
-            engine.flush()
-    finally:
-        for p, g in zip(trainable, saved, strict=True):
-            p.grad = g
+    engine = CaptureEngine(model, layers, projection, [collector])
+    with grads_set_aside(model), engine, engine.exclusive():
+        with torch.enable_grad():
+            losses = loss_fn(model, batch)
+            if losses.dim() != 1:
+                raise ValueError(
+                    f"loss_fn must return (B,) per-example losses, got shape {tuple(losses.shape)}"
+                )
+            losses.sum().backward()
+        engine.flush()
     if len(collector.records) != 1:
         raise RuntimeError(
             f"expected one captured micro-batch, got {len(collector.records)}: loss_fn must "

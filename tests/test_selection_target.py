@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tda_plugins.selection.target import TargetPool
+from tda_plugins import LayerSelection
+from tda_plugins.api import causal_lm_losses
+from tda_plugins.selection.target import TargetPool, target_gradient
+from tests.models import lm_batch, tiny_causal_lm
 
 
 def _pool(size: int) -> dict[str, torch.Tensor]:
@@ -28,3 +31,30 @@ def test_per_refresh_takes_the_next_examples_in_turn_and_wraps() -> None:
 def test_per_refresh_outside_the_pool_is_refused(per_refresh: int) -> None:
     with pytest.raises(ValueError, match="between 1 and the pool size 5"):
         TargetPool(_pool(5), per_refresh=per_refresh)
+
+
+def test_target_gradient_is_the_summed_loss_gradient_and_leaves_grad_alone() -> None:
+    """``target_gradient`` equals ``autograd.grad`` of the summed per-example losses (in
+    each layer's flattened layout, chunked or not), and the ``.grad`` a training step had
+    accumulated is the same tensor with the same values afterwards."""
+    model = tiny_causal_lm("llama")
+    batch = lm_batch(batch=4, lengths=(10, 7, 9, 5))
+    layers = LayerSelection("linear").resolve(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.full_like(p, 0.5)
+    before = [p.grad for p in params]
+    expected = dict(
+        zip(
+            [id(p) for p in params],
+            torch.autograd.grad(causal_lm_losses(model, batch).sum(), params),
+            strict=True,
+        )
+    )
+    for chunk in (None, 3):
+        got = target_gradient(model, layers, batch, causal_lm_losses, chunk)
+        for name, (module, adapter) in layers.items():
+            local = {k: expected[id(p)] for k, p in adapter.captured_parameters(module).items()}
+            torch.testing.assert_close(got[name], adapter.flatten(module, local))
+    assert all(p.grad is g for p, g in zip(params, before, strict=True))
+    assert all(bool((p.grad == 0.5).all()) for p in params)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor, nn
 
+from tda_plugins.api import grads_set_aside
 from tda_plugins.capture.adapters import LayerAdapter
 
 Batch = Mapping[str, Tensor]
@@ -44,14 +45,9 @@ def target_gradient(
         gradients. A parameter shared by several layers (tied weights) gets its full
         gradient in each of them.
     """
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    saved = [p.grad for p in trainable]
     size = len(next(iter(batch.values())))
     step = chunk_size or size
-    try:
-        for p in trainable:
-            p.grad = None
-        # A real backward (reentrant checkpointing cannot run under autograd.grad).
+    with grads_set_aside(model):
         with torch.enable_grad():
             for start in range(0, size, step):
                 chunk = {k: v[start : start + step] for k, v in batch.items()}
@@ -60,15 +56,12 @@ def target_gradient(
         for name, (module, adapter) in layers.items():
             params = adapter.captured_parameters(module)
             grads = {
-                # this backward's own .grad tensors (set aside below): no copy needed
+                # this backward's own .grad tensors (set aside on exit): no copy needed
                 local: p.grad.detach() if p.grad is not None else torch.zeros_like(p)
                 for local, p in params.items()
             }
             out[name] = adapter.flatten(module, grads)
         return out
-    finally:
-        for p, g in zip(trainable, saved, strict=True):
-            p.grad = g
 
 
 class TargetPool:
