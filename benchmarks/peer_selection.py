@@ -1,0 +1,390 @@
+"""Peer workload (5): online data selection step time, ours against dattri-llm's callback.
+
+The same HF ``Trainer`` loop, model and batches as ``benchmarks/selection_overhead.py``
+(Llama-architecture, batch 8 x 128 tokens, AdamW, ``max_grad_norm=1.0``), in three ways:
+
+* ``plain``: the ``Trainer`` alone;
+* ``ours``: ``DataSelectionCallback(pool, target_examples=1, fraction=0.25, score="dot")``;
+* ``dattri-llm``: its ``HookManager`` around ``trainer.train()`` with its
+  ``DataSelectionCallback(target="val_loader")``, one pool example per step as the target
+  (its paper's protocol), ``threshold_mode="bottom_fraction"`` 0.25, ghost scores,
+  ``renormalize=True`` (the closest to our token renormalization).
+
+Both drop the bottom quarter of each step's 8 examples by their gradient's dot with one
+target example's gradient (one of a 16-sequence pool in turn), and remove the dropped
+contributions from ``.grad`` before the optimizer step: LoRA (selection over the
+adapters) and full fine-tuning (every trainable parameter). Short ``train()`` runs of the
+three alternate (order rotated each round) on identical model copies; each step is timed
+``on_step_begin`` -> ``on_step_end`` by a callback placed first, the first step of a run
+discarded. Ratio = median step / median plain step of the same mode; the issue's target
+is our selection overhead (ratio - 1) below dattri-llm's.
+
+Run it in the peers' venv (``make bench`` installs it); where dattri-llm is not installed
+its rows say so and ours still run (``--quick`` is the CI smoke)::
+
+    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false \\
+        benchmarks/.venv-peers/bin/python benchmarks/peer_selection.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import tempfile
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from common import (
+    MIN_REPEATS,
+    Comparison,
+    Sample,
+    StepTimer,
+    base_parser,
+    command_line,
+    load_average,
+    load_text,
+    machine_info,
+    make_trainer,
+    publish,
+    quiet_transformers,
+    rotated,
+    runs_needed,
+    tidy,
+    token_rows,
+    training_args,
+    utc_now,
+    verdict,
+)
+from selection_overhead import MODEL, MODES, QUICK_MODEL, Mode, build_base, copy_for
+from torch import Tensor, nn
+from transformers import TrainerCallback
+
+from tda_plugins.integrations.transformers.callbacks import DataSelectionCallback
+
+SECTION = "## Peer comparison: online data selection (benchmarks/peer_selection.py)"
+SCRIPT = "benchmarks/peer_selection.py"
+FRACTION = 0.25
+PLAIN = "plain"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Resolved command-line settings."""
+
+    modes: tuple[str, ...]
+    seq: int
+    batch: int
+    pool: int
+    repeats: int
+    steps_per_run: int
+    quick: bool
+    write: bool
+    results: Path
+
+    @property
+    def runs(self) -> int:
+        """Alternating runs per library (one discarded warm-up step each)."""
+        return runs_needed(self.repeats, self.steps_per_run, 1)
+
+    @property
+    def model_config(self) -> dict[str, Any]:
+        return QUICK_MODEL if self.quick else MODEL
+
+
+class Unavailable(Exception):
+    """A library cannot run here; the message says why (kept in its row)."""
+
+
+class Way(ABC):
+    """One way of training a run: plain, or with a library's selection callback.
+
+    Construction raises :class:`Unavailable` where the library cannot run here.
+    """
+
+    name: ClassVar[str]
+    note: ClassVar[str]
+
+    def __init__(self, mode: Mode):
+        self.mode = mode
+
+    @abstractmethod
+    def train(
+        self, model: nn.Module, rows: Tensor, pool: list[list[int]], args: Any, timer: StepTimer
+    ) -> int:
+        """One ``trainer.train()`` with ``timer`` first; returns the steps that selected."""
+
+
+WAYS: dict[str, type[Way]] = {}
+
+
+def register(cls: type[Way]) -> type[Way]:
+    """Class decorator: make a way available under its ``name``."""
+    WAYS[cls.name] = cls
+    return cls
+
+
+@register
+class Plain(Way):
+    name = PLAIN
+    note = "the Trainer alone"
+
+    def train(
+        self, model: nn.Module, rows: Tensor, pool: list[list[int]], args: Any, timer: StepTimer
+    ) -> int:
+        make_trainer(model, rows, args, [timer]).train()
+        return 0
+
+
+@register
+class Ours(Way):
+    name = "ours"
+    note = (
+        f'`DataSelectionCallback(pool, target_examples=1, fraction={FRACTION}, score="dot")`'
+        ' (full fine-tuning: `layers="all"`)'
+    )
+
+    def train(
+        self, model: nn.Module, rows: Tensor, pool: list[list[int]], args: Any, timer: StepTimer
+    ) -> int:
+        selection = DataSelectionCallback(
+            [{"input_ids": ids} for ids in pool],
+            fraction=FRACTION,
+            target_examples=1,
+            **self.mode.layers,
+        )
+        make_trainer(model, rows, args, [timer, selection]).train()
+        return len(selection.history)
+
+
+@register
+class DattriLLM(Way):
+    name = "dattri-llm"
+    note = (
+        '`HookManager` + `DataSelectionCallback(target="val_loader")`, one pool example '
+        f'per step, `threshold_mode="bottom_fraction"` {FRACTION}, ghost scores, '
+        "`renormalize=True`; LoRA: `linear_io` on the adapters; full fine-tuning: its "
+        "default (`linear_io` on every linear layer, `param_grad` for the rest)"
+    )
+
+    def __init__(self, mode: Mode):
+        super().__init__(mode)
+        try:
+            from dattri_llm import HookManagerConfig
+            from dattri_llm.gradient.callbacks.data_selection_callback import (
+                DataSelectionCallback as DattriSelection,
+            )
+            from dattri_llm.gradient.hooks import HookManager
+        except ImportError as e:
+            raise Unavailable(f"dattri-llm is not installed here ({e}); run `make bench`") from e
+        self.manager, self.selection = HookManager, DattriSelection
+        adapters = [r"lora_[AB]\.default$"] if mode.lora_rank is not None else None
+        self.config = HookManagerConfig(linear_io=adapters)
+
+    def train(
+        self, model: nn.Module, rows: Tensor, pool: list[list[int]], args: Any, timer: StepTimer
+    ) -> int:
+        batches = [{"input_ids": torch.tensor([i]), "labels": torch.tensor([i])} for i in pool]
+        selection = self.selection(
+            model,
+            target="val_loader",
+            val_loader=itertools.cycle(batches),
+            val_loss_fn=lambda m, batch: m(**batch).loss,
+            renormalize=True,
+            selection_kwargs={"threshold": FRACTION, "threshold_mode": "bottom_fraction"},
+        )
+        counter = _DropCounter(selection)
+        manager = self.manager(model, config=self.config, callbacks=[selection])
+        with manager.collect(deregister_on_exit=True):
+            make_trainer(model, rows, args, [timer, counter]).train()
+        return counter.selected
+
+
+class _DropCounter(TrainerCallback):
+    """Counts the optimizer steps after which dattri-llm's callback had dropped examples."""
+
+    def __init__(self, selection: Any):
+        self.selection, self.selected = selection, 0
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        dropped = getattr(self.selection, "last_dropped", None)
+        self.selected += int(dropped is not None and len(dropped) > 0)
+        self.selection.last_dropped = None
+
+
+@dataclass
+class Entry:
+    """One available library in one mode: its way, its model copy and its step timer."""
+
+    way: Way
+    model: nn.Module
+    timer: StepTimer = field(default_factory=StepTimer)
+
+
+@dataclass(frozen=True)
+class ModeResult:
+    """One mode's timed steps per library, and why a library could not run."""
+
+    mode: Mode
+    samples: dict[str, list[Sample]]
+    reasons: dict[str, str]
+
+    def comparison(self, name: str) -> Comparison:
+        """``name`` against plain."""
+        return Comparison.of(self.samples[name], self.samples[PLAIN])
+
+
+def run_mode(
+    mode: Mode, settings: Settings, base: nn.Module, work: Path
+) -> tuple[ModeResult, list[float]]:
+    """Alternating runs of every available library on identical copies of ``base``."""
+    vocab = int(settings.model_config["vocab_size"])
+    rows = token_rows(settings.steps_per_run * settings.batch, settings.seq, vocab, seed=4)
+    pool = token_rows(settings.pool, settings.seq, vocab, seed=3).tolist()
+    table: dict[str, Entry] = {}
+    reasons: dict[str, str] = {}
+    for name, cls in WAYS.items():
+        try:
+            table[name] = Entry(cls(mode), copy_for(mode, base))
+        except Unavailable as e:
+            reasons[name] = str(e)
+    loads = []
+    for round_ in range(settings.runs):
+        for name in rotated(list(table), round_):
+            e = table[name]
+            out = work / f"{mode.name}-{name}-{round_}"
+            args = training_args(out, settings.steps_per_run, settings.batch)
+            selected = e.way.train(e.model, rows, pool, args, e.timer)
+            if name != PLAIN and selected != settings.steps_per_run:
+                raise RuntimeError(
+                    f"{name} selected at {selected} of {settings.steps_per_run} steps"
+                )
+        loads.append(load_average())
+        print(f"  {mode.name} round {round_ + 1}/{settings.runs}", flush=True)
+    samples = {name: e.timer.timed(1) for name, e in table.items()}
+    return ModeResult(mode, samples, reasons), loads
+
+
+# -- results ---------------------------------------------------------------------------
+
+
+def time_table(results: list[ModeResult]) -> str:
+    """Step times, ratios to plain, and the target per mode: our overhead below theirs."""
+    lines = [
+        "| mode | library | step s, CPU median [IQR] | **CPU ratio** "
+        "| paired CPU ratio [IQR] | wall ratio | overhead vs ours (ratio - 1, theirs / ours) "
+        "| target (5): ours below |",
+        "|---|---|---:|---:|---:|---:|---:|:-:|",
+    ]
+    for r in results:
+        ours = r.comparison("ours").cpu_ratio - 1 if "ours" in r.samples else None
+        for name in WAYS:
+            if name not in r.samples:
+                lines.append(f"| {r.mode.label} | {name} | {r.reasons[name]} | — | — | — | — | — |")
+                continue
+            c = r.comparison(name)
+            versus, met = "—", ""
+            if name not in (PLAIN, "ours") and ours is not None:
+                theirs = c.cpu_ratio - 1
+                versus = f"{theirs / ours:.2f}x" if ours > 0 else "ours <= 0"
+                met = verdict(ours, theirs) if theirs > 0 else "**no**"
+            lines.append(
+                f"| {r.mode.label} | {name} | {c.cpu.text()} "
+                f"| **{c.cpu_ratio:.2f}x** | {c.cpu_paired.text('.2f', 'x')} "
+                f"| {c.wall_ratio:.2f}x | {versus} | {met} |"
+            )
+    return "\n".join(lines)
+
+
+def report(
+    results: list[ModeResult], loads: list[float], settings: Settings, argv: Sequence[str]
+) -> str:
+    """The markdown section for RESULTS.md."""
+    shape = ", ".join(f"{k}={v}" for k, v in settings.model_config.items())
+    steps = min(len(v) for r in results for v in r.samples.values())
+    return tidy(f"""{SECTION}
+
+Command: `{command_line(SCRIPT, argv)}`
+
+Date: {utc_now()}. Machine: {machine_info()}; {load_text(loads)}.
+
+HF `Trainer` (CPU, fp32, AdamW, `max_grad_norm=1.0`), batch {settings.batch} x sequence \
+{settings.seq}, no padding, `LlamaConfig({shape})`; a target pool of {settings.pool} \
+sequences, each step's target one of them in turn; the bottom {FRACTION:.0%} of each \
+step's examples dropped and removed from `.grad`. Runs of {settings.steps_per_run} steps \
+alternate (order rotated, {settings.runs} per library, identical model copies), the \
+first step of each discarded: median of {steps} steps per library. Ratio = median step \
+/ median plain step of the same mode (CPU time: one torch thread, steadier than wall \
+time on this shared machine); paired = step / plain step of the same slot.
+
+{ways_text()}
+
+{time_table(results)}
+""")
+
+
+def ways_text() -> str:
+    """What each library runs, as a list."""
+    return "\n".join(f"- `{name}`: {cls.note}." for name, cls in WAYS.items())
+
+
+# -- command line ----------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str]) -> Settings:
+    """Parse and validate the command line into :class:`Settings`."""
+    p = base_parser(__doc__.split("\n\n")[0])
+    p.add_argument("--mode", choices=[*MODES, "both"], default="both")
+    p.add_argument("--seq", type=int, help="sequence length (default 128; quick 16)")
+    p.add_argument("--batch", type=int, default=8, help="examples per step")
+    p.add_argument("--pool", type=int, default=16, help="target pool size")
+    p.add_argument("--repeats", type=int, help="timed steps per library (default 12)")
+    p.add_argument("--steps-per-run", type=int, default=4, help="steps of one train() run")
+    a = p.parse_args(argv)
+    settings = Settings(
+        modes=tuple(MODES) if a.mode == "both" else (a.mode,),
+        seq=a.seq or (16 if a.quick else 128),
+        batch=a.batch,
+        pool=a.pool,
+        repeats=a.repeats or (2 if a.quick else 12),
+        steps_per_run=a.steps_per_run,
+        quick=a.quick,
+        write=a.write if a.write is not None else not a.quick,
+        results=a.results,
+    )
+    check(p, settings)
+    return settings
+
+
+def check(p: argparse.ArgumentParser, settings: Settings) -> None:
+    """Refuse settings that cannot give a valid measurement."""
+    for name in ("seq", "batch", "pool", "repeats"):
+        if getattr(settings, name) < 1:
+            p.error(f"--{name} must be >= 1")
+    if settings.steps_per_run < 2:
+        p.error("--steps-per-run must be >= 2 (the first step of each run is discarded)")
+    if settings.repeats < MIN_REPEATS and not settings.quick:
+        p.error(f"--repeats must be >= {MIN_REPEATS} (DESIGN.md section 6); use --quick to smoke")
+
+
+def main(argv: Sequence[str]) -> list[ModeResult]:
+    """Run the comparison, print the table and the command, update RESULTS.md."""
+    settings = parse_args(argv)
+    quiet_transformers()
+    base = build_base(settings)  # type: ignore[arg-type]  # duck-typed: quick, seq
+    results, loads = [], []
+    with tempfile.TemporaryDirectory(prefix="tda-peer-select-") as work:
+        for name in settings.modes:
+            result, mode_loads = run_mode(MODES[name], settings, base, Path(work))
+            results.append(result)
+            loads += mode_loads
+    publish(report(results, loads, settings, argv), SECTION, settings.results, settings.write)
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
