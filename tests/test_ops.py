@@ -189,3 +189,38 @@ def test_layers_sharing_an_input_are_scored_and_summed_as_each_alone() -> None:
         explicit = _explicit_materialize(g)
         torch.testing.assert_close(dots[name], explicit @ vectors[name])
         torch.testing.assert_close(sums[name], explicit[rows].sum(0))
+
+
+@pytest.mark.parametrize("route", [None, Route.FACTORIZED, Route.MATERIALIZED])
+def test_dots_with_a_vector_known_as_factors_take_either_route(route: Route | None) -> None:
+    """Where a vector is also given as factors whose per-example sum it is, ``dots_with``
+    scores against the factors (ghost dot) or the vector; both equal the explicit rows,
+    shared-input layers included, and a layer without factors keeps the vector."""
+    x = _randn(3, 5, 6)
+    grads: dict[str, PerExampleGrad] = {
+        "q": TokenFactors(x, _randn(3, 5, 2)),
+        "k": TokenFactors(x, _randn(3, 5, 3)),
+        "bias": TokenFactors(_randn(3, 5, 6), _randn(3, 5, 4), bias=True),
+        "plain": TokenFactors(_randn(3, 5, 6), _randn(3, 5, 2)),
+    }
+    factors = {
+        name: TokenFactors(_randn(1, 7, 6), _randn(1, 7, g.out_dim), bias=g.bias)
+        for name, g in grads.items()
+        if name != "plain"
+    }
+    vectors = {name: _explicit_materialize(f)[0] for name, f in factors.items()}
+    vectors["plain"] = _randn(grads["plain"].dim)
+    dots = dots_with(grads, vectors, factors, route)
+    assert list(dots) == list(grads)
+    for name, g in grads.items():
+        torch.testing.assert_close(dots[name], _explicit_materialize(g) @ vectors[name])
+
+
+def test_dot_costs_route_to_the_smaller_target_form() -> None:
+    """The ghost dot is chosen exactly when the factors are the smaller form of the
+    vector: ``S (N_i + N_o) <= N_i N_o`` for ``S`` factor tokens."""
+    train = TokenFactors(_randn(2, 3, 8), _randn(2, 3, 8))  # N_i N_o / (N_i + N_o) = 4
+    for tokens, expected in ((4, Route.FACTORIZED), (5, Route.MATERIALIZED)):
+        target = TokenFactors(_randn(1, tokens, 8), _randn(1, tokens, 8))
+        assert choose_route(train.dot_costs(target)) is expected
+    assert choose_route(train.dot_costs(DenseGrad(_randn(1, 64)))) is Route.MATERIALIZED

@@ -193,7 +193,9 @@ def subject(spec: str, adam: bool = False) -> Subject:
         optimizer.step()
         model.zero_grad(set_to_none=True)
     window = lm_batch(EXAMPLES, 10, lengths=LENGTHS, seed=1)
-    target = lm_batch(3, 10, lengths=(10, 8, 6), seed=2)
+    # 16 target tokens: for some layers the factors are the smaller form of the target
+    # (scored by the ghost dot), for others the vector (both routes below)
+    target = lm_batch(2, 8, lengths=(8, 5), seed=2)
     names = list(trainable(model))
     per_example = loop_oracle(model, window, names)
     target_grad = {n: g.sum(0) for n, g in loop_oracle(model, target, names).items()}
@@ -208,6 +210,7 @@ class Outcome:
     after: dict[str, Tensor]
     selection: StepSelection
     layer_names: list[str]
+    factor_layers: list[str]
 
 
 def run_step(
@@ -251,8 +254,9 @@ def run_step(
         after = current_grads(s.model)
         layer_names = engine.layer_names
     s.model.zero_grad(set_to_none=True)
-    assert len(selector.history) == 1
-    return Outcome(before, after, selector.history[0], layer_names)
+    assert len(selector.history) == 1 and selector.target is not None
+    factor_layers = list(selector.target.factors)
+    return Outcome(before, after, selector.history[0], layer_names, factor_layers)
 
 
 def oracle_scores(s: Subject, score: str, names: list[str]) -> Tensor:
@@ -389,6 +393,19 @@ def test_global_scores_are_each_examples_gradient_against_the_target(spec: str, 
     expected = oracle_scores(s, score, list(s.per_example))
     error = ((outcome.selection.scores.double() - expected).norm() / expected.norm()).item()
     assert error <= 1e-5, f"scores are {error:.2e} (relative) away from the oracle's"
+
+
+@pytest.mark.parametrize("spec", ["llama-full", "gpt2-full"])
+def test_the_target_scores_some_layers_by_its_factors(spec: str) -> None:
+    """The subjects' target is the smaller form as factors for some layers and not for
+    others, so the score and removal tests cover both routes of ``dots_with``; a tied
+    weight (GPT-2's ``lm_head``/``wte``) is scored by its whole-parameter vector."""
+    s = subject(spec)
+    outcome = run_step(s, 1, "bottom_fraction", {"fraction": FRACTION})
+    assert 0 < len(outcome.factor_layers) < len(outcome.layer_names)
+    tied = s.model.get_output_embeddings().weight is s.model.get_input_embeddings().weight
+    assert tied == spec.startswith("gpt2")
+    assert ("lm_head" in outcome.factor_layers) != tied
 
 
 @pytest.mark.parametrize("spec", MODELS)

@@ -55,6 +55,27 @@ def test_target_gradient_is_the_summed_loss_gradient_and_leaves_grad_alone() -> 
         got = target_gradient(model, layers, batch, causal_lm_losses, chunk)
         for name, (module, adapter) in layers.items():
             local = {k: expected[id(p)] for k, p in adapter.captured_parameters(module).items()}
-            torch.testing.assert_close(got[name], adapter.flatten(module, local))
+            torch.testing.assert_close(got.vectors[name], adapter.flatten(module, local))
     assert all(p.grad is g for p, g in zip(params, before, strict=True))
     assert all(bool((p.grad == 0.5).all()) for p in params)
+
+
+def test_target_factors_are_kept_where_smaller_and_sum_to_the_vector() -> None:
+    """The target's per-token factors are kept for exactly the layers where ``S`` target
+    tokens make them the smaller form (``S (N_i + N_o) <= N_i N_o``), chunked or not, and
+    their gradient is the layer's target vector."""
+    model = tiny_causal_lm("llama")
+    layers = LayerSelection("linear").resolve(model)
+    kept = 0
+    for batch, chunk in ((lm_batch(batch=2, length=4), 1), (lm_batch(batch=4, length=10), None)):
+        got = target_gradient(model, layers, batch, causal_lm_losses, chunk)
+        tokens = batch["input_ids"].numel()
+        for name, (module, _) in layers.items():
+            n_i = module.in_features + int(module.bias is not None)
+            n_o = module.out_features
+            assert (name in got.factors) == (tokens * (n_i + n_o) <= n_i * n_o), name
+            if name in got.factors:
+                kept += 1
+                assert got.factors[name].batch_size == 1 and got.factors[name].tokens == tokens
+                torch.testing.assert_close(got.factors[name].materialize()[0], got.vectors[name])
+    assert kept == len(layers)  # every layer of the 8-token target, none of the 40-token one

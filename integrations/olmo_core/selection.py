@@ -42,7 +42,7 @@ from tda_plugins.integrations.olmo_core.callbacks import check_train_module, giv
 from tda_plugins.integrations.olmo_core.normalization import OLMoCoreLossNormalization
 from tda_plugins.selection import DataSelector, StepSelection, rule_by_name
 from tda_plugins.selection.selector import Granularity, ScoreMode
-from tda_plugins.selection.target import TargetPool, target_gradient
+from tda_plugins.selection.target import Target, TargetPool, target_gradient
 from tda_plugins.session import CaptureSettings, UnsupportedTrainingSetup
 
 TargetTokens = Tensor | Sequence[Sequence[int]]
@@ -296,7 +296,7 @@ class DataSelectionCallback(Callback):
             self._observe_call, prepend=True, with_kwargs=True
         )
 
-    def _capture_target(self) -> dict[str, Tensor]:
+    def _capture_target(self) -> Target:
         """The summed gradient of this refresh's target sequences at the current weights
         (one plain backward; the training capture paused)."""
         assert self._engine is not None

@@ -28,7 +28,7 @@ from tda_plugins.influence import InfluenceLogger
 from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
 from tda_plugins.selection import DataSelector, StepSelection, rule_by_name
 from tda_plugins.selection.selector import Granularity, ScoreMode
-from tda_plugins.selection.target import TargetPool, target_gradient
+from tda_plugins.selection.target import Target, TargetPool, target_gradient
 from tda_plugins.session import CaptureSession, CaptureSettings, UnsupportedTrainingSetup
 
 
@@ -485,7 +485,7 @@ class DataSelectionCallback(PoolCallback):
         self._max_grad_norm = float(args.max_grad_norm or 0.0)
         args.max_grad_norm = 0.0  # clipping happens after selection, in on_pre_optimizer_step
 
-    def pool_gradients(self, model: nn.Module, args: TrainingArguments) -> dict[str, Tensor]:
+    def pool_gradients(self, model: nn.Module, args: TrainingArguments) -> Target:
         """The summed gradient of this refresh's target examples: one plain backward,
         chunked by the training batch size, that the training engine does not record."""
         assert self.engine is not None
@@ -499,7 +499,7 @@ class DataSelectionCallback(PoolCallback):
                 args.per_device_train_batch_size,
             )
 
-    def use_pool(self, pooled: dict[str, Tensor] | None, lr_scheduler: Any) -> None:
+    def use_pool(self, pooled: Target | None, lr_scheduler: Any) -> None:
         if pooled is not None and self.selector is not None:
             self.selector.set_target(pooled)
 

@@ -100,6 +100,15 @@ class PerExampleGrad(ABC):
         grads = self.materialize()
         return grads @ vector.to(grads.dtype)
 
+    def dot_costs(self, vector_factors: PerExampleGrad) -> dict[Route, float]:
+        """Cost estimate of :meth:`dot` with a vector ``v`` that is also known as the
+        summed per-example gradients ``vector_factors``: the product with ``v``
+        (materialized route, ``~ B T D`` for factors) or the ghost dot against the
+        factors, summed over their examples (factorized route, where it exists)."""
+        factorized = self.gram_costs(vector_factors).get(Route.FACTORIZED)
+        costs = {Route.MATERIALIZED: self._materialize_flops()}
+        return costs if factorized is None else {**costs, Route.FACTORIZED: factorized}
+
     @classmethod
     @abstractmethod
     def stack(cls, parts: list[Self]) -> Self:

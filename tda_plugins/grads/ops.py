@@ -76,12 +76,27 @@ def _input_groups(
 
 
 def dots_with(
-    grads: Mapping[str, PerExampleGrad], vectors: Mapping[str, Tensor]
+    grads: Mapping[str, PerExampleGrad],
+    vectors: Mapping[str, Tensor],
+    factors: Mapping[str, PerExampleGrad] | None = None,
+    route: Route | None = None,
 ) -> dict[str, Tensor]:
-    """Per layer, ``(B,)`` inner products ``<dW_i, v>`` with the layer's ``(D,)`` vector;
-    layers that share an input (and have the narrower output side) take one product
-    ``a [V_1; V_2; ...]^T`` together instead of one narrow product each."""
-    shared, rest = _input_groups(grads, narrow_output=True)
+    """Per layer, ``(B,)`` inner products ``<dW_i, v>`` with the layer's ``(D,)`` vector.
+
+    ``factors`` may give a layer's ``v`` also as per-token factors (``v`` = the sum of
+    their per-example gradients, e.g. a selection target's tokens). Then the cost model
+    picks, per layer, the ghost dot against them (factorized: ``B T B2 T2 (N_i + N_o)``)
+    or the product with ``v`` (materialized: ``B T N_i N_o``); ``route`` forces one where
+    both exist. Layers that share an input (and have the narrower output side) take the
+    product with ``v`` together, ``a [V_1; V_2; ...]^T``, instead of one narrow product
+    each."""
+    factors = factors or {}
+    ghost = {}
+    for name, f in factors.items():
+        if choose_route(grads[name].dot_costs(f), route) is Route.FACTORIZED:
+            ghost[name] = grads[name].gram_factorized(f).sum(dim=1)
+    direct = {name: g for name, g in grads.items() if name not in ghost}
+    shared, rest = _input_groups(direct, narrow_output=True)
     out = {name: grads[name].dot(vectors[name]) for name in rest}
     for group in shared:
         a = group[0][1].a
@@ -90,7 +105,8 @@ def dots_with(
         parts = (a @ stacked.T).split([f.out_dim for _, f in group], dim=-1)
         for (name, f), h in zip(group, parts, strict=True):
             out[name] = (h * f.g.to(accumulation_dtype(f.g))).sum(dim=(1, 2))
-    return out
+    out.update(ghost)
+    return {name: out[name] for name in grads}
 
 
 def rows_sums(grads: Mapping[str, PerExampleGrad], rows: Tensor) -> dict[str, Tensor]:

@@ -45,6 +45,7 @@ from tda_plugins.grads.factors import PerExampleGrad
 from tda_plugins.grads.ops import dots_with, rows_sums, sq_norms
 from tda_plugins.grads.projection import ProjectionConfig, Projector
 from tda_plugins.selection.rules import DropRule
+from tda_plugins.selection.target import Target
 
 ScoreMode = Literal["dot", "cosine", "adam"]
 Granularity = Literal["global", "per_layer"]
@@ -159,7 +160,7 @@ class DataSelector(CaptureConsumer):
         self.granularity = granularity
         self.optimizer = optimizer
         self.log_path = Path(log_path) if log_path is not None else None
-        self.target: dict[str, Tensor] | None = None
+        self.target: Target | None = None
         self.history: list[StepSelection] = []
         self._check_tied_parameters()
 
@@ -198,14 +199,21 @@ class DataSelector(CaptureConsumer):
                 by_param[key] = value if key not in by_param else by_param[key] + value
         return torch.cat([v.reshape(*lead, -1) for v in by_param.values()], dim=-1)
 
-    def set_target(self, target: dict[str, Tensor]) -> None:
-        """The target gradient at the current weights: layer name -> ``(D,)`` summed
-        loss gradient of the target examples in the layer's flattened layout (as
-        :func:`~tda_plugins.selection.target.target_gradient` returns it)."""
-        missing = set(self.layers) - set(target)
+    def set_target(self, target: Target) -> None:
+        """The target gradient at the current weights, as
+        :func:`~tda_plugins.selection.target.target_gradient` returns it: per layer the
+        ``(D,)`` summed loss gradient of the target examples in the layer's flattened
+        layout, and where smaller its per-token factors (scored by the ghost dot)."""
+        missing = set(self.layers) - set(target.vectors)
         if missing:
             raise ValueError(f"the target has no gradient for layers {sorted(missing)[:3]}")
-        self.target = {name: target[name] for name in self.layers}
+        # A tied parameter's vector is its whole gradient, its factors only one call
+        # site's part of it: tied layers are scored with the vector.
+        alone = {unit[0] for unit in self.units if len(unit) == 1}
+        self.target = Target(
+            {name: target.vectors[name] for name in self.layers},
+            {name: f for name, f in target.factors.items() if name in alone},
+        )
         self._projected_target = {}
 
     # -- scoring ---------------------------------------------------------------------
@@ -224,7 +232,7 @@ class DataSelector(CaptureConsumer):
         return 1.0 / (v_hat.sqrt() + eps)
 
     def _unit_scores(
-        self, records: list[MicroBatchRecord], target: dict[str, Tensor]
+        self, records: list[MicroBatchRecord], target: Target
     ) -> tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]:
         """Per unit (a layer, or layers sharing a parameter): ``(N,)`` dots with the
         (preconditioned) target, and for cosine only (else empty) the ``(N,)`` squared
@@ -232,14 +240,16 @@ class DataSelector(CaptureConsumer):
 
         Dots come from each layer's factors (``<dW_i, T>`` without a ``(N, D)`` tensor);
         a tied parameter's target is its full gradient in each sharing layer, so a unit's
-        dot is the sum of its layers' dots."""
+        dot is the sum of its layers' dots. The target's factors (where it has them) serve
+        the unprojected, unpreconditioned dots."""
         vectors = {}
         for name in self.layers:
-            vectors[name] = self._layer_target(name, records, target)
+            vectors[name] = self._layer_target(name, records, target.vectors)
             if self.score == "adam":
                 vectors[name] = vectors[name] * self._adam_scale(name, vectors[name])
+        factors = target.factors if self.projector is None and self.score != "adam" else {}
         per_record = [
-            dots_with({name: self._grads(r, name) for name in self.layers}, vectors)
+            dots_with({name: self._grads(r, name) for name in self.layers}, vectors, factors)
             for r in records
         ]
         scales = [r.loss_scale for r in records]
@@ -253,7 +263,9 @@ class DataSelector(CaptureConsumer):
             dots[key] = torch.stack([layer_dots[name] for name in unit]).sum(0)
             if self.score == "cosine":
                 squares[key] = self._unit_sq_norms(unit, records)
-                target_sq[key] = self._unit_target(unit, records, target).double().pow(2).sum()
+                target_sq[key] = (
+                    self._unit_target(unit, records, target.vectors).double().pow(2).sum()
+                )
         return dots, squares, target_sq
 
     def _grads(self, record: MicroBatchRecord, name: str) -> PerExampleGrad:

@@ -1,25 +1,81 @@
 """The selection target: the summed loss gradient of target examples, in the layers' layout.
 
 The target needs no per-example gradients, only their sum, so it comes from one plain
-backward of the summed loss (no capture hooks, no per-token factors kept): its cost is a
-forward and backward over the target examples and nothing more. A :class:`TargetPool`
-hands out which examples each refresh uses: the whole pool, or the next ``m`` of it in
-turn (the dattri-llm protocol scores each step against one example of a 16-example pool).
+backward of the summed loss: its cost is a forward and backward over the target
+examples. The same backward also hands the target's per-token factors to a temporary
+capture engine; where those are the smaller form of a layer's target (few target tokens
+against a wide layer: ``S (N_i + N_o) <= N_i N_o`` for ``S`` target tokens), scoring a
+training example against them costs ``T S (N_i + N_o)`` instead of the ``T N_i N_o`` of
+a dot with the summed vector (:func:`~tda_plugins.grads.ops.dots_with`). A
+:class:`TargetPool` hands out which examples each refresh uses: the whole pool, or the
+next ``m`` of it in turn (the dattri-llm protocol scores each step against one example of
+a 16-example pool).
 """
 
 from __future__ import annotations
 
+import contextlib
+import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
 from tda_plugins.api import grads_set_aside
 from tda_plugins.capture.adapters import LayerAdapter
+from tda_plugins.capture.consumer import CaptureConsumer
+from tda_plugins.capture.engine import CaptureEngine
+from tda_plugins.capture.records import MicroBatchRecord
+from tda_plugins.capture.selection import LayerSelection
+from tda_plugins.grads.factors import TokenFactors
 
 Batch = Mapping[str, Tensor]
 #: ``(model, batch) -> (B,)`` per-example losses, each the sum over its loss tokens.
 ExampleLosses = Callable[[nn.Module, Batch], Tensor]
+
+
+@dataclass(frozen=True)
+class Target:
+    """A selection target at the current weights.
+
+    Attributes:
+        vectors: layer name -> ``(D,)`` gradient of ``sum_i L_i`` over the target
+            examples, in the layout of the layer's flattened per-example gradients.
+        factors: layer name -> the same gradient as per-token factors, every target
+            token a row of one example (``TokenFactors`` of batch 1, ``S`` tokens), for the
+            layers where that form is the smaller one (``S (N_i + N_o) <= N_i N_o``, ``S``
+            counting the batch's ``input_ids``; none for a batch without them).
+    """
+
+    vectors: dict[str, Tensor]
+    factors: dict[str, TokenFactors] = field(default_factory=dict)
+
+
+class _SmallFactors(CaptureConsumer):
+    """Keeps, per layer, the target's token factors where ``tokens`` of them are smaller
+    than the layer's gradient; the other layers' are let go as each chunk finishes."""
+
+    def __init__(self, tokens: int):
+        self.tokens = tokens
+        self.parts: dict[str, list[TokenFactors]] = {}
+
+    def on_micro_batch(self, record: MicroBatchRecord) -> None:
+        for name, layer in record.layers.items():
+            grads = layer.grads
+            if isinstance(grads, TokenFactors) and (
+                self.tokens * (grads.in_dim + grads.out_dim) <= grads.dim
+            ):
+                self.parts.setdefault(name, []).append(grads.scaled(record.loss_scale))
+
+    def factors(self) -> dict[str, TokenFactors]:
+        """Per kept layer, every chunk's tokens as the rows of one example."""
+        out = {}
+        for name, parts in self.parts.items():
+            a = torch.cat([p.a.reshape(-1, p.a.shape[-1]) for p in parts])
+            g = torch.cat([p.g.reshape(-1, p.g.shape[-1]) for p in parts])
+            out[name] = TokenFactors(a[None], g[None], parts[0].bias)
+        return out
 
 
 def target_gradient(
@@ -28,31 +84,39 @@ def target_gradient(
     batch: Batch,
     losses: ExampleLosses,
     chunk_size: int | None = None,
-) -> dict[str, Tensor]:
+) -> Target:
     """Gradient of ``sum_i L_i`` over ``batch`` (``L_i``: example ``i``'s summed-token
     loss) for each layer's captured parameters.
 
     Args:
         model: the model, called by ``losses``; its ``.grad`` is set aside during the
-            backward and restored, so a training step in progress is untouched.
+            backward and restored, so a training step in progress is untouched. Other
+            capture engines on it (a training run's) do not record this pass.
         layers: name -> (module, adapter), e.g. an engine's ``captured_layers``.
         batch: tensors with the example axis first.
-        losses: per-example summed losses of a batch.
+        losses: per-example summed losses of a batch; one forward call of ``model``.
         chunk_size: examples per forward/backward (default: all at once).
 
     Returns:
-        layer name -> ``(D,)`` gradient in the layout of the layer's flattened per-example
-        gradients. A parameter shared by several layers (tied weights) gets its full
-        gradient in each of them.
+        The :class:`Target`: per layer the ``(D,)`` vector (a parameter shared by several
+        layers, such as tied weights, gets its full gradient in each of them) and, where
+        smaller, its factors.
     """
     size = len(next(iter(batch.values())))
     step = chunk_size or size
-    with grads_set_aside(model):
+    keeper = _SmallFactors(int(batch["input_ids"].numel())) if "input_ids" in batch else None
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(grads_set_aside(model))
+        if keeper is not None:
+            names = "|".join(re.escape(name) for name in layers)
+            selection = LayerSelection("all", include=f"^(?:{names})$")
+            engine = stack.enter_context(CaptureEngine(model, selection, None, [keeper]))
+            stack.enter_context(engine.exclusive())
         with torch.enable_grad():
             for start in range(0, size, step):
                 chunk = {k: v[start : start + step] for k, v in batch.items()}
                 losses(model, chunk).sum().backward()
-        out = {}
+        vectors = {}
         for name, (module, adapter) in layers.items():
             params = adapter.captured_parameters(module)
             grads = {
@@ -60,8 +124,8 @@ def target_gradient(
                 local: p.grad.detach() if p.grad is not None else torch.zeros_like(p)
                 for local, p in params.items()
             }
-            out[name] = adapter.flatten(module, grads)
-        return out
+            vectors[name] = adapter.flatten(module, grads)
+    return Target(vectors, keeper.factors() if keeper is not None else {})
 
 
 class TargetPool:
