@@ -29,36 +29,41 @@ its rows say so and ours still run (``--quick`` is the CI smoke)::
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import sys
 import tempfile
-from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from common import (
     MIN_REPEATS,
-    Comparison,
-    Sample,
     StepTimer,
     base_parser,
     command_line,
-    load_average,
     load_text,
     machine_info,
     make_trainer,
     publish,
     quiet_transformers,
-    rotated,
     runs_needed,
     tidy,
     token_rows,
     training_args,
     utc_now,
-    verdict,
+)
+from peers.training import (
+    OURS,
+    PLAIN,
+    ModeResult,
+    TrainingWay,
+    Unavailable,
+    notes_list,
+    ratio_table,
+    run_mode,
 )
 from selection_overhead import MODEL, MODES, QUICK_MODEL, Mode, build_base, copy_for
 from torch import Tensor, nn
@@ -69,7 +74,6 @@ from tda_plugins.integrations.transformers.callbacks import DataSelectionCallbac
 SECTION = "## Peer comparison: online data selection (benchmarks/peer_selection.py)"
 SCRIPT = "benchmarks/peer_selection.py"
 FRACTION = 0.25
-PLAIN = "plain"
 
 
 @dataclass(frozen=True)
@@ -96,73 +100,48 @@ class Settings:
         return QUICK_MODEL if self.quick else MODEL
 
 
-class Unavailable(Exception):
-    """A library cannot run here; the message says why (kept in its row)."""
+@dataclass(frozen=True)
+class Data:
+    """The training rows of one run and the target pool (token ids)."""
+
+    rows: Tensor
+    pool: list[list[int]]
+    steps: int
 
 
-class Way(ABC):
-    """One way of training a run: plain, or with a library's selection callback.
-
-    Construction raises :class:`Unavailable` where the library cannot run here.
-    """
-
-    name: ClassVar[str]
-    note: ClassVar[str]
-
-    def __init__(self, mode: Mode):
-        self.mode = mode
-
-    @abstractmethod
-    def train(
-        self, model: nn.Module, rows: Tensor, pool: list[list[int]], args: Any, timer: StepTimer
-    ) -> int:
-        """One ``trainer.train()`` with ``timer`` first; returns the steps that selected."""
-
-
-WAYS: dict[str, type[Way]] = {}
-
-
-def register(cls: type[Way]) -> type[Way]:
-    """Class decorator: make a way available under its ``name``."""
-    WAYS[cls.name] = cls
-    return cls
-
-
-@register
-class Plain(Way):
+class Plain(TrainingWay):
     name = PLAIN
     note = "the Trainer alone"
 
-    def train(
-        self, model: nn.Module, rows: Tensor, pool: list[list[int]], args: Any, timer: StepTimer
-    ) -> int:
-        make_trainer(model, rows, args, [timer]).train()
-        return 0
+    def __init__(self, mode: Mode, data: Data):
+        self.data = data
+
+    def train(self, model: nn.Module, args: Any, timer: StepTimer) -> None:
+        make_trainer(model, self.data.rows, args, [timer]).train()
 
 
-@register
-class Ours(Way):
-    name = "ours"
+class Ours(TrainingWay):
+    name = OURS
     note = (
         f'`DataSelectionCallback(pool, target_examples=1, fraction={FRACTION}, score="dot")`'
         ' (full fine-tuning: `layers="all"`)'
     )
 
-    def train(
-        self, model: nn.Module, rows: Tensor, pool: list[list[int]], args: Any, timer: StepTimer
-    ) -> int:
+    def __init__(self, mode: Mode, data: Data):
+        self.mode, self.data = mode, data
+
+    def train(self, model: nn.Module, args: Any, timer: StepTimer) -> None:
         selection = DataSelectionCallback(
-            [{"input_ids": ids} for ids in pool],
+            [{"input_ids": ids} for ids in self.data.pool],
             fraction=FRACTION,
             target_examples=1,
             **self.mode.layers,
         )
-        make_trainer(model, rows, args, [timer, selection]).train()
-        return len(selection.history)
+        make_trainer(model, self.data.rows, args, [timer, selection]).train()
+        _check_steps(self.name, len(selection.history), self.data.steps)
 
 
-@register
-class DattriLLM(Way):
+class DattriLLM(TrainingWay):
     name = "dattri-llm"
     note = (
         '`HookManager` + `DataSelectionCallback(target="val_loader")`, one pool example '
@@ -171,8 +150,7 @@ class DattriLLM(Way):
         "default (`linear_io` on every linear layer, `param_grad` for the rest)"
     )
 
-    def __init__(self, mode: Mode):
-        super().__init__(mode)
+    def __init__(self, mode: Mode, data: Data):
         try:
             from dattri_llm import HookManagerConfig
             from dattri_llm.gradient.callbacks.data_selection_callback import (
@@ -181,13 +159,12 @@ class DattriLLM(Way):
             from dattri_llm.gradient.hooks import HookManager
         except ImportError as e:
             raise Unavailable(f"dattri-llm is not installed here ({e}); run `make bench`") from e
-        self.manager, self.selection = HookManager, DattriSelection
+        self.manager, self.selection, self.data = HookManager, DattriSelection, data
         adapters = [r"lora_[AB]\.default$"] if mode.lora_rank is not None else None
         self.config = HookManagerConfig(linear_io=adapters)
 
-    def train(
-        self, model: nn.Module, rows: Tensor, pool: list[list[int]], args: Any, timer: StepTimer
-    ) -> int:
+    def train(self, model: nn.Module, args: Any, timer: StepTimer) -> None:
+        pool = self.data.pool
         batches = [{"input_ids": torch.tensor([i]), "labels": torch.tensor([i])} for i in pool]
         selection = self.selection(
             model,
@@ -200,8 +177,12 @@ class DattriLLM(Way):
         counter = _DropCounter(selection)
         manager = self.manager(model, config=self.config, callbacks=[selection])
         with manager.collect(deregister_on_exit=True):
-            make_trainer(model, rows, args, [timer, counter]).train()
-        return counter.selected
+            make_trainer(model, self.data.rows, args, [timer, counter]).train()
+        _check_steps(self.name, counter.selected, self.data.steps)
+
+
+#: The ways compared, in table order; each is built as ``way(mode, data)``.
+WAYS = (Plain, Ours, DattriLLM)
 
 
 class _DropCounter(TrainerCallback):
@@ -216,88 +197,32 @@ class _DropCounter(TrainerCallback):
         self.selection.last_dropped = None
 
 
-@dataclass
-class Entry:
-    """One available library in one mode: its way, its model copy and its step timer."""
-
-    way: Way
-    model: nn.Module
-    timer: StepTimer = field(default_factory=StepTimer)
+def _check_steps(name: str, selected: int, steps: int) -> None:
+    if selected != steps:
+        raise RuntimeError(f"{name} selected at {selected} of {steps} steps")
 
 
-@dataclass(frozen=True)
-class ModeResult:
-    """One mode's timed steps per library, and why a library could not run."""
-
-    mode: Mode
-    samples: dict[str, list[Sample]]
-    reasons: dict[str, str]
-
-    def comparison(self, name: str) -> Comparison:
-        """``name`` against plain."""
-        return Comparison.of(self.samples[name], self.samples[PLAIN])
-
-
-def run_mode(
+def measure(
     mode: Mode, settings: Settings, base: nn.Module, work: Path
 ) -> tuple[ModeResult, list[float]]:
     """Alternating runs of every available library on identical copies of ``base``."""
     vocab = int(settings.model_config["vocab_size"])
-    rows = token_rows(settings.steps_per_run * settings.batch, settings.seq, vocab, seed=4)
-    pool = token_rows(settings.pool, settings.seq, vocab, seed=3).tolist()
-    table: dict[str, Entry] = {}
-    reasons: dict[str, str] = {}
-    for name, cls in WAYS.items():
-        try:
-            table[name] = Entry(cls(mode), copy_for(mode, base))
-        except Unavailable as e:
-            reasons[name] = str(e)
-    loads = []
-    for round_ in range(settings.runs):
-        for name in rotated(list(table), round_):
-            e = table[name]
-            out = work / f"{mode.name}-{name}-{round_}"
-            args = training_args(out, settings.steps_per_run, settings.batch)
-            selected = e.way.train(e.model, rows, pool, args, e.timer)
-            if name != PLAIN and selected != settings.steps_per_run:
-                raise RuntimeError(
-                    f"{name} selected at {selected} of {settings.steps_per_run} steps"
-                )
-        loads.append(load_average())
-        print(f"  {mode.name} round {round_ + 1}/{settings.runs}", flush=True)
-    samples = {name: e.timer.timed(1) for name, e in table.items()}
-    return ModeResult(mode, samples, reasons), loads
+    steps = settings.steps_per_run
+    data = Data(
+        token_rows(steps * settings.batch, settings.seq, vocab, seed=4),
+        token_rows(settings.pool, settings.seq, vocab, seed=3).tolist(),
+        steps,
+    )
+    ways: dict[str, Callable[[], TrainingWay]] = {
+        way.name: functools.partial(way, mode, data) for way in WAYS
+    }
 
+    def args_for(name: str, round_: int) -> Any:
+        return training_args(work / f"{mode.name}-{name}-{round_}", steps, settings.batch)
 
-# -- results ---------------------------------------------------------------------------
-
-
-def time_table(results: list[ModeResult]) -> str:
-    """Step times, ratios to plain, and the target per mode: our overhead below theirs."""
-    lines = [
-        "| mode | library | step s, CPU median [IQR] | **CPU ratio** "
-        "| paired CPU ratio [IQR] | wall ratio | overhead vs ours (ratio - 1, theirs / ours) "
-        "| target (5): ours below |",
-        "|---|---|---:|---:|---:|---:|---:|:-:|",
-    ]
-    for r in results:
-        ours = r.comparison("ours").cpu_ratio - 1 if "ours" in r.samples else None
-        for name in WAYS:
-            if name not in r.samples:
-                lines.append(f"| {r.mode.label} | {name} | {r.reasons[name]} | — | — | — | — | — |")
-                continue
-            c = r.comparison(name)
-            versus, met = "—", ""
-            if name not in (PLAIN, "ours") and ours is not None:
-                theirs = c.cpu_ratio - 1
-                versus = f"{theirs / ours:.2f}x" if ours > 0 else "ours <= 0"
-                met = verdict(ours, theirs) if theirs > 0 else "**no**"
-            lines.append(
-                f"| {r.mode.label} | {name} | {c.cpu.text()} "
-                f"| **{c.cpu_ratio:.2f}x** | {c.cpu_paired.text('.2f', 'x')} "
-                f"| {c.wall_ratio:.2f}x | {versus} | {met} |"
-            )
-    return "\n".join(lines)
+    return run_mode(
+        mode.label, ways, lambda: copy_for(mode, base), args_for, settings.runs, warmup=1
+    )
 
 
 def report(
@@ -321,15 +246,10 @@ first step of each discarded: median of {steps} steps per library. Ratio = media
 / median plain step of the same mode (CPU time: one torch thread, steadier than wall \
 time on this shared machine); paired = step / plain step of the same slot.
 
-{ways_text()}
+{notes_list(WAYS)}
 
-{time_table(results)}
+{ratio_table(results, "target (5): ours below")}
 """)
-
-
-def ways_text() -> str:
-    """What each library runs, as a list."""
-    return "\n".join(f"- `{name}`: {cls.note}." for name, cls in WAYS.items())
 
 
 # -- command line ----------------------------------------------------------------------
@@ -379,7 +299,7 @@ def main(argv: Sequence[str]) -> list[ModeResult]:
     results, loads = [], []
     with tempfile.TemporaryDirectory(prefix="tda-peer-select-") as work:
         for name in settings.modes:
-            result, mode_loads = run_mode(MODES[name], settings, base, Path(work))
+            result, mode_loads = measure(MODES[name], settings, base, Path(work))
             results.append(result)
             loads += mode_loads
     publish(report(results, loads, settings, argv), SECTION, settings.results, settings.write)

@@ -207,12 +207,9 @@ class DataSelector(CaptureConsumer):
         missing = set(self.layers) - set(target.vectors)
         if missing:
             raise ValueError(f"the target has no gradient for layers {sorted(missing)[:3]}")
-        # A tied parameter's vector is its whole gradient, its factors only one call
-        # site's part of it: tied layers are scored with the vector.
-        alone = {unit[0] for unit in self.units if len(unit) == 1}
         self.target = Target(
             {name: target.vectors[name] for name in self.layers},
-            {name: f for name, f in target.factors.items() if name in alone},
+            {name: f for name, f in target.factors.items() if name in self.layers},
         )
         self._projected_target = {}
 

@@ -44,8 +44,10 @@ class Target:
             examples, in the layout of the layer's flattened per-example gradients.
         factors: layer name -> the same gradient as per-token factors, every target
             token a row of one example (``TokenFactors`` of batch 1, ``S`` tokens), for the
-            layers where that form is the smaller one (``S (N_i + N_o) <= N_i N_o``, ``S``
-            counting the batch's ``input_ids``; none for a batch without them).
+            linear layers where that form is the smaller one (``S (N_i + N_o) <= N_i N_o``,
+            ``S`` counting the batch's ``input_ids``; none for a batch without them) and
+            whose parameters no other layer shares (a tied weight's vector is its whole
+            gradient, its factors would be one call site's part of it).
     """
 
     vectors: dict[str, Tensor]
@@ -78,6 +80,22 @@ class _SmallFactors(CaptureConsumer):
         return out
 
 
+def _factor_candidates(layers: Mapping[str, tuple[nn.Module, LayerAdapter]]) -> list[str]:
+    """The layers whose target factors may be kept: linear ones (norm scales and
+    embeddings are scored by their vectors) whose parameters no other layer shares (a
+    tied weight's factors would be one call site's part of its gradient)."""
+    owners: dict[int, int] = {}
+    for module, adapter in layers.values():
+        for p in adapter.captured_parameters(module).values():
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    return [
+        name
+        for name, (module, adapter) in layers.items()
+        if adapter.family == "linear"
+        and all(owners[id(p)] == 1 for p in adapter.captured_parameters(module).values())
+    ]
+
+
 def target_gradient(
     model: nn.Module,
     layers: Mapping[str, tuple[nn.Module, LayerAdapter]],
@@ -104,11 +122,14 @@ def target_gradient(
     """
     size = len(next(iter(batch.values())))
     step = chunk_size or size
-    keeper = _SmallFactors(int(batch["input_ids"].numel())) if "input_ids" in batch else None
+    linear = _factor_candidates(layers)
+    keeper = None
+    if linear and "input_ids" in batch:
+        keeper = _SmallFactors(int(batch["input_ids"].numel()))
     with contextlib.ExitStack() as stack:
         stack.enter_context(grads_set_aside(model))
         if keeper is not None:
-            names = "|".join(re.escape(name) for name in layers)
+            names = "|".join(re.escape(name) for name in linear)
             selection = LayerSelection("all", include=f"^(?:{names})$")
             engine = stack.enter_context(CaptureEngine(model, selection, None, [keeper]))
             stack.enter_context(engine.exclusive())

@@ -1,0 +1,137 @@
+"""The peer workloads that run inside training: (4) capture overhead and (5) online data
+selection. Each library is a :class:`TrainingWay` of running the same ``Trainer`` loop
+(plain, or with its callback or hooks); short runs of every way alternate on identical
+model copies (order rotated each round), a :class:`~common.StepTimer` placed first times
+each step, and the table gives each way's step time over the plain one's.
+
+A way that cannot run here (its library is not installed, or does not do this work)
+raises :class:`Unavailable` on construction; its row keeps the reason.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from common import Comparison, Sample, StepTimer, load_average, rotated, verdict
+from torch import nn
+
+PLAIN = "plain"
+OURS = "ours"
+
+
+class Unavailable(Exception):
+    """A library cannot run this workload here; the message says why (kept in its row)."""
+
+
+class TrainingWay(ABC):
+    """One way of training a run: plain, or with one library's callback or hooks.
+
+    Class attributes:
+        name: the row's name (``plain``, ``ours``, a peer's name).
+        note: what it runs, for the list under the table.
+    """
+
+    name: ClassVar[str]
+    note: ClassVar[str]
+
+    @abstractmethod
+    def train(self, model: nn.Module, args: Any, timer: StepTimer) -> None:
+        """One ``trainer.train()`` of ``model`` with ``timer`` as the first callback; raises
+        when the library did not do its work at every step."""
+
+
+@dataclass
+class Lane:
+    """One available way in one mode: the way, its own model copy and its step timer."""
+
+    way: TrainingWay
+    model: nn.Module
+    timer: StepTimer = field(default_factory=StepTimer)
+
+
+@dataclass(frozen=True)
+class ModeResult:
+    """One mode's timed steps per available way, and why the others could not run.
+
+    Attributes:
+        label: the mode, as the table shows it.
+        ways: every way's name, in table order.
+        samples: timed steps (after each run's warm-up steps) per available way.
+        reasons: why each unavailable way is missing.
+    """
+
+    label: str
+    ways: list[str]
+    samples: dict[str, list[Sample]]
+    reasons: dict[str, str]
+
+    def comparison(self, name: str) -> Comparison:
+        """``name`` against plain."""
+        return Comparison.of(self.samples[name], self.samples[PLAIN])
+
+
+def run_mode(
+    label: str,
+    ways: dict[str, Callable[[], TrainingWay]],
+    model_copy: Callable[[], nn.Module],
+    args_for: Callable[[str, int], Any],
+    rounds: int,
+    warmup: int,
+) -> tuple[ModeResult, list[float]]:
+    """Build every way (``ways``: name -> constructor), give each available one a fresh
+    ``model_copy()``, and run ``rounds`` rounds of one ``train()`` per way, order rotated;
+    ``args_for(name, round)`` gives that run's ``TrainingArguments``. Returns the result
+    and the load average after each round."""
+    lanes: dict[str, Lane] = {}
+    reasons: dict[str, str] = {}
+    for name, build in ways.items():
+        try:
+            lanes[name] = Lane(build(), model_copy())
+        except Unavailable as e:
+            reasons[name] = str(e)
+    if PLAIN not in lanes:
+        raise RuntimeError(f"the plain way must run: {reasons.get(PLAIN)}")
+    loads = []
+    for round_ in range(rounds):
+        for name in rotated(list(lanes), round_):
+            lane = lanes[name]
+            lane.way.train(lane.model, args_for(name, round_), lane.timer)
+        loads.append(load_average())
+        print(f"  {label}: round {round_ + 1}/{rounds}", flush=True)
+    samples = {name: lane.timer.timed(warmup) for name, lane in lanes.items()}
+    return ModeResult(label, list(ways), samples, reasons), loads
+
+
+def ratio_table(results: Sequence[ModeResult], target: str) -> str:
+    """Step times and ratios to plain per mode and way; for each peer, its overhead
+    (ratio - 1) over ours and whether ours is below it (the ``target`` column)."""
+    lines = [
+        "| mode | library | step s, CPU median [IQR] | **CPU ratio** | paired CPU ratio [IQR] "
+        f"| wall ratio | peer overhead / ours (ratio - 1) | {target} |",
+        "|---|---|---:|---:|---:|---:|---:|:-:|",
+    ]
+    for r in results:
+        ours = r.comparison(OURS).cpu_ratio - 1 if OURS in r.samples else None
+        for name in r.ways:
+            if name not in r.samples:
+                lines.append(f"| {r.label} | {name} | {r.reasons[name]} | — | — | — | — | — |")
+                continue
+            c = r.comparison(name)
+            versus, met = "—", ""
+            if name not in (PLAIN, OURS) and ours is not None:
+                theirs = c.cpu_ratio - 1
+                versus = f"{theirs / ours:.2f}x" if ours > 0 else "ours <= 0"
+                met = verdict(ours, theirs) if theirs > 0 else "**no**"
+            lines.append(
+                f"| {r.label} | {name} | {c.cpu.text()} | **{c.cpu_ratio:.2f}x** "
+                f"| {c.cpu_paired.text('.2f', 'x')} | {c.wall_ratio:.2f}x | {versus} | {met} |"
+            )
+    return "\n".join(lines)
+
+
+def notes_list(ways: Sequence[type[TrainingWay]]) -> str:
+    """What each way runs, one bullet each."""
+    return "\n".join(f"- `{way.name}`: {way.note}." for way in ways)
