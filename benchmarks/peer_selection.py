@@ -29,11 +29,10 @@ its rows say so and ours still run (``--quick`` is the CI smoke)::
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,6 +121,7 @@ class Plain(TrainingWay):
 
 class Ours(TrainingWay):
     name = OURS
+    ours = True
     note = (
         f'`DataSelectionCallback(pool, target_examples=1, fraction={FRACTION}, score="dot")`'
         ' (full fine-tuning: `layers="all"`)'
@@ -213,15 +213,19 @@ def measure(
         token_rows(settings.pool, settings.seq, vocab, seed=3).tolist(),
         steps,
     )
-    ways: dict[str, Callable[[], TrainingWay]] = {
-        way.name: functools.partial(way, mode, data) for way in WAYS
-    }
+    ways: dict[str, type[TrainingWay]] = {way.name: way for way in WAYS}
 
     def args_for(name: str, round_: int) -> Any:
         return training_args(work / f"{mode.name}-{name}-{round_}", steps, settings.batch)
 
     return run_mode(
-        mode.label, ways, lambda: copy_for(mode, base), args_for, settings.runs, warmup=1
+        mode.label,
+        ways,
+        lambda way: way(mode, data),
+        lambda: copy_for(mode, base),
+        args_for,
+        settings.runs,
+        warmup=1,
     )
 
 

@@ -32,10 +32,12 @@ class TrainingWay(ABC):
     Class attributes:
         name: the row's name (``plain``, ``ours``, a peer's name).
         note: what it runs, for the list under the table.
+        ours: one of our own ways (compared with the peers, not held against ``ours``).
     """
 
     name: ClassVar[str]
     note: ClassVar[str]
+    ours: ClassVar[bool] = False
 
     @abstractmethod
     def train(self, model: nn.Module, args: Any, timer: StepTimer) -> None:
@@ -61,12 +63,14 @@ class ModeResult:
         ways: every way's name, in table order.
         samples: timed steps (after each run's warm-up steps) per available way.
         reasons: why each unavailable way is missing.
+        peers: the ways held against ``ours`` (not plain, not our own).
     """
 
     label: str
     ways: list[str]
     samples: dict[str, list[Sample]]
     reasons: dict[str, str]
+    peers: list[str]
 
     def comparison(self, name: str) -> Comparison:
         """``name`` against plain."""
@@ -75,21 +79,22 @@ class ModeResult:
 
 def run_mode(
     label: str,
-    ways: dict[str, Callable[[], TrainingWay]],
+    ways: dict[str, type[TrainingWay]],
+    build: Callable[[type[TrainingWay]], TrainingWay],
     model_copy: Callable[[], nn.Module],
     args_for: Callable[[str, int], Any],
     rounds: int,
     warmup: int,
 ) -> tuple[ModeResult, list[float]]:
-    """Build every way (``ways``: name -> constructor), give each available one a fresh
-    ``model_copy()``, and run ``rounds`` rounds of one ``train()`` per way, order rotated;
-    ``args_for(name, round)`` gives that run's ``TrainingArguments``. Returns the result
-    and the load average after each round."""
+    """Build every way (``ways``: name -> class, ``build(cls)`` constructs it), give each
+    available one a fresh ``model_copy()``, and run ``rounds`` rounds of one ``train()``
+    per way, order rotated; ``args_for(name, round)`` gives that run's
+    ``TrainingArguments``. Returns the result and the load average after each round."""
     lanes: dict[str, Lane] = {}
     reasons: dict[str, str] = {}
-    for name, build in ways.items():
+    for name, cls in ways.items():
         try:
-            lanes[name] = Lane(build(), model_copy())
+            lanes[name] = Lane(build(cls), model_copy())
         except Unavailable as e:
             reasons[name] = str(e)
     if PLAIN not in lanes:
@@ -102,7 +107,8 @@ def run_mode(
         loads.append(load_average())
         print(f"  {label}: round {round_ + 1}/{rounds}", flush=True)
     samples = {name: lane.timer.timed(warmup) for name, lane in lanes.items()}
-    return ModeResult(label, list(ways), samples, reasons), loads
+    peers = [name for name, cls in ways.items() if name != PLAIN and not cls.ours]
+    return ModeResult(label, list(ways), samples, reasons, peers), loads
 
 
 def ratio_table(results: Sequence[ModeResult], target: str) -> str:
@@ -121,7 +127,7 @@ def ratio_table(results: Sequence[ModeResult], target: str) -> str:
                 continue
             c = r.comparison(name)
             versus, met = "—", ""
-            if name not in (PLAIN, OURS) and ours is not None:
+            if name in r.peers and ours is not None:
                 theirs = c.cpu_ratio - 1
                 versus = f"{theirs / ours:.2f}x" if ours > 0 else "ours <= 0"
                 met = verdict(ours, theirs) if theirs > 0 else "**no**"

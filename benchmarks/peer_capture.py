@@ -1,0 +1,358 @@
+"""Peer workload (4): capture overhead during training, ours against the peers' hooks.
+
+The same HF ``Trainer`` loop and model as ``benchmarks/training_overhead.py``
+(Llama-architecture, PEFT LoRA r=8 on every linear layer but the head, batch 8, AdamW),
+each library capturing factor-projected per-example gradients of every LoRA adapter
+(k = 16 per side, or the nearest it offers) to local disk during the training backward:
+
+* ``plain``: the ``Trainer`` alone;
+* ``ours``: ``GradientCaptureCallback(layers="lora", projection="factor", k_a=k_g=16)``,
+  a crash-safe store committed at every step;
+* ``ours + K-FAC``: the same with ``curvature=True`` (inline K-FAC statistics of the
+  projected factors), the attribution-ready configuration of training_overhead.py;
+* ``bergson``: its ``GradientCollectorCallback`` (``projection_dim=16``: a 16 x 16 random
+  projection per module, fp16 memmap), ``use_optimizer_state=False``;
+* ``dattri-llm``: its ``HookManager`` (``linear_io`` on the adapters, "logra" factor
+  projection ``proj_dim=16``) around ``trainer.train()``, with an ``OffloadCallback``
+  writing per-sample records to disk at every step;
+* ``logix``: recorded with the reason (its Trainer integration is no capture inside a
+  training run).
+
+Short ``train()`` runs of every way alternate (order rotated each round) on identical
+model copies; each step is timed ``on_step_begin`` -> ``on_step_end`` by a callback placed
+first (the library's per-step writes included), the first step of each run discarded.
+Ratio = median step / median plain step; the issue's target is our capture overhead
+(ratio - 1) below every peer's.
+
+Run it in the peers' venv (``make bench`` installs it); where a peer is not installed its
+row says so and ours still run (``--quick`` is the CI smoke)::
+
+    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false \\
+        benchmarks/.venv-peers/bin/python benchmarks/peer_capture.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import (
+    MIN_REPEATS,
+    StepTimer,
+    base_parser,
+    collate_rows,
+    command_line,
+    load_text,
+    machine_info,
+    make_trainer,
+    publish,
+    quiet_transformers,
+    runs_needed,
+    tidy,
+    training_args,
+    utc_now,
+)
+from peers.training import (
+    OURS,
+    PLAIN,
+    ModeResult,
+    TrainingWay,
+    Unavailable,
+    notes_list,
+    ratio_table,
+    run_mode,
+)
+from torch import Tensor, nn
+from training_overhead import MODEL, QUICK_MODEL, build_base, lora_copy, training_rows
+from transformers import Trainer
+
+from tda_plugins.integrations.transformers.callbacks import GradientCaptureCallback
+from tda_plugins.store import StoreReader
+
+SECTION = "## Peer comparison: capture overhead in training (benchmarks/peer_capture.py)"
+SCRIPT = "benchmarks/peer_capture.py"
+LABEL = "LoRA r=8, projected per-example gradients to disk"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Resolved command-line settings (``quick``/``seq``/``batch`` as training_overhead's,
+    whose model builder reads them)."""
+
+    seq: int
+    batch: int
+    k: int
+    repeats: int
+    steps_per_run: int
+    quick: bool
+    write: bool
+    results: Path
+
+    @property
+    def runs(self) -> int:
+        """Alternating runs per library (one discarded warm-up step each)."""
+        return runs_needed(self.repeats, self.steps_per_run, 1)
+
+    @property
+    def model_config(self) -> dict[str, Any]:
+        return QUICK_MODEL if self.quick else MODEL
+
+
+@dataclass(frozen=True)
+class Run:
+    """What every way's runs share: the rows of one run and ``k``."""
+
+    rows: Tensor
+    k: int
+
+    def folder(self, name: str, args: Any) -> Path:
+        """A new output folder of this way for the run whose ``TrainingArguments`` are
+        ``args`` (each run writes afresh)."""
+        return Path(args.output_dir) / name.replace(" ", "_")
+
+
+class Plain(TrainingWay):
+    name = PLAIN
+    note = "the Trainer alone"
+
+    def __init__(self, run: Run):
+        self.run = run
+
+    def train(self, model: nn.Module, args: Any, timer: StepTimer) -> None:
+        make_trainer(model, self.run.rows, args, [timer]).train()
+
+
+class Ours(TrainingWay):
+    name = OURS
+    note = (
+        '`GradientCaptureCallback(layers="lora", projection="factor", k_a=16, k_g=16)`: '
+        "a crash-safe store (fp32 safetensors shards) committed at every step"
+    )
+    ours = True
+    curvature = False
+
+    def __init__(self, run: Run):
+        self.run = run
+
+    def train(self, model: nn.Module, args: Any, timer: StepTimer) -> None:
+        store = self.run.folder(self.name, args)
+        capture = GradientCaptureCallback(
+            store_dir=str(store),
+            layers="lora",
+            projection="factor",
+            k_a=self.run.k,
+            k_g=self.run.k,
+            curvature=self.curvature,
+        )
+        make_trainer(model, self.run.rows, args, [timer, capture]).train()
+        steps = args.max_steps
+        if StoreReader(store).steps != list(range(steps)):
+            raise RuntimeError(f"{self.name} did not commit all {steps} steps to {store}")
+
+
+class OursCurvature(Ours):
+    name = "ours + K-FAC"
+    note = "the same with `curvature=True` (inline K-FAC statistics of the projected factors)"
+    curvature = True
+
+
+class Bergson(TrainingWay):
+    name = "bergson"
+    note = (
+        "`GradientCollectorCallback(projection_dim=16, use_optimizer_state=False)` after "
+        "`prepare_for_gradient_collection(trainer)`: a 16 x 16 random projection per "
+        "module, an fp16 memmap written at every step; its train set must be a "
+        "`datasets.Dataset`"
+    )
+
+    def __init__(self, run: Run):
+        try:
+            import datasets
+            from bergson.huggingface import (
+                GradientCollectorCallback,
+                prepare_for_gradient_collection,
+            )
+        except ImportError as e:
+            raise Unavailable(f"bergson is not installed here ({e}); run `make bench`") from e
+        self.run = run
+        self.callback, self.prepare = GradientCollectorCallback, prepare_for_gradient_collection
+        self.dataset = datasets.Dataset.from_dict({"input_ids": run.rows.tolist()})
+
+    def train(self, model: nn.Module, args: Any, timer: StepTimer) -> None:
+        out = self.run.folder(self.name, args)
+        callback = self.callback(out, projection_dim=self.run.k, use_optimizer_state=False)
+        trainer = Trainer(
+            model=model,
+            args=args,
+            train_dataset=self.dataset,
+            data_collator=_collate_lists,
+            callbacks=[timer, callback],
+        )
+        self.prepare(trainer).train()
+        if not (out / "train" / "epoch_0" / "gradients.bin").exists():
+            raise RuntimeError(f"bergson wrote no gradients under {out}")
+
+
+def _collate_lists(features: list[dict[str, Any]]) -> dict[str, Tensor]:
+    """The causal-LM batch of ``common.collate_rows`` from ``datasets`` rows (lists)."""
+    return collate_rows([{"input_ids": torch.as_tensor(f["input_ids"])} for f in features])
+
+
+class DattriLLM(TrainingWay):
+    name = "dattri-llm"
+    note = (
+        '`HookManager(linear_io=<the adapters>, projection "logra", proj_dim=16)` around '
+        "`trainer.train()` with `OffloadCallback(offload_interval=1, recording_type="
+        '"per_sample")` into a `GradientStorageManager` (memmap on disk)'
+    )
+
+    def __init__(self, run: Run):
+        try:
+            from dattri_llm import HookManagerConfig
+            from dattri_llm.gradient.callbacks.offload_callback import OffloadCallback
+            from dattri_llm.gradient.hooks import HookManager
+            from dattri_llm.gradient.storage_manager import GradientStorageManager
+        except ImportError as e:
+            raise Unavailable(f"dattri-llm is not installed here ({e}); run `make bench`") from e
+        self.run = run
+        self.manager, self.offload, self.storage = (
+            HookManager,
+            OffloadCallback,
+            GradientStorageManager,
+        )
+        projection = {"style": "logra", "proj_dim": run.k, "proj_type": "rademacher"}
+        projection |= {"proj_seed": 0, "proj_max_batch_size": 32}
+        self.config = HookManagerConfig(
+            linear_io=[r"lora_[AB]\.default$"],
+            projection_kwargs={"__default__": projection},
+        )
+
+    def train(self, model: nn.Module, args: Any, timer: StepTimer) -> None:
+        out = self.run.folder(self.name, args)
+        offload = self.offload(
+            offload_interval=1, file_manager=self.storage(str(out)), recording_type="per_sample"
+        )
+        manager = self.manager(model, config=self.config, callbacks=[offload])
+        with manager.collect(deregister_on_exit=True):
+            make_trainer(model, self.run.rows, args, [timer]).train()
+        written = list(out.glob("*.bin"))
+        if len(written) != args.max_steps:
+            raise RuntimeError(f"dattri-llm wrote {len(written)} of {args.max_steps} steps")
+
+
+class LogIX(TrainingWay):
+    name = "logix"
+    note = (
+        "not run: logix-ai 0.1.1's Trainer integration (`logix.huggingface.patch_trainer`) "
+        "turns `Trainer.train()` into its own extraction pass (epochs set by its scheduler, "
+        "the optimizer step skipped), so there is no training run whose overhead it adds "
+        "to; its LoGra projection goes through `add_lora`, which changes the model"
+    )
+
+    def __init__(self, run: Run):
+        raise Unavailable(self.note.removeprefix("not run: "))
+
+    def train(self, model: nn.Module, args: Any, timer: StepTimer) -> None:
+        raise Unavailable(self.note)
+
+
+#: The ways compared, in table order; each is built as ``way(run)``.
+WAYS = (Plain, Ours, OursCurvature, Bergson, DattriLLM, LogIX)
+
+
+def measure(settings: Settings, work: Path) -> tuple[ModeResult, list[float]]:
+    """Alternating runs of every available library on identical LoRA copies."""
+    run = Run(training_rows(settings, settings.steps_per_run), settings.k)
+    ways: dict[str, type[TrainingWay]] = {way.name: way for way in WAYS}
+    base = build_base(settings)  # type: ignore[arg-type]  # duck-typed: quick, seq
+
+    def args_for(name: str, round_: int) -> Any:
+        out = work / f"{name}-{round_}".replace(" ", "_")
+        return training_args(out, settings.steps_per_run, settings.batch)
+
+    return run_mode(
+        LABEL, ways, lambda way: way(run), lambda: lora_copy(base), args_for, settings.runs, 1
+    )
+
+
+def report(result: ModeResult, loads: list[float], settings: Settings, argv: Sequence[str]) -> str:
+    """The markdown section for RESULTS.md."""
+    shape = ", ".join(f"{k}={v}" for k, v in settings.model_config.items())
+    steps = min(len(v) for v in result.samples.values())
+    return tidy(f"""{SECTION}
+
+Command: `{command_line(SCRIPT, argv)}`
+
+Date: {utc_now()}. Machine: {machine_info()}; {load_text(loads)}.
+
+HF `Trainer` (CPU, fp32, AdamW, `max_grad_norm=1.0`), batch {settings.batch} x sequence \\
+{settings.seq}, no padding, `LlamaConfig({shape})` with PEFT LoRA r=8 on every linear \\
+layer but the head; each library captures factor-projected (k = {settings.k}) \\
+per-example gradients of every adapter to local disk inside the training backward. \\
+Runs of {settings.steps_per_run} steps alternate (order rotated, {settings.runs} per \\
+library, identical model copies), the first step of each discarded: median of {steps} \\
+steps per library. Ratio = median step / median plain step (CPU time: one torch thread, \\
+steadier than wall time on this shared machine); paired = step / plain step of the same \\
+slot.
+
+{notes_list(WAYS)}
+
+{ratio_table([result], "target (4): ours below")}
+""")
+
+
+# -- command line ----------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str]) -> Settings:
+    """Parse and validate the command line into :class:`Settings`."""
+    p = base_parser(__doc__.split("\n\n")[0])
+    p.add_argument("--seq", type=int, help="sequence length (default 256; quick 16)")
+    p.add_argument("--batch", type=int, default=8, help="examples per step")
+    p.add_argument("--k", type=int, default=16, help="factor projection k_a = k_g")
+    p.add_argument("--repeats", type=int, help="timed steps per library (default 12)")
+    p.add_argument("--steps-per-run", type=int, default=4, help="steps of one train() run")
+    a = p.parse_args(argv)
+    settings = Settings(
+        seq=a.seq or (16 if a.quick else 256),
+        batch=a.batch,
+        k=a.k,
+        repeats=a.repeats or (2 if a.quick else 12),
+        steps_per_run=a.steps_per_run,
+        quick=a.quick,
+        write=a.write if a.write is not None else not a.quick,
+        results=a.results,
+    )
+    check(p, settings)
+    return settings
+
+
+def check(p: argparse.ArgumentParser, settings: Settings) -> None:
+    """Refuse settings that cannot give a valid measurement."""
+    for name in ("seq", "batch", "k", "repeats"):
+        if getattr(settings, name) < 1:
+            p.error(f"--{name} must be >= 1")
+    if settings.steps_per_run < 2:
+        p.error("--steps-per-run must be >= 2 (the first step of each run is discarded)")
+    if settings.repeats < MIN_REPEATS and not settings.quick:
+        p.error(f"--repeats must be >= {MIN_REPEATS} (DESIGN.md section 6); use --quick to smoke")
+
+
+def main(argv: Sequence[str]) -> ModeResult:
+    """Run the comparison, print the table and the command, update RESULTS.md."""
+    settings = parse_args(argv)
+    quiet_transformers()
+    with tempfile.TemporaryDirectory(prefix="tda-peer-capture-") as work:
+        result, loads = measure(settings, Path(work))
+    publish(report(result, loads, settings, argv), SECTION, settings.results, settings.write)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
