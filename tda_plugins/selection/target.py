@@ -54,24 +54,19 @@ class Target:
     factors: dict[str, TokenFactors] = field(default_factory=dict)
 
 
-class _SmallFactors(CaptureConsumer):
-    """Keeps, per layer, the target's token factors where ``tokens`` of them are smaller
-    than the layer's gradient; the other layers' are let go as each chunk finishes."""
+class _FactorKeeper(CaptureConsumer):
+    """Keeps the target's token factors of every layer it is handed, chunk by chunk."""
 
-    def __init__(self, tokens: int):
-        self.tokens = tokens
+    def __init__(self) -> None:
         self.parts: dict[str, list[TokenFactors]] = {}
 
     def on_micro_batch(self, record: MicroBatchRecord) -> None:
         for name, layer in record.layers.items():
-            grads = layer.grads
-            if isinstance(grads, TokenFactors) and (
-                self.tokens * (grads.in_dim + grads.out_dim) <= grads.dim
-            ):
-                self.parts.setdefault(name, []).append(grads.scaled(record.loss_scale))
+            if isinstance(layer.grads, TokenFactors):
+                self.parts.setdefault(name, []).append(layer.grads.scaled(record.loss_scale))
 
     def factors(self) -> dict[str, TokenFactors]:
-        """Per kept layer, every chunk's tokens as the rows of one example."""
+        """Per layer, every chunk's tokens as the rows of one example."""
         out = {}
         for name, parts in self.parts.items():
             a = torch.cat([p.a.reshape(-1, p.a.shape[-1]) for p in parts])
@@ -80,20 +75,32 @@ class _SmallFactors(CaptureConsumer):
         return out
 
 
-def _factor_candidates(layers: Mapping[str, tuple[nn.Module, LayerAdapter]]) -> list[str]:
-    """The layers whose target factors may be kept: linear ones (norm scales and
-    embeddings are scored by their vectors) whose parameters no other layer shares (a
-    tied weight's factors would be one call site's part of its gradient)."""
+def _smaller_as_factors(
+    layers: Mapping[str, tuple[nn.Module, LayerAdapter]], tokens: int
+) -> list[str]:
+    """The layers whose target is smaller as ``tokens`` token factors than as a vector,
+    ``tokens (N_i [+1] + N_o) <= (N_i [+1]) N_o`` (``[+1]``: a bias): linear ones only
+    (norm scales and embeddings are scored by their vectors), and none whose parameters
+    another layer shares (a tied weight's factors would be one call site's part of its
+    gradient, its vector is the whole)."""
     owners: dict[int, int] = {}
     for module, adapter in layers.values():
         for p in adapter.captured_parameters(module).values():
             owners[id(p)] = owners.get(id(p), 0) + 1
-    return [
-        name
-        for name, (module, adapter) in layers.items()
-        if adapter.family == "linear"
-        and all(owners[id(p)] == 1 for p in adapter.captured_parameters(module).values())
-    ]
+    out = []
+    for name, (module, adapter) in layers.items():
+        params = adapter.captured_parameters(module)
+        if adapter.family != "linear" or "weight" not in params:
+            continue
+        if any(owners[id(p)] > 1 for p in params.values()):
+            continue
+        weight, bias = params["weight"], params.get("bias")
+        # N_i N_o and N_i + N_o whichever way round the weight is stored (Conv1D: N_i x N_o)
+        width = sum(weight.shape) + (bias is not None)
+        size = weight.numel() + (bias.numel() if bias is not None else 0)
+        if tokens * width <= size:
+            out.append(name)
+    return out
 
 
 def target_gradient(
@@ -122,14 +129,13 @@ def target_gradient(
     """
     size = len(next(iter(batch.values())))
     step = chunk_size or size
-    linear = _factor_candidates(layers)
-    keeper = None
-    if linear and "input_ids" in batch:
-        keeper = _SmallFactors(int(batch["input_ids"].numel()))
+    tokens = int(batch["input_ids"].numel()) if "input_ids" in batch else 0
+    candidates = _smaller_as_factors(layers, tokens) if tokens else []
+    keeper = _FactorKeeper()
     with contextlib.ExitStack() as stack:
         stack.enter_context(grads_set_aside(model))
-        if keeper is not None:
-            names = "|".join(re.escape(name) for name in linear)
+        if candidates:
+            names = "|".join(re.escape(name) for name in candidates)
             selection = LayerSelection("all", include=f"^(?:{names})$")
             engine = stack.enter_context(CaptureEngine(model, selection, None, [keeper]))
             stack.enter_context(engine.exclusive())
@@ -146,7 +152,7 @@ def target_gradient(
                 for local, p in params.items()
             }
             vectors[name] = adapter.flatten(module, grads)
-    return Target(vectors, keeper.factors() if keeper is not None else {})
+    return Target(vectors, keeper.factors())
 
 
 class TargetPool:
