@@ -70,7 +70,7 @@ from peers.training import (
 )
 from torch import Tensor, nn
 from training_overhead import MODEL, QUICK_MODEL, build_base, lora_copy, training_rows
-from transformers import Trainer
+from transformers import PrinterCallback, Trainer
 
 from tda_plugins.integrations.transformers.callbacks import GradientCaptureCallback
 from tda_plugins.store import StoreReader
@@ -182,6 +182,7 @@ class Bergson(TrainingWay):
             raise Unavailable(f"bergson is not installed here ({e}); run `make bench`") from e
         self.run = run
         self.callback, self.prepare = GradientCollectorCallback, prepare_for_gradient_collection
+        datasets.disable_progress_bars()
         self.dataset = datasets.Dataset.from_dict({"input_ids": run.rows.tolist()})
 
     def train(self, model: nn.Module, args: Any, timer: StepTimer) -> None:
@@ -194,6 +195,7 @@ class Bergson(TrainingWay):
             data_collator=_collate_lists,
             callbacks=[timer, callback],
         )
+        trainer.remove_callback(PrinterCallback)
         self.prepare(trainer).train()
         if not (out / "train" / "epoch_0" / "gradients.bin").exists():
             raise RuntimeError(f"bergson wrote no gradients under {out}")
