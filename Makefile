@@ -49,7 +49,8 @@ test: lint typecheck pytest
 bench-capture: $(STAMP)
 	$(PY) benchmarks/capture_overhead.py
 
-# `make bench`: the peer comparison (benchmarks/bench_peers.py) in its own venv. torch is
+# `make bench`: the peer comparison (benchmarks/bench_peers.py, then the in-training
+# workloads peer_capture.py and peer_selection.py) in its own venv. torch is
 # installed first, alone, then everything under constraints that pin it, so that no peer
 # resolves a CUDA build. kronfluence, bergson and logix-ai go in with --no-deps: the first
 # two ask for torchvision/torchaudio (CUDA builds that break `import transformers` beside
@@ -74,6 +75,8 @@ $(PEERS_STAMP): pyproject.toml constraints.txt benchmarks/peers/constraints.txt
 
 bench: $(PEERS_STAMP)
 	$(PEERS_PY) benchmarks/bench_peers.py
+	$(PEERS_PY) benchmarks/peer_capture.py
+	$(PEERS_PY) benchmarks/peer_selection.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache demo_out
