@@ -6,6 +6,45 @@ import torch
 from torch import nn
 
 VOCAB = 64
+#: The attention the tiny models run (registered with transformers by ``tiny_causal_lm``).
+ATTENTION = "eager_in_dtype"
+
+
+def _eager_in_dtype(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager attention whose softmax stays in the model's dtype.
+
+    Transformers' Llama-family eager attention takes its softmax in fp32, so an fp64
+    model's padded and unpadded runs of one example differ at fp32 rounding, by an amount
+    that depends on the CPU's vector width (1e-8 on the logits of an AMD EPYC, none on
+    an AVX-512 Xeon): the fp64 oracles would measure the model's padding, not the engine.
+    """
+    groups = query.shape[1] // key.shape[1]  # grouped-query attention: repeat k/v heads
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    weights = (
+        query @ key.transpose(2, 3) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
+    )
+    if attention_mask is not None:
+        weights = weights + attention_mask[:, :, :, : key.shape[-2]]
+    weights = torch.nn.functional.dropout(weights.softmax(dim=-1), dropout, module.training)
+    return (weights @ value).transpose(1, 2).contiguous(), weights
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(ATTENTION, _eager_in_dtype)
+    AttentionMaskInterface.register(ATTENTION, eager_mask)
+
 
 _ARCHS = {
     "gpt2": (
@@ -68,9 +107,10 @@ def tiny_causal_lm(arch: str, dtype: torch.dtype = torch.float64, seed: int = 0)
     """A 2-layer, 32-wide causal LM of architecture ``arch`` in ``dtype``, eval mode."""
     import transformers
 
+    _register_attention()
     config_name, model_name, kwargs = _ARCHS[arch]
     config = getattr(transformers, config_name)(
-        vocab_size=VOCAB, pad_token_id=0, attn_implementation="eager", **kwargs
+        vocab_size=VOCAB, pad_token_id=0, attn_implementation=ATTENTION, **kwargs
     )
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config)

@@ -160,15 +160,10 @@ def test_right_padding_matches_loop_oracle(arch: str, kind: str) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_left_padding_matches_loop_oracle(arch: str) -> None:
     """Left-padded batch: padding contributes nothing, so each example's gradient equals
-    its unpadded backward.
-
-    The model runs in fp32: Llama-family eager attention takes its softmax in fp32, where
-    fp64's ``finfo.min`` mask becomes -inf, so a fully masked pad row of an fp64 model is
-    NaN and poisons the whole example (the model's own ``.grad`` included).
-    """
-    model, batch = tiny_causal_lm(arch, torch.float32), lm_batch(lengths=RIGHT_PAD, left_pad=True)
+    its unpadded backward."""
+    model, batch = tiny_causal_lm(arch), lm_batch(lengths=RIGHT_PAD, left_pad=True)
     got = per_example_gradients(model, batch, layers=ALL)
-    assert max_rel_error(got, loop_oracle(fp64_copy(model), batch, list(got))) <= FP32_TOL
+    assert max_rel_error(got, loop_oracle(model, batch, list(got))) <= FP64_TOL
 
 
 # -- 2. PEFT LoRA ------------------------------------------------------------------------
