@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from tda_plugins.grads import (
     DenseGrad,
     EmbeddingFactors,
     PerExampleGrad,
+    QueryGradients,
     Route,
     TokenFactors,
     choose_route,
@@ -189,3 +192,47 @@ def test_layers_sharing_an_input_are_scored_and_summed_as_each_alone() -> None:
         explicit = _explicit_materialize(g)
         torch.testing.assert_close(dots[name], explicit @ vectors[name])
         torch.testing.assert_close(sums[name], explicit[rows].sum(0))
+
+
+def test_query_gradients_materialize_each_layer_once_and_score_as_cross_gram() -> None:
+    """Scoring many training batches against fixed queries materializes a layer's queries
+    only where the cost model routes through materialized gradients, and then once; every
+    batch's scores equal the explicit gradients' dots summed over the layers."""
+    queries = {
+        "long": TokenFactors(_randn(2, 64, 3), _randn(2, 64, 2)),  # materialized route wins
+        "short": TokenFactors(_randn(2, 1, 48), _randn(2, 1, 40)),  # factorized route wins
+    }
+    trains = [
+        {
+            "long": TokenFactors(_randn(3, 64, 3), _randn(3, 64, 2)),
+            "short": TokenFactors(_randn(3, 1, 48), _randn(3, 1, 40)),
+        }
+        for _ in range(3)
+    ]
+    routes = {n: choose_route(trains[0][n].gram_costs(q)) for n, q in queries.items()}
+    assert routes == {"long": Route.MATERIALIZED, "short": Route.FACTORIZED}
+    prepared = QueryGradients(queries)
+    calls: dict[str, int] = {n: 0 for n in queries}
+    original = TokenFactors.materialize
+
+    def counted(self: TokenFactors) -> torch.Tensor:
+        for name, q in queries.items():
+            calls[name] += self is q
+        return original(self)
+
+    with mock.patch.object(TokenFactors, "materialize", counted):
+        scored = [prepared.scores(train) for train in trains]
+    assert calls == {"long": 1, "short": 0}
+    for train, scores in zip(trains, scored, strict=True):
+        reference = sum(
+            _explicit_materialize(train[n]) @ _explicit_materialize(q).T for n, q in queries.items()
+        )
+        torch.testing.assert_close(scores, reference)
+    explicit = torch.cat([_explicit_materialize(q) for q in queries.values()], dim=1)
+    torch.testing.assert_close(prepared.norms(), explicit.norm(dim=1))
+
+
+def test_query_gradients_refuse_other_layers() -> None:
+    train, query = _pair("linear")
+    with pytest.raises(ValueError, match="different layers"):
+        QueryGradients({"a": query}).scores({"b": train})

@@ -1,7 +1,14 @@
 """Per-example gradient representations, routed operations and projections."""
 
 from tda_plugins.grads.factors import DenseGrad, EmbeddingFactors, PerExampleGrad, TokenFactors
-from tda_plugins.grads.ops import cross_gram, dots_with, per_token_scores, rows_sums, sq_norms
+from tda_plugins.grads.ops import (
+    QueryGradients,
+    cross_gram,
+    dots_with,
+    per_token_scores,
+    rows_sums,
+    sq_norms,
+)
 from tda_plugins.grads.projection import ProjectionConfig, Projector, RandomMap
 from tda_plugins.grads.routing import Route, choose_route
 
@@ -11,6 +18,7 @@ __all__ = [
     "PerExampleGrad",
     "ProjectionConfig",
     "Projector",
+    "QueryGradients",
     "RandomMap",
     "Route",
     "TokenFactors",
