@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -408,6 +409,17 @@ def test_preconditioned_query_equals_dense_damped_inverse(
         got = preconditioner(name, queries[name]).materialize()
         assert got.dtype == torch.float64
         assert rel_err(got, expected) < TOL, name
+
+
+def test_kfac_needs_no_eigendecomposition(toy: Toy) -> None:
+    """K-FAC damps by trace / n and inverts through Cholesky: fitting and preconditioning
+    never call ``eigh`` (the test above checks the result against the dense solve)."""
+    kfac = PRECONDITIONERS["kfac"](DAMPING)
+    queries = StoreReader(toy.queries).load_all().layers
+    with mock.patch("torch.linalg.eigh", side_effect=AssertionError("eigh called")):
+        kfac.fit(StoreReader(toy.store))
+        preconditioned = [kfac(name, queries[name]) for name in TOY_LAYERS]
+    assert len(preconditioned) == len(TOY_LAYERS) > 0
 
 
 # -- methods end to end on Llama -----------------------------------------------------------

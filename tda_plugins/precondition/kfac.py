@@ -4,12 +4,15 @@ K-FAC, per layer with ``A = E[a a^T]``, ``S = E[g g^T]``:
 
     G_q -> (S + l_S I)^{-1} G_q (A + l_A I)^{-1},   l_X = damping * mean eig(X)
 
+with ``mean eig(X) = trace(X) / n``, so K-FAC needs no eigendecomposition: each damped
+factor is inverted through its Cholesky factorization.
+
 EK-FAC, with eigenbases ``U_A``, ``U_S`` and corrected eigenvalues
 ``Lambda = E_n[(U_S^T dW_n U_A)^2]`` over the stored examples (one pass over the store):
 
     G_q -> U_S [(U_S^T G_q U_A) / (Lambda + l)] U_A^T,      l = damping * mean(Lambda)
 
-Eigendecompositions and the correction are computed in fp64.
+Factorizations (Cholesky, eigendecompositions) and the correction are computed in fp64.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from tqdm.auto import tqdm
 
 from tda_plugins.grads.factors import DenseGrad, PerExampleGrad
 from tda_plugins.precondition.base import Preconditioner, register_preconditioner
-from tda_plugins.precondition.curvature import load_curvature
+from tda_plugins.precondition.curvature import KroneckerFactors, load_curvature
 from tda_plugins.store.layout import StoreError
 from tda_plugins.store.reader import StoreReader
 
@@ -42,7 +45,8 @@ class _Eigen:
         return self.u_s.shape[0], self.u_a.shape[0]
 
 
-def _eigen(store: StoreReader) -> dict[str, _Eigen]:
+def _curvature(store: StoreReader) -> dict[str, KroneckerFactors]:
+    """The store's Kronecker statistics of every captured layer, refusing missing ones."""
     curvature = load_curvature(store.root)
     missing = [n for n in store.layer_names if n not in curvature]
     if missing:
@@ -51,9 +55,12 @@ def _eigen(store: StoreReader) -> dict[str, _Eigen]:
             "factors exist only for linear/LoRA layers; capture without embedding and norm "
             "layers (LayerSelection kind='linear' or 'lora') to use K-FAC, EK-FAC or LoGra"
         )
+    return {name: curvature[name] for name in store.layer_names}
+
+
+def _eigen(store: StoreReader) -> dict[str, _Eigen]:
     out = {}
-    for name in store.layer_names:
-        stats = curvature[name]
+    for name, stats in _curvature(store).items():
         d_a, u_a = torch.linalg.eigh(stats.a_cov.double())
         d_s, u_s = torch.linalg.eigh(stats.g_cov.double())
         out[name] = _Eigen(u_a, d_a.clamp_min(0), u_s, d_s.clamp_min(0))
@@ -83,15 +90,24 @@ class KFAC(Preconditioner):
 
     def fit(self, store: StoreReader, progress: bool = False) -> None:
         self.inverses: dict[str, tuple[Tensor, Tensor]] = {}
-        for name, e in _eigen(store).items():
+        for name, stats in _curvature(store).items():
             self.inverses[name] = (
-                self._damped_inverse(e.u_s, e.d_s),
-                self._damped_inverse(e.u_a, e.d_a),
+                self._damped_inverse(stats.g_cov.double()),
+                self._damped_inverse(stats.a_cov.double()),
             )
 
-    def _damped_inverse(self, u: Tensor, d: Tensor) -> Tensor:
-        damping = self.damping * d.mean().clamp_min(torch.finfo(d.dtype).tiny)
-        return (u / (d + damping)) @ u.T
+    def _damped_inverse(self, x: Tensor) -> Tensor:
+        """``(X + l I)^{-1}`` for a ``(n, n)`` fp64 factor, ``l = damping * trace(X) / n``.
+
+        Through the Cholesky factor of the damped matrix (``~n^3 / 3`` against ``~9 n^3``
+        for ``eigh``). The inverse is formed once rather than solving per query: a product
+        with it is faster than two triangular solves, and the damping bounds the condition
+        number by ``1 + n / damping``, well inside fp64.
+        """
+        n = x.shape[0]
+        mean_eig = (x.trace() / n).clamp_min(torch.finfo(x.dtype).tiny)
+        damped = x + self.damping * mean_eig * torch.eye(n, dtype=x.dtype, device=x.device)
+        return torch.cholesky_inverse(torch.linalg.cholesky(damped))
 
     def __call__(self, layer: str, query: PerExampleGrad) -> PerExampleGrad:
         s_inv, a_inv = self.inverses[layer]
