@@ -18,6 +18,7 @@ from tda_plugins.grads import (
     cross_gram,
     dots_with,
     per_token_scores,
+    rotated,
     rows_sums,
     sq_norms,
 )
@@ -103,6 +104,39 @@ def test_token_scores_sum_to_gram_on_every_route(kind: str) -> None:
         scores = per_token_scores(train, query, route=route)
         assert scores.shape == (3, 2, 5)
         torch.testing.assert_close(scores.sum(dim=2), gram)
+
+
+def _orthogonal(n: int) -> torch.Tensor:
+    return torch.linalg.qr(_randn(n, n))[0]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_rotation_route_equals_the_rotated_explicit_gradients(kind: str) -> None:
+    """``U_out^T dW_i U_in``: rotating the per-token factors and rotating the materialized
+    gradient both equal the rotation of the explicit gradients."""
+    train, _ = _pair(kind)
+    out_dim, in_dim = {"linear": (4, 6), "linear-bias": (4, 7), "embedding": (7, 4)}.get(
+        kind, (1, 11)
+    )
+    u_out, u_in = _orthogonal(out_dim), _orthogonal(in_dim)
+    dw = _explicit_materialize(train).view(-1, out_dim, in_dim)
+    reference = (u_out.T @ dw @ u_in).flatten(1)
+    routes = train.rotation_costs(out_dim, in_dim)
+    assert (Route.FACTORIZED in routes) == kind.startswith("linear")
+    for route in routes:
+        torch.testing.assert_close(rotated(train, u_out, u_in, route=route), reference)
+
+
+def test_rotation_routing_rotates_factors_only_for_short_sequences() -> None:
+    """The factor rotation costs ``T (N_o^2 + N_i^2)`` per example against the dense
+    rotation's ``N_o N_i (N_o + N_i)``: it wins for ``T`` below about ``N``, not above."""
+    chosen = [
+        choose_route(
+            TokenFactors(torch.zeros(2, t, 48), torch.zeros(2, t, 40)).rotation_costs(40, 48)
+        )
+        for t in (8, 512)
+    ]
+    assert chosen == [Route.FACTORIZED, Route.MATERIALIZED]
 
 
 def test_token_scores_refused_for_dense() -> None:

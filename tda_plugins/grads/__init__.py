@@ -6,6 +6,7 @@ from tda_plugins.grads.ops import (
     cross_gram,
     dots_with,
     per_token_scores,
+    rotated,
     rows_sums,
     sq_norms,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "cross_gram",
     "dots_with",
     "per_token_scores",
+    "rotated",
     "rows_sums",
     "sq_norms",
 ]

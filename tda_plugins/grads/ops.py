@@ -107,6 +107,23 @@ def per_token_scores(
     return train.token_scores_materialized(query)
 
 
+def rotated(
+    grads: PerExampleGrad, u_out: Tensor, u_in: Tensor, route: Route | None = None
+) -> Tensor:
+    """``(B, N_o N_i')`` per-example gradients in the Kronecker eigenbasis, ``U_out^T dW_i
+    U_in`` for orthogonal ``(N_o, N_o)`` ``u_out`` and ``(N_i', N_i')`` ``u_in``, in the
+    accumulation dtype (the bases are cast to it: a rotation keeps norms, so fp32 loses
+    nothing an fp32 gradient had).
+
+    Cost: factorized (rotate each token's factors) ``~ B T (N_o^2 + N_i^2 + N_o N_i)``;
+    materialized ``~ B T N_o N_i + B N_o N_i (N_o + N_i)``.
+    """
+    chosen = choose_route(grads.rotation_costs(u_out.shape[0], u_in.shape[0]), route)
+    if chosen is Route.FACTORIZED:
+        return grads.rotated_factorized(u_out, u_in)
+    return grads.rotated_materialized(u_out, u_in)
+
+
 Group = list[tuple[str, TokenFactors]]
 
 

@@ -12,7 +12,11 @@ EK-FAC, with eigenbases ``U_A``, ``U_S`` and corrected eigenvalues
 
     G_q -> U_S [(U_S^T G_q U_A) / (Lambda + l)] U_A^T,      l = damping * mean(Lambda)
 
-Factorizations (Cholesky, eigendecompositions) and the correction are computed in fp64.
+Factorizations (Cholesky, eigendecompositions) are computed in fp64, and so are the
+squares and sums of the correction and the division by ``Lambda + l``. The rotations
+themselves (:func:`~tda_plugins.grads.ops.rotated`: of the per-token factors where that is
+cheaper, ``U_S^T g_t`` and ``U_A^T a_t``) run in the gradients' accumulation dtype: a
+rotation keeps norms, so fp32 adds only fp32 rounding to what fp32 gradients carry.
 """
 
 from __future__ import annotations
@@ -24,10 +28,14 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from tda_plugins.grads.factors import DenseGrad, PerExampleGrad
+from tda_plugins.grads.ops import rotated
 from tda_plugins.precondition.base import Preconditioner, register_preconditioner
 from tda_plugins.precondition.curvature import KroneckerFactors, load_curvature
 from tda_plugins.store.layout import StoreError
 from tda_plugins.store.reader import StoreReader
+
+#: Examples squared at a time in the EK-FAC fit (bounds the fp64 copy of a chunk's rows).
+_SQUARE_BLOCK = 16
 
 
 @dataclass
@@ -67,19 +75,12 @@ def _eigen(store: StoreReader) -> dict[str, _Eigen]:
     return out
 
 
-def _dtype(query: PerExampleGrad) -> torch.dtype:
-    """Preconditioned queries come back in the dtype scores accumulate in (fp32/fp64)."""
-    return query.materialize().dtype
-
-
-def _as_matrices(query: PerExampleGrad, shape: tuple[int, int], layer: str) -> Tensor:
-    values = query.materialize().double()
-    if values.shape[1] != shape[0] * shape[1]:
+def _check_shape(query: PerExampleGrad, shape: tuple[int, int], layer: str) -> None:
+    if query.dim != shape[0] * shape[1]:
         raise StoreError(
-            f"query gradients of {layer} have {values.shape[1]} entries but the store's "
+            f"query gradients of {layer} have {query.dim} entries but the store's "
             f"K-FAC factors describe {shape[0]} x {shape[1]}; capture both with one config"
         )
-    return values.view(-1, *shape)
 
 
 @register_preconditioner("kfac")
@@ -111,8 +112,11 @@ class KFAC(Preconditioner):
 
     def __call__(self, layer: str, query: PerExampleGrad) -> PerExampleGrad:
         s_inv, a_inv = self.inverses[layer]
-        q = _as_matrices(query, (s_inv.shape[0], a_inv.shape[0]), layer)
-        return DenseGrad((s_inv @ q @ a_inv).flatten(1).to(_dtype(query)))
+        shape = (s_inv.shape[0], a_inv.shape[0])
+        _check_shape(query, shape, layer)
+        values = query.materialize()
+        q = values.double().view(-1, *shape)
+        return DenseGrad((s_inv @ q @ a_inv).flatten(1).to(values.dtype))
 
 
 @register_preconditioner("ekfac")
@@ -129,14 +133,18 @@ class EKFAC(Preconditioner):
         chunks = store.iter_chunks()
         for chunk in tqdm(chunks, desc="EK-FAC eigenvalue correction", disable=not progress):
             for name, e in self.eigen.items():
-                dw = _as_matrices(chunk.layers[name], e.shape, name)
-                totals[name] += (e.u_s.T @ dw @ e.u_a).pow(2).sum(dim=0)
+                _check_shape(chunk.layers[name], e.shape, name)
+                rotation = rotated(chunk.layers[name], e.u_s, e.u_a)
+                for block in rotation.split(_SQUARE_BLOCK):  # bounds the fp64 copy
+                    totals[name] += block.double().square_().sum(dim=0).view(e.shape)
             count += chunk.size
         self.eigenvalues = {n: t / count for n, t in totals.items()}
 
     def __call__(self, layer: str, query: PerExampleGrad) -> PerExampleGrad:
         e, lam = self.eigen[layer], self.eigenvalues[layer]
-        q = _as_matrices(query, e.shape, layer)
+        _check_shape(query, e.shape, layer)
+        rotation = rotated(query, e.u_s, e.u_a)
         damping = self.damping * lam.mean().clamp_min(torch.finfo(lam.dtype).tiny)
-        rotated = (e.u_s.T @ q @ e.u_a) / (lam + damping)
-        return DenseGrad((e.u_s @ rotated @ e.u_a.T).flatten(1).to(_dtype(query)))
+        scaled = (rotation.double().view(-1, *e.shape) / (lam + damping)).to(rotation.dtype)
+        u_s, u_a = e.u_s.to(rotation.dtype), e.u_a.to(rotation.dtype)
+        return DenseGrad((u_s @ scaled @ u_a.T).flatten(1))
