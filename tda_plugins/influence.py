@@ -52,8 +52,7 @@ class StepInfluence:
 def score_record(record: MicroBatchRecord, queries: QueryGradients, cosine: bool) -> Tensor:
     """``(B, M)`` scores of a training micro-batch against query gradients prepared once
     (:func:`query_gradients`) for all the micro-batches scored against them."""
-    scale = record.loss_scale
-    train = {name: layer.grads.scaled(scale) for name, layer in record.layers.items()}
+    train = record.example_grads()
     scores = queries.scores(train)
     if cosine:
         scores = scores / torch.outer(example_norms(train), queries.norms()).to(scores.dtype)
