@@ -23,12 +23,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.modeling_outputs import CausalLMOutput
 
-from tda_plugins import LayerSelection, ProjectionConfig
+from tda_plugins import CaptureEngine, LayerSelection, ProjectionConfig, RecordCollector
 from tda_plugins.capture import content_hash
-from tda_plugins.grads import Route, choose_route
+from tda_plugins.grads import Route, TokenFactors, choose_route
 from tda_plugins.grads.projection import Projector
 from tda_plugins.methods import method_by_name
-from tda_plugins.precondition import EKFAC, PRECONDITIONERS, KroneckerFactors, load_curvature
+from tda_plugins.precondition import (
+    EKFAC,
+    PRECONDITIONERS,
+    CurvatureAccumulator,
+    KroneckerFactors,
+    load_curvature,
+)
 from tda_plugins.store import StoreError, StoreReader
 from tests.models import lm_batch, tiny_causal_lm
 from tests.stores import LossFn, capture_store, summed_loss
@@ -355,6 +361,34 @@ def test_kfac_factors_equal_closed_form_covariances_over_real_tokens(
     for part, options in CAPTURE_PLANS[plan]:
         capture_store(model, batches[part], tmp_path, loss_fn=fp64_summed_loss, **options)
     assert_closed_form_factors(tmp_path, model, batches, {"fc1": 1, "fc2": 1})
+
+
+def test_kfac_factors_of_fp32_gradients_equal_their_fp64_sums() -> None:
+    """For fp32 captures too, A and S are fp64 products and sums of the captured factors
+    over the real tokens, to fp64 precision (fp32 products would miss by ~1e-7 and move
+    K-FAC scores by ~1e-5 through the damped inverse). The closed-form tests above are
+    fp64 captures."""
+    model = tiny_causal_lm("llama", torch.float32)
+    batches = [lm_batch(lengths=(10, 7, 5), seed=1), lm_batch(lengths=(8, 10, 6), seed=2)]
+    accumulator, collector = CurvatureAccumulator("unused"), RecordCollector()
+    with CaptureEngine(model, LayerSelection("linear"), consumers=[accumulator, collector]):
+        for batch in batches:
+            summed_loss(model, batch).backward()
+    assert len(collector.records) == len(batches)
+    names = list(collector.records[0].layers)
+    assert len(names) == 15 and set(accumulator.factors) == set(names)
+    for name in names:
+        a_sum = g_sum = 0
+        for record in collector.records:
+            grads = record.layers[name].grads
+            assert isinstance(grads, TokenFactors) and grads.g.dtype == torch.float32
+            real = record.token_mask
+            a, g = grads.augmented_a().double()[real], grads.g.double()[real]
+            a_sum, g_sum = a_sum + a.T @ a, g_sum + g.T @ g
+        stats = accumulator.factors[name]
+        assert stats.a_sum.dtype == stats.g_sum.dtype == torch.float64
+        assert rel_err(stats.a_sum, a_sum) < TOL, name
+        assert rel_err(stats.g_sum, g_sum) < TOL, name
 
 
 def test_kfac_factors_of_a_module_called_twice_cover_the_real_tokens_of_both_calls(

@@ -75,10 +75,10 @@ def _eigen(store: StoreReader) -> dict[str, _Eigen]:
     return out
 
 
-def _check_shape(query: PerExampleGrad, shape: tuple[int, int], layer: str) -> None:
-    if query.dim != shape[0] * shape[1]:
+def _check_shape(grads: PerExampleGrad, shape: tuple[int, int], layer: str) -> None:
+    if grads.dim != shape[0] * shape[1]:
         raise StoreError(
-            f"query gradients of {layer} have {query.dim} entries but the store's "
+            f"gradients of {layer} have {grads.dim} entries but the store's "
             f"K-FAC factors describe {shape[0]} x {shape[1]}; capture both with one config"
         )
 
