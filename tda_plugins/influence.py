@@ -24,7 +24,7 @@ from torch import Tensor
 
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.records import MicroBatchRecord
-from tda_plugins.grads.ops import cross_gram, sq_norms
+from tda_plugins.grads.ops import QueryGradients, example_norms
 from tda_plugins.methods.scores import Scores
 from tda_plugins.report.html import write_html
 from tda_plugins.store.io import atomic_write_json
@@ -49,26 +49,19 @@ class StepInfluence:
     scores: Tensor
 
 
-def _norms(record: MicroBatchRecord, scale: float | Tensor = 1.0) -> Tensor:
-    total = torch.stack([sq_norms(r.grads.scaled(scale)) for r in record.layers.values()])
-    norms = total.sum(dim=0).sqrt()
-    return torch.where(norms > 0, norms, torch.ones_like(norms))
-
-
-def score_record(record: MicroBatchRecord, queries: MicroBatchRecord, cosine: bool) -> Tensor:
-    """``(B, M)`` scores of a training micro-batch against query gradients."""
-    if record.layers.keys() != queries.layers.keys():
-        raise ValueError("training and query gradients were captured on different layers")
-    scale = record.loss_scale
-    parts = [
-        cross_gram(record.layers[n].grads.scaled(scale), queries.layers[n].grads)
-        for n in queries.layers
-    ]
-    dtype = parts[0].dtype
-    scores = torch.stack([p.to(dtype) for p in parts]).sum(dim=0)
+def score_record(record: MicroBatchRecord, queries: QueryGradients, cosine: bool) -> Tensor:
+    """``(B, M)`` scores of a training micro-batch against query gradients prepared once
+    (:func:`query_gradients`) for all the micro-batches scored against them."""
+    train = record.example_grads()
+    scores = queries.scores(train)
     if cosine:
-        scores = scores / torch.outer(_norms(record, scale), _norms(queries)).to(dtype)
+        scores = scores / torch.outer(example_norms(train), queries.norms()).to(scores.dtype)
     return scores
+
+
+def query_gradients(queries: MicroBatchRecord) -> QueryGradients:
+    """A captured query micro-batch, prepared for scoring many training micro-batches."""
+    return QueryGradients({name: layer.grads for name, layer in queries.layers.items()})
 
 
 class InfluenceLogger(CaptureConsumer):
@@ -84,7 +77,7 @@ class InfluenceLogger(CaptureConsumer):
         if method not in ("graddot", "gradcos"):
             raise ValueError(f"live influence supports 'graddot' or 'gradcos', got {method!r}")
         self.method = method
-        self.queries: MicroBatchRecord | None = None
+        self.queries: QueryGradients | None = None
         self.learning_rate = 1.0
         self.history: list[StepInfluence] = []
         self._cumulative: dict[int, Tensor] = {}
@@ -92,7 +85,7 @@ class InfluenceLogger(CaptureConsumer):
 
     def set_queries(self, queries: MicroBatchRecord | None, learning_rate: float = 1.0) -> None:
         """Query gradients at the weights of the coming step (``None``: skip the step)."""
-        self.queries = queries
+        self.queries = None if queries is None else query_gradients(queries)
         self.learning_rate = learning_rate
 
     def on_optimizer_step(self, step: int, records: list[MicroBatchRecord]) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -22,11 +23,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.modeling_outputs import CausalLMOutput
 
-from tda_plugins import LayerSelection, ProjectionConfig
+from tda_plugins import CaptureEngine, LayerSelection, ProjectionConfig, RecordCollector
 from tda_plugins.capture import content_hash
+from tda_plugins.grads import Route, TokenFactors, choose_route
 from tda_plugins.grads.projection import Projector
 from tda_plugins.methods import method_by_name
-from tda_plugins.precondition import EKFAC, PRECONDITIONERS, KroneckerFactors, load_curvature
+from tda_plugins.precondition import (
+    EKFAC,
+    PRECONDITIONERS,
+    CurvatureAccumulator,
+    KroneckerFactors,
+    load_curvature,
+)
 from tda_plugins.store import StoreError, StoreReader
 from tests.models import lm_batch, tiny_causal_lm
 from tests.stores import LossFn, capture_store, summed_loss
@@ -36,6 +44,9 @@ TOL = 1e-10
 # Scores come back in fp32 (unit roundoff 6e-8), and the Llama stores' loss
 # (causal_lm_example_losses) runs the cross-entropy in fp32 even for fp64 logits.
 SCORE_TOL = 1e-6
+# fp32 gradients rotated in fp32 against the same gradients rotated in fp64 (measured:
+# 2.3e-7 for the eigenvalues, 3.5e-7 for the preconditioned queries).
+FP32_TOL = 2e-6
 DAMPING = 0.1
 TOY_VOCAB = 8
 TOY_LAYERS = ["fc1", "fc2"]
@@ -352,6 +363,34 @@ def test_kfac_factors_equal_closed_form_covariances_over_real_tokens(
     assert_closed_form_factors(tmp_path, model, batches, {"fc1": 1, "fc2": 1})
 
 
+def test_kfac_factors_of_fp32_gradients_equal_their_fp64_sums() -> None:
+    """For fp32 captures too, A and S are fp64 products and sums of the captured factors
+    over the real tokens, to fp64 precision (fp32 products would miss by ~1e-7 and move
+    K-FAC scores by ~1e-5 through the damped inverse). The closed-form tests above are
+    fp64 captures."""
+    model = tiny_causal_lm("llama", torch.float32)
+    batches = [lm_batch(lengths=(10, 7, 5), seed=1), lm_batch(lengths=(8, 10, 6), seed=2)]
+    accumulator, collector = CurvatureAccumulator("unused"), RecordCollector()
+    with CaptureEngine(model, LayerSelection("linear"), consumers=[accumulator, collector]):
+        for batch in batches:
+            summed_loss(model, batch).backward()
+    assert len(collector.records) == len(batches)
+    names = list(collector.records[0].layers)
+    assert len(names) == 15 and set(accumulator.factors) == set(names)
+    for name in names:
+        a_sum = g_sum = 0
+        for record in collector.records:
+            grads = record.layers[name].grads
+            assert isinstance(grads, TokenFactors) and grads.g.dtype == torch.float32
+            real = record.token_mask
+            a, g = grads.augmented_a().double()[real], grads.g.double()[real]
+            a_sum, g_sum = a_sum + a.T @ a, g_sum + g.T @ g
+        stats = accumulator.factors[name]
+        assert stats.a_sum.dtype == stats.g_sum.dtype == torch.float64
+        assert rel_err(stats.a_sum, a_sum) < TOL, name
+        assert rel_err(stats.g_sum, g_sum) < TOL, name
+
+
 def test_kfac_factors_of_a_module_called_twice_cover_the_real_tokens_of_both_calls(
     tmp_path: Path,
 ) -> None:
@@ -408,6 +447,47 @@ def test_preconditioned_query_equals_dense_damped_inverse(
         got = preconditioner(name, queries[name]).materialize()
         assert got.dtype == torch.float64
         assert rel_err(got, expected) < TOL, name
+
+
+def test_kfac_needs_no_eigendecomposition(toy: Toy) -> None:
+    """K-FAC damps by trace / n and inverts through Cholesky: fitting and preconditioning
+    never call ``eigh`` (the test above checks the result against the dense solve)."""
+    kfac = PRECONDITIONERS["kfac"](DAMPING)
+    queries = StoreReader(toy.queries).load_all().layers
+    with mock.patch("torch.linalg.eigh", side_effect=AssertionError("eigh called")):
+        kfac.fit(StoreReader(toy.store))
+        preconditioned = [kfac(name, queries[name]) for name in TOY_LAYERS]
+    assert len(preconditioned) == len(TOY_LAYERS) > 0
+
+
+def test_ekfac_on_fp32_gradients_matches_the_fp64_rotation(tmp_path: Path) -> None:
+    """On fp32 gradients EK-FAC rotates the per-token factors in fp32 (``U_S^T g_t``,
+    ``U_A^T a_t``) and squares and sums in fp64. Its eigenvalues and preconditioned queries
+    equal those of the fp64 path (``U_S^T dW U_A`` of the materialized gradients, every
+    product in fp64) to fp32 precision."""
+    model = tiny_causal_lm("llama", torch.float32)
+    train = [lm_batch(lengths=(10, 7, 5), seed=1), lm_batch(lengths=(8, 10, 6), seed=2)]
+    layers = LayerSelection("linear")
+    store = capture_store(model, train, tmp_path / "train", layers)
+    queries = capture_store(
+        model, [lm_batch(batch=2, lengths=(10, 4), seed=3)], tmp_path / "q", layers, curvature=False
+    )
+    ekfac = EKFAC(DAMPING)
+    ekfac.fit(store)
+    chunk, query = store.load_all(), queries.load_all()
+    routes = []
+    for name, e in ekfac.eigen.items():
+        grads = chunk.layers[name]
+        routes.append(choose_route(grads.rotation_costs(*e.shape)))
+        dw = grads.materialize().double().view(-1, *e.shape)
+        lam = (e.u_s.T @ dw @ e.u_a).pow(2).mean(dim=0)
+        assert rel_err(ekfac.eigenvalues[name], lam) < FP32_TOL, name
+        q = query.layers[name].materialize().double().view(-1, *e.shape)
+        expected = e.u_s @ ((e.u_s.T @ q @ e.u_a) / (lam + DAMPING * lam.mean())) @ e.u_a.T
+        got = ekfac(name, query.layers[name]).materialize()
+        assert got.dtype == torch.float32
+        assert rel_err(got, expected.flatten(1)) < FP32_TOL, name
+    assert len(routes) == 15 and Route.FACTORIZED in routes
 
 
 # -- methods end to end on Llama -----------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -9,12 +11,14 @@ from tda_plugins.grads import (
     DenseGrad,
     EmbeddingFactors,
     PerExampleGrad,
+    QueryGradients,
     Route,
     TokenFactors,
     choose_route,
     cross_gram,
     dots_with,
     per_token_scores,
+    rotated,
     rows_sums,
     sq_norms,
 )
@@ -100,6 +104,39 @@ def test_token_scores_sum_to_gram_on_every_route(kind: str) -> None:
         scores = per_token_scores(train, query, route=route)
         assert scores.shape == (3, 2, 5)
         torch.testing.assert_close(scores.sum(dim=2), gram)
+
+
+def _orthogonal(n: int) -> torch.Tensor:
+    return torch.linalg.qr(_randn(n, n))[0]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_rotation_route_equals_the_rotated_explicit_gradients(kind: str) -> None:
+    """``U_out^T dW_i U_in``: rotating the per-token factors and rotating the materialized
+    gradient both equal the rotation of the explicit gradients."""
+    train, _ = _pair(kind)
+    out_dim, in_dim = {"linear": (4, 6), "linear-bias": (4, 7), "embedding": (7, 4)}.get(
+        kind, (1, 11)
+    )
+    u_out, u_in = _orthogonal(out_dim), _orthogonal(in_dim)
+    dw = _explicit_materialize(train).view(-1, out_dim, in_dim)
+    reference = (u_out.T @ dw @ u_in).flatten(1)
+    routes = train.rotation_costs(out_dim, in_dim)
+    assert (Route.FACTORIZED in routes) == kind.startswith("linear")
+    for route in routes:
+        torch.testing.assert_close(rotated(train, u_out, u_in, route=route), reference)
+
+
+def test_rotation_routing_rotates_factors_only_for_short_sequences() -> None:
+    """The factor rotation costs ``T (N_o^2 + N_i^2)`` per example against the dense
+    rotation's ``N_o N_i (N_o + N_i)``: it wins for ``T`` below about ``N``, not above."""
+    chosen = [
+        choose_route(
+            TokenFactors(torch.zeros(2, t, 48), torch.zeros(2, t, 40)).rotation_costs(40, 48)
+        )
+        for t in (8, 512)
+    ]
+    assert chosen == [Route.FACTORIZED, Route.MATERIALIZED]
 
 
 def test_token_scores_refused_for_dense() -> None:
@@ -224,3 +261,47 @@ def test_dot_costs_route_to_the_smaller_target_form() -> None:
         target = TokenFactors(_randn(1, tokens, 8), _randn(1, tokens, 8))
         assert choose_route(train.dot_costs(target)) is expected
     assert choose_route(train.dot_costs(DenseGrad(_randn(1, 64)))) is Route.MATERIALIZED
+
+
+def test_query_gradients_materialize_each_layer_once_and_score_as_cross_gram() -> None:
+    """Scoring many training batches against fixed queries materializes a layer's queries
+    only where the cost model routes through materialized gradients, and then once; every
+    batch's scores equal the explicit gradients' dots summed over the layers."""
+    queries = {
+        "long": TokenFactors(_randn(2, 64, 3), _randn(2, 64, 2)),  # materialized route wins
+        "short": TokenFactors(_randn(2, 1, 48), _randn(2, 1, 40)),  # factorized route wins
+    }
+    trains = [
+        {
+            "long": TokenFactors(_randn(3, 64, 3), _randn(3, 64, 2)),
+            "short": TokenFactors(_randn(3, 1, 48), _randn(3, 1, 40)),
+        }
+        for _ in range(3)
+    ]
+    routes = {n: choose_route(trains[0][n].gram_costs(q)) for n, q in queries.items()}
+    assert routes == {"long": Route.MATERIALIZED, "short": Route.FACTORIZED}
+    prepared = QueryGradients(queries)
+    calls: dict[str, int] = {n: 0 for n in queries}
+    original = TokenFactors.materialize
+
+    def counted(self: TokenFactors) -> torch.Tensor:
+        for name, q in queries.items():
+            calls[name] += self is q
+        return original(self)
+
+    with mock.patch.object(TokenFactors, "materialize", counted):
+        scored = [prepared.scores(train) for train in trains]
+    assert calls == {"long": 1, "short": 0}
+    for train, scores in zip(trains, scored, strict=True):
+        reference = sum(
+            _explicit_materialize(train[n]) @ _explicit_materialize(q).T for n, q in queries.items()
+        )
+        torch.testing.assert_close(scores, reference)
+    explicit = torch.cat([_explicit_materialize(q) for q in queries.values()], dim=1)
+    torch.testing.assert_close(prepared.norms(), explicit.norm(dim=1))
+
+
+def test_query_gradients_refuse_other_layers() -> None:
+    train, query = _pair("linear")
+    with pytest.raises(ValueError, match="different layers"):
+        QueryGradients({"a": query}).scores({"b": train})

@@ -39,10 +39,11 @@ from tda_plugins import (
     ProjectionConfig,
     RecordCollector,
 )
-from tda_plugins.capture import content_hash
+from tda_plugins.capture import CaptureConsumer, content_hash
 from tda_plugins.grads.factors import DenseGrad, EmbeddingFactors, PerExampleGrad, TokenFactors
 from tda_plugins.methods import Scores, method_by_name
 from tda_plugins.store import FORMAT_VERSION, GradientStore, StoreError, StoreReader
+from tda_plugins.store.io import atomic_write
 from tda_plugins.store.layout import rank_dir, shard_name
 from tests import store_worker
 from tests.models import lm_batch, tiny_causal_lm
@@ -496,6 +497,53 @@ def test_nan_gradients_stop_the_capture_and_keep_every_committed_step(tmp_path: 
     assert torch.equal(read.example_ids, expected_ids(steps[:2]))
     for name, grads in good.layers.items():
         assert torch.equal(read.layers[name].materialize(), grads.materialize()), name
+
+
+class _Poison(CaptureConsumer):
+    """Sets one entry of one layer's captured tensor to ``value`` before the store sees it."""
+
+    def __init__(self, layer: str, value: float, last: bool):
+        self.layer, self.value, self.last = layer, value, last
+
+    def on_micro_batch(self, record: MicroBatchRecord) -> None:
+        grads = record.layers[self.layer].grads
+        assert isinstance(grads, TokenFactors)
+        flat = grads.g.view(-1)
+        flat[flat.numel() - 1 if self.last else 0] = self.value
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("last", [False, True])
+def test_one_non_finite_entry_anywhere_refuses_the_micro_batch_and_names_its_layer(
+    tmp_path: Path, dtype: torch.dtype, value: float, last: bool
+) -> None:
+    """A single NaN or +-inf entry, at the first or the last position of one layer's
+    gradient (every other entry finite), is refused with the layer's name; nothing of that
+    micro-batch is written."""
+    model = tiny_causal_lm("llama", dtype)
+    layer = "model.layers.1.mlp.down_proj"
+    consumers = [_Poison(layer, value, last), GradientStore(tmp_path)]
+    refused = pytest.raises(StoreError, match=rf"non-finite .* in layer '{layer}' at step 0")
+    with CaptureEngine(model, ALL, consumers=consumers), refused:
+        summed_loss(model, micro_batches(1, (10, 7))[0][0]).backward()
+    assert shard_files(tmp_path) == set()
+    assert not list(rank_dir(tmp_path, 0).glob(".*tmp*"))
+
+
+def test_a_failed_atomic_write_leaves_the_old_file_and_no_temp_file(tmp_path: Path) -> None:
+    """A writer that fails half-way leaves ``path`` as it was and no temp file beside it."""
+    path = tmp_path / "shard.safetensors"
+    path.write_bytes(b"old")
+
+    def half_then_fail(tmp: Path) -> None:
+        tmp.write_bytes(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write(path, half_then_fail)
+    assert path.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["shard.safetensors"]
 
 
 def test_truncate_drops_later_steps_and_their_files(tmp_path: Path) -> None:

@@ -7,8 +7,8 @@
 * ``ours-live``: the query gradients are captured first and kept in memory; each
   training micro-batch is scored against them as its backward finishes (a capture
   consumer calling ``tda_plugins.influence.score_record``, the routed ops of the live
-  influence logger); nothing is written. GradDot only (live K-FAC needs the factors of
-  the whole training set before the first score).
+  influence logger, with the queries prepared once); nothing is written. GradDot only
+  (live K-FAC needs the factors of the whole training set before the first score).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from peers.workload import Problem, example_losses, row_batches
 from tda_plugins import CaptureEngine, LayerSelection, ProjectionConfig
 from tda_plugins.capture import CaptureConsumer, RecordCollector
 from tda_plugins.capture.records import MicroBatchRecord
-from tda_plugins.influence import score_record
+from tda_plugins.influence import query_gradients, score_record
 from tda_plugins.methods import method_by_name
 
 #: Our method for each measured configuration.
@@ -80,7 +80,7 @@ class _LiveScores(CaptureConsumer):
     """Scores each finished training micro-batch against every query record."""
 
     def __init__(self, queries: list[MicroBatchRecord]):
-        self.queries = queries
+        self.queries = [query_gradients(q) for q in queries]
         self.blocks: list[Tensor] = []
 
     def on_micro_batch(self, record: MicroBatchRecord) -> None:

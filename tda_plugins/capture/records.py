@@ -97,6 +97,13 @@ class MicroBatchRecord:
             labels=None if self.labels is None else move(self.labels),
         )
 
+    def example_grads(self) -> dict[str, PerExampleGrad]:
+        """Layer name -> its gradients under the store's loss convention (``loss_scale``
+        applied; the captured tensors themselves when the scale is the number 1)."""
+        if not isinstance(self.loss_scale, Tensor) and self.loss_scale == 1:
+            return {name: r.grads for name, r in self.layers.items()}
+        return {name: r.grads.scaled(self.loss_scale) for name, r in self.layers.items()}
+
     def param_grads(self) -> dict[str, Tensor]:
         """Module-qualified parameter name -> ``(B, *param.shape)``, for unprojected captures."""
         if self.projected:

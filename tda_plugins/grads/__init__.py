@@ -1,7 +1,15 @@
 """Per-example gradient representations, routed operations and projections."""
 
 from tda_plugins.grads.factors import DenseGrad, EmbeddingFactors, PerExampleGrad, TokenFactors
-from tda_plugins.grads.ops import cross_gram, dots_with, per_token_scores, rows_sums, sq_norms
+from tda_plugins.grads.ops import (
+    QueryGradients,
+    cross_gram,
+    dots_with,
+    per_token_scores,
+    rotated,
+    rows_sums,
+    sq_norms,
+)
 from tda_plugins.grads.projection import ProjectionConfig, Projector, RandomMap
 from tda_plugins.grads.routing import Route, choose_route
 
@@ -11,6 +19,7 @@ __all__ = [
     "PerExampleGrad",
     "ProjectionConfig",
     "Projector",
+    "QueryGradients",
     "RandomMap",
     "Route",
     "TokenFactors",
@@ -18,6 +27,7 @@ __all__ = [
     "cross_gram",
     "dots_with",
     "per_token_scores",
+    "rotated",
     "rows_sums",
     "sq_norms",
 ]

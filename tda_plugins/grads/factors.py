@@ -168,6 +168,23 @@ class PerExampleGrad(ABC):
         """``(B1, B2, T1)`` token scores against the materialized query."""
         raise NotImplementedError
 
+    def rotation_costs(self, out_dim: int, in_dim: int) -> dict[Route, float]:
+        """FLOP estimate per route of the rotated gradients ``U_out^T dW_i U_in`` of a
+        layer whose gradient is ``(out_dim, in_dim)``."""
+        dense = self.batch_size * out_dim * in_dim * (out_dim + in_dim)
+        return {Route.MATERIALIZED: self._materialize_flops() + dense}
+
+    def rotated_factorized(self, u_out: Tensor, u_in: Tensor) -> Tensor:
+        """``(B, N_o N_i')`` rotated gradients from rotated factors; only where costs list it."""
+        raise NotImplementedError(f"{type(self).__name__} has no factorized rotation")
+
+    def rotated_materialized(self, u_out: Tensor, u_in: Tensor) -> Tensor:
+        """``(B, N_o N_i')`` rotated gradients ``U_out^T dW_i U_in`` of the materialized
+        gradients, in the accumulation dtype."""
+        dw = self.materialize()
+        dw = dw.view(-1, u_out.shape[0], u_in.shape[0])
+        return (u_out.to(dw.dtype).T @ dw @ u_in.to(dw.dtype)).flatten(1)
+
     @abstractmethod
     def _materialize_flops(self) -> float:
         """FLOPs of :meth:`materialize`."""
@@ -368,6 +385,20 @@ class TokenFactors(PerTokenGrad):
 
     def _token_width(self) -> int:
         return self.dim
+
+    def rotation_costs(self, out_dim: int, in_dim: int) -> dict[Route, float]:
+        rotate = self.batch_size * self.tokens * (out_dim * out_dim + in_dim * in_dim)
+        return {
+            Route.FACTORIZED: rotate + self._materialize_flops(),
+            **super().rotation_costs(out_dim, in_dim),
+        }
+
+    def rotated_factorized(self, u_out: Tensor, u_in: Tensor) -> Tensor:
+        # U_out^T dW_i U_in = sum_t (U_out^T g_it)(U_in^T [a_it; 1])^T: rotate each token's
+        # factors, then one (B, N_o, T) x (B, T, N_i') product, never the dense rotation.
+        a = self.augmented_a()
+        g = self.g.to(accumulation_dtype(self.g))
+        return TokenFactors(a @ u_in.to(a.dtype), g @ u_out.to(g.dtype)).materialize()
 
     def token_scores_materialized(self, query: PerExampleGrad) -> Tensor:
         b2, n_o, n_i = query.batch_size, self.out_dim, self.in_dim

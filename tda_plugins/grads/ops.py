@@ -12,7 +12,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from tda_plugins.grads.factors import PerExampleGrad, TokenFactors, accumulation_dtype
+from tda_plugins.grads.factors import DenseGrad, PerExampleGrad, TokenFactors, accumulation_dtype
 from tda_plugins.grads.routing import Route, choose_route
 
 
@@ -36,6 +36,64 @@ def sq_norms(grads: PerExampleGrad, route: Route | None = None) -> Tensor:
     return grads.sq_norms_materialized()
 
 
+def layer_sum(parts: list[Tensor]) -> Tensor:
+    """Sum of per-layer contributions of one shape (layers may differ in dtype)."""
+    dtype = parts[0].dtype
+    for p in parts[1:]:
+        dtype = torch.promote_types(dtype, p.dtype)
+    return torch.stack([p.to(dtype) for p in parts]).sum(dim=0)
+
+
+def example_norms(layers: Mapping[str, PerExampleGrad]) -> Tensor:
+    """``(B,)`` gradient norms over all layers together (zero norms become 1, so that a
+    cosine against a zero gradient is 0, not NaN)."""
+    norms = layer_sum([sq_norms(g) for g in layers.values()]).sqrt()
+    return torch.where(norms > 0, norms, torch.ones_like(norms))
+
+
+class QueryGradients:
+    """Fixed query gradients of several layers, scored against many training batches.
+
+    Each layer's query side is prepared once. The first training batch whose cross-Gram
+    the cost model routes through materialized gradients materializes that layer's
+    queries, and every later batch reuses them: the same route and the same numbers as
+    :func:`cross_gram`, without materializing the ``(B2, D)`` queries again per batch
+    (which costs as much as materializing a training batch of the same size).
+
+    Args:
+        layers: layer name -> that layer's ``(B2, ...)`` query gradients.
+    """
+
+    def __init__(self, layers: Mapping[str, PerExampleGrad]):
+        self._layers = dict(layers)
+        self._norms: Tensor | None = None
+
+    def scores(self, train: Mapping[str, PerExampleGrad]) -> Tensor:
+        """``(B1, B2)`` inner products ``<g_i, g_j>`` summed over the layers, for training
+        gradients ``train`` of the same layers."""
+        if train.keys() != self._layers.keys():
+            raise ValueError(
+                "training and query gradients were captured on different layers: "
+                f"{sorted(set(train) ^ set(self._layers))[:3]} are on one side only"
+            )
+        return layer_sum([self._gram(name, grads) for name, grads in train.items()])
+
+    def norms(self) -> Tensor:
+        """``(B2,)`` query norms over all layers (as :func:`example_norms`), computed once."""
+        if self._norms is None:
+            self._norms = example_norms(self._layers)
+        return self._norms
+
+    def _gram(self, name: str, train: PerExampleGrad) -> Tensor:
+        query = self._layers[name]
+        if (
+            not isinstance(query, DenseGrad)
+            and choose_route(train.gram_costs(query)) is Route.MATERIALIZED
+        ):
+            query = self._layers[name] = DenseGrad(query.materialize())
+        return cross_gram(train, query)
+
+
 def per_token_scores(
     train: PerExampleGrad, query: PerExampleGrad, route: Route | None = None
 ) -> Tensor:
@@ -47,6 +105,23 @@ def per_token_scores(
     if chosen is Route.FACTORIZED:
         return train.token_scores_factorized(query)
     return train.token_scores_materialized(query)
+
+
+def rotated(
+    grads: PerExampleGrad, u_out: Tensor, u_in: Tensor, route: Route | None = None
+) -> Tensor:
+    """``(B, N_o N_i')`` per-example gradients in the Kronecker eigenbasis, ``U_out^T dW_i
+    U_in`` for orthogonal ``(N_o, N_o)`` ``u_out`` and ``(N_i', N_i')`` ``u_in``, in the
+    accumulation dtype (the bases are cast to it: a rotation keeps norms, so fp32 loses
+    nothing an fp32 gradient had).
+
+    Cost: factorized (rotate each token's factors) ``~ B T (N_o^2 + N_i^2 + N_o N_i)``;
+    materialized ``~ B T N_o N_i + B N_o N_i (N_o + N_i)``.
+    """
+    chosen = choose_route(grads.rotation_costs(u_out.shape[0], u_in.shape[0]), route)
+    if chosen is Route.FACTORIZED:
+        return grads.rotated_factorized(u_out, u_in)
+    return grads.rotated_materialized(u_out, u_in)
 
 
 Group = list[tuple[str, TokenFactors]]

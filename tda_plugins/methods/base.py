@@ -19,7 +19,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from tda_plugins.grads.factors import PerExampleGrad
-from tda_plugins.grads.ops import cross_gram, per_token_scores, sq_norms
+from tda_plugins.grads.ops import QueryGradients, example_norms, layer_sum, per_token_scores
 from tda_plugins.methods.scores import Scores
 from tda_plugins.precondition.base import Identity, Preconditioner
 from tda_plugins.registry import Registry
@@ -68,17 +68,16 @@ class AttributionMethod(ABC):
         """``(N, M)`` scores of every stored training example against every query."""
         self.prepare(store, queries, progress)
         query = _load_queries(queries)
-        q_layers = {n: self.query_side(n, g) for n, g in query.layers.items()}
-        q_norms = _norms(q_layers) if self.normalize else None
+        prepared = QueryGradients({n: self.query_side(n, g) for n, g in query.layers.items()})
         ids, blocks = [], []
         chunks = store.iter_chunks(chunk_examples)
         total = store.num_examples
         with tqdm(total=total, desc=f"{self.name} scores", disable=not progress) as bar:
             for chunk in chunks:
                 t_layers = {n: self.train_side(n, g) for n, g in chunk.layers.items()}
-                block = _layer_sum([cross_gram(t_layers[n], q_layers[n]) for n in q_layers])
-                if q_norms is not None:
-                    block = block / torch.outer(_norms(t_layers), q_norms)
+                block = prepared.scores(t_layers)
+                if self.normalize:
+                    block = block / torch.outer(example_norms(t_layers), prepared.norms())
                 ids.append(chunk.example_ids)
                 blocks.append(block.float())
                 bar.update(chunk.size)
@@ -94,7 +93,7 @@ class AttributionMethod(ABC):
         self.prepare(store, queries)
         query = _load_queries(queries)
         q_layers = {n: self.query_side(n, g) for n, g in query.layers.items()}
-        q_norms = _norms(q_layers) if self.normalize else None
+        q_norms = example_norms(q_layers) if self.normalize else None
         wanted = set(train_ids)
         out: dict[int, Tensor] = {}
         for chunk in store.iter_chunks():
@@ -103,9 +102,9 @@ class AttributionMethod(ABC):
                 continue
             index = torch.tensor(rows)
             t_layers = {n: self.train_side(n, g.select(index)) for n, g in chunk.layers.items()}
-            per_token = _layer_sum([per_token_scores(t_layers[n], q_layers[n]) for n in q_layers])
+            per_token = layer_sum([per_token_scores(t_layers[n], q_layers[n]) for n in q_layers])
             if q_norms is not None:
-                scale = torch.outer(_norms(t_layers), q_norms)
+                scale = torch.outer(example_norms(t_layers), q_norms)
                 per_token = per_token / scale.unsqueeze(2)
             for row, example in zip(per_token, chunk.example_ids[index].tolist(), strict=True):
                 out[example] = row.float()
@@ -115,21 +114,7 @@ class AttributionMethod(ABC):
         return out
 
 
-def _layer_sum(parts: list[Tensor]) -> Tensor:
-    """Sum of per-layer contributions of one shape (layers may differ in dtype)."""
-    dtype = parts[0].dtype
-    for p in parts[1:]:
-        dtype = torch.promote_types(dtype, p.dtype)
-    return torch.stack([p.to(dtype) for p in parts]).sum(dim=0)
-
-
 def _load_queries(queries: StoreReader) -> StoreChunk:
     if queries.num_examples == 0:
         raise StoreError(f"the query store {queries.root} holds no example; capture queries first")
     return queries.load_all()
-
-
-def _norms(layers: dict[str, PerExampleGrad]) -> Tensor:
-    """``(B,)`` norms over all layers together (zero norms become 1: score 0, not NaN)."""
-    norms = _layer_sum([sq_norms(g) for g in layers.values()]).sqrt()
-    return torch.where(norms > 0, norms, torch.ones_like(norms))

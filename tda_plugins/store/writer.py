@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save
+from safetensors.torch import save_file
 
 from tda_plugins.capture.config import CaptureConfig
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.records import MicroBatchRecord
 from tda_plugins.store.codec import compact, encode
-from tda_plugins.store.io import atomic_write_bytes, atomic_write_json, read_json
+from tda_plugins.store.io import atomic_write, atomic_write_bytes, atomic_write_json, read_json
 from tda_plugins.store.layout import (
     EXAMPLES_FILE,
     FORMAT_VERSION,
@@ -104,16 +104,9 @@ class GradientStore(CaptureConsumer):
         written: dict[tuple[Any, ...], str] = {}
         keyed: list[torch.Tensor] = []
         aliases: dict[str, str] = {}
-        for name, layer in cpu.layers.items():
-            grads = compact(layer.grads.scaled(cpu.loss_scale), self.keep_tokens)
-            kind, parts, attrs = encode(grads)
+        for name, grads in cpu.example_grads().items():
+            kind, parts, attrs = encode(compact(grads, self.keep_tokens))
             for field, tensor in parts.items():
-                if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-                    raise StoreError(
-                        f"non-finite gradients (NaN/inf) in layer {name!r} at step "
-                        f"{record.step}; the step is not written and earlier steps are intact. "
-                        "Lower the learning rate or enable gradient clipping/loss scaling"
-                    )
                 key = f"{name}::{field}"
                 keyed.append(tensor)
                 identity = (
@@ -129,10 +122,11 @@ class GradientStore(CaptureConsumer):
                     written[identity] = key
                     tensors[key] = tensor.contiguous()
             layers[name] = {"kind": kind, "attrs": attrs, "fields": list(parts)}
+        _require_finite(tensors, record.step)
         name = shard_name(record.step, record.index)
         metadata = {"layers": json.dumps(layers), "aliases": json.dumps(aliases)}
-        data = save(tensors, metadata=metadata)
-        atomic_write_bytes(self._dir / name, data)
+        # safetensors writes the tensors straight into the file: no serialized copy.
+        atomic_write(self._dir / name, lambda path: save_file(tensors, path, metadata))
         self._pending.append(
             {
                 "file": name,
@@ -209,3 +203,24 @@ class GradientStore(CaptureConsumer):
             half_written = path.name.startswith(".") and ".tmp-" in path.name
             if (unlisted_shard and path.name not in listed) or half_written:
                 path.unlink()
+
+
+def _require_finite(tensors: dict[str, torch.Tensor], step: int) -> None:
+    """Refuse a micro-batch with NaN/inf anywhere in its gradients, with one host sync.
+
+    A tensor is finite exactly when its minimum and maximum are (both propagate NaN), and
+    ``aminmax`` reads it once without the boolean copy of ``isfinite``. Only when the
+    check fails is each tensor inspected, to name the layer.
+    """
+    floating = {k: t for k, t in tensors.items() if t.is_floating_point() and t.numel()}
+    if not floating:
+        return
+    extremes = torch.cat([torch.stack(torch.aminmax(t)).double() for t in floating.values()])
+    if bool(torch.isfinite(extremes).all()):
+        return
+    key = next(k for k, t in floating.items() if not bool(torch.isfinite(t).all()))
+    raise StoreError(
+        f"non-finite gradients (NaN/inf) in layer {key.split('::')[0]!r} at step {step}; "
+        "the step is not written and earlier steps are intact. "
+        "Lower the learning rate or enable gradient clipping/loss scaling"
+    )
