@@ -293,14 +293,14 @@ Command: `{command_line(SCRIPT, argv)}`
 
 Date: {utc_now()}. Machine: {machine_info()}; {load_text(loads)}.
 
-HF `Trainer` (CPU, fp32, AdamW, `max_grad_norm=1.0`), batch {settings.batch} x sequence \\
-{settings.seq}, no padding, `LlamaConfig({shape})` with PEFT LoRA r=8 on every linear \\
-layer but the head; each library captures factor-projected (k = {settings.k}) \\
-per-example gradients of every adapter to local disk inside the training backward. \\
-Runs of {settings.steps_per_run} steps alternate (order rotated, {settings.runs} per \\
-library, identical model copies), the first step of each discarded: median of {steps} \\
-steps per library. Ratio = median step / median plain step (CPU time: one torch thread, \\
-steadier than wall time on this shared machine); paired = step / plain step of the same \\
+HF `Trainer` (CPU, fp32, AdamW, `max_grad_norm=1.0`), batch {settings.batch} x sequence \
+{settings.seq}, no padding, `LlamaConfig({shape})` with PEFT LoRA r=8 on every linear \
+layer but the head; each library captures factor-projected (k = {settings.k}) \
+per-example gradients of every adapter to local disk inside the training backward. \
+Runs of {settings.steps_per_run} steps alternate (order rotated, {settings.runs} per \
+library, identical model copies), the first step of each discarded: median of {steps} \
+steps per library. Ratio = median step / median plain step (CPU time: one torch thread, \
+steadier than wall time on this shared machine); paired = step / plain step of the same \
 slot.
 
 {notes_list(WAYS)}
