@@ -33,7 +33,6 @@ row says so and ours still run (``--quick`` is the CI smoke)::
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -43,7 +42,6 @@ from typing import Any
 
 import torch
 from common import (
-    MIN_REPEATS,
     StepTimer,
     base_parser,
     collate_rows,
@@ -53,7 +51,6 @@ from common import (
     make_trainer,
     publish,
     quiet_transformers,
-    runs_needed,
     tidy,
     training_args,
     utc_now,
@@ -62,6 +59,7 @@ from peers.training import (
     OURS,
     PLAIN,
     ModeResult,
+    RunOptions,
     TrainingWay,
     Unavailable,
     notes_list,
@@ -82,26 +80,14 @@ LABEL = "LoRA r=8, projected per-example gradients to disk"
 
 @dataclass(frozen=True)
 class Settings:
-    """Resolved command-line settings (``quick``/``seq``/``batch`` as training_overhead's,
-    whose model builder reads them)."""
+    """Resolved command-line settings: the shared run options and ``k``."""
 
-    seq: int
-    batch: int
+    run: RunOptions
     k: int
-    repeats: int
-    steps_per_run: int
-    quick: bool
-    write: bool
-    results: Path
-
-    @property
-    def runs(self) -> int:
-        """Alternating runs per library (one discarded warm-up step each)."""
-        return runs_needed(self.repeats, self.steps_per_run, 1)
 
     @property
     def model_config(self) -> dict[str, Any]:
-        return QUICK_MODEL if self.quick else MODEL
+        return QUICK_MODEL if self.run.quick else MODEL
 
 
 @dataclass(frozen=True)
@@ -270,21 +256,23 @@ WAYS = (Plain, Ours, OursCurvature, Bergson, DattriLLM, LogIX)
 
 def measure(settings: Settings, work: Path) -> tuple[ModeResult, list[float]]:
     """Alternating runs of every available library on identical LoRA copies."""
-    run = Run(training_rows(settings, settings.steps_per_run), settings.k)
+    options = settings.run
+    run = Run(training_rows(options, options.steps_per_run), settings.k)
     ways: dict[str, type[TrainingWay]] = {way.name: way for way in WAYS}
-    base = build_base(settings)  # type: ignore[arg-type]  # duck-typed: quick, seq
+    base = build_base(options)  # type: ignore[arg-type]  # duck-typed: quick, seq
 
     def args_for(name: str, round_: int) -> Any:
         out = work / f"{name}-{round_}".replace(" ", "_")
-        return training_args(out, settings.steps_per_run, settings.batch)
+        return training_args(out, options.steps_per_run, options.batch)
 
     return run_mode(
-        LABEL, ways, lambda way: way(run), lambda: lora_copy(base), args_for, settings.runs, 1
+        LABEL, ways, lambda way: way(run), lambda: lora_copy(base), args_for, options.runs, 1
     )
 
 
 def report(result: ModeResult, loads: list[float], settings: Settings, argv: Sequence[str]) -> str:
     """The markdown section for RESULTS.md."""
+    run = settings.run
     shape = ", ".join(f"{k}={v}" for k, v in settings.model_config.items())
     steps = min(len(v) for v in result.samples.values())
     return tidy(f"""{SECTION}
@@ -293,15 +281,11 @@ Command: `{command_line(SCRIPT, argv)}`
 
 Date: {utc_now()}. Machine: {machine_info()}; {load_text(loads)}.
 
-HF `Trainer` (CPU, fp32, AdamW, `max_grad_norm=1.0`), batch {settings.batch} x sequence \
-{settings.seq}, no padding, `LlamaConfig({shape})` with PEFT LoRA r=8 on every linear \
+HF `Trainer` (CPU, fp32, AdamW, `max_grad_norm=1.0`), batch {run.batch} x sequence \
+{run.seq}, no padding, `LlamaConfig({shape})` with PEFT LoRA r=8 on every linear \
 layer but the head; each library captures factor-projected (k = {settings.k}) \
 per-example gradients of every adapter to local disk inside the training backward. \
-Runs of {settings.steps_per_run} steps alternate (order rotated, {settings.runs} per \
-library, identical model copies), the first step of each discarded: median of {steps} \
-steps per library. Ratio = median step / median plain step (CPU time: one torch thread, \
-steadier than wall time on this shared machine); paired = step / plain step of the same \
-slot.
+{run.protocol(steps)}
 
 {notes_list(WAYS)}
 
@@ -315,35 +299,12 @@ slot.
 def parse_args(argv: Sequence[str]) -> Settings:
     """Parse and validate the command line into :class:`Settings`."""
     p = base_parser(__doc__.split("\n\n")[0])
-    p.add_argument("--seq", type=int, help="sequence length (default 256; quick 16)")
-    p.add_argument("--batch", type=int, default=8, help="examples per step")
     p.add_argument("--k", type=int, default=16, help="factor projection k_a = k_g")
-    p.add_argument("--repeats", type=int, help="timed steps per library (default 12)")
-    p.add_argument("--steps-per-run", type=int, default=4, help="steps of one train() run")
+    RunOptions.add_arguments(p, seq=256)
     a = p.parse_args(argv)
-    settings = Settings(
-        seq=a.seq or (16 if a.quick else 256),
-        batch=a.batch,
-        k=a.k,
-        repeats=a.repeats or (2 if a.quick else 12),
-        steps_per_run=a.steps_per_run,
-        quick=a.quick,
-        write=a.write if a.write is not None else not a.quick,
-        results=a.results,
-    )
-    check(p, settings)
-    return settings
-
-
-def check(p: argparse.ArgumentParser, settings: Settings) -> None:
-    """Refuse settings that cannot give a valid measurement."""
-    for name in ("seq", "batch", "k", "repeats"):
-        if getattr(settings, name) < 1:
-            p.error(f"--{name} must be >= 1")
-    if settings.steps_per_run < 2:
-        p.error("--steps-per-run must be >= 2 (the first step of each run is discarded)")
-    if settings.repeats < MIN_REPEATS and not settings.quick:
-        p.error(f"--repeats must be >= {MIN_REPEATS} (DESIGN.md section 6); use --quick to smoke")
+    if a.k < 1:
+        p.error("--k must be >= 1")
+    return Settings(RunOptions.parsed(p, a, seq=256), a.k)
 
 
 def main(argv: Sequence[str]) -> ModeResult:
@@ -352,7 +313,8 @@ def main(argv: Sequence[str]) -> ModeResult:
     quiet_transformers()
     with tempfile.TemporaryDirectory(prefix="tda-peer-capture-") as work:
         result, loads = measure(settings, Path(work))
-    publish(report(result, loads, settings, argv), SECTION, settings.results, settings.write)
+    run = settings.run
+    publish(report(result, loads, settings, argv), SECTION, run.results, run.write)
     return result
 
 

@@ -28,7 +28,6 @@ its rows say so and ours still run (``--quick`` is the CI smoke)::
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 import tempfile
@@ -39,7 +38,6 @@ from typing import Any
 
 import torch
 from common import (
-    MIN_REPEATS,
     StepTimer,
     base_parser,
     command_line,
@@ -48,7 +46,6 @@ from common import (
     make_trainer,
     publish,
     quiet_transformers,
-    runs_needed,
     tidy,
     token_rows,
     training_args,
@@ -58,6 +55,7 @@ from peers.training import (
     OURS,
     PLAIN,
     ModeResult,
+    RunOptions,
     TrainingWay,
     Unavailable,
     notes_list,
@@ -77,26 +75,15 @@ FRACTION = 0.25
 
 @dataclass(frozen=True)
 class Settings:
-    """Resolved command-line settings."""
+    """Resolved command-line settings: the shared run options, the modes and the pool."""
 
+    run: RunOptions
     modes: tuple[str, ...]
-    seq: int
-    batch: int
     pool: int
-    repeats: int
-    steps_per_run: int
-    quick: bool
-    write: bool
-    results: Path
-
-    @property
-    def runs(self) -> int:
-        """Alternating runs per library (one discarded warm-up step each)."""
-        return runs_needed(self.repeats, self.steps_per_run, 1)
 
     @property
     def model_config(self) -> dict[str, Any]:
-        return QUICK_MODEL if self.quick else MODEL
+        return QUICK_MODEL if self.run.quick else MODEL
 
 
 @dataclass(frozen=True)
@@ -206,17 +193,18 @@ def measure(
     mode: Mode, settings: Settings, base: nn.Module, work: Path
 ) -> tuple[ModeResult, list[float]]:
     """Alternating runs of every available library on identical copies of ``base``."""
+    run = settings.run
     vocab = int(settings.model_config["vocab_size"])
-    steps = settings.steps_per_run
+    steps = run.steps_per_run
     data = Data(
-        token_rows(steps * settings.batch, settings.seq, vocab, seed=4),
-        token_rows(settings.pool, settings.seq, vocab, seed=3).tolist(),
+        token_rows(steps * run.batch, run.seq, vocab, seed=4),
+        token_rows(settings.pool, run.seq, vocab, seed=3).tolist(),
         steps,
     )
     ways: dict[str, type[TrainingWay]] = {way.name: way for way in WAYS}
 
     def args_for(name: str, round_: int) -> Any:
-        return training_args(work / f"{mode.name}-{name}-{round_}", steps, settings.batch)
+        return training_args(work / f"{mode.name}-{name}-{round_}", steps, run.batch)
 
     return run_mode(
         mode.label,
@@ -224,7 +212,7 @@ def measure(
         lambda way: way(mode, data),
         lambda: copy_for(mode, base),
         args_for,
-        settings.runs,
+        run.runs,
         warmup=1,
     )
 
@@ -233,6 +221,7 @@ def report(
     results: list[ModeResult], loads: list[float], settings: Settings, argv: Sequence[str]
 ) -> str:
     """The markdown section for RESULTS.md."""
+    run = settings.run
     shape = ", ".join(f"{k}={v}" for k, v in settings.model_config.items())
     steps = min(len(v) for r in results for v in r.samples.values())
     return tidy(f"""{SECTION}
@@ -241,14 +230,10 @@ Command: `{command_line(SCRIPT, argv)}`
 
 Date: {utc_now()}. Machine: {machine_info()}; {load_text(loads)}.
 
-HF `Trainer` (CPU, fp32, AdamW, `max_grad_norm=1.0`), batch {settings.batch} x sequence \
-{settings.seq}, no padding, `LlamaConfig({shape})`; a target pool of {settings.pool} \
+HF `Trainer` (CPU, fp32, AdamW, `max_grad_norm=1.0`), batch {run.batch} x sequence \
+{run.seq}, no padding, `LlamaConfig({shape})`; a target pool of {settings.pool} \
 sequences, each step's target one of them in turn; the bottom {FRACTION:.0%} of each \
-step's examples dropped and removed from `.grad`. Runs of {settings.steps_per_run} steps \
-alternate (order rotated, {settings.runs} per library, identical model copies), the \
-first step of each discarded: median of {steps} steps per library. Ratio = median step \
-/ median plain step of the same mode (CPU time: one torch thread, steadier than wall \
-time on this shared machine); paired = step / plain step of the same slot.
+step's examples dropped and removed from `.grad`. {run.protocol(steps)}
 
 {notes_list(WAYS)}
 
@@ -263,50 +248,28 @@ def parse_args(argv: Sequence[str]) -> Settings:
     """Parse and validate the command line into :class:`Settings`."""
     p = base_parser(__doc__.split("\n\n")[0])
     p.add_argument("--mode", choices=[*MODES, "both"], default="both")
-    p.add_argument("--seq", type=int, help="sequence length (default 128; quick 16)")
-    p.add_argument("--batch", type=int, default=8, help="examples per step")
     p.add_argument("--pool", type=int, default=16, help="target pool size")
-    p.add_argument("--repeats", type=int, help="timed steps per library (default 12)")
-    p.add_argument("--steps-per-run", type=int, default=4, help="steps of one train() run")
+    RunOptions.add_arguments(p, seq=128)
     a = p.parse_args(argv)
-    settings = Settings(
-        modes=tuple(MODES) if a.mode == "both" else (a.mode,),
-        seq=a.seq or (16 if a.quick else 128),
-        batch=a.batch,
-        pool=a.pool,
-        repeats=a.repeats or (2 if a.quick else 12),
-        steps_per_run=a.steps_per_run,
-        quick=a.quick,
-        write=a.write if a.write is not None else not a.quick,
-        results=a.results,
-    )
-    check(p, settings)
-    return settings
-
-
-def check(p: argparse.ArgumentParser, settings: Settings) -> None:
-    """Refuse settings that cannot give a valid measurement."""
-    for name in ("seq", "batch", "pool", "repeats"):
-        if getattr(settings, name) < 1:
-            p.error(f"--{name} must be >= 1")
-    if settings.steps_per_run < 2:
-        p.error("--steps-per-run must be >= 2 (the first step of each run is discarded)")
-    if settings.repeats < MIN_REPEATS and not settings.quick:
-        p.error(f"--repeats must be >= {MIN_REPEATS} (DESIGN.md section 6); use --quick to smoke")
+    if a.pool < 1:
+        p.error("--pool must be >= 1")
+    modes = tuple(MODES) if a.mode == "both" else (a.mode,)
+    return Settings(RunOptions.parsed(p, a, seq=128), modes, a.pool)
 
 
 def main(argv: Sequence[str]) -> list[ModeResult]:
     """Run the comparison, print the table and the command, update RESULTS.md."""
     settings = parse_args(argv)
     quiet_transformers()
-    base = build_base(settings)  # type: ignore[arg-type]  # duck-typed: quick, seq
+    base = build_base(settings.run)  # type: ignore[arg-type]  # duck-typed: quick, seq
     results, loads = [], []
     with tempfile.TemporaryDirectory(prefix="tda-peer-select-") as work:
         for name in settings.modes:
             result, mode_loads = measure(MODES[name], settings, base, Path(work))
             results.append(result)
             loads += mode_loads
-    publish(report(results, loads, settings, argv), SECTION, settings.results, settings.write)
+    run = settings.run
+    publish(report(results, loads, settings, argv), SECTION, run.results, run.write)
     return results
 
 

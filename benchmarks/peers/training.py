@@ -10,16 +10,97 @@ raises :class:`Unavailable` on construction; its row keeps the reason.
 
 from __future__ import annotations
 
+import argparse
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
-from common import Comparison, Sample, StepTimer, load_average, rotated, verdict
+from common import (
+    MIN_REPEATS,
+    Comparison,
+    Sample,
+    StepTimer,
+    load_average,
+    rotated,
+    runs_needed,
+    verdict,
+)
 from torch import nn
 
 PLAIN = "plain"
 OURS = "ours"
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """The command-line settings of every in-training workload (``quick``, ``seq`` and
+    ``batch`` are also what the model and row builders they share read).
+
+    Attributes:
+        seq: tokens per sequence.
+        batch: examples per step.
+        repeats: timed steps per way (at least ``MIN_REPEATS`` unless ``quick``).
+        steps_per_run: steps of one ``train()`` run; its first is a discarded warm-up.
+        quick: the tiny smoke configuration.
+        write: update the results file.
+        results: the results file.
+    """
+
+    seq: int
+    batch: int
+    repeats: int
+    steps_per_run: int
+    quick: bool
+    write: bool
+    results: Path
+
+    @property
+    def runs(self) -> int:
+        """Alternating runs per way."""
+        return runs_needed(self.repeats, self.steps_per_run, 1)
+
+    @staticmethod
+    def add_arguments(p: argparse.ArgumentParser, seq: int) -> None:
+        """The flags of these settings (``--quick``/``--write``/``--results`` come with
+        :func:`common.base_parser`); ``seq`` is the default sequence length."""
+        p.add_argument("--seq", type=int, help=f"sequence length (default {seq}; quick 16)")
+        p.add_argument("--batch", type=int, default=8, help="examples per step")
+        p.add_argument("--repeats", type=int, help="timed steps per library (default 12)")
+        p.add_argument("--steps-per-run", type=int, default=4, help="steps of one train() run")
+
+    @classmethod
+    def parsed(cls, p: argparse.ArgumentParser, a: argparse.Namespace, seq: int) -> RunOptions:
+        """The settings from parsed arguments ``a``, refused (``p.error``) where they
+        cannot give a valid measurement."""
+        options = cls(
+            seq=a.seq or (16 if a.quick else seq),
+            batch=a.batch,
+            repeats=a.repeats or (2 if a.quick else 12),
+            steps_per_run=a.steps_per_run,
+            quick=a.quick,
+            write=a.write if a.write is not None else not a.quick,
+            results=a.results,
+        )
+        for name in ("seq", "batch", "repeats"):
+            if getattr(options, name) < 1:
+                p.error(f"--{name} must be >= 1")
+        if options.steps_per_run < 2:
+            p.error("--steps-per-run must be >= 2 (the first step of each run is discarded)")
+        if options.repeats < MIN_REPEATS and not options.quick:
+            p.error(f"--repeats must be >= {MIN_REPEATS} (DESIGN.md section 6); --quick smokes")
+        return options
+
+    def protocol(self, steps: int) -> str:
+        """How the runs alternate and what a ratio is; ``steps``: timed steps per way."""
+        return (
+            f"Runs of {self.steps_per_run} steps alternate (order rotated, {self.runs} per "
+            "library, identical model copies), the first step of each discarded: median of "
+            f"{steps} steps per library. Ratio = median step / median plain step of the same "
+            "mode (CPU time: one torch thread, steadier than wall time on this shared "
+            "machine); paired = step / plain step of the same slot."
+        )
 
 
 class Unavailable(Exception):
