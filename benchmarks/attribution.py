@@ -292,7 +292,7 @@ def capture_store(
     if curvature:
         consumers.append(CurvatureAccumulator(root))
     layers = LayerSelection(kind="linear")
-    with CaptureEngine(model, layers, projection, consumers) as engine:
+    with CaptureEngine(model, layers, projection, consumers, parameter_grads=False) as engine:
         for batch in batches:
             summed_loss(model, batch).backward()
             engine.optimizer_step()

@@ -191,7 +191,10 @@ def _capture(args: argparse.Namespace) -> None:
     consumers: list[Any] = [store]
     if not args.no_curvature:
         consumers.append(CurvatureAccumulator(args.out))
-    engine = CaptureEngine(model, _selection(args), _projection(args), consumers)
+    # capture only attributes: autograd need not build the model's own weight gradients
+    engine = CaptureEngine(
+        model, _selection(args), _projection(args), consumers, parameter_grads=False
+    )
     texts: dict[int, str] = {}
     with engine, tqdm(total=len(examples), desc="capture", unit="ex") as bar:
         engine.resume_at_step(store.next_step)  # appending to a store continues its numbering

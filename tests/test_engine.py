@@ -216,3 +216,51 @@ def test_broadcast_call_is_expanded_to_the_batch() -> None:
     got = per_example_gradients(model, batch, layers=LayerSelection("all", include="wpe"))
     assert list(got) == ["transformer.wpe.weight"]
     assert max_rel_error(got, loop_oracle(model, batch, list(got))) <= 1e-10
+
+
+def _capture(model: nn.Module, batch: dict[str, Tensor], **options: bool) -> MicroBatchRecord:
+    collector = RecordCollector()
+    with CaptureEngine(model, LayerSelection("all"), consumers=[collector], **options):
+        model(**{k: v for k, v in batch.items() if k != "labels"}).logits.sum().backward()
+    (record,) = collector.records
+    return record
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_without_parameter_grads_the_capture_is_the_same_and_weights_get_no_grad(
+    arch: str,
+) -> None:
+    """``parameter_grads=False`` (attribution-only passes) captures exactly what a normal
+    pass captures, but autograd no longer computes the captured linear layers' weight
+    gradients: their ``.grad`` stays ``None``, while an embedding (whose input, token ids,
+    needs no gradient) keeps its own; every parameter requires grad again afterwards."""
+    model, batch = tiny_causal_lm(arch), lm_batch(lengths=(10, 7, 5))
+    normal = _capture(model, batch).param_grads()
+    model.zero_grad(set_to_none=True)
+    lean = _capture(model, batch, parameter_grads=False)
+    assert lean.param_grads().keys() == normal.keys()
+    for name, grad in lean.param_grads().items():
+        torch.testing.assert_close(grad, normal[name], rtol=0, atol=0)
+    linear = LayerSelection("linear").resolve(model)
+    assert linear
+    for module, _ in linear.values():
+        assert module.weight.grad is None
+    assert model.get_input_embeddings().weight.grad is not None
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_parameters_come_back_when_a_forward_fails() -> None:
+    """A forward that raises between a layer's pre-hook and its forward hook leaves the
+    parameters out of autograd only until the engine detaches."""
+    model = Mixed()
+
+    def fail(*_: object) -> None:
+        raise RuntimeError("boom")
+
+    model.fc.register_forward_hook(fail, prepend=True)
+    with (
+        CaptureEngine(model, LayerSelection("all"), parameter_grads=False),
+        pytest.raises(RuntimeError, match="boom"),
+    ):
+        model(torch.randint(0, 20, (2, 5)))
+    assert all(p.requires_grad for p in model.parameters())

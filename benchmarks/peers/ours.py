@@ -107,7 +107,8 @@ class OursLive(PeerAdapter):
         """One captured forward + backward of ``rows`` per micro-batch into ``consumer``."""
         layers = LayerSelection(kind="linear")
         projection = projection_of(problem, method)
-        with CaptureEngine(problem.model, layers, projection, [consumer]) as engine:
+        engine = CaptureEngine(problem.model, layers, projection, [consumer], parameter_grads=False)
+        with engine:
             for ids in row_batches(rows, problem.batch):
                 example_losses(problem.model, ids).sum().backward()
                 problem.model.zero_grad(set_to_none=True)
