@@ -37,7 +37,7 @@ import pytest
 import torch
 from datasets import Dataset
 from torch import Tensor, nn
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from tda_plugins import CaptureEngine, LayerSelection, ProjectionConfig
 from tda_plugins.api import causal_lm_losses
@@ -500,10 +500,15 @@ def assert_window_token_counts(steps: dict[int, StepAudit]) -> None:
 
 
 def train_with_selection(
-    tmp_path: Path, spec: str, accumulation: int, **selection_options: Any
+    tmp_path: Path,
+    spec: str,
+    accumulation: int,
+    first: TrainerCallback | None = None,
+    **selection_options: Any,
 ) -> SelectionRun:
     """``Trainer`` (fp32, 3 steps, batch 2, ``max_grad_norm=0.05``, logging every step)
-    with ``DataSelectionCallback(fraction=0.5, **selection_options)`` then the audit."""
+    with ``first`` (a probe), ``DataSelectionCallback(fraction=0.5, **selection_options)``
+    then the audit."""
     selection = DataSelectionCallback(target_rows(), fraction=0.5, **selection_options)
     audit = SelectionAudit()
     trainer = Trainer(
@@ -518,10 +523,39 @@ def train_with_selection(
         ),
         train_dataset=Dataset.from_list([{"input_ids": r} for r in token_rows(24)]),
         data_collator=pad_rows,
-        callbacks=[selection, audit],
+        callbacks=[c for c in (first, selection, audit) if c is not None],
     )
     trainer.train()
     return SelectionRun(trainer, selection, audit)
+
+
+class GradProbe(TrainerCallback):
+    """Before the selection callback: the trainable parameters without a ``.grad``."""
+
+    def __init__(self) -> None:
+        self.without: list[set[str]] = []
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        params = kwargs["model"].named_parameters()
+        self.without.append({n for n, p in params if p.requires_grad and p.grad is None})
+
+
+def test_one_process_trainer_builds_the_linear_grads_from_the_kept_examples(
+    tmp_path: Path,
+) -> None:
+    """In one process the selection callback's engine leaves the captured linear and norm
+    weights out of autograd (``parameter_grads=False``): before the selection their
+    ``.grad`` is unwritten and the selection builds it from the kept examples (the
+    Trainer cases above check the result against the fresh backward); the embedding,
+    whose input is token ids, keeps autograd's own gradient."""
+    probe = GradProbe()
+    run = train_with_selection(tmp_path, "llama-full", 2, first=probe, layers="all")
+    model = run.trainer.model
+    linear = {f"{n}.weight" for n in LayerSelection("linear").resolve(model)}
+    assert len(probe.without) == STEPS
+    for without in probe.without:
+        assert linear <= without
+        assert "model.embed_tokens.weight" not in without
 
 
 TRAINER_CASES = [

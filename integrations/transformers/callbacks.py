@@ -201,9 +201,14 @@ class PoolCallback(TrainerCallback):
         return self
 
     def attach(
-        self, args: TrainingArguments, model: nn.Module, state: TrainerState
+        self,
+        args: TrainingArguments,
+        model: nn.Module,
+        state: TrainerState,
+        parameter_grads: bool = True,
     ) -> CaptureEngine:
-        """Hook ``model`` with this callback's layers and normalization (no consumer yet)."""
+        """Hook ``model`` with this callback's layers and normalization (no consumer yet);
+        ``parameter_grads`` as :class:`~tda_plugins.capture.engine.CaptureEngine` takes it."""
         self.settings = adapt_settings(self.settings, args, model)
         engine = CaptureEngine(
             model,
@@ -211,6 +216,7 @@ class PoolCallback(TrainerCallback):
             self.settings.projection_config(),
             (),
             CausalLMNormalization(),
+            parameter_grads,
         ).attach()
         engine.resume_at_step(state.global_step)
         self.engine = engine
@@ -456,7 +462,10 @@ class DataSelectionCallback(PoolCallback):
         **kwargs: Any,
     ) -> None:
         model = check_trainer_setup(args, model)
-        engine = self.attach(args, model, state)
+        # One process: the captured layers' .grad is built from the kept examples at the
+        # optimizer step (autograd skips those weight gradients). DDP's all-reduce needs
+        # autograd's own gradients, so there they are computed and corrected.
+        engine = self.attach(args, model, state, parameter_grads=args.world_size > 1)
         missing = uncovered_trainable(model, engine.captured_layers)
         if missing:
             self.detach()

@@ -37,7 +37,7 @@ from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.identity import content_hash
 from tda_plugins.capture.normalization import LossNormalization, LossScale, SummedLoss
 from tda_plugins.capture.records import LayerRecord, MicroBatchRecord
-from tda_plugins.capture.selection import LayerSelection
+from tda_plugins.capture.selection import LayerSelection, shared_parameter_ids
 from tda_plugins.grads.factors import PerExampleGrad, unique_nbytes
 from tda_plugins.grads.projection import ProjectionConfig, Projector
 
@@ -97,7 +97,9 @@ class CaptureEngine:
             weight-gradient products (about a third of a linear layer's work) and does not
             write their ``.grad``; the per-example gradients are captured all the same. A
             call whose input needs no gradient (an embedding's token ids) keeps its
-            parameters, which the backward then still needs to reach it.
+            parameters, which the backward then still needs to reach it, and so does a
+            parameter that several captured layers share (tied embeddings). Data selection
+            uses it while training, rebuilding ``.grad`` from the kept examples.
 
     Use as a context manager, or call :meth:`attach` / :meth:`detach`. Call
     :meth:`optimizer_step` at each optimizer step so consumers see step boundaries, and
@@ -135,6 +137,8 @@ class CaptureEngine:
         self.parameter_grads = parameter_grads
         #: Parameters taken out of autograd for the forward call in progress, per module.
         self._detached: dict[nn.Module, list[nn.Parameter]] = {}
+        #: ids of parameters that several captured layers share (never taken out).
+        self._shared: set[int] = set()
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -174,6 +178,7 @@ class CaptureEngine:
         if self.attached:
             raise RuntimeError("this CaptureEngine is already attached; detach it first")
         self._layers = self.selection.resolve(self.model)
+        self._shared = shared_parameter_ids(self._layers)
         for consumer in self._consumers:
             consumer.on_attach(self.config)
         self._handles.append(
@@ -195,8 +200,7 @@ class CaptureEngine:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for module in list(self._detached):
-            self._restore_parameters(module)
+        self._restore_all()
         self._pending = None
         self._unfinished.clear()
         self._step_records.clear()
@@ -255,6 +259,7 @@ class CaptureEngine:
 
     def flush(self) -> None:
         """Finish every micro-batch whose gradients have arrived (normally automatic)."""
+        self._restore_all()
         unfinished, self._unfinished = self._unfinished, []
         for batch in unfinished:
             self._finish(batch)
@@ -334,7 +339,9 @@ class CaptureEngine:
             return
         if not adapter.layer_input(module, args).requires_grad:
             return
-        params = list(adapter.captured_parameters(module).values())
+        params = [
+            p for p in adapter.captured_parameters(module).values() if id(p) not in self._shared
+        ]
         for p in params:
             p.requires_grad_(False)
         self._detached[module] = params
@@ -342,6 +349,13 @@ class CaptureEngine:
     def _restore_parameters(self, module: nn.Module) -> None:
         for p in self._detached.pop(module, ()):
             p.requires_grad_(True)
+
+    def _restore_all(self) -> None:
+        """Every parameter still out of autograd back in: a forward cut short between a
+        layer's two hooks leaves its parameters out (non-reentrant checkpointing stops its
+        recomputation, by an exception, once it has the tensors it needs)."""
+        for module in list(self._detached):
+            self._restore_parameters(module)
 
     def _on_layer_forward(
         self, name: str, adapter: LayerAdapter, module: nn.Module, args: tuple, output: Any
@@ -387,6 +401,7 @@ class CaptureEngine:
         x, holder[0] = holder[0], None
         if not self.attached or x is None:  # detached, or a second backward through the call
             return
+        self._restore_all()
         grads = adapter.capture(module, x, grad)
         if self.projector is not None:
             grads = self.projector(name, grads)

@@ -9,7 +9,7 @@ nothing raises an error that names the filter and what was available.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -229,3 +229,12 @@ def _preview(names: Iterable[str], limit: int = 6) -> str:
         return "none (no module has a registered adapter and trainable parameters)"
     shown = ", ".join(names[:limit])
     return f"{shown}, ... ({len(names)} in all)" if len(names) > limit else shown
+
+
+def shared_parameter_ids(layers: Mapping[str, tuple[nn.Module, LayerAdapter]]) -> set[int]:
+    """``id``s of the captured parameters that several of ``layers`` share (tied weights)."""
+    owners: dict[int, int] = {}
+    for module, adapter in layers.values():
+        for p in adapter.captured_parameters(module).values():
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    return {key for key, count in owners.items() if count > 1}

@@ -352,13 +352,20 @@ class DataSelector(CaptureConsumer):
         }
 
     def _plan(
-        self, records: list[MicroBatchRecord], keep: Tensor, counts: Tensor, total: Tensor
+        self,
+        records: list[MicroBatchRecord],
+        keep: Tensor,
+        counts: Tensor,
+        total: Tensor,
+        rebuild: bool | None = None,
     ) -> _Plan:
         """For one keep mask: rebuild ``.grad`` from the kept rows when they are fewer
-        than the dropped ones (over all ranks), else subtract the dropped ones."""
+        than the dropped ones (over all ranks), else subtract the dropped ones; a given
+        ``rebuild`` decides instead."""
         kept_tokens = _all_reduce((counts * keep.double()).sum().clone())
-        kept_rows = _all_reduce(torch.stack([keep.sum(), (~keep).sum()]))
-        rebuild = bool(kept_rows[0] < kept_rows[1])
+        if rebuild is None:
+            kept_rows = _all_reduce(torch.stack([keep.sum(), (~keep).sum()]))
+            rebuild = bool(kept_rows[0] < kept_rows[1])
         summed = keep if rebuild else ~keep
         rows: list[Tensor | None] = []
         start = 0
@@ -368,11 +375,40 @@ class DataSelector(CaptureConsumer):
             rows.append(picked if picked.numel() else None)
         return _Plan(rebuild, total / kept_tokens, rows)
 
+    def _without_grad(self, records: list[MicroBatchRecord]) -> set[int]:
+        """ids of the parameters of this step's captured layers that the backward left
+        without a ``.grad`` (an engine with ``parameter_grads=False``): their ``.grad`` is
+        built from the kept rows alone, which costs the kept share of one weight-gradient
+        product instead of autograd's whole one plus the correction."""
+        present = {name for r in records for name in r.layers}
+        return {
+            id(p)
+            for name in present
+            for p in self.layers[name][1].captured_parameters(self.layers[name][0]).values()
+            if p.grad is None
+        }
+
     def on_optimizer_step(self, step: int, records: list[MicroBatchRecord]) -> None:
-        if self.target is None or not records:
+        if not records:
+            return
+        missing = self._without_grad(records)
+        if self.target is None:
+            if missing:  # nothing to select against yet: every example, as autograd would
+                size, device = sum(r.batch_size for r in records), records[0].example_ids.device
+                keep = torch.ones(size, dtype=torch.bool, device=device)
+                self._apply(records, dict.fromkeys(self.layers, keep), missing)
             return
         dots, squares, target_sq = self._unit_scores(records, self.target)
         masks, scores = self._keep_masks(dots, squares, target_sq)
+        self._apply(records, masks, missing)
+        dropped = torch.stack([~m for m in masks.values()]).any(0)
+        self._record(step, records, scores, dropped)
+
+    def _apply(
+        self, records: list[MicroBatchRecord], masks: dict[str, Tensor], missing: set[int]
+    ) -> None:
+        """Make every captured parameter's ``.grad`` the normalized sum of its layers' kept
+        rows: corrected in place where autograd wrote it, built where it is ``missing``."""
         counts = torch.cat([self.token_counts(r) for r in records]).double()
         total = _all_reduce(counts.sum().clone())
         world = _world_size()
@@ -381,25 +417,39 @@ class DataSelector(CaptureConsumer):
             by_mask.setdefault(id(keep), []).append(name)
         corrections: dict[int, tuple[nn.Parameter, Tensor, _Plan]] = {}
         for names in by_mask.values():
-            plan = self._plan(records, masks[names[0]], counts, total)
-            for name, part in self._rows_sums(records, names, plan).items():
-                if world > 1:
-                    part = _all_reduce(part) / world
-                module, adapter = self.layers[name]
-                params = adapter.captured_parameters(module)
-                for local, value in adapter.unflatten(module, part).items():
-                    previous = corrections.get(id(params[local]))
-                    summed = value if previous is None else previous[1] + value
-                    corrections[id(params[local])] = (params[local], summed, plan)
+            built = [n for n in names if self._param_ids(n) & missing]
+            for group, rebuild in (([n for n in names if n not in built], None), (built, True)):
+                if not group:
+                    continue
+                plan = self._plan(records, masks[group[0]], counts, total, rebuild)
+                for name, part in self._rows_sums(records, group, plan).items():
+                    if world > 1:
+                        part = _all_reduce(part) / world
+                    module, adapter = self.layers[name]
+                    params = adapter.captured_parameters(module)
+                    for local, value in adapter.unflatten(module, part).items():
+                        previous = corrections.get(id(params[local]))
+                        summed = value if previous is None else previous[1] + value
+                        corrections[id(params[local])] = (params[local], summed, plan)
         for param, value, plan in corrections.values():
-            if param.grad is None:
-                continue
             factor = plan.factor
+            if param.grad is None:
+                if id(param) in missing:  # plan.rebuild: G = sum_kept c_i * N_all / N_kept
+                    param.grad = value.to(param.dtype).mul_(factor.to(param.dtype))
+                continue
             if plan.rebuild:  # G_new = sum_kept c_i * N_all / N_kept
                 param.grad.copy_(value.to(param.grad.dtype)).mul_(factor.to(param.grad.dtype))
             else:  # G_new = (G - sum_dropped c_i) * N_all / N_kept
                 param.grad.sub_(value.to(param.grad.dtype)).mul_(factor.to(param.grad.dtype))
-        dropped = torch.stack([~m for m in masks.values()]).any(0)
+
+    def _param_ids(self, name: str) -> set[int]:
+        module, adapter = self.layers[name]
+        return {id(p) for p in adapter.captured_parameters(module).values()}
+
+    def _record(
+        self, step: int, records: list[MicroBatchRecord], scores: Tensor, dropped: Tensor
+    ) -> None:
+        """The step's outcome into :attr:`history` and the JSONL log."""
         ids = torch.cat([r.example_ids for r in records])
         outcome = StepSelection(step, ids.cpu(), scores.detach().float().cpu(), dropped.cpu())
         self.history.append(outcome)

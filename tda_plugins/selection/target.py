@@ -27,7 +27,7 @@ from tda_plugins.capture.adapters import LayerAdapter
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.engine import CaptureEngine
 from tda_plugins.capture.records import MicroBatchRecord
-from tda_plugins.capture.selection import LayerSelection
+from tda_plugins.capture.selection import LayerSelection, shared_parameter_ids
 from tda_plugins.grads.factors import TokenFactors
 
 Batch = Mapping[str, Tensor]
@@ -83,16 +83,13 @@ def _smaller_as_factors(
     (norm scales and embeddings are scored by their vectors), and none whose parameters
     another layer shares (a tied weight's factors would be one call site's part of its
     gradient, its vector is the whole)."""
-    owners: dict[int, int] = {}
-    for module, adapter in layers.values():
-        for p in adapter.captured_parameters(module).values():
-            owners[id(p)] = owners.get(id(p), 0) + 1
+    shared = shared_parameter_ids(layers)
     out = []
     for name, (module, adapter) in layers.items():
         params = adapter.captured_parameters(module)
         if adapter.family != "linear" or "weight" not in params:
             continue
-        if any(owners[id(p)] > 1 for p in params.values()):
+        if any(id(p) in shared for p in params.values()):
             continue
         weight, bias = params["weight"], params.get("bias")
         # N_i N_o and N_i + N_o whichever way round the weight is stored (Conv1D: N_i x N_o)
