@@ -393,7 +393,10 @@ class DataSelectionCallback(PoolCallback):
     clipping and ``optimizer.step()``: the result equals a fresh backward over the kept
     examples with the trainer's normalization (token mean over the kept examples'
     label tokens, as ``num_items_in_batch`` does). Gradient clipping is taken over while
-    training (``max_grad_norm`` is applied after selection) and restored at the end.
+    training (``max_grad_norm`` is applied after selection) and restored at the end. In
+    one process, autograd skips the captured layers' weight gradients and the selection
+    builds their ``.grad`` from the kept examples' factors (cheaper than correcting
+    autograd's); under DDP autograd computes them and the selection corrects them.
 
     Args:
         target: rows with ``input_ids`` (optional ``labels``): the target pool.
