@@ -16,7 +16,9 @@ exact contributions are removed from every captured parameter's ``.grad``:
 
     G_new = (G - sum_{dropped} c_i) * N_all / N_kept    (= sum_{kept} c_i * N_all / N_kept)
 
-(whichever of the two sums has fewer examples is computed, in the gradient's dtype)
+(whichever of the two sums has fewer examples is computed, in the gradient's dtype; a
+parameter the backward left without ``.grad``, under an engine with
+``parameter_grads=False``, gets the second form directly)
 
 ``c_i`` is example ``i``'s contribution to ``.grad`` (the captured gradient) and ``N`` the
 loss's token counts (all examples of the window / kept ones). For a trainer that
