@@ -55,27 +55,31 @@ def test_target_gradient_is_the_summed_loss_gradient_and_leaves_grad_alone() -> 
         got = target_gradient(model, layers, batch, causal_lm_losses, chunk)
         for name, (module, adapter) in layers.items():
             local = {k: expected[id(p)] for k, p in adapter.captured_parameters(module).items()}
-            torch.testing.assert_close(got.vectors[name], adapter.flatten(module, local))
+            torch.testing.assert_close(got[name], adapter.flatten(module, local))
     assert all(p.grad is g for p, g in zip(params, before, strict=True))
     assert all(bool((p.grad == 0.5).all()) for p in params)
 
 
-def test_target_factors_are_kept_where_smaller_and_sum_to_the_vector() -> None:
+def test_target_factors_are_kept_where_smaller_and_give_the_vector() -> None:
     """The target's per-token factors are kept for exactly the layers where ``S`` target
-    tokens make them the smaller form (``S (N_i + N_o) <= N_i N_o``), chunked or not, and
-    their gradient is the layer's target vector."""
+    tokens make them the smaller form (``S (N_i + N_o) <= N_i N_o``), chunked or not; the
+    pass skips those layers' own weight gradients (no vector until asked for), and the
+    vector built from the factors is ``autograd.grad`` of the summed losses."""
     model = tiny_causal_lm("llama")
     layers = LayerSelection("linear").resolve(model)
     kept = 0
     for batch, chunk in ((lm_batch(batch=2, length=4), 1), (lm_batch(batch=4, length=10), None)):
         got = target_gradient(model, layers, batch, causal_lm_losses, chunk)
+        weights = [module.weight for module, _ in layers.values()]
+        expected = torch.autograd.grad(causal_lm_losses(model, batch).sum(), weights)
         tokens = batch["input_ids"].numel()
-        for name, (module, _) in layers.items():
+        for (name, (module, _)), grad in zip(layers.items(), expected, strict=True):
             n_i = module.in_features + int(module.bias is not None)
             n_o = module.out_features
-            assert (name in got.factors) == (tokens * (n_i + n_o) <= n_i * n_o), name
-            if name in got.factors:
+            smaller = tokens * (n_i + n_o) <= n_i * n_o
+            assert (name in got.factors) == smaller == (name not in got.vectors), name
+            if smaller:
                 kept += 1
                 assert got.factors[name].batch_size == 1 and got.factors[name].tokens == tokens
-                torch.testing.assert_close(got.factors[name].materialize()[0], got.vectors[name])
+            torch.testing.assert_close(got[name], grad.flatten())
     assert kept == len(layers)  # every layer of the 8-token target, none of the 40-token one

@@ -31,7 +31,7 @@ rank's ``.grad`` stays identical.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -206,11 +206,11 @@ class DataSelector(CaptureConsumer):
         :func:`~tda_plugins.selection.target.target_gradient` returns it: per layer the
         ``(D,)`` summed loss gradient of the target examples in the layer's flattened
         layout, and where smaller its per-token factors (scored by the ghost dot)."""
-        missing = set(self.layers) - set(target.vectors)
+        missing = set(self.layers) - set(target)
         if missing:
             raise ValueError(f"the target has no gradient for layers {sorted(missing)[:3]}")
         self.target = Target(
-            {name: target.vectors[name] for name in self.layers},
+            {name: v for name, v in target.vectors.items() if name in self.layers},
             {name: f for name, f in target.factors.items() if name in self.layers},
         )
         self._projected_target = {}
@@ -241,11 +241,11 @@ class DataSelector(CaptureConsumer):
         a tied parameter's target is its full gradient in each sharing layer, so a unit's
         dot is the sum of its layers' dots. The target's factors (where it has them) serve
         the unprojected, unpreconditioned dots."""
-        vectors = {}
-        for name in self.layers:
-            vectors[name] = self._layer_target(name, records, target.vectors)
-            if self.score == "adam":
-                vectors[name] = vectors[name] * self._adam_scale(name, vectors[name])
+        vectors: Mapping[str, Tensor] = target  # plain dots: a factor layer needs no vector
+        if self.projector is not None or self.score == "adam":
+            vectors = {name: self._layer_target(name, records, target) for name in self.layers}
+        if self.score == "adam":
+            vectors = {name: v * self._adam_scale(name, v) for name, v in vectors.items()}
         factors = target.factors if self.projector is None and self.score != "adam" else {}
         per_record = [
             dots_with({name: self._grads(r, name) for name in self.layers}, vectors, factors)
@@ -262,9 +262,7 @@ class DataSelector(CaptureConsumer):
             dots[key] = torch.stack([layer_dots[name] for name in unit]).sum(0)
             if self.score == "cosine":
                 squares[key] = self._unit_sq_norms(unit, records)
-                target_sq[key] = (
-                    self._unit_target(unit, records, target.vectors).double().pow(2).sum()
-                )
+                target_sq[key] = self._unit_target(unit, records, target).double().pow(2).sum()
         return dots, squares, target_sq
 
     def _grads(self, record: MicroBatchRecord, name: str) -> PerExampleGrad:
@@ -273,7 +271,7 @@ class DataSelector(CaptureConsumer):
         return grads if self.projector is None else self.projector(name, grads)
 
     def _layer_target(
-        self, name: str, records: list[MicroBatchRecord], target: dict[str, Tensor]
+        self, name: str, records: list[MicroBatchRecord], target: Mapping[str, Tensor]
     ) -> Tensor:
         """Layer ``name``'s target as scored (projected once per refresh if configured)."""
         if self.projector is None:
@@ -302,7 +300,7 @@ class DataSelector(CaptureConsumer):
         return self._in_parameters(unit, grads).pow(2).sum(dim=1)
 
     def _unit_target(
-        self, unit: list[str], records: list[MicroBatchRecord], target: dict[str, Tensor]
+        self, unit: list[str], records: list[MicroBatchRecord], target: Mapping[str, Tensor]
     ) -> Tensor:
         """The unit's target over its distinct parameters (a tied one counted once; under
         a projection, each layer's projected target)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -35,13 +35,15 @@ Batch = Mapping[str, Tensor]
 ExampleLosses = Callable[[nn.Module, Batch], Tensor]
 
 
-@dataclass(frozen=True)
-class Target:
-    """A selection target at the current weights.
+@dataclass
+class Target(Mapping[str, Tensor]):
+    """A selection target at the current weights: layer name -> its ``(D,)`` gradient of
+    ``sum_i L_i`` over the target examples, in the layout of the layer's flattened
+    per-example gradients (a ``Mapping``; a layer known by its factors alone gets its
+    vector built from them on first access, and kept).
 
     Attributes:
-        vectors: layer name -> ``(D,)`` gradient of ``sum_i L_i`` over the target
-            examples, in the layout of the layer's flattened per-example gradients.
+        vectors: the layers' vectors known so far.
         factors: layer name -> the same gradient as per-token factors, every target
             token a row of one example (``TokenFactors`` of batch 1, ``S`` tokens), for the
             linear layers where that form is the smaller one (``S (N_i + N_o) <= N_i N_o``,
@@ -52,6 +54,17 @@ class Target:
 
     vectors: dict[str, Tensor]
     factors: dict[str, TokenFactors] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name not in self.vectors:
+            self.vectors[name] = self.factors[name].materialize()[0]
+        return self.vectors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter({**dict.fromkeys(self.vectors), **dict.fromkeys(self.factors)})
+
+    def __len__(self) -> int:
+        return len(set(self.vectors) | set(self.factors))
 
 
 class _FactorKeeper(CaptureConsumer):
@@ -121,8 +134,10 @@ def target_gradient(
 
     Returns:
         The :class:`Target`: per layer the ``(D,)`` vector (a parameter shared by several
-        layers, such as tied weights, gets its full gradient in each of them) and, where
-        smaller, its factors.
+        layers, such as tied weights, gets its full gradient in each of them) or, where
+        smaller, its factors. Layers kept as factors are left out of autograd during the
+        pass (their weight-gradient products skipped); their vectors are built from the
+        factors only when asked for.
     """
     size = len(next(iter(batch.values())))
     step = chunk_size or size
@@ -134,14 +149,18 @@ def target_gradient(
         if candidates:
             names = "|".join(re.escape(name) for name in candidates)
             selection = LayerSelection("all", include=f"^(?:{names})$")
-            engine = stack.enter_context(CaptureEngine(model, selection, None, [keeper]))
+            engine = CaptureEngine(model, selection, None, [keeper], parameter_grads=False)
+            stack.enter_context(engine)
             stack.enter_context(engine.exclusive())
         with torch.enable_grad():
             for start in range(0, size, step):
                 chunk = {k: v[start : start + step] for k, v in batch.items()}
                 losses(model, chunk).sum().backward()
+        factors = keeper.factors()
         vectors = {}
         for name, (module, adapter) in layers.items():
+            if name in factors:
+                continue
             params = adapter.captured_parameters(module)
             grads = {
                 # this backward's own .grad tensors (set aside on exit): no copy needed
@@ -149,7 +168,7 @@ def target_gradient(
                 for local, p in params.items()
             }
             vectors[name] = adapter.flatten(module, grads)
-    return Target(vectors, keeper.factors())
+    return Target(vectors, factors)
 
 
 class TargetPool:
