@@ -305,3 +305,13 @@ def test_query_gradients_refuse_other_layers() -> None:
     train, query = _pair("linear")
     with pytest.raises(ValueError, match="different layers"):
         QueryGradients({"a": query}).scores({"b": train})
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_sum_is_the_selected_examples_sum(kind: str) -> None:
+    """``rows_sum`` over some rows, and over every row (no gathered copy for factors),
+    equals the explicit per-example gradients summed over those rows."""
+    train, _ = _pair(kind)
+    explicit = _explicit_materialize(train)
+    for rows in (torch.tensor([2, 0]), torch.arange(train.batch_size)):
+        torch.testing.assert_close(train.rows_sum(rows), explicit[rows].sum(0))

@@ -90,6 +90,11 @@ class PerExampleGrad(ABC):
         """``sum_i w_i dW_i`` as a ``(D,)`` vector, for ``(B,)`` weights, without
         materializing per-example gradients (cost of one weight-gradient matmul)."""
 
+    def rows_sum(self, rows: Tensor) -> Tensor:
+        """``sum_{i in rows} dW_i`` as a ``(D,)`` vector, for ``(n,)`` distinct example
+        indices (cost of the rows' share of one weight-gradient matmul)."""
+        return self.select(rows).weighted_sum(torch.ones(rows.numel(), device=rows.device))
+
     @abstractmethod
     def scaled(self, factor: float | Tensor) -> Self:
         """``factor`` times the per-example gradients."""
@@ -326,6 +331,13 @@ class TokenFactors(PerTokenGrad):
         )
         a = self.augmented_a()
         return (g.reshape(-1, self.out_dim).T @ a.reshape(-1, self.in_dim)).flatten()
+
+    def rows_sum(self, rows: Tensor) -> Tensor:
+        # No weights to apply: one product over the rows' tokens, and no gathered copy
+        # when the rows are every example (distinct indices: their count says so).
+        part = self if rows.numel() == self.batch_size else self.select(rows)
+        g = part.g.to(accumulation_dtype(part.g)).reshape(-1, self.out_dim)
+        return (g.T @ part.augmented_a().reshape(-1, self.in_dim)).flatten()
 
     def scaled(self, factor: float | Tensor) -> TokenFactors:
         return TokenFactors(self.a, self.g * factor, self.bias)

@@ -188,8 +188,7 @@ def rows_sums(grads: Mapping[str, PerExampleGrad], rows: Tensor) -> dict[str, Te
     """Per layer, ``(D,)`` sum of the per-example gradients of examples ``rows``; layers
     that share an input select it once and take one ``[g_1 g_2 ...]^T a`` product."""
     shared, rest = _input_groups(grads, narrow_output=False)
-    ones = torch.ones(rows.numel(), device=rows.device)
-    out = {name: grads[name].select(rows).weighted_sum(ones) for name in rest}
+    out = {name: grads[name].rows_sum(rows) for name in rest}
     for group in shared:
         a = group[0][1].a[rows]
         a = a.to(accumulation_dtype(a)).reshape(-1, a.shape[-1])
