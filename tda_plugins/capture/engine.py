@@ -91,15 +91,16 @@ class CaptureEngine:
         normalization: how the training loop normalizes its loss, so that each record's
             ``loss_scale`` converts it to per-example summed losses (default: the loss
             backpropagated is already that sum).
-        parameter_grads: ``False`` for passes that only attribute (query gradients,
-            scoring a fixed model), never for training: during each captured layer's
-            forward its captured parameters leave autograd, so the backward skips their
+        parameter_grads: ``False`` where nothing needs autograd's own gradients of the
+            captured parameters: passes that only attribute (query gradients, scoring a
+            fixed model), or a consumer that builds ``.grad`` itself (data selection in one
+            process, from the kept examples). During each captured layer's forward its
+            captured parameters then leave autograd, so the backward skips their
             weight-gradient products (about a third of a linear layer's work) and does not
             write their ``.grad``; the per-example gradients are captured all the same. A
             call whose input needs no gradient (an embedding's token ids) keeps its
             parameters, which the backward then still needs to reach it, and so does a
-            parameter that several captured layers share (tied embeddings). Data selection
-            uses it while training, rebuilding ``.grad`` from the kept examples.
+            parameter that several captured layers share (tied embeddings).
 
     Use as a context manager, or call :meth:`attach` / :meth:`detach`. Call
     :meth:`optimizer_step` at each optimizer step so consumers see step boundaries, and
