@@ -22,7 +22,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from tda_plugins.api import capture_batch, causal_lm_losses
 from tda_plugins.capture import CaptureEngine, MicroBatchRecord, content_hash
-from tda_plugins.capture.selection import uncovered_trainable
+from tda_plugins.capture.selection import has_lora, uncovered_trainable
 from tda_plugins.grads.projection import ProjectionConfig
 from tda_plugins.influence import InfluenceLogger
 from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
@@ -394,9 +394,10 @@ class DataSelectionCallback(PoolCallback):
     examples with the trainer's normalization (token mean over the kept examples'
     label tokens, as ``num_items_in_batch`` does). Gradient clipping is taken over while
     training (``max_grad_norm`` is applied after selection) and restored at the end. In
-    one process, autograd skips the captured layers' weight gradients and the selection
-    builds their ``.grad`` from the kept examples' factors (cheaper than correcting
-    autograd's); under DDP autograd computes them and the selection corrects them.
+    full fine-tuning in one process, autograd skips the captured layers' weight gradients
+    and the selection builds their ``.grad`` from the kept examples' factors (cheaper than
+    correcting autograd's); under DDP, and for LoRA adapters, autograd computes them and
+    the selection corrects them.
 
     Args:
         target: rows with ``input_ids`` (optional ``labels``): the target pool.
@@ -465,10 +466,12 @@ class DataSelectionCallback(PoolCallback):
         **kwargs: Any,
     ) -> None:
         model = check_trainer_setup(args, model)
-        # One process: the captured layers' .grad is built from the kept examples at the
-        # optimizer step (autograd skips those weight gradients). DDP's all-reduce needs
-        # autograd's own gradients, so there they are computed and corrected.
-        engine = self.attach(args, model, state, parameter_grads=args.world_size > 1)
+        # Full fine-tuning in one process: the captured layers' .grad is built from the kept
+        # examples at the optimizer step (autograd skips those weight gradients). DDP's
+        # all-reduce needs autograd's own gradients; a LoRA adapter's is a cheap rank-r
+        # product, cheaper than building it again: there it is computed and corrected.
+        built = args.world_size == 1 and not has_lora(model)
+        engine = self.attach(args, model, state, parameter_grads=not built)
         missing = uncovered_trainable(model, engine.captured_layers)
         if missing:
             self.detach()
