@@ -22,6 +22,7 @@ from tda_plugins.grads import (
     rows_sums,
     sq_norms,
 )
+from tda_plugins.grads.factors import row_runs
 
 gen = torch.Generator().manual_seed(0)
 
@@ -313,5 +314,66 @@ def test_rows_sum_is_the_selected_examples_sum(kind: str) -> None:
     equals the explicit per-example gradients summed over those rows."""
     train, _ = _pair(kind)
     explicit = _explicit_materialize(train)
-    for rows in (torch.tensor([2, 0]), torch.arange(train.batch_size)):
-        torch.testing.assert_close(train.rows_sum(rows), explicit[rows].sum(0))
+    selected: list[object] = []
+    original = type(train).select
+
+    def recorded(self: PerExampleGrad, rows: torch.Tensor | slice) -> PerExampleGrad:
+        selected.append(rows)
+        return original(self, rows)
+
+    cases = (torch.tensor([2, 0]), torch.tensor([0, 1]), torch.arange(train.batch_size))
+    with mock.patch.object(type(train), "select", recorded):
+        for rows in cases:
+            torch.testing.assert_close(train.rows_sum(rows), explicit[rows].sum(0))
+    # one view per run of consecutive rows: 2 | 0, then 0-1, then every row
+    assert selected == [slice(2, 3), slice(0, 1), slice(0, 2), slice(0, train.batch_size)]
+    empty = train.rows_sum(torch.tensor([], dtype=torch.long))
+    torch.testing.assert_close(empty, torch.zeros_like(explicit[0]))
+
+
+def test_row_runs_split_indices_into_consecutive_slices() -> None:
+    assert row_runs(torch.tensor([0, 1, 2, 5, 6])) == [slice(0, 3), slice(5, 7)]
+    assert row_runs(torch.tensor([3])) == [slice(3, 4)]
+    assert row_runs(torch.tensor([], dtype=torch.long)) == [slice(0, 0)]
+
+
+def test_rows_sums_of_shared_input_layers_over_several_runs() -> None:
+    """Layers sharing an input take one product per run of rows; the sums equal the
+    explicit rows' sums whatever the runs."""
+    x = _randn(5, 4, 6)
+    grads: dict[str, PerExampleGrad] = {
+        "q": TokenFactors(x, _randn(5, 4, 3)),
+        "k": TokenFactors(x, _randn(5, 4, 2)),
+    }
+    for rows in (torch.tensor([0, 2, 3]), torch.tensor([4]), torch.tensor([], dtype=torch.long)):
+        sums = rows_sums(grads, rows)
+        for name, g in grads.items():
+            torch.testing.assert_close(sums[name], _explicit_materialize(g)[rows].sum(0))
+
+
+def test_ghost_dots_take_a_shared_input_gram_once() -> None:
+    """Layers whose training factors share one input and whose target factors share one
+    input too (q/k/v against a target's q/k/v) are scored together, the input Gram taken
+    once; their dots equal the explicit ones, and a layer with its own target input is
+    scored alone."""
+    x, target_x = _randn(3, 5, 6), _randn(1, 7, 6)
+    grads: dict[str, PerExampleGrad] = {
+        name: TokenFactors(x, _randn(3, 5, width)) for name, width in (("q", 2), ("k", 3), ("v", 3))
+    }
+    factors = {
+        name: TokenFactors(target_x if name != "v" else _randn(1, 7, 6), _randn(1, 7, g.out_dim))
+        for name, g in grads.items()
+    }
+    vectors = {name: _explicit_materialize(f)[0] for name, f in factors.items()}
+    shared = []
+    original = TokenFactors.shared_input_dots
+
+    def recorded(grads: list[TokenFactors], targets: list[TokenFactors]) -> list[torch.Tensor]:
+        shared.append(len(grads))
+        return original(grads, targets)
+
+    with mock.patch.object(TokenFactors, "shared_input_dots", staticmethod(recorded)):
+        dots = dots_with(grads, vectors, factors, Route.FACTORIZED)
+    assert sorted(shared) == [1, 2]
+    for name, g in grads.items():
+        torch.testing.assert_close(dots[name], _explicit_materialize(g) @ vectors[name])

@@ -20,7 +20,7 @@ whatever dtype the factors were captured in.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Self
 
@@ -48,6 +48,36 @@ def _pad_tokens(t: Tensor, tokens: int) -> Tensor:
 def _stack_tokens(tensors: list[Tensor]) -> Tensor:
     tokens = max(t.shape[1] for t in tensors)
     return torch.cat([_pad_tokens(t, tokens) for t in tensors])
+
+
+TensorKey = tuple[int, tuple[int, ...], tuple[int, ...]]
+
+
+def tensor_key(t: Tensor) -> TensorKey:
+    """Identifies the memory a tensor views: layers fed by one input share its key."""
+    return (t.data_ptr(), tuple(t.shape), t.stride())
+
+
+def row_runs(rows: Tensor) -> list[slice]:
+    """``(n,)`` distinct indices -> the slices of their runs of consecutive ones
+    (``[0, 1, 2, 5, 6] -> [0:3, 5:7]``; none: one empty slice); slicing a tensor by them
+    gives views."""
+    runs: list[slice] = []
+    for i in rows.tolist():
+        if runs and runs[-1].stop == i:
+            runs[-1] = slice(runs[-1].start, i + 1)
+        else:
+            runs.append(slice(i, i + 1))
+    return runs or [slice(0, 0)]
+
+
+def summed(parts: Iterable[Tensor]) -> Tensor:
+    """The sum of one or more tensors, added into the first (which must be a fresh one)."""
+    it = iter(parts)
+    out = next(it)
+    for part in it:
+        out += part
+    return out
 
 
 def _row_chunks(rows: int, cols: int) -> list[slice]:
@@ -81,8 +111,9 @@ class PerExampleGrad(ABC):
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> Self:
         """Apply ``fn`` to every tensor (device moves, detaching)."""
 
-    def select(self, rows: Tensor) -> Self:
-        """The examples ``rows`` (every field has the example axis first)."""
+    def select(self, rows: Tensor | slice) -> Self:
+        """The examples ``rows`` (every field has the example axis first; a slice gives
+        views)."""
         return self.map_tensors(lambda t: t[rows])
 
     @abstractmethod
@@ -90,10 +121,16 @@ class PerExampleGrad(ABC):
         """``sum_i w_i dW_i`` as a ``(D,)`` vector, for ``(B,)`` weights, without
         materializing per-example gradients (cost of one weight-gradient matmul)."""
 
+    @abstractmethod
+    def total(self) -> Tensor:
+        """``sum_i dW_i`` over every example as a ``(D,)`` vector (one weight-gradient
+        matmul for factors)."""
+
     def rows_sum(self, rows: Tensor) -> Tensor:
         """``sum_{i in rows} dW_i`` as a ``(D,)`` vector, for ``(n,)`` distinct example
-        indices (cost of the rows' share of one weight-gradient matmul)."""
-        return self.select(rows).weighted_sum(torch.ones(rows.numel(), device=rows.device))
+        indices (cost of the rows' share of one weight-gradient matmul). Each
+        contiguous run of rows is a view of the factors, so nothing is gathered."""
+        return summed(self.select(run).total() for run in row_runs(rows))
 
     @abstractmethod
     def scaled(self, factor: float | Tensor) -> Self:
@@ -332,12 +369,10 @@ class TokenFactors(PerTokenGrad):
         a = self.augmented_a()
         return (g.reshape(-1, self.out_dim).T @ a.reshape(-1, self.in_dim)).flatten()
 
-    def rows_sum(self, rows: Tensor) -> Tensor:
-        # No weights to apply: one product over the rows' tokens, and no gathered copy
-        # when the rows are every example (distinct indices: their count says so).
-        part = self if rows.numel() == self.batch_size else self.select(rows)
-        g = part.g.to(accumulation_dtype(part.g)).reshape(-1, self.out_dim)
-        return (g.T @ part.augmented_a().reshape(-1, self.in_dim)).flatten()
+    def total(self) -> Tensor:
+        # No weights to apply: one product over every token.
+        g = self.g.to(accumulation_dtype(self.g)).reshape(-1, self.out_dim)
+        return (g.T @ self.augmented_a().reshape(-1, self.in_dim)).flatten()
 
     def scaled(self, factor: float | Tensor) -> TokenFactors:
         return TokenFactors(self.a, self.g * factor, self.bias)
@@ -378,6 +413,29 @@ class TokenFactors(PerTokenGrad):
         ka = a1.reshape(-1, a1.shape[2]) @ a2.reshape(-1, a2.shape[2]).T
         kg = g1.reshape(-1, g1.shape[2]) @ g2.reshape(-1, g2.shape[2]).T
         return (ka * kg).view(a1.shape[0], self.tokens, other.batch_size, other.tokens)
+
+    @staticmethod
+    def shared_input_dots(grads: list[TokenFactors], targets: list[TokenFactors]) -> list[Tensor]:
+        """Per layer ``l``, the ``(B1,)`` ghost dots ``<dW_i^l, sum_j dV_j^l>`` of bias-free
+        layers whose training factors share one input ``a`` (``grads[l].a``) and whose
+        target factors share one input ``a'``: the input Gram ``a a'^T``, ``(B1 T1, B2 T2)``,
+        is computed once for all of them, each layer adding only its output Gram. The
+        same as ``grads[l].gram_factorized(targets[l]).sum(dim=1)``."""
+        for g, t in zip(grads, targets, strict=True):
+            g._check_pair(t)
+        a1, a2 = grads[0].augmented_a(), targets[0].augmented_a()
+        a2 = a2.reshape(-1, a2.shape[2])
+        outputs = [
+            (g.g.to(a1.dtype), t.g.to(a1.dtype).reshape(-1, t.out_dim))
+            for g, t in zip(grads, targets, strict=True)
+        ]
+        parts: list[list[Tensor]] = [[] for _ in grads]
+        for rows in _row_chunks(grads[0].batch_size, grads[0].tokens * a2.shape[0]):
+            ka = a1[rows].reshape(-1, a1.shape[2]) @ a2.T
+            for part, (g1, g2) in zip(parts, outputs, strict=True):
+                kg = g1[rows].reshape(-1, g1.shape[2]) @ g2.T
+                part.append((ka * kg).view(g1[rows].shape[0], -1).sum(dim=1))
+        return [torch.cat(p) for p in parts]
 
     def sq_norm_costs(self) -> dict[Route, float]:
         per_example = self.tokens * self.tokens * (self.in_dim + self.out_dim)
@@ -467,7 +525,13 @@ class EmbeddingFactors(PerTokenGrad):
         return EmbeddingFactors(fn(self.ids), fn(self.g), self.num_embeddings)
 
     def weighted_sum(self, weights: Tensor) -> Tensor:
-        g = self._g() * weights.to(self._g().dtype)[:, None, None]
+        return self._scattered(self._g() * weights.to(self._g().dtype)[:, None, None])
+
+    def total(self) -> Tensor:
+        return self._scattered(self._g())
+
+    def _scattered(self, g: Tensor) -> Tensor:
+        """``(B, T, D)`` token gradients added into their rows: the ``(V D,)`` sum."""
         out = g.new_zeros(self.num_embeddings, g.shape[2])
         out.index_add_(0, self.ids.reshape(-1), g.reshape(-1, g.shape[2]))
         return out.flatten()
@@ -559,6 +623,9 @@ class DenseGrad(PerExampleGrad):
     def weighted_sum(self, weights: Tensor) -> Tensor:
         values = self.materialize()
         return weights.to(values.dtype) @ values
+
+    def total(self) -> Tensor:
+        return self.materialize().sum(dim=0)
 
     def scaled(self, factor: float | Tensor) -> DenseGrad:
         return DenseGrad(self.values * factor)

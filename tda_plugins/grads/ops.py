@@ -8,11 +8,21 @@ use it); by default :func:`~tda_plugins.grads.routing.choose_route` picks the ch
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 from torch import Tensor
 
-from tda_plugins.grads.factors import DenseGrad, PerExampleGrad, TokenFactors, accumulation_dtype
+from tda_plugins.grads.factors import (
+    DenseGrad,
+    PerExampleGrad,
+    TensorKey,
+    TokenFactors,
+    accumulation_dtype,
+    row_runs,
+    summed,
+    tensor_key,
+)
 from tda_plugins.grads.routing import Route, choose_route
 
 
@@ -127,13 +137,34 @@ def rotated(
 Group = list[tuple[str, TokenFactors]]
 
 
+def _ghost_dots(
+    pairs: Mapping[str, tuple[PerExampleGrad, PerExampleGrad]],
+) -> dict[str, Tensor]:
+    """Per layer ``name -> (grads, factors)``, the ``(B,)`` ghost dots of the examples with
+    the summed gradient of ``factors``. Bias-free layers whose training factors share one
+    input and whose target factors share one input too (q/k/v, gate/up) take their input
+    Gram once (:meth:`TokenFactors.shared_input_dots`)."""
+    groups: dict[tuple[TensorKey, TensorKey], list[str]] = {}
+    out = {}
+    for name, (g, f) in pairs.items():
+        if isinstance(g, TokenFactors) and isinstance(f, TokenFactors) and not g.bias:
+            groups.setdefault((tensor_key(g.a), tensor_key(f.a)), []).append(name)
+        else:
+            out[name] = g.gram_factorized(f).sum(dim=1)
+    for names in groups.values():
+        grads = [cast(TokenFactors, pairs[n][0]) for n in names]
+        targets = [cast(TokenFactors, pairs[n][1]) for n in names]
+        out.update(zip(names, TokenFactors.shared_input_dots(grads, targets), strict=True))
+    return out
+
+
 def _input_groups(
     grads: Mapping[str, PerExampleGrad], narrow_output: bool
 ) -> tuple[list[Group], list[str]]:
     """Layers whose factors share one input tensor (q/k/v or gate/up projections, their
     LoRA ``A`` adapters), as groups of two or more, and the other layers. Only bias-free
     :class:`TokenFactors` group; ``narrow_output`` keeps those with ``N_o < N_i``."""
-    groups: dict[tuple[int, tuple[int, ...], tuple[int, ...]], Group] = {}
+    groups: dict[TensorKey, Group] = {}
     rest = []
     for name, g in grads.items():
         if (
@@ -141,8 +172,7 @@ def _input_groups(
             and not g.bias
             and (g.out_dim < g.in_dim or not narrow_output)
         ):
-            key = (g.a.data_ptr(), tuple(g.a.shape), g.a.stride())
-            groups.setdefault(key, []).append((name, g))
+            groups.setdefault(tensor_key(g.a), []).append((name, g))
         else:
             rest.append(name)
     shared = [group for group in groups.values() if len(group) > 1]
@@ -166,10 +196,13 @@ def dots_with(
     product with ``v`` together, ``a [V_1; V_2; ...]^T``, instead of one narrow product
     each."""
     factors = factors or {}
-    ghost = {}
-    for name, f in factors.items():
-        if choose_route(grads[name].dot_costs(f), route) is Route.FACTORIZED:
-            ghost[name] = grads[name].gram_factorized(f).sum(dim=1)
+    ghost = _ghost_dots(
+        {
+            name: (grads[name], f)
+            for name, f in factors.items()
+            if choose_route(grads[name].dot_costs(f), route) is Route.FACTORIZED
+        }
+    )
     direct = {name: g for name, g in grads.items() if name not in ghost}
     shared, rest = _input_groups(direct, narrow_output=True)
     out = {name: grads[name].dot(vectors[name]) for name in rest}
@@ -184,15 +217,22 @@ def dots_with(
     return {name: out[name] for name in grads}
 
 
+def _group_total(group: list[tuple[str, TokenFactors]], run: slice) -> Tensor:
+    """``[g_1 g_2 ...]^T a`` over the tokens of examples ``run`` of layers sharing the
+    input ``a``: ``(sum_l N_o_l, N_i)``, from views of the run (nothing gathered)."""
+    a = group[0][1].a[run]
+    a = a.to(accumulation_dtype(a)).reshape(-1, a.shape[-1])
+    g = torch.cat([f.g[run].to(a.dtype) for _, f in group], dim=-1)
+    return g.reshape(-1, g.shape[-1]).T @ a
+
+
 def rows_sums(grads: Mapping[str, PerExampleGrad], rows: Tensor) -> dict[str, Tensor]:
     """Per layer, ``(D,)`` sum of the per-example gradients of examples ``rows``; layers
     that share an input select it once and take one ``[g_1 g_2 ...]^T a`` product."""
     shared, rest = _input_groups(grads, narrow_output=False)
     out = {name: grads[name].rows_sum(rows) for name in rest}
     for group in shared:
-        a = group[0][1].a[rows]
-        a = a.to(accumulation_dtype(a)).reshape(-1, a.shape[-1])
-        g = torch.cat([f.g[rows].to(a.dtype) for _, f in group], dim=-1)
-        products = (g.reshape(-1, g.shape[-1]).T @ a).split([f.out_dim for _, f in group])
+        total = summed(_group_total(group, run) for run in row_runs(rows))
+        products = total.split([f.out_dim for _, f in group])
         out.update({name: p.flatten() for (name, _), p in zip(group, products, strict=True)})
     return out

@@ -28,7 +28,7 @@ from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.engine import CaptureEngine
 from tda_plugins.capture.records import MicroBatchRecord
 from tda_plugins.capture.selection import LayerSelection, shared_parameter_ids
-from tda_plugins.grads.factors import TokenFactors
+from tda_plugins.grads.factors import TensorKey, TokenFactors, tensor_key
 
 Batch = Mapping[str, Tensor]
 #: ``(model, batch) -> (B,)`` per-example losses, each the sum over its loss tokens.
@@ -79,12 +79,16 @@ class _FactorKeeper(CaptureConsumer):
                 self.parts.setdefault(name, []).append(layer.grads.scaled(record.loss_scale))
 
     def factors(self) -> dict[str, TokenFactors]:
-        """Per layer, every chunk's tokens as the rows of one example."""
+        """Per layer, every chunk's tokens as the rows of one example; layers fed by one
+        input (q/k/v) get one tensor for it, so scoring takes their input Gram once."""
         out = {}
+        inputs: dict[tuple[TensorKey, ...], Tensor] = {}
         for name, parts in self.parts.items():
-            a = torch.cat([p.a.reshape(-1, p.a.shape[-1]) for p in parts])
+            key = tuple(tensor_key(p.a) for p in parts)
+            if key not in inputs:
+                inputs[key] = torch.cat([p.a.reshape(-1, p.a.shape[-1]) for p in parts])
             g = torch.cat([p.g.reshape(-1, p.g.shape[-1]) for p in parts])
-            out[name] = TokenFactors(a[None], g[None], parts[0].bias)
+            out[name] = TokenFactors(inputs[key][None], g[None], parts[0].bias)
         return out
 
 
