@@ -54,13 +54,7 @@ LIBRARIES = {
         "per-example gradient, (Phi^T Phi)^-1 and out-to-loss weights), none of the four "
         "configurations measured here",
     ),
-    "dattri": Library(
-        None,
-        "dattri",
-        _PENDING + "its TracInAttributor takes torch.func (vmap) per-example gradients of "
-        "the selected parameters and recomputes the query gradients once per training "
-        "batch; not wired to this workload in the time of this run",
-    ),
+    "dattri": Library("dattri_adapter", "dattri"),
 }
 _ADAPTERS: dict[str, type[PeerAdapter]] = {}
 A = TypeVar("A", bound="type[PeerAdapter]")

@@ -141,6 +141,17 @@ def make_problem(shape: Shape, work: Path) -> Problem:
     return Problem(model, train, queries, layers, shape.batch, shape.k, work)
 
 
+def parameter_names(model: nn.Module, layers: tuple[str, ...]) -> list[str]:
+    """``named_parameters`` keys of the weights and biases of ``layers``, in layer order
+    (for libraries that select parameters by name)."""
+    return [
+        f"{layer}.{kind}"
+        for layer in layers
+        for kind in ("weight", "bias")
+        if getattr(model.get_submodule(layer), kind, None) is not None
+    ]
+
+
 def row_batches(rows: Tensor, batch: int) -> Iterator[Tensor]:
     """Consecutive ``(b, T)`` slices of ``rows``."""
     for start in range(0, rows.shape[0], batch):
