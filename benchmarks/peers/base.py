@@ -38,7 +38,6 @@ class Library:
     ours: bool = False
 
 
-_PENDING = "no adapter in benchmarks/peers yet (issue 6 follow-up): "
 LIBRARIES = {
     "ours": Library("ours", "tda-plugins", ours=True),
     "ours-live": Library("ours", "tda-plugins", ours=True),
@@ -47,13 +46,7 @@ LIBRARIES = {
     "opacus": Library("opacus_adapter", "opacus"),
     "bergson": Library("bergson_adapter", "bergson"),
     "logix": Library("logix_adapter", "logix-ai"),
-    "traker": Library(
-        None,
-        "traker",
-        _PENDING + "TRAK scores with its own estimator (dense JL projection of the whole "
-        "per-example gradient, (Phi^T Phi)^-1 and out-to-loss weights), none of the four "
-        "configurations measured here",
-    ),
+    "traker": Library("traker_adapter", "traker"),
     "dattri": Library("dattri_adapter", "dattri"),
 }
 _ADAPTERS: dict[str, type[PeerAdapter]] = {}
