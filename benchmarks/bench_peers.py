@@ -312,10 +312,7 @@ def collect(settings: Settings, argv: Sequence[str]) -> Run:
             args = ["--child", json.dumps(asdict(cell)), "--rounds", str(settings.rounds)]
             args += ["--out", str(settings.out), *settings.shape_flags()]
             try:
-                if LIBRARIES[cell.library].module is None:  # nothing to run: no process
-                    found = run_cell(cell, settings.shape, 0, ref)
-                else:
-                    found = CellResult.from_json(run_child(script, args))
+                found = CellResult.from_json(run_child(script, args))
             except RuntimeError as died:  # killed (memory) or crashed outside the adapter
                 tail = str(died).strip().splitlines()[-1][:300]
                 found = CellResult(cell, "error", reason=f"child process died: {tail}")

@@ -27,14 +27,12 @@ from peers.workload import Problem
 
 @dataclass(frozen=True)
 class Library:
-    """Where a library's adapter lives (a module of ``benchmarks/peers``, or ``None`` while
-    none is written: then ``pending`` says what adapting it involves), the PyPI
+    """Where a library's adapter lives (a module of ``benchmarks/peers``), the PyPI
     distribution its version comes from, and whether it is one of our own ways (compared
     with the peers, not with each other)."""
 
-    module: str | None
+    module: str
     distribution: str
-    pending: str = ""
     ours: bool = False
 
 
@@ -108,12 +106,8 @@ def register_peer(cls: A) -> A:
 
 
 def adapter(name: str) -> PeerAdapter:
-    """A fresh adapter of library ``name`` (imports its module on first use); raises
-    :class:`Unsupported` for a library without an adapter."""
+    """A fresh adapter of library ``name`` (imports its module on first use)."""
     if name not in LIBRARIES:
         raise KeyError(f"unknown library {name!r}; known: {', '.join(LIBRARIES)}")
-    library = LIBRARIES[name]
-    if library.module is None:
-        raise Unsupported(f"{library_version(name)}: {library.pending}")
-    importlib.import_module(f"peers.{library.module}")
+    importlib.import_module(f"peers.{LIBRARIES[name].module}")
     return _ADAPTERS[name]()
