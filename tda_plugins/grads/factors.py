@@ -130,7 +130,12 @@ class PerExampleGrad(ABC):
         """``sum_{i in rows} dW_i`` as a ``(D,)`` vector, for ``(n,)`` distinct example
         indices (cost of the rows' share of one weight-gradient matmul). Each
         contiguous run of rows is a view of the factors, so nothing is gathered."""
-        return summed(self.select(run).total() for run in row_runs(rows))
+        return self.runs_sum(row_runs(rows))
+
+    def runs_sum(self, runs: list[slice]) -> Tensor:
+        """:meth:`rows_sum` over the examples of ``runs`` (from :func:`row_runs`, so that
+        several layers share one host read of the rows)."""
+        return summed(self.select(run).total() for run in runs)
 
     @abstractmethod
     def scaled(self, factor: float | Tensor) -> Self:

@@ -229,10 +229,11 @@ def _group_total(group: list[tuple[str, TokenFactors]], run: slice) -> Tensor:
 def rows_sums(grads: Mapping[str, PerExampleGrad], rows: Tensor) -> dict[str, Tensor]:
     """Per layer, ``(D,)`` sum of the per-example gradients of examples ``rows``; layers
     that share an input select it once and take one ``[g_1 g_2 ...]^T a`` product."""
+    runs = row_runs(rows)  # one host read of the rows for every layer
     shared, rest = _input_groups(grads, narrow_output=False)
-    out = {name: grads[name].rows_sum(rows) for name in rest}
+    out = {name: grads[name].runs_sum(runs) for name in rest}
     for group in shared:
-        total = summed(_group_total(group, run) for run in row_runs(rows))
+        total = summed(_group_total(group, run) for run in runs)
         products = total.split([f.out_dim for _, f in group])
         out.update({name: p.flatten() for (name, _), p in zip(group, products, strict=True)})
     return out
