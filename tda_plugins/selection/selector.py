@@ -348,7 +348,8 @@ class DataSelector(CaptureConsumer):
             for name, part in parts.items():
                 totals[name] = totals[name] + part if name in totals else part
         return {
-            name: totals.get(name, torch.zeros(records[0].layers[name].grads.dim)) for name in names
+            name: totals[name] if name in totals else torch.zeros(records[0].layers[name].grads.dim)
+            for name in names
         }
 
     def _plan(

@@ -74,9 +74,9 @@ class _FactorKeeper(CaptureConsumer):
         self.parts: dict[str, list[TokenFactors]] = {}
 
     def on_micro_batch(self, record: MicroBatchRecord) -> None:
-        for name, layer in record.layers.items():
-            if isinstance(layer.grads, TokenFactors):
-                self.parts.setdefault(name, []).append(layer.grads.scaled(record.loss_scale))
+        for name, grads in record.example_grads().items():
+            if isinstance(grads, TokenFactors):
+                self.parts.setdefault(name, []).append(grads)
 
     def factors(self) -> dict[str, TokenFactors]:
         """Per layer, every chunk's tokens as the rows of one example; layers fed by one
@@ -86,10 +86,16 @@ class _FactorKeeper(CaptureConsumer):
         for name, parts in self.parts.items():
             key = tuple(tensor_key(p.a) for p in parts)
             if key not in inputs:
-                inputs[key] = torch.cat([p.a.reshape(-1, p.a.shape[-1]) for p in parts])
-            g = torch.cat([p.g.reshape(-1, p.g.shape[-1]) for p in parts])
+                inputs[key] = _token_rows([p.a for p in parts])
+            g = _token_rows([p.g for p in parts])
             out[name] = TokenFactors(inputs[key][None], g[None], parts[0].bias)
         return out
+
+
+def _token_rows(parts: list[Tensor]) -> Tensor:
+    """``(B, T, N)`` chunks -> ``(sum B T, N)``, every token a row (one chunk: a view)."""
+    rows = [p.reshape(-1, p.shape[-1]) for p in parts]
+    return rows[0] if len(rows) == 1 else torch.cat(rows)
 
 
 def _smaller_as_factors(

@@ -3,11 +3,14 @@
 Captured materialized (the scale gradient is a vector, smaller than any factor).
 ``xhat`` is the module's own output at unit scale and zero bias, computed by the module
 itself, so every RMSNorm variant (Llama/Qwen2 cast-then-scale, OLMo-2 scale-then-cast,
-``(1 + w)`` forms) is handled with its own rounding: ``xhat = y(w=1, b=0) - y(w=0, b=0)``.
+``(1 + w)`` forms) is handled with its own rounding: ``xhat = y(w=1, b=0) - y(w=0, b=0)``,
+the second term left out for a module whose output at zero parameters is zero.
 Transformers' RMSNorm classes are matched by the class-name suffix ``RMSNorm``.
 """
 
 from __future__ import annotations
+
+from weakref import WeakKeyDictionary
 
 import torch
 from torch import Tensor, nn
@@ -27,12 +30,29 @@ class NormAdapter(LayerAdapter):
     def captured_parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
         return trainable(module, ("weight", "bias"))
 
+    def __init__(self) -> None:
+        # module -> whether its output at zero parameters is zero (``w * xhat + b`` forms),
+        # so that ``xhat = y(w=1, b=0)`` exactly and the second call can be left out
+        self._zero_at_zero: WeakKeyDictionary[nn.Module, bool] = WeakKeyDictionary()
+
     def _normalized(self, module: nn.Module, x: Tensor) -> Tensor:
         params = dict(module.named_parameters(recurse=False))
         at_zero = {n: torch.zeros_like(p) for n, p in params.items()}
         at_unit = {**at_zero, "weight": torch.ones_like(params["weight"])}
         with torch.no_grad():
-            return functional_call(module, at_unit, (x,)) - functional_call(module, at_zero, (x,))
+            xhat = functional_call(module, at_unit, (x,))
+            if not self._is_zero_at_zero(module, at_zero, x):  # (1 + w) forms
+                xhat = xhat - functional_call(module, at_zero, (x,))
+            return xhat
+
+    def _is_zero_at_zero(self, module: nn.Module, at_zero: dict[str, Tensor], x: Tensor) -> bool:
+        """Whether ``module`` outputs zeros at zero parameters, tried once on a fixed
+        non-constant row (a constant one normalizes to zero in any form)."""
+        if module not in self._zero_at_zero:
+            probe = torch.linspace(-1.0, 2.0, x.shape[-1], dtype=x.dtype, device=x.device)
+            out = functional_call(module, at_zero, (probe.expand(1, 1, -1),))
+            self._zero_at_zero[module] = not bool(out.any())
+        return self._zero_at_zero[module]
 
     def capture(self, module: nn.Module, x: Tensor, grad_output: Tensor) -> PerExampleGrad:
         acc = accumulation_dtype(grad_output)
