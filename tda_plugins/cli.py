@@ -117,7 +117,12 @@ def _add_attribute(sub: Any) -> None:
         help="tracin: another checkpoint",
     )
     p.add_argument("--top-k", type=int, default=10, help="examples per query in the top-k")
-    p.add_argument("--chunk", type=int, default=256, help="training examples scored at once")
+    p.add_argument(
+        "--chunk",
+        type=int,
+        default=None,
+        help="training examples scored at once (default: the query count, between 8 and 256)",
+    )
     p.add_argument("--out", required=True, help="output directory (scores, top-k, report)")
     p.set_defaults(run=_attribute)
 

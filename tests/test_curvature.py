@@ -35,12 +35,15 @@ from tda_plugins.precondition import (
     KroneckerFactors,
     load_curvature,
 )
+from tda_plugins.precondition.curvature import add_gram
 from tda_plugins.store import StoreError, StoreReader
 from tests.models import lm_batch, tiny_causal_lm
 from tests.stores import LossFn, capture_store, summed_loss
 
 # fp64 end to end (fp64 loss included): only summation order differs from the references.
 TOL = 1e-10
+#: fp32 products of a few hundred token rows, summed in fp64.
+FP32_PRODUCT_TOL = 1e-6
 # Scores come back in fp32 (unit roundoff 6e-8), and the Llama stores' loss
 # (causal_lm_example_losses) runs the cross-entropy in fp32 even for fp64 logits.
 SCORE_TOL = 1e-6
@@ -363,14 +366,34 @@ def test_kfac_factors_equal_closed_form_covariances_over_real_tokens(
     assert_closed_form_factors(tmp_path, model, batches, {"fc1": 1, "fc2": 1})
 
 
-def test_kfac_factors_of_fp32_gradients_equal_their_fp64_sums() -> None:
-    """For fp32 captures too, A and S are fp64 products and sums of the captured factors
-    over the real tokens, to fp64 precision (fp32 products would miss by ~1e-7 and move
-    K-FAC scores by ~1e-5 through the damped inverse). The closed-form tests above are
-    fp64 captures."""
+@pytest.mark.parametrize("width", [5, 256, 600])
+def test_add_gram_adds_the_full_gram_from_its_upper_blocks(width: int) -> None:
+    """``add_gram`` adds ``x^T x`` (every block, mirrored ones included) onto what ``out``
+    held, at widths of one block, exactly one, and several with a ragged last one."""
+    torch.manual_seed(0)
+    x = torch.randn(40, width, dtype=torch.float64)
+    start = torch.randn(width, width, dtype=torch.float64)
+    out = start.clone()
+    add_gram(out, x)
+    assert rel_err(out, start + x.T @ x) < TOL
+
+
+@pytest.mark.parametrize(
+    ("product_dtype", "tol"),
+    [(None, FP32_PRODUCT_TOL), (torch.float64, TOL)],
+    ids=["fp32-products", "fp64-products"],
+)
+def test_kfac_factors_of_fp32_gradients_equal_their_fp64_sums(
+    product_dtype: torch.dtype | None, tol: float
+) -> None:
+    """For fp32 captures, A and S are the sums of the captured factors' products over the
+    real tokens, summed in fp64: to fp32 precision with the default fp32 products, to fp64
+    precision with ``product_dtype=torch.float64``. The closed-form tests above are fp64
+    captures. Layers sharing an input (q/k/v, gate/up) share its product."""
     model = tiny_causal_lm("llama", torch.float32)
     batches = [lm_batch(lengths=(10, 7, 5), seed=1), lm_batch(lengths=(8, 10, 6), seed=2)]
-    accumulator, collector = CurvatureAccumulator("unused"), RecordCollector()
+    accumulator = CurvatureAccumulator("unused", product_dtype=product_dtype)
+    collector = RecordCollector()
     with CaptureEngine(model, LayerSelection("linear"), consumers=[accumulator, collector]):
         for batch in batches:
             summed_loss(model, batch).backward()
@@ -387,8 +410,8 @@ def test_kfac_factors_of_fp32_gradients_equal_their_fp64_sums() -> None:
             a_sum, g_sum = a_sum + a.T @ a, g_sum + g.T @ g
         stats = accumulator.factors[name]
         assert stats.a_sum.dtype == stats.g_sum.dtype == torch.float64
-        assert rel_err(stats.a_sum, a_sum) < TOL, name
-        assert rel_err(stats.g_sum, g_sum) < TOL, name
+        assert rel_err(stats.a_sum, a_sum) < tol, name
+        assert rel_err(stats.g_sum, g_sum) < tol, name
 
 
 def test_kfac_factors_of_a_module_called_twice_cover_the_real_tokens_of_both_calls(

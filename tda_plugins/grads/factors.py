@@ -666,8 +666,10 @@ def stack_examples(parts: list[PerExampleGrad]) -> PerExampleGrad:
     """Concatenate one layer's micro-batches along the example axis.
 
     Parts of one representation keep it; a mix (a store keeps whichever form is smaller
-    per micro-batch) is materialized.
+    per micro-batch) is materialized. A single part is returned as it is (no copy).
     """
+    if len(parts) == 1:
+        return parts[0]
     first = type(parts[0])
     if all(type(p) is first for p in parts):
         return first.stack(parts)

@@ -120,10 +120,11 @@ def per_token_scores(
 def rotated(
     grads: PerExampleGrad, u_out: Tensor, u_in: Tensor, route: Route | None = None
 ) -> Tensor:
-    """``(B, N_o N_i')`` per-example gradients in the Kronecker eigenbasis, ``U_out^T dW_i
-    U_in`` for orthogonal ``(N_o, N_o)`` ``u_out`` and ``(N_i', N_i')`` ``u_in``, in the
-    accumulation dtype (the bases are cast to it: a rotation keeps norms, so fp32 loses
-    nothing an fp32 gradient had).
+    """``(B, N_o N_i')`` per-example gradients ``U_out^T dW_i U_in`` for ``(N_o, N_o)``
+    ``u_out`` and ``(N_i', N_i')`` ``u_in``: Kronecker eigenbases (EK-FAC), or K-FAC's
+    symmetric damped inverses. In the accumulation dtype (the matrices are cast to it: a
+    rotation keeps norms, so fp32 loses nothing an fp32 gradient had; a damped inverse
+    scales the fp32 rounding by at most its condition number).
 
     Cost: factorized (rotate each token's factors) ``~ B T (N_o^2 + N_i^2 + N_o N_i)``;
     materialized ``~ B T N_o N_i + B N_o N_i (N_o + N_i)``.

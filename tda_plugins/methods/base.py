@@ -62,15 +62,18 @@ class AttributionMethod(ABC):
         self,
         store: StoreReader,
         queries: StoreReader,
-        chunk_examples: int = 256,
+        chunk_examples: int | None = None,
         progress: bool = False,
     ) -> Scores:
-        """``(N, M)`` scores of every stored training example against every query."""
+        """``(N, M)`` scores of every stored training example against every query.
+
+        ``chunk_examples``: training examples read and scored at once (whole
+        micro-batches); ``None`` (default): :func:`default_chunk` of the query count."""
         self.prepare(store, queries, progress)
         query = _load_queries(queries)
         prepared = QueryGradients({n: self.query_side(n, g) for n, g in query.layers.items()})
         ids, blocks = [], []
-        chunks = store.iter_chunks(chunk_examples)
+        chunks = store.iter_chunks(chunk_examples or default_chunk(query.size))
         total = store.num_examples
         with tqdm(total=total, desc=f"{self.name} scores", disable=not progress) as bar:
             for chunk in chunks:
@@ -112,6 +115,14 @@ class AttributionMethod(ABC):
         if missing:
             raise StoreError(f"train ids {sorted(missing)[:5]} are not in the store {store.root}")
         return out
+
+
+def default_chunk(queries: int) -> int:
+    """Training examples scored at once against ``queries`` queries: as many as there are
+    queries, between 8 and 256. Each chunk reads the whole prepared query side once, so
+    that reading costs no more than the chunk's own gradients; a chunk of several stored
+    micro-batches is a concatenated copy of them, so no larger chunk is taken."""
+    return min(256, max(8, queries))
 
 
 def _load_queries(queries: StoreReader) -> StoreChunk:

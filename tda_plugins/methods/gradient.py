@@ -53,7 +53,7 @@ class TracIn(AttributionMethod):
         self,
         store: StoreReader,
         queries: StoreReader,
-        chunk_examples: int = 256,
+        chunk_examples: int | None = None,
         progress: bool = False,
     ) -> Scores:
         checkpoints = (Checkpoint(store, queries, self.learning_rate), *self.extra)

@@ -8,7 +8,12 @@ Per factorized layer (linear, Conv1D, LoRA, factor-projected):
 divided by the number of real (non-padding) token rows when read. ``g`` is scaled by the
 record's ``loss_scale``, i.e. taken under the store's per-example summed-loss convention.
 Padding rows are excluded through the record's token mask, by multiplication (no host
-sync). Accumulation is in fp64 on the capture device; the statistics are written to the
+sync). Each micro-batch's products are taken in the gradients' accumulation dtype (fp32
+for fp32/bf16 models: the K-FAC products are as large as the backward's own, and fp64
+ones cost twice as much) and summed across micro-batches in fp64, on the capture device;
+layers fed by one input (q/k/v, gate/up) share one ``A`` product per micro-batch, and each
+product computes the upper block triangle of the symmetric result only. The statistics
+are written to the
 store directory (``rank-<r>/curvature.safetensors``, atomically) at the end of capture
 and whenever :meth:`CurvatureAccumulator.save` is called, so K-FAC, EK-FAC and LoGra need
 no second pass over the model. Embedding and norm layers get no K-FAC factors.
@@ -26,7 +31,7 @@ from torch import Tensor
 from tda_plugins.capture.config import CaptureConfig
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.records import MicroBatchRecord
-from tda_plugins.grads.factors import TokenFactors
+from tda_plugins.grads.factors import TensorKey, TokenFactors, accumulation_dtype, tensor_key
 from tda_plugins.store.io import atomic_write_bytes
 from tda_plugins.store.layout import CURVATURE_FILE, StoreError, rank_dir
 
@@ -65,14 +70,33 @@ def _token_rows(
     concatenated), so the ``(B, T)`` mask is tiled ``k`` times; rows of calls on other
     lengths cannot be matched to tokens and all count.
     """
-    a = grads.augmented_a().to(torch.float64)
-    g = grads.g.to(torch.float64) * scale
+    a = grads.augmented_a()
+    g = grads.g.to(accumulation_dtype(grads.g)) * scale
     if mask is not None and mask.shape[0] == a.shape[0] and a.shape[1] % mask.shape[1] == 0:
-        keep = mask.to(torch.float64).repeat(1, a.shape[1] // mask.shape[1]).unsqueeze(2)
-        a, g, count = a * keep, g * keep, keep.sum()
+        keep = mask.to(a.dtype).repeat(1, a.shape[1] // mask.shape[1]).unsqueeze(2)
+        a, g, count = a * keep, g * keep, keep.sum(dtype=torch.float64)
     else:
         count = torch.tensor(float(a.shape[0] * a.shape[1]), dtype=torch.float64, device=a.device)
     return a.reshape(-1, a.shape[2]), g.reshape(-1, g.shape[2]), count
+
+
+#: Width above which a Gram is taken in blocks, the upper block triangle only.
+_GRAM_BLOCK = 256
+
+
+def add_gram(out: Tensor, x: Tensor) -> None:
+    """``out += x^T x`` for ``(rows, n)`` ``x`` into the symmetric ``(n, n)`` ``out``
+    (any dtype: the product is taken in ``x``'s). Computes the blocks on and above the
+    diagonal, ``~(1/2 + 1/(2 k))`` of the full product for ``k`` blocks, and mirrors."""
+    n = x.shape[1]
+    blocks = [slice(lo, min(lo + _GRAM_BLOCK, n)) for lo in range(0, n, _GRAM_BLOCK)]
+    for i, rows in enumerate(blocks):
+        left = x[:, rows].T
+        for cols in blocks[i:]:
+            part = (left @ x[:, cols]).to(out.dtype)
+            out[rows, cols] += part
+            if cols != rows:
+                out[cols, rows] += part.T
 
 
 class CurvatureAccumulator(CaptureConsumer):
@@ -81,11 +105,17 @@ class CurvatureAccumulator(CaptureConsumer):
     Args:
         path: the gradient store directory the statistics are saved into.
         rank: this process's rank (each rank saves its own file; readers sum them).
+        product_dtype: dtype of each micro-batch's products; ``None`` (default): the
+            gradients' accumulation dtype (fp32 unless the model is fp64: the factors
+            then carry fp32 rounding, ~1e-7 relative, which moves K-FAC scores by about
+            1e-5 through the damped inverse); ``torch.float64``: exact fp64 products, at
+            about twice the cost on CPU.
     """
 
-    def __init__(self, path: str | Path, rank: int = 0):
+    def __init__(self, path: str | Path, rank: int = 0, product_dtype: torch.dtype | None = None):
         self.root = Path(path)
         self.rank = rank
+        self.product_dtype = product_dtype
         self.factors: dict[str, KroneckerFactors] = {}
 
     def on_attach(self, config: CaptureConfig) -> None:
@@ -99,20 +129,29 @@ class CurvatureAccumulator(CaptureConsumer):
         self.factors = _read(Path(path))
 
     def on_micro_batch(self, record: MicroBatchRecord) -> None:
+        a_grams: dict[tuple[TensorKey, bool], Tensor] = {}  # one A per shared input
         for name, layer in record.layers.items():
-            if not isinstance(layer.grads, TokenFactors):
+            grads = layer.grads
+            if not isinstance(grads, TokenFactors):
                 continue
-            a, g, count = _token_rows(layer.grads, record.token_mask, record.loss_scale)
+            a, g, count = _token_rows(grads, record.token_mask, record.loss_scale)
+            if self.product_dtype is not None:
+                a, g = a.to(self.product_dtype), g.to(self.product_dtype)
             stats = self.factors.get(name)
             if stats is None:
+                wide = dict(dtype=torch.float64, device=a.device)
                 stats = KroneckerFactors(
-                    a.new_zeros(a.shape[1], a.shape[1]),
-                    g.new_zeros(g.shape[1], g.shape[1]),
-                    a.new_zeros(()),
+                    torch.zeros(a.shape[1], a.shape[1], **wide),
+                    torch.zeros(g.shape[1], g.shape[1], **wide),
+                    torch.zeros((), **wide),
                 )
                 self.factors[name] = stats
-            stats.a_sum.addmm_(a.T, a)
-            stats.g_sum.addmm_(g.T, g)
+            key = (tensor_key(grads.a), grads.bias)
+            if key not in a_grams:
+                a_grams[key] = torch.zeros_like(stats.a_sum)
+                add_gram(a_grams[key], a)
+            stats.a_sum += a_grams[key]
+            add_gram(stats.g_sum, g)
             stats.tokens += count
 
     def on_end(self) -> None:

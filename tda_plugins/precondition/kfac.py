@@ -16,7 +16,9 @@ Factorizations (Cholesky, eigendecompositions) are computed in fp64, and so are 
 squares and sums of the correction and the division by ``Lambda + l``. The rotations
 themselves (:func:`~tda_plugins.grads.ops.rotated`: of the per-token factors where that is
 cheaper, ``U_S^T g_t`` and ``U_A^T a_t``) run in the gradients' accumulation dtype: a
-rotation keeps norms, so fp32 adds only fp32 rounding to what fp32 gradients carry.
+rotation keeps norms, so fp32 adds only fp32 rounding to what fp32 gradients carry. K-FAC's
+products with the damped inverses take the same route and dtype (the damping bounds their
+condition number by ``1 + n / damping``).
 """
 
 from __future__ import annotations
@@ -111,12 +113,11 @@ class KFAC(Preconditioner):
         return torch.cholesky_inverse(torch.linalg.cholesky(damped))
 
     def __call__(self, layer: str, query: PerExampleGrad) -> PerExampleGrad:
+        # s_inv G_q a_inv = s_inv^T G_q a_inv (both symmetric): the product of a rotation,
+        # routed (per-token factors where fewer), in the gradients' accumulation dtype
         s_inv, a_inv = self.inverses[layer]
-        shape = (s_inv.shape[0], a_inv.shape[0])
-        _check_shape(query, shape, layer)
-        values = query.materialize()
-        q = values.double().view(-1, *shape)
-        return DenseGrad((s_inv @ q @ a_inv).flatten(1).to(values.dtype))
+        _check_shape(query, (s_inv.shape[0], a_inv.shape[0]), layer)
+        return DenseGrad(rotated(query, s_inv, a_inv))
 
 
 @register_preconditioner("ekfac")

@@ -27,13 +27,13 @@ class NormAdapter(LayerAdapter):
 
     family = "norm"
 
-    def captured_parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
-        return trainable(module, ("weight", "bias"))
-
     def __init__(self) -> None:
         # module -> whether its output at zero parameters is zero (``w * xhat + b`` forms),
         # so that ``xhat = y(w=1, b=0)`` exactly and the second call can be left out
         self._zero_at_zero: WeakKeyDictionary[nn.Module, bool] = WeakKeyDictionary()
+
+    def captured_parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
+        return trainable(module, ("weight", "bias"))
 
     def _normalized(self, module: nn.Module, x: Tensor) -> Tensor:
         params = dict(module.named_parameters(recurse=False))
@@ -41,17 +41,25 @@ class NormAdapter(LayerAdapter):
         at_unit = {**at_zero, "weight": torch.ones_like(params["weight"])}
         with torch.no_grad():
             xhat = functional_call(module, at_unit, (x,))
-            if not self._is_zero_at_zero(module, at_zero, x):  # (1 + w) forms
+            if not self._is_zero_at_zero(module):  # (1 + w) forms
                 xhat = xhat - functional_call(module, at_zero, (x,))
             return xhat
 
-    def _is_zero_at_zero(self, module: nn.Module, at_zero: dict[str, Tensor], x: Tensor) -> bool:
-        """Whether ``module`` outputs zeros at zero parameters, tried once on a fixed
-        non-constant row (a constant one normalizes to zero in any form)."""
+    def _is_zero_at_zero(self, module: nn.Module) -> bool:
+        """Whether ``module`` outputs zeros at zero parameters, tried once on the host
+        (no device read inside a hook) with a fixed non-constant row (a constant one
+        normalizes to zero in any form); a module that cannot run there counts as not."""
         if module not in self._zero_at_zero:
-            probe = torch.linspace(-1.0, 2.0, x.shape[-1], dtype=x.dtype, device=x.device)
-            out = functional_call(module, at_zero, (probe.expand(1, 1, -1),))
-            self._zero_at_zero[module] = not bool(out.any())
+            params = dict(module.named_parameters(recurse=False))
+            zeros = {n: torch.zeros(p.shape) for n, p in params.items()}
+            shape = params["weight"].shape
+            probe = torch.linspace(-1.0, 2.0, shape.numel()).reshape(1, *shape)
+            try:
+                with torch.no_grad():
+                    zero = not bool(functional_call(module, zeros, (probe,)).any())
+            except RuntimeError:  # buffers on another device
+                zero = False
+            self._zero_at_zero[module] = zero
         return self._zero_at_zero[module]
 
     def capture(self, module: nn.Module, x: Tensor, grad_output: Tensor) -> PerExampleGrad:
