@@ -139,11 +139,11 @@ class CurvatureAccumulator(CaptureConsumer):
                 a, g = a.to(self.product_dtype), g.to(self.product_dtype)
             stats = self.factors.get(name)
             if stats is None:
-                wide = dict(dtype=torch.float64, device=a.device)
+                f64 = torch.float64
                 stats = KroneckerFactors(
-                    torch.zeros(a.shape[1], a.shape[1], **wide),
-                    torch.zeros(g.shape[1], g.shape[1], **wide),
-                    torch.zeros((), **wide),
+                    torch.zeros(a.shape[1], a.shape[1], dtype=f64, device=a.device),
+                    torch.zeros(g.shape[1], g.shape[1], dtype=f64, device=a.device),
+                    torch.zeros((), dtype=f64, device=a.device),
                 )
                 self.factors[name] = stats
             key = (tensor_key(grads.a), grads.bias)
