@@ -531,6 +531,24 @@ def test_method_scores_equal_dense_reference_on_llama(llama: Llama, method: str)
     assert rel_err(scores.values, expected) < SCORE_TOL
 
 
+@pytest.mark.parametrize(("name", "factorization"), [("kfac", "cholesky"), ("ekfac", "eigh")])
+def test_equal_factors_are_factorized_once(llama: Llama, name: str, factorization: str) -> None:
+    """Layers fed by one input (q/k/v, gate/up) have equal ``A`` factors: the fit factorizes
+    each distinct factor once."""
+    store = llama.store("train")
+    curvature = load_curvature(store.root)
+    distinct: list[Tensor] = []
+    for stats in curvature.values():
+        for factor in (stats.a_cov, stats.g_cov):
+            if not any(torch.equal(factor, seen) for seen in distinct):
+                distinct.append(factor)
+    assert len(distinct) < 2 * len(curvature)  # the sharing exists
+    real = getattr(torch.linalg, factorization)
+    with mock.patch.object(torch.linalg, factorization, side_effect=real) as calls:
+        PRECONDITIONERS.create(name, damping=DAMPING).fit(store)
+    assert calls.call_count == len(distinct)
+
+
 def test_factor_projected_statistics_are_the_projected_exact_ones(llama: Llama) -> None:
     """Under factor projection the inline factors are P_a A P_a^T and P_g S P_g^T."""
     exact = load_curvature(llama.store("train").root)

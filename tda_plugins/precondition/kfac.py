@@ -23,7 +23,9 @@ condition number by ``1 + n / damping``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -38,6 +40,9 @@ from tda_plugins.store.reader import StoreReader
 
 #: Examples squared at a time in the EK-FAC fit (bounds the fp64 copy of a chunk's rows).
 _SQUARE_BLOCK = 16
+#: Examples read at a time in the EK-FAC fit: a chunk of several stored micro-batches is
+#: a concatenated copy of them, so stored micro-batches of 8 or more are read one by one.
+_FIT_CHUNK = 8
 
 
 @dataclass
@@ -68,11 +73,29 @@ def _curvature(store: StoreReader) -> dict[str, KroneckerFactors]:
     return {name: curvature[name] for name in store.layer_names}
 
 
+class _SharedFactors:
+    """Memoizes a factorization over factors of equal value: layers fed by one input
+    (q/k/v, gate/up) have the same ``A``, factorized once."""
+
+    def __init__(self, factorize: Callable[[Tensor], Any]):
+        self.factorize = factorize
+        self.done: list[tuple[Tensor, Any]] = []
+
+    def __call__(self, x: Tensor) -> Any:
+        for seen, result in self.done:
+            if seen.shape == x.shape and torch.equal(seen, x):
+                return result
+        result = self.factorize(x)
+        self.done.append((x, result))
+        return result
+
+
 def _eigen(store: StoreReader) -> dict[str, _Eigen]:
+    eigh = _SharedFactors(torch.linalg.eigh)
     out = {}
     for name, stats in _curvature(store).items():
-        d_a, u_a = torch.linalg.eigh(stats.a_cov.double())
-        d_s, u_s = torch.linalg.eigh(stats.g_cov.double())
+        d_a, u_a = eigh(stats.a_cov.double())
+        d_s, u_s = eigh(stats.g_cov.double())
         out[name] = _Eigen(u_a, d_a.clamp_min(0), u_s, d_s.clamp_min(0))
     return out
 
@@ -93,11 +116,9 @@ class KFAC(Preconditioner):
 
     def fit(self, store: StoreReader, progress: bool = False) -> None:
         self.inverses: dict[str, tuple[Tensor, Tensor]] = {}
+        inverse = _SharedFactors(self._damped_inverse)
         for name, stats in _curvature(store).items():
-            self.inverses[name] = (
-                self._damped_inverse(stats.g_cov.double()),
-                self._damped_inverse(stats.a_cov.double()),
-            )
+            self.inverses[name] = (inverse(stats.g_cov.double()), inverse(stats.a_cov.double()))
 
     def _damped_inverse(self, x: Tensor) -> Tensor:
         """``(X + l I)^{-1}`` for a ``(n, n)`` fp64 factor, ``l = damping * trace(X) / n``.
@@ -131,7 +152,7 @@ class EKFAC(Preconditioner):
         self.eigen = _eigen(store)
         totals = {n: torch.zeros(e.shape, dtype=torch.float64) for n, e in self.eigen.items()}
         count = 0
-        chunks = store.iter_chunks()
+        chunks = store.iter_chunks(_FIT_CHUNK)
         for chunk in tqdm(chunks, desc="EK-FAC eigenvalue correction", disable=not progress):
             for name, e in self.eigen.items():
                 _check_shape(chunk.layers[name], e.shape, name)
