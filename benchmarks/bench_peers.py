@@ -564,7 +564,7 @@ def parse_args(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
     p.add_argument("--rounds", type=int, help="timed rounds per cell (default 3; quick 1)")
     p.add_argument("--tiny", action="store_true", help="tiny models (implied by --quick)")
     p.add_argument("--out", type=Path, default=OUT, help="JSON and reference cache folder")
-    p.add_argument("--chart", type=Path, default=CHART, help="PNG of the ratios ('' = none)")
+    p.add_argument("--chart", default=str(CHART), help="PNG of the ratios ('' = none)")
     p.add_argument(
         "--report",
         nargs="+",
@@ -594,7 +594,7 @@ def parse_args(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
         out=a.out,
         write=a.write if a.write is not None else not quick,
         results=a.results,
-        chart=a.chart if str(a.chart) else None,
+        chart=Path(a.chart) if a.chart else None,
     )
     return settings, a
 
