@@ -61,27 +61,32 @@ class KroneckerFactors:
         return self.g_sum / self.tokens
 
 
-def _token_rows(
-    grads: TokenFactors, mask: Tensor | None, scale: float | Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(rows, N_i')`` inputs, ``(rows, N_o)`` output grads with padding rows zeroed, count.
+def _token_rows(t: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``(B, T', N)`` factor -> its ``(rows, N)`` token rows with padding rows zeroed, and
+    their count (fp64 scalar).
 
     A module called ``k`` times on the sequence holds ``k T`` token rows (the calls are
     concatenated), so the ``(B, T)`` mask is tiled ``k`` times; rows of calls on other
     lengths cannot be matched to tokens and all count.
     """
-    a = grads.augmented_a()
-    g = grads.g.to(accumulation_dtype(grads.g)) * scale
-    if mask is not None and mask.shape[0] == a.shape[0] and a.shape[1] % mask.shape[1] == 0:
-        keep = mask.to(a.dtype).repeat(1, a.shape[1] // mask.shape[1]).unsqueeze(2)
-        a, g, count = a * keep, g * keep, keep.sum(dtype=torch.float64)
+    if mask is not None and mask.shape[0] == t.shape[0] and t.shape[1] % mask.shape[1] == 0:
+        keep = mask.to(t.dtype).repeat(1, t.shape[1] // mask.shape[1]).unsqueeze(2)
+        t, count = t * keep, keep.sum(dtype=torch.float64)
     else:
-        count = torch.tensor(float(a.shape[0] * a.shape[1]), dtype=torch.float64, device=a.device)
-    return a.reshape(-1, a.shape[2]), g.reshape(-1, g.shape[2]), count
+        count = torch.tensor(float(t.shape[0] * t.shape[1]), dtype=torch.float64, device=t.device)
+    return t.reshape(-1, t.shape[2]), count
 
 
 #: Width above which a Gram is taken in blocks, the upper block triangle only.
 _GRAM_BLOCK = 256
+
+
+def gram(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x^T x`` of ``(rows, n)`` ``x`` as an ``(n, n)`` tensor of ``dtype`` (see
+    :func:`add_gram`)."""
+    out = torch.zeros(x.shape[1], x.shape[1], dtype=dtype, device=x.device)
+    add_gram(out, x)
+    return out
 
 
 def add_gram(out: Tensor, x: Tensor) -> None:
@@ -129,30 +134,33 @@ class CurvatureAccumulator(CaptureConsumer):
         self.factors = _read(Path(path))
 
     def on_micro_batch(self, record: MicroBatchRecord) -> None:
-        a_grams: dict[tuple[TensorKey, bool], Tensor] = {}  # one A per shared input
+        # one A product per shared input (q/k/v, gate/up): its key, its Gram and row count
+        a_grams: dict[tuple[TensorKey, bool], tuple[Tensor, Tensor]] = {}
         for name, layer in record.layers.items():
             grads = layer.grads
             if not isinstance(grads, TokenFactors):
                 continue
-            a, g, count = _token_rows(grads, record.token_mask, record.loss_scale)
-            if self.product_dtype is not None:
-                a, g = a.to(self.product_dtype), g.to(self.product_dtype)
-            stats = self.factors.get(name)
-            if stats is None:
-                f64 = torch.float64
-                stats = KroneckerFactors(
-                    torch.zeros(a.shape[1], a.shape[1], dtype=f64, device=a.device),
-                    torch.zeros(g.shape[1], g.shape[1], dtype=f64, device=a.device),
-                    torch.zeros((), dtype=f64, device=a.device),
-                )
-                self.factors[name] = stats
             key = (tensor_key(grads.a), grads.bias)
             if key not in a_grams:
-                a_grams[key] = torch.zeros_like(stats.a_sum)
-                add_gram(a_grams[key], a)
-            stats.a_sum += a_grams[key]
+                a, count = _token_rows(
+                    self._in_product_dtype(grads.augmented_a()), record.token_mask
+                )
+                a_grams[key] = (gram(a, torch.float64), count)
+            a_sum, count = a_grams[key]
+            g = grads.g.to(accumulation_dtype(grads.g)) * record.loss_scale
+            g, _ = _token_rows(self._in_product_dtype(g), record.token_mask)
+            stats = self.factors.get(name)
+            if stats is None:
+                s_sum = torch.zeros(g.shape[1], g.shape[1], dtype=torch.float64, device=g.device)
+                tokens = torch.zeros((), dtype=torch.float64, device=g.device)
+                stats = KroneckerFactors(torch.zeros_like(a_sum), s_sum, tokens)
+                self.factors[name] = stats
             add_gram(stats.g_sum, g)
+            stats.a_sum += a_sum
             stats.tokens += count
+
+    def _in_product_dtype(self, t: Tensor) -> Tensor:
+        return t if self.product_dtype is None else t.to(self.product_dtype)
 
     def on_end(self) -> None:
         self.save()
