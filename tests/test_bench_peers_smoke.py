@@ -67,3 +67,10 @@ def test_report_renders_merged_runs(results: list[bench_peers.CellResult], tmp_p
     assert text.startswith(bench_peers.SECTION) and "a note" in text
     targets = [line for line in text.splitlines() if line.startswith("| gpt2 | 4 |")]
     assert len(targets) == 2 * len(METHODS)  # a targets row and a results row per cell
+
+
+def test_an_empty_chart_path_means_no_chart(tmp_path: Path) -> None:
+    """``--chart ''`` turns the chart off (``Path('')`` would be ``.``, a file ``.png``)."""
+    off, _ = bench_peers.parse_args(["--quick", "--out", str(tmp_path), "--chart", ""])
+    named, _ = bench_peers.parse_args(["--quick", "--out", str(tmp_path), "--chart", "r.png"])
+    assert off.chart is None and named.chart == Path("r.png")

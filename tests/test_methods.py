@@ -14,6 +14,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -21,7 +22,9 @@ from torch import Tensor, nn
 
 from tda_plugins import CaptureEngine, ProjectionConfig
 from tda_plugins.capture import content_hash
+from tda_plugins.grads.factors import DenseGrad, TokenFactors
 from tda_plugins.methods import Checkpoint, Scores, method_by_name
+from tda_plugins.methods.base import default_chunk
 from tda_plugins.precondition.adam import save_adam_state
 from tda_plugins.store import StoreError, StoreReader
 from tests.models import VOCAB, lm_batch, tiny_causal_lm
@@ -147,11 +150,29 @@ def captured(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     return capture(model, tmp_path_factory.mktemp(request.param))
 
 
-def test_graddot_equals_oracle_dot_matrix(captured: Captured) -> None:
-    """GradDot through ``method_by_name`` is the exact dot of full per-example gradients."""
-    got = score(captured, "graddot")
+@pytest.mark.parametrize("chunk", [None, 256], ids=["default-chunk", "chunk-256"])
+def test_graddot_equals_oracle_dot_matrix(captured: Captured, chunk: int | None) -> None:
+    """GradDot through ``method_by_name`` is the exact dot of full per-example gradients,
+    whether each stored micro-batch is read alone (the default for few queries) or the
+    store's micro-batches are concatenated into one chunk."""
+    scores = method_by_name("graddot").score(captured.store, captured.queries, chunk)
+    got = scores_by_id(scores, captured.train_ids, captured.query_ids)
     assert got.shape == (6, 2)
     assert rel_error(got, captured.train_grads @ captured.query_grads.T) <= REL_TOL
+
+
+def test_a_chunk_of_one_stored_micro_batch_is_not_copied(captured: Captured) -> None:
+    """A chunk that holds a single stored micro-batch is handed on as read, not restacked;
+    the default chunk is the query count, between 8 and 256 (so that with few queries a
+    micro-batch of 8 or more is such a chunk)."""
+    assert (default_chunk(2), default_chunk(100), default_chunk(10**4)) == (8, 100, 256)
+    copy = AssertionError("a copy")
+    with (
+        mock.patch.object(TokenFactors, "stack", side_effect=copy),
+        mock.patch.object(DenseGrad, "stack", side_effect=copy),
+    ):
+        chunks = list(captured.store.iter_chunks(3))
+    assert [c.size for c in chunks] == [3, 3]
 
 
 def test_gradcos_equals_oracle_cosine(captured: Captured) -> None:

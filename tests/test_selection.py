@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tda_plugins import CaptureEngine, LayerSelection, LayerSelectionError
+from tda_plugins.selection.target import _token_rows
 from tests.models import tiny_causal_lm, with_lora
 
 
@@ -96,3 +97,13 @@ def test_engine_attach_raises_before_any_hook_on_a_bad_selection() -> None:
 def test_non_module_is_refused() -> None:
     with pytest.raises(TypeError, match=r"needs an nn\.Module"):
         CaptureEngine("model")  # type: ignore[arg-type]
+
+
+def test_target_token_rows_of_one_chunk_are_a_view() -> None:
+    """The target's token factors of a one-chunk target view the captured tensors (no
+    copy); several chunks are concatenated in order."""
+    first, second = torch.randn(1, 4, 3), torch.randn(2, 4, 3)
+    rows = _token_rows([first])
+    assert rows.shape == (4, 3) and rows.data_ptr() == first.data_ptr()
+    both = _token_rows([first, second])
+    assert torch.equal(both, torch.cat([first.reshape(4, 3), second.reshape(8, 3)]))
