@@ -88,6 +88,20 @@ def test_every_gram_route_equals_materialized_dot(kind: str) -> None:
         torch.testing.assert_close(cross_gram(train, query, route=route), reference)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_blocked_materialized_gram_spans_every_output_row(bias: bool) -> None:
+    """The materialized Gram builds the training side a block of output rows at a time;
+    with blocks of 32 rows over 70 (the last one partial), against fp32 queries, it still
+    equals the product of the explicit gradients."""
+    train = TokenFactors(_randn(3, 5, 6), _randn(3, 5, 70), bias=bias)
+    query = DenseGrad(_randn(2, train.dim).float())
+    reference = _explicit_materialize(train) @ query.values.double().T
+    with mock.patch("tda_plugins.grads.factors._CPU_BLOCK_BYTES", 1):
+        scores = cross_gram(train, query, route=Route.MATERIALIZED)
+    assert scores.dtype == torch.float64
+    torch.testing.assert_close(scores, reference)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_norm_route_equals_materialized_norm(kind: str) -> None:
     train, _ = _pair(kind)

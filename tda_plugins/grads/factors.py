@@ -80,6 +80,22 @@ def summed(parts: Iterable[Tensor]) -> Tensor:
     return out
 
 
+#: Bytes of one block of materialized gradients in a blocked product on a CPU (about a
+#: core's share of the last-level cache); other devices take one block.
+_CPU_BLOCK_BYTES = 1 << 21
+#: Fewest output rows in a block (narrower matrix products run far below peak).
+_MIN_BLOCK_ROWS = 32
+
+
+def _output_blocks(out_dim: int, row_bytes: int, like: Tensor) -> list[slice]:
+    """Slices of ``out_dim`` output rows, each ``row_bytes`` bytes per row once
+    materialized, sized to stay in cache on a CPU; one slice on other devices."""
+    if like.device.type != "cpu":
+        return [slice(0, out_dim)]
+    step = max(_MIN_BLOCK_ROWS, _CPU_BLOCK_BYTES // max(row_bytes, 1))
+    return [slice(i, min(i + step, out_dim)) for i in range(0, out_dim, step)]
+
+
 def _row_chunks(rows: int, cols: int) -> list[slice]:
     """Split ``rows`` so that each ``chunk x cols`` block stays under the chunk budget."""
     step = max(1, _GRAM_CHUNK_ELEMENTS // max(cols, 1))
@@ -362,6 +378,24 @@ class TokenFactors(PerTokenGrad):
         return TokenFactors(
             torch.cat([self.a, other.a], dim=1), torch.cat([self.g, other.g], dim=1), self.bias
         )
+
+    def gram_materialized(self, other: PerExampleGrad) -> Tensor:
+        # The same products as materializing both sides, but this side is built a block of
+        # output rows at a time, ``dW_i[rows] = g_i[:, rows]^T a_i``, and multiplied into
+        # the other side's matching columns while it is still in cache: its ``(B, D)``
+        # gradients never travel through memory (on a CPU, the plain product of two
+        # ``(B, D)`` matrices costs as much as materializing one of them).
+        theirs = other.materialize()
+        dtype = torch.promote_types(accumulation_dtype(self.g), theirs.dtype)
+        a, g, theirs = self.augmented_a().to(dtype), self.g.to(dtype), theirs.to(dtype)
+        out = a.new_zeros(self.batch_size, other.batch_size)
+        width = self.in_dim
+        for rows in _output_blocks(self.out_dim, self.batch_size * width * a.element_size(), a):
+            block = torch.bmm(g[:, :, rows].transpose(1, 2), a)
+            out.addmm_(
+                block.view(self.batch_size, -1), theirs[:, rows.start * width : rows.stop * width].T
+            )
+        return out
 
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> TokenFactors:
         return TokenFactors(fn(self.a), fn(self.g), self.bias)
