@@ -28,6 +28,7 @@ from tda_plugins.capture import content_hash
 from tda_plugins.grads import Route, TokenFactors, choose_route
 from tda_plugins.grads.projection import Projector
 from tda_plugins.methods import method_by_name
+from tda_plugins.methods.base import QUERY_CACHE_BYTES
 from tda_plugins.precondition import (
     EKFAC,
     PRECONDITIONERS,
@@ -516,12 +517,19 @@ def test_ekfac_on_fp32_gradients_matches_the_fp64_rotation(tmp_path: Path) -> No
 # -- methods end to end on Llama -----------------------------------------------------------
 
 
+@pytest.mark.parametrize("cache", ["default", "none"])
 @pytest.mark.parametrize("method", ["kfac", "ekfac"])
-def test_method_scores_equal_dense_reference_on_llama(llama: Llama, method: str) -> None:
+def test_method_scores_equal_dense_reference_on_llama(
+    llama: Llama, method: str, cache: str
+) -> None:
     """K-FAC/EK-FAC scores on every linear layer of a tiny Llama (padded batches) equal
-    sum over layers of vec(dW_z) . C^{-1} vec(G_q), from oracle gradients and dense solves."""
+    sum over layers of vec(dW_z) . C^{-1} vec(G_q), from oracle gradients and dense solves;
+    also with no cache of materialized queries (K-FAC's preconditioned per-token query
+    factors are then built block by block for each training chunk)."""
     store, queries = llama.store("train"), llama.store("query")
-    scores = method_by_name(method).score(store, queries)
+    budget = QUERY_CACHE_BYTES if cache == "default" else 0
+    with mock.patch("tda_plugins.methods.base.QUERY_CACHE_BYTES", budget):
+        scores = method_by_name(method).score(store, queries, chunk_examples=1)
     assert torch.equal(scores.train_ids, store_ids(llama.train))
     assert torch.equal(scores.query_ids, store_ids(llama.queries))
     expected = dense_scores(

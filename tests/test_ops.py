@@ -89,13 +89,18 @@ def test_every_gram_route_equals_materialized_dot(kind: str) -> None:
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_blocked_materialized_gram_spans_every_output_row(bias: bool) -> None:
-    """The materialized Gram builds the training side a block of output rows at a time;
-    with blocks of 32 rows over 70 (the last one partial), against fp32 queries, it still
-    equals the product of the explicit gradients."""
+@pytest.mark.parametrize("query_kind", ["dense-fp32", "factors"])
+def test_blocked_materialized_gram_spans_every_output_row(bias: bool, query_kind: str) -> None:
+    """The materialized Gram builds both sides a block of output rows at a time; with
+    blocks of 32 rows over 70 (the last one partial), against fp32 dense queries or
+    per-token query factors, it still equals the product of the explicit gradients."""
     train = TokenFactors(_randn(3, 5, 6), _randn(3, 5, 70), bias=bias)
-    query = DenseGrad(_randn(2, train.dim).float())
-    reference = _explicit_materialize(train) @ query.values.double().T
+    query: PerExampleGrad = (
+        DenseGrad(_randn(2, train.dim).float())
+        if query_kind == "dense-fp32"
+        else TokenFactors(_randn(2, 4, 6), _randn(2, 4, 70), bias=bias)
+    )
+    reference = _explicit_materialize(train) @ _explicit_materialize(query).double().T
     with mock.patch("tda_plugins.grads.factors._CPU_BLOCK_BYTES", 1):
         scores = cross_gram(train, query, route=Route.MATERIALIZED)
     assert scores.dtype == torch.float64
@@ -314,6 +319,35 @@ def test_query_gradients_materialize_each_layer_once_and_score_as_cross_gram() -
         torch.testing.assert_close(scores, reference)
     explicit = torch.cat([_explicit_materialize(q) for q in queries.values()], dim=1)
     torch.testing.assert_close(prepared.norms(), explicit.norm(dim=1))
+
+
+def test_query_gradients_beyond_their_cache_budget_are_built_per_batch() -> None:
+    """With a cache of one layer's materialized queries, the first layer is materialized
+    once and kept; the second is never materialized whole (its blocks are built for each
+    training batch); every batch's scores still equal the explicit gradients' dots."""
+    queries = {n: TokenFactors(_randn(2, 64, 3), _randn(2, 64, 2)) for n in ("first", "second")}
+    trains = [{n: TokenFactors(_randn(3, 64, 3), _randn(3, 64, 2)) for n in queries} for _ in "ab"]
+    assert {choose_route(trains[0][n].gram_costs(q)) for n, q in queries.items()} == {
+        Route.MATERIALIZED
+    }
+    one_layer = 2 * queries["first"].dim * 8  # fp64
+    prepared = QueryGradients(queries, cache_bytes=one_layer)
+    calls: dict[str, int] = {n: 0 for n in queries}
+    original = TokenFactors.materialize
+
+    def counted(self: TokenFactors) -> torch.Tensor:
+        for name, q in queries.items():
+            calls[name] += self is q
+        return original(self)
+
+    with mock.patch.object(TokenFactors, "materialize", counted):
+        scored = [prepared.scores(train) for train in trains]
+    assert calls == {"first": 1, "second": 0}
+    for train, scores in zip(trains, scored, strict=True):
+        reference = sum(
+            _explicit_materialize(train[n]) @ _explicit_materialize(q).T for n, q in queries.items()
+        )
+        torch.testing.assert_close(scores, reference)
 
 
 def test_query_gradients_refuse_other_layers() -> None:

@@ -7,6 +7,7 @@ from tda_plugins.grads.ops import (
     dots_with,
     per_token_scores,
     rotated,
+    rotated_grads,
     rows_sums,
     sq_norms,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "dots_with",
     "per_token_scores",
     "rotated",
+    "rotated_grads",
     "rows_sums",
     "sq_norms",
 ]

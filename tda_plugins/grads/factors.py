@@ -87,6 +87,19 @@ _CPU_BLOCK_BYTES = 1 << 21
 _MIN_BLOCK_ROWS = 32
 
 
+def values_dtype(grads: PerExampleGrad) -> torch.dtype:
+    """The accumulation dtype of a representation's materialized values: fp64 when any of
+    its floating tensors is fp64, else fp32."""
+    dtypes: set[torch.dtype] = set()
+
+    def note(t: Tensor) -> Tensor:
+        dtypes.add(t.dtype)
+        return t
+
+    grads.map_tensors(note)
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
 def _output_blocks(out_dim: int, row_bytes: int, like: Tensor) -> list[slice]:
     """Slices of ``out_dim`` output rows, each ``row_bytes`` bytes per row once
     materialized, sized to stay in cache on a CPU; one slice on other devices."""
@@ -204,6 +217,13 @@ class PerExampleGrad(ABC):
         dtype = torch.promote_types(mine.dtype, theirs.dtype)
         return mine.to(dtype) @ theirs.to(dtype).T
 
+    def row_blocks(self, width: int, dtype: torch.dtype) -> Callable[[slice], Tensor]:
+        """``rows -> (B, r width)``: the output rows ``rows`` of the materialized gradients
+        seen as ``(B, D / width, width)``, in ``dtype``. Here they are materialized once and
+        sliced; factor representations build each block on demand instead."""
+        values = self.materialize().to(dtype)
+        return lambda rows: values[:, rows.start * width : rows.stop * width]
+
     def sq_norm_costs(self) -> dict[Route, float]:
         """FLOP estimate of the ``(B,)`` squared norms per route."""
         return {Route.MATERIALIZED: self._materialize_flops() + self.batch_size * self.dim}
@@ -237,8 +257,9 @@ class PerExampleGrad(ABC):
         dense = self.batch_size * out_dim * in_dim * (out_dim + in_dim)
         return {Route.MATERIALIZED: self._materialize_flops() + dense}
 
-    def rotated_factorized(self, u_out: Tensor, u_in: Tensor) -> Tensor:
-        """``(B, N_o N_i')`` rotated gradients from rotated factors; only where costs list it."""
+    def rotated_factorized(self, u_out: Tensor, u_in: Tensor) -> PerExampleGrad:
+        """The rotated gradients as rotated factors, not materialized; only where costs
+        list it."""
         raise NotImplementedError(f"{type(self).__name__} has no factorized rotation")
 
     def rotated_materialized(self, u_out: Tensor, u_in: Tensor) -> Tensor:
@@ -380,22 +401,23 @@ class TokenFactors(PerTokenGrad):
         )
 
     def gram_materialized(self, other: PerExampleGrad) -> Tensor:
-        # The same products as materializing both sides, but this side is built a block of
-        # output rows at a time, ``dW_i[rows] = g_i[:, rows]^T a_i``, and multiplied into
-        # the other side's matching columns while it is still in cache: its ``(B, D)``
-        # gradients never travel through memory (on a CPU, the plain product of two
-        # ``(B, D)`` matrices costs as much as materializing one of them).
-        theirs = other.materialize()
-        dtype = torch.promote_types(accumulation_dtype(self.g), theirs.dtype)
-        a, g, theirs = self.augmented_a().to(dtype), self.g.to(dtype), theirs.to(dtype)
-        out = a.new_zeros(self.batch_size, other.batch_size)
+        # The same products as materializing both sides, but each side is built a block of
+        # output rows at a time (a factor side as dW_i[rows] = g_i[:, rows]^T a_i) and the
+        # two blocks are multiplied while they are still in cache: no (B, D) gradients of
+        # a factor side travel through memory, or are held at all (on a CPU, the plain
+        # product of two (B, D) matrices costs as much as materializing one of them).
+        dtype = torch.promote_types(values_dtype(self), values_dtype(other))
         width = self.in_dim
-        for rows in _output_blocks(self.out_dim, self.batch_size * width * a.element_size(), a):
-            block = torch.bmm(g[:, :, rows].transpose(1, 2), a)
-            out.addmm_(
-                block.view(self.batch_size, -1), theirs[:, rows.start * width : rows.stop * width].T
-            )
+        mine, theirs = self.row_blocks(width, dtype), other.row_blocks(width, dtype)
+        out = self.g.new_zeros(self.batch_size, other.batch_size, dtype=dtype)
+        row_bytes = (self.batch_size + other.batch_size) * width * out.element_size()
+        for rows in _output_blocks(self.out_dim, row_bytes, out):
+            out.addmm_(mine(rows), theirs(rows).T)
         return out
+
+    def row_blocks(self, width: int, dtype: torch.dtype) -> Callable[[slice], Tensor]:
+        a, g = self.augmented_a().to(dtype), self.g.to(dtype)
+        return lambda rows: torch.bmm(g[:, :, rows].transpose(1, 2), a).view(self.batch_size, -1)
 
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> TokenFactors:
         return TokenFactors(fn(self.a), fn(self.g), self.bias)
@@ -502,12 +524,13 @@ class TokenFactors(PerTokenGrad):
             **super().rotation_costs(out_dim, in_dim),
         }
 
-    def rotated_factorized(self, u_out: Tensor, u_in: Tensor) -> Tensor:
-        # U_out^T dW_i U_in = sum_t (U_out^T g_it)(U_in^T [a_it; 1])^T: rotate each token's
-        # factors, then one (B, N_o, T) x (B, T, N_i') product, never the dense rotation.
+    def rotated_factorized(self, u_out: Tensor, u_in: Tensor) -> TokenFactors:
+        # U_out^T dW_i U_in = sum_t (U_out^T g_it)(U_in^T [a_it; 1])^T: each token's factors
+        # rotated (the bias column rotates with the inputs, so it is explicit here), never
+        # the dense rotation.
         a = self.augmented_a()
         g = self.g.to(accumulation_dtype(self.g))
-        return TokenFactors(a @ u_in.to(a.dtype), g @ u_out.to(g.dtype)).materialize()
+        return TokenFactors(a @ u_in.to(a.dtype), g @ u_out.to(g.dtype))
 
     def token_scores_materialized(self, query: PerExampleGrad) -> Tensor:
         b2, n_o, n_i = query.batch_size, self.out_dim, self.in_dim

@@ -22,6 +22,7 @@ from tda_plugins.grads.factors import (
     row_runs,
     summed,
     tensor_key,
+    values_dtype,
 )
 from tda_plugins.grads.routing import Route, choose_route
 
@@ -70,13 +71,21 @@ class QueryGradients:
     :func:`cross_gram`, without materializing the ``(B2, D)`` queries again per batch
     (which costs as much as materializing a training batch of the same size).
 
+    Materialized queries are kept only within ``cache_bytes``; a layer whose queries do
+    not fit stays as it is, and each training batch then builds its query blocks again
+    (:meth:`TokenFactors.gram_materialized`): the same numbers, a bounded memory, and the
+    queries' materialization once per training batch.
+
     Args:
         layers: layer name -> that layer's ``(B2, ...)`` query gradients.
+        cache_bytes: most bytes of materialized queries kept (``None``: no limit; the live
+            paths, which score every micro-batch against the same queries).
     """
 
-    def __init__(self, layers: Mapping[str, PerExampleGrad]):
+    def __init__(self, layers: Mapping[str, PerExampleGrad], cache_bytes: int | None = None):
         self._layers = dict(layers)
         self._norms: Tensor | None = None
+        self._cache_left = cache_bytes
 
     def scores(self, train: Mapping[str, PerExampleGrad]) -> Tensor:
         """``(B1, B2)`` inner products ``<g_i, g_j>`` summed over the layers, for training
@@ -99,9 +108,19 @@ class QueryGradients:
         if (
             not isinstance(query, DenseGrad)
             and choose_route(train.gram_costs(query)) is Route.MATERIALIZED
+            and self._reserve(query.batch_size * query.dim * values_dtype(query).itemsize)
         ):
             query = self._layers[name] = DenseGrad(query.materialize())
         return cross_gram(train, query)
+
+    def _reserve(self, nbytes: int) -> bool:
+        """Take ``nbytes`` of the cache budget if they fit."""
+        if self._cache_left is None:
+            return True
+        if nbytes > self._cache_left:
+            return False
+        self._cache_left -= nbytes
+        return True
 
 
 def per_token_scores(
@@ -117,22 +136,31 @@ def per_token_scores(
     return train.token_scores_materialized(query)
 
 
-def rotated(
+def rotated_grads(
     grads: PerExampleGrad, u_out: Tensor, u_in: Tensor, route: Route | None = None
-) -> Tensor:
-    """``(B, N_o N_i')`` per-example gradients ``U_out^T dW_i U_in`` for ``(N_o, N_o)``
-    ``u_out`` and ``(N_i', N_i')`` ``u_in``: Kronecker eigenbases (EK-FAC), or K-FAC's
-    symmetric damped inverses. In the accumulation dtype (the matrices are cast to it: a
-    rotation keeps norms, so fp32 loses nothing an fp32 gradient had; a damped inverse
-    scales the fp32 rounding by at most its condition number).
+) -> PerExampleGrad:
+    """Per-example gradients ``U_out^T dW_i U_in`` for ``(N_o, N_o)`` ``u_out`` and
+    ``(N_i', N_i')`` ``u_in``: Kronecker eigenbases (EK-FAC), or K-FAC's symmetric damped
+    inverses. Where the factorized route is cheaper they stay per-token factors (each
+    token's ``(U_out^T g_it, U_in^T [a_it; 1])``, nothing materialized), else dense. In the
+    accumulation dtype (the matrices are cast to it: a rotation keeps norms, so fp32 loses
+    nothing an fp32 gradient had; a damped inverse scales the fp32 rounding by at most its
+    condition number).
 
-    Cost: factorized (rotate each token's factors) ``~ B T (N_o^2 + N_i^2 + N_o N_i)``;
+    Cost (with one materialization): factorized ``~ B T (N_o^2 + N_i^2 + N_o N_i)``;
     materialized ``~ B T N_o N_i + B N_o N_i (N_o + N_i)``.
     """
     chosen = choose_route(grads.rotation_costs(u_out.shape[0], u_in.shape[0]), route)
     if chosen is Route.FACTORIZED:
         return grads.rotated_factorized(u_out, u_in)
-    return grads.rotated_materialized(u_out, u_in)
+    return DenseGrad(grads.rotated_materialized(u_out, u_in))
+
+
+def rotated(
+    grads: PerExampleGrad, u_out: Tensor, u_in: Tensor, route: Route | None = None
+) -> Tensor:
+    """``(B, N_o N_i')`` materialized :func:`rotated_grads`."""
+    return rotated_grads(grads, u_out, u_in, route).materialize()
 
 
 Group = list[tuple[str, TokenFactors]]

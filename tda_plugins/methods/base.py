@@ -71,7 +71,9 @@ class AttributionMethod(ABC):
         micro-batches); ``None`` (default): :func:`default_chunk` of the query count."""
         self.prepare(store, queries, progress)
         query = _load_queries(queries)
-        prepared = QueryGradients({n: self.query_side(n, g) for n, g in query.layers.items()})
+        prepared = QueryGradients(
+            {n: self.query_side(n, g) for n, g in query.layers.items()}, QUERY_CACHE_BYTES
+        )
         ids, blocks = [], []
         chunks = store.iter_chunks(chunk_examples or default_chunk(query.size))
         total = store.num_examples
@@ -115,6 +117,13 @@ class AttributionMethod(ABC):
         if missing:
             raise StoreError(f"train ids {sorted(missing)[:5]} are not in the store {store.root}")
         return out
+
+
+#: Most bytes of materialized query gradients :meth:`AttributionMethod.score` keeps for
+#: all its training chunks; beyond them a layer's queries are rebuilt block by block for
+#: each chunk (no extra memory; the chunk is at least as large as the query count, so
+#: this at most doubles that layer's materialization work).
+QUERY_CACHE_BYTES = 1 << 30
 
 
 def default_chunk(queries: int) -> int:

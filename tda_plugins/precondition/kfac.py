@@ -18,7 +18,9 @@ themselves (:func:`~tda_plugins.grads.ops.rotated`: of the per-token factors whe
 cheaper, ``U_S^T g_t`` and ``U_A^T a_t``) run in the gradients' accumulation dtype: a
 rotation keeps norms, so fp32 adds only fp32 rounding to what fp32 gradients carry. K-FAC's
 products with the damped inverses take the same route and dtype (the damping bounds their
-condition number by ``1 + n / damping``).
+condition number by ``1 + n / damping``); on the factorized route the preconditioned
+queries stay per-token factors, so that scoring can build them block by block instead of
+holding ``(M, D)`` dense queries.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from tda_plugins.grads.factors import DenseGrad, PerExampleGrad
-from tda_plugins.grads.ops import rotated
+from tda_plugins.grads.ops import rotated, rotated_grads
 from tda_plugins.precondition.base import Preconditioner, register_preconditioner
 from tda_plugins.precondition.curvature import KroneckerFactors, load_curvature
 from tda_plugins.store.layout import StoreError
@@ -135,10 +137,11 @@ class KFAC(Preconditioner):
 
     def __call__(self, layer: str, query: PerExampleGrad) -> PerExampleGrad:
         # s_inv G_q a_inv = s_inv^T G_q a_inv (both symmetric): the product of a rotation,
-        # routed (per-token factors where fewer), in the gradients' accumulation dtype
+        # routed, in the gradients' accumulation dtype; per-token factors (s_inv g_t,
+        # a_inv [a_t; 1]) where those are fewer, so that many queries need not be dense
         s_inv, a_inv = self.inverses[layer]
         _check_shape(query, (s_inv.shape[0], a_inv.shape[0]), layer)
-        return DenseGrad(rotated(query, s_inv, a_inv))
+        return rotated_grads(query, s_inv, a_inv)
 
 
 @register_preconditioner("ekfac")
