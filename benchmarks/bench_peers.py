@@ -160,6 +160,7 @@ def run_cell(cell: Cell, shape: Shape, rounds: int, reference: Path) -> CellResu
             warm = problem.head(shape.batch, min(cell.queries, 2))
             floor_backward(warm)
             peer.scores(warm, cell.method)
+            peer.cleanup(warm)
             scores = None
             phases: dict[str, Callable[[], Any]] = {
                 FLOOR: lambda: floor_backward(problem),
@@ -173,6 +174,7 @@ def run_cell(cell: Cell, shape: Shape, rounds: int, reference: Path) -> CellResu
                     result.samples.setdefault(phase, []).append(watch.sample.to_json())
                     if phase == RUN:
                         scores = out
+                        peer.cleanup(problem)
         except Unsupported as why:
             return replace(result, status="unsupported", reason=str(why))
         except Exception as error:  # a peer's failure is a result, recorded in its cell

@@ -157,10 +157,12 @@ class PeerAttributor:
         )
         try:
             peer.check(self.method)
+            peer.cleanup(problem)  # what an interrupted earlier run left
             problem.work.mkdir(parents=True, exist_ok=True)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 scores = peer.scores(peer.prepare(problem, self.method), self.method)
+            peer.cleanup(problem)
             self.warned[:] = list(
                 dict.fromkeys(
                     _first_sentence(w.message)

@@ -4,7 +4,8 @@ An adapter turns a :class:`~workload.Problem` into a ``(Q, N)`` score matrix for
 :data:`~workload.METHODS`: it captures on the training rows and scores the queries, in
 whatever way its library does that (live, through a store, through a CLI's Python entry).
 The harness times :meth:`PeerAdapter.scores` whole; :meth:`PeerAdapter.prepare` is the
-untimed set-up (wrapping the model, imports). Other benchmarks (leave-one-out fidelity)
+untimed set-up (wrapping the model, imports), :meth:`PeerAdapter.cleanup` the untimed
+removal of the call's files. Other benchmarks (leave-one-out fidelity)
 can call the same adapters for scores.
 
 Adapters live one per module and register themselves with :func:`register_peer`;
@@ -73,6 +74,10 @@ class PeerAdapter(ABC):
         """Untimed set-up before the runs of ``method``; returns the problem to score
         (an adapter may replace the model by an equivalent one it can hook)."""
         return problem
+
+    def cleanup(self, problem: Problem) -> None:  # noqa: B027 (a hook; most have nothing)
+        """Untimed, after each timed call: remove what the call left on disk (a user keeps
+        it; only the benchmark's next round needs it gone). Default: nothing."""
 
     @abstractmethod
     def scores(self, problem: Problem, method: str) -> Tensor:

@@ -63,6 +63,9 @@ class Dattri(PeerAdapter):
         self.model = linear_twin(copy.deepcopy(problem.model))
         return problem
 
+    def cleanup(self, problem: Problem) -> None:
+        shutil.rmtree(problem.work / "dattri", ignore_errors=True)
+
     def scores(self, problem: Problem, method: str) -> Tensor:
         if method == "graddot":
             return self._tracin(problem).T

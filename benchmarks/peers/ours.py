@@ -52,9 +52,11 @@ class Ours(PeerAdapter):
         "ekfac": "inline K-FAC statistics + one pass over the store, damping 0.1 x mean",
     }
 
+    def cleanup(self, problem: Problem) -> None:
+        shutil.rmtree(problem.work / "ours", ignore_errors=True)
+
     def scores(self, problem: Problem, method: str) -> Tensor:
         root = problem.work / "ours"
-        shutil.rmtree(root, ignore_errors=True)
         projection = projection_of(problem, method)
         curvature = method in ("kfac", "ekfac")
         train = capture_store(
@@ -71,9 +73,7 @@ class Ours(PeerAdapter):
             projection,
             False,
         )
-        result = method_by_name(_METHOD[method]).score(train, queries)
-        shutil.rmtree(root, ignore_errors=True)
-        return result.values.T
+        return method_by_name(_METHOD[method]).score(train, queries).values.T
 
 
 class _LiveScores(CaptureConsumer):

@@ -97,6 +97,9 @@ class Traker(PeerAdapter):
     }
     unsupported: ClassVar[dict[str, str]] = {"kfac": _NO_CURVATURE, "ekfac": _NO_CURVATURE}
 
+    def cleanup(self, problem: Problem) -> None:
+        shutil.rmtree(problem.work / "traker", ignore_errors=True)
+
     def scores(self, problem: Problem, method: str) -> Tensor:
         model = problem.model
         work = problem.work / "traker"
