@@ -525,7 +525,8 @@ def test_method_scores_equal_dense_reference_on_llama(
     """K-FAC/EK-FAC scores on every linear layer of a tiny Llama (padded batches) equal
     sum over layers of vec(dW_z) . C^{-1} vec(G_q), from oracle gradients and dense solves;
     also with no cache of materialized queries (K-FAC's preconditioned per-token query
-    factors are then built block by block for each training chunk)."""
+    factors are then built block by block for each training chunk, and EK-FAC's dense
+    queries are preconditioned and scored one query at a time)."""
     store, queries = llama.store("train"), llama.store("query")
     budget = QUERY_CACHE_BYTES if cache == "default" else 0
     with mock.patch("tda_plugins.methods.base.QUERY_CACHE_BYTES", budget):

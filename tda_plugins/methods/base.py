@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from tda_plugins.grads.factors import PerExampleGrad
+from tda_plugins.grads.factors import PerExampleGrad, values_dtype
 from tda_plugins.grads.ops import QueryGradients, example_norms, layer_sum, per_token_scores
 from tda_plugins.methods.scores import Scores
 from tda_plugins.precondition.base import Identity, Preconditioner
@@ -71,22 +71,44 @@ class AttributionMethod(ABC):
         micro-batches); ``None`` (default): :func:`default_chunk` of the query count."""
         self.prepare(store, queries, progress)
         query = _load_queries(queries)
+        groups = self._query_groups(query)
+        chunk = chunk_examples or default_chunk(query.size)
+        total = store.num_examples * len(groups)
+        with tqdm(total=total, desc=f"{self.name} scores", disable=not progress) as bar:
+            parts = [self._score_group(store, query, rows, chunk, bar) for rows in groups]
+        ids = parts[0][0]
+        values = torch.cat([block for _, block in parts], dim=1)
+        return Scores(ids, query.example_ids, values, self.name)
+
+    def _score_group(
+        self, store: StoreReader, query: StoreChunk, rows: slice, chunk: int, bar: tqdm
+    ) -> tuple[Tensor, Tensor]:
+        """``(N,)`` training ids and their ``(N, m)`` scores against the queries ``rows``,
+        over one pass through the store in chunks of ``chunk`` examples."""
         prepared = QueryGradients(
-            {n: self.query_side(n, g) for n, g in query.layers.items()}, QUERY_CACHE_BYTES
+            {n: self.query_side(n, g.select(rows)) for n, g in query.layers.items()},
+            QUERY_CACHE_BYTES,
         )
         ids, blocks = [], []
-        chunks = store.iter_chunks(chunk_examples or default_chunk(query.size))
-        total = store.num_examples
-        with tqdm(total=total, desc=f"{self.name} scores", disable=not progress) as bar:
-            for chunk in chunks:
-                t_layers = {n: self.train_side(n, g) for n, g in chunk.layers.items()}
-                block = prepared.scores(t_layers)
-                if self.normalize:
-                    block = block / torch.outer(example_norms(t_layers), prepared.norms())
-                ids.append(chunk.example_ids)
-                blocks.append(block.float())
-                bar.update(chunk.size)
-        return Scores(torch.cat(ids), query.example_ids, torch.cat(blocks), self.name)
+        for part in store.iter_chunks(chunk):
+            t_layers = {n: self.train_side(n, g) for n, g in part.layers.items()}
+            block = prepared.scores(t_layers)
+            if self.normalize:
+                block = block / torch.outer(example_norms(t_layers), prepared.norms())
+            ids.append(part.example_ids)
+            blocks.append(block.float())
+            bar.update(part.size)
+        return torch.cat(ids), torch.cat(blocks)
+
+    def _query_groups(self, query: StoreChunk) -> list[slice]:
+        """Query rows preconditioned and scored together: all of them, unless the
+        preconditioner makes them dense; then as many as fit :data:`QUERY_CACHE_BYTES`
+        (each further group reads and multiplies the training gradients once more)."""
+        if not self.preconditioner.dense_queries:
+            return [slice(0, query.size)]
+        per_query = sum(g.dim * values_dtype(g).itemsize for g in query.layers.values())
+        step = max(1, QUERY_CACHE_BYTES // max(per_query, 1))
+        return [slice(i, min(i + step, query.size)) for i in range(0, query.size, step)]
 
     def token_scores(
         self, store: StoreReader, queries: StoreReader, train_ids: list[int]

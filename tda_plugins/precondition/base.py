@@ -30,6 +30,9 @@ class Preconditioner(ABC):
     needs_curvature: ClassVar[bool] = False
     #: Needs a pass over the stored per-example gradients (EK-FAC eigenvalue correction).
     needs_store_pass: ClassVar[bool] = False
+    #: Returns dense ``(B2, D)`` queries whatever their input form (an elementwise step
+    #: breaks the factor structure), so scoring takes the queries in groups that fit.
+    dense_queries: ClassVar[bool] = False
 
     def __init__(self, damping: float = 0.1):
         if damping <= 0:

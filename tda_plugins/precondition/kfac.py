@@ -150,6 +150,7 @@ class EKFAC(Preconditioner):
 
     needs_curvature = True
     needs_store_pass = True
+    dense_queries = True
 
     def fit(self, store: StoreReader, progress: bool = False) -> None:
         self.eigen = _eigen(store)
