@@ -28,7 +28,7 @@ from tda_plugins.capture import content_hash
 from tda_plugins.grads import Route, TokenFactors, choose_route
 from tda_plugins.grads.projection import Projector
 from tda_plugins.methods import method_by_name
-from tda_plugins.methods.base import QUERY_CACHE_BYTES
+from tda_plugins.methods.base import QUERY_CACHE_BYTES, SCORE_GROUP_BYTES
 from tda_plugins.precondition import (
     EKFAC,
     PRECONDITIONERS,
@@ -524,12 +524,17 @@ def test_method_scores_equal_dense_reference_on_llama(
 ) -> None:
     """K-FAC/EK-FAC scores on every linear layer of a tiny Llama (padded batches) equal
     sum over layers of vec(dW_z) . C^{-1} vec(G_q), from oracle gradients and dense solves;
-    also with no cache of materialized queries (K-FAC's preconditioned per-token query
-    factors are then built block by block for each training chunk, and EK-FAC's dense
-    queries are preconditioned and scored one query at a time)."""
+    also with no memory to spare: one layer per pass over the store, no cache of
+    materialized queries (K-FAC's preconditioned per-token query factors are then built
+    block by block for each training chunk), and EK-FAC's dense queries preconditioned
+    and scored one query at a time."""
     store, queries = llama.store("train"), llama.store("query")
     budget = QUERY_CACHE_BYTES if cache == "default" else 0
-    with mock.patch("tda_plugins.methods.base.QUERY_CACHE_BYTES", budget):
+    group = SCORE_GROUP_BYTES if cache == "default" else 1
+    with (
+        mock.patch("tda_plugins.methods.base.QUERY_CACHE_BYTES", budget),
+        mock.patch("tda_plugins.methods.base.SCORE_GROUP_BYTES", group),
+    ):
         scores = method_by_name(method).score(store, queries, chunk_examples=1)
     assert torch.equal(scores.train_ids, store_ids(llama.train))
     assert torch.equal(scores.query_ids, store_ids(llama.queries))

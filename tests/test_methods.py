@@ -24,7 +24,7 @@ from tda_plugins import CaptureEngine, ProjectionConfig
 from tda_plugins.capture import content_hash
 from tda_plugins.grads.factors import DenseGrad, TokenFactors
 from tda_plugins.methods import Checkpoint, Scores, method_by_name
-from tda_plugins.methods.base import default_chunk
+from tda_plugins.methods.base import SCORE_GROUP_BYTES, default_chunk, layer_groups
 from tda_plugins.precondition.adam import save_adam_state
 from tda_plugins.store import StoreError, StoreReader
 from tests.models import VOCAB, lm_batch, tiny_causal_lm
@@ -150,12 +150,21 @@ def captured(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     return capture(model, tmp_path_factory.mktemp(request.param))
 
 
+@pytest.mark.parametrize("layers", ["together", "one-by-one"])
 @pytest.mark.parametrize("chunk", [None, 256], ids=["default-chunk", "chunk-256"])
-def test_graddot_equals_oracle_dot_matrix(captured: Captured, chunk: int | None) -> None:
+def test_graddot_equals_oracle_dot_matrix(
+    captured: Captured, chunk: int | None, layers: str
+) -> None:
     """GradDot through ``method_by_name`` is the exact dot of full per-example gradients,
     whether each stored micro-batch is read alone (the default for few queries) or the
-    store's micro-batches are concatenated into one chunk."""
-    scores = method_by_name("graddot").score(captured.store, captured.queries, chunk)
+    store's micro-batches are concatenated into one chunk, and whether the layers are
+    scored together or (a memory budget of one byte) one layer per pass over the store."""
+    budget = SCORE_GROUP_BYTES if layers == "together" else 1
+    with mock.patch("tda_plugins.methods.base.SCORE_GROUP_BYTES", budget):
+        groups = layer_groups(captured.store, captured.queries, chunk or 8)
+        scores = method_by_name("graddot").score(captured.store, captured.queries, chunk)
+    names = captured.store.layer_names
+    assert groups == ([names] if layers == "together" else [[n] for n in names])
     got = scores_by_id(scores, captured.train_ids, captured.query_ids)
     assert got.shape == (6, 2)
     assert rel_error(got, captured.train_grads @ captured.query_grads.T) <= REL_TOL
@@ -175,11 +184,14 @@ def test_a_chunk_of_one_stored_micro_batch_is_not_copied(captured: Captured) -> 
     assert [c.size for c in chunks] == [3, 3]
 
 
-def test_gradcos_equals_oracle_cosine(captured: Captured) -> None:
+@pytest.mark.parametrize("budget", [None, 1], ids=["layers-together", "layer-by-layer"])
+def test_gradcos_equals_oracle_cosine(captured: Captured, budget: int | None) -> None:
     """GradCos is the cosine of the oracle gradients over all captured layers together,
-    also when the store is scored in chunks smaller than a micro-batch."""
+    also when the store is scored in chunks smaller than a micro-batch, and when each
+    layer is its own pass over the store (the norms are then summed over the passes)."""
     expected = unit_rows(captured.train_grads) @ unit_rows(captured.query_grads).T
-    scores = method_by_name("gradcos").score(captured.store, captured.queries, chunk_examples=2)
+    with mock.patch("tda_plugins.methods.base.SCORE_GROUP_BYTES", budget or SCORE_GROUP_BYTES):
+        scores = method_by_name("gradcos").score(captured.store, captured.queries, chunk_examples=2)
     got = scores_by_id(scores, captured.train_ids, captured.query_ids)
     assert rel_error(got, expected) <= REL_TOL
     assert got.abs().max() <= 1 + 1e-6

@@ -268,6 +268,26 @@ def test_layers_fed_by_one_input_store_it_once(tmp_path: Path) -> None:
         assert torch.equal(read[layer].materialize()[:3], first[layer].grads.materialize())
 
 
+def test_layer_sizes_from_the_header_add_up_to_the_shard_tensors(tmp_path: Path) -> None:
+    """``layer_nbytes`` (from a shard's header, without reading its tensors) gives each
+    layer's bytes per example; over the shard's examples they add up to its tensors, a
+    shared input counted with its first layer only."""
+    model = tiny_causal_lm("llama")
+    capture(model, micro_batches(1, (10, 7)), tmp_path, keep_tokens=True)
+    reader = StoreReader(tmp_path)
+    sizes = reader.layer_nbytes()
+    with safe_open(rank_dir(tmp_path, 0) / shard_name(0, 0), "pt") as f:
+        keys = set(f.keys()) - {"example_ids"}
+        stored = {k: f.get_tensor(k).nbytes for k in keys}
+        examples = f.get_tensor("example_ids").numel()
+    assert sorted(sizes) == sorted(reader.layer_names)
+    assert sum(sizes.values()) * examples == sum(stored.values())
+    q_proj = "model.layers.0.self_attn.q_proj"
+    k_proj = "model.layers.0.self_attn.k_proj"
+    assert sizes[q_proj] * examples == stored[f"{q_proj}::a"] + stored[f"{q_proj}::g"]
+    assert sizes[k_proj] * examples == stored[f"{k_proj}::g"]
+
+
 class TokenAndChannelMixer(nn.Module):
     """MLP-Mixer style: one linear mixes a ``(B, T, N)`` input over channels, another over
     tokens (applied to its transpose). With ``T == N`` the transposed view has the input's

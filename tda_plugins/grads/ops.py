@@ -55,11 +55,21 @@ def layer_sum(parts: list[Tensor]) -> Tensor:
     return torch.stack([p.to(dtype) for p in parts]).sum(dim=0)
 
 
-def example_norms(layers: Mapping[str, PerExampleGrad]) -> Tensor:
-    """``(B,)`` gradient norms over all layers together (zero norms become 1, so that a
-    cosine against a zero gradient is 0, not NaN)."""
-    norms = layer_sum([sq_norms(g) for g in layers.values()]).sqrt()
+def example_sq_norms(layers: Mapping[str, PerExampleGrad]) -> Tensor:
+    """``(B,)`` squared gradient norms over all layers together."""
+    return layer_sum([sq_norms(g) for g in layers.values()])
+
+
+def safe_norms(sq: Tensor) -> Tensor:
+    """Norms from squared norms, zero norms as 1 (so that a cosine against a zero
+    gradient is 0, not NaN)."""
+    norms = sq.sqrt()
     return torch.where(norms > 0, norms, torch.ones_like(norms))
+
+
+def example_norms(layers: Mapping[str, PerExampleGrad]) -> Tensor:
+    """``(B,)`` gradient norms over all layers together (:func:`safe_norms`)."""
+    return safe_norms(example_sq_norms(layers))
 
 
 class QueryGradients:
@@ -84,7 +94,7 @@ class QueryGradients:
 
     def __init__(self, layers: Mapping[str, PerExampleGrad], cache_bytes: int | None = None):
         self._layers = dict(layers)
-        self._norms: Tensor | None = None
+        self._sq_norms: Tensor | None = None
         self._cache_left = cache_bytes
 
     def scores(self, train: Mapping[str, PerExampleGrad]) -> Tensor:
@@ -97,11 +107,15 @@ class QueryGradients:
             )
         return layer_sum([self._gram(name, grads) for name, grads in train.items()])
 
+    def sq_norms(self) -> Tensor:
+        """``(B2,)`` squared query norms over all layers, computed once."""
+        if self._sq_norms is None:
+            self._sq_norms = example_sq_norms(self._layers)
+        return self._sq_norms
+
     def norms(self) -> Tensor:
-        """``(B2,)`` query norms over all layers (as :func:`example_norms`), computed once."""
-        if self._norms is None:
-            self._norms = example_norms(self._layers)
-        return self._norms
+        """``(B2,)`` query norms over all layers (as :func:`example_norms`)."""
+        return safe_norms(self.sq_norms())
 
     def _gram(self, name: str, train: PerExampleGrad) -> Tensor:
         query = self._layers[name]

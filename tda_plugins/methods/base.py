@@ -12,6 +12,7 @@ example's gradient of its own summed token loss; higher = more helpful to the qu
 from __future__ import annotations
 
 from abc import ABC
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -19,7 +20,14 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from tda_plugins.grads.factors import PerExampleGrad, values_dtype
-from tda_plugins.grads.ops import QueryGradients, example_norms, layer_sum, per_token_scores
+from tda_plugins.grads.ops import (
+    QueryGradients,
+    example_norms,
+    example_sq_norms,
+    layer_sum,
+    per_token_scores,
+    safe_norms,
+)
 from tda_plugins.methods.scores import Scores
 from tda_plugins.precondition.base import Identity, Preconditioner
 from tda_plugins.registry import Registry
@@ -70,35 +78,27 @@ class AttributionMethod(ABC):
         ``chunk_examples``: training examples read and scored at once (whole
         micro-batches); ``None`` (default): :func:`default_chunk` of the query count."""
         self.prepare(store, queries, progress)
-        query = _load_queries(queries)
-        groups = self._query_groups(query)
-        chunk = chunk_examples or default_chunk(query.size)
-        total = store.num_examples * len(groups)
-        with tqdm(total=total, desc=f"{self.name} scores", disable=not progress) as bar:
-            parts = [self._score_group(store, query, rows, chunk, bar) for rows in groups]
-        ids = parts[0][0]
-        values = torch.cat([block for _, block in parts], dim=1)
-        return Scores(ids, query.example_ids, values, self.name)
-
-    def _score_group(
-        self, store: StoreReader, query: StoreChunk, rows: slice, chunk: int, bar: tqdm
-    ) -> tuple[Tensor, Tensor]:
-        """``(N,)`` training ids and their ``(N, m)`` scores against the queries ``rows``,
-        over one pass through the store in chunks of ``chunk`` examples."""
-        prepared = QueryGradients(
-            {n: self.query_side(n, g.select(rows)) for n, g in query.layers.items()},
-            QUERY_CACHE_BYTES,
-        )
-        ids, blocks = [], []
-        for part in store.iter_chunks(chunk):
-            t_layers = {n: self.train_side(n, g) for n, g in part.layers.items()}
-            block = prepared.scores(t_layers)
-            if self.normalize:
-                block = block / torch.outer(example_norms(t_layers), prepared.norms())
-            ids.append(part.example_ids)
-            blocks.append(block.float())
-            bar.update(part.size)
-        return torch.cat(ids), torch.cat(blocks)
+        _require_queries(queries)
+        chunk = chunk_examples or default_chunk(queries.num_examples)
+        groups = layer_groups(store, queries, chunk)
+        bar = tqdm(total=store.num_examples, desc=f"{self.name} scores", disable=not progress)
+        total: dict[tuple[int, int], _Pass] = {}
+        with bar:
+            for names in groups:
+                query = queries.load_all(names)
+                query_groups = self._query_groups(query)
+                bar.total = store.num_examples * len(groups) * len(query_groups)
+                for rows in query_groups:
+                    key = (rows.start, rows.stop)
+                    done = self._score_pass(store, query, rows, chunk, bar)
+                    total[key] = done if key not in total else total[key] + done
+        ordered = [total[key] for key in sorted(total)]
+        values = torch.cat([p.dots for p in ordered], dim=1)
+        if self.normalize:
+            train_norms = safe_norms(ordered[0].squares())
+            query_norms = torch.cat([safe_norms(p.query_squares()) for p in ordered])
+            values = values / torch.outer(train_norms, query_norms).to(values.dtype)
+        return Scores(ordered[0].train_ids, query.example_ids, values.float(), self.name)
 
     def _query_groups(self, query: StoreChunk) -> list[slice]:
         """Query rows preconditioned and scored together: all of them, unless the
@@ -109,6 +109,32 @@ class AttributionMethod(ABC):
         per_query = sum(g.dim * values_dtype(g).itemsize for g in query.layers.values())
         step = max(1, QUERY_CACHE_BYTES // max(per_query, 1))
         return [slice(i, min(i + step, query.size)) for i in range(0, query.size, step)]
+
+    def _score_pass(
+        self, store: StoreReader, query: StoreChunk, rows: slice, chunk: int, bar: tqdm
+    ) -> _Pass:
+        """Dots of every training example with the queries ``rows`` over the layers of
+        ``query`` (and their squared norms for cosine), in one pass through the store in
+        chunks of ``chunk`` examples."""
+        layers = list(query.layers)
+        prepared = QueryGradients(
+            {n: self.query_side(n, g.select(rows)) for n, g in query.layers.items()},
+            QUERY_CACHE_BYTES,
+        )
+        ids, blocks, squares = [], [], []
+        for part in store.iter_chunks(chunk, layers=layers):
+            t_layers = {n: self.train_side(n, g) for n, g in part.layers.items()}
+            ids.append(part.example_ids)
+            blocks.append(prepared.scores(t_layers))
+            if self.normalize:
+                squares.append(example_sq_norms(t_layers))
+            bar.update(part.size)
+        return _Pass(
+            torch.cat(ids),
+            torch.cat(blocks),
+            torch.cat(squares) if self.normalize else None,
+            prepared.sq_norms() if self.normalize else None,
+        )
 
     def token_scores(
         self, store: StoreReader, queries: StoreReader, train_ids: list[int]
@@ -141,11 +167,72 @@ class AttributionMethod(ABC):
         return out
 
 
+@dataclass
+class _Pass:
+    """One pass through the store: ``(N,)`` training ids, their ``(N, m)`` dots with
+    ``m`` queries over some layers, and for cosine the ``(N,)`` and ``(m,)`` squared
+    norms over the same layers; passes over other layers add up."""
+
+    train_ids: Tensor
+    dots: Tensor
+    train_sq: Tensor | None
+    query_sq: Tensor | None
+
+    def __add__(self, other: _Pass) -> _Pass:
+        if not torch.equal(self.train_ids, other.train_ids):
+            raise StoreError("the store's examples changed order between two reads of it")
+        return _Pass(
+            self.train_ids,
+            layer_sum([self.dots, other.dots]),
+            _added(self.train_sq, other.train_sq),
+            _added(self.query_sq, other.query_sq),
+        )
+
+    def squares(self) -> Tensor:
+        if self.train_sq is None:
+            raise RuntimeError("squared norms are kept only for a normalized method")
+        return self.train_sq
+
+    def query_squares(self) -> Tensor:
+        if self.query_sq is None:
+            raise RuntimeError("squared norms are kept only for a normalized method")
+        return self.query_sq
+
+
+def _added(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    return None if a is None or b is None else layer_sum([a, b])
+
+
+#: Most bytes of stored gradients, the queries' and one training chunk's, that
+#: :meth:`AttributionMethod.score` holds at once: the layers are scored in groups that
+#: fit (each group one more pass over the store, reading only its layers).
+SCORE_GROUP_BYTES = 1 << 29
+
+
+def layer_groups(store: StoreReader, queries: StoreReader, chunk: int) -> list[list[str]]:
+    """Consecutive layers whose stored gradients, every query's and a training chunk's of
+    ``chunk`` examples, fit :data:`SCORE_GROUP_BYTES` together (at least one layer a
+    group); sizes from the shards' headers."""
+    train, query = store.layer_nbytes(), queries.layer_nbytes()
+    rows = min(chunk, max(store.num_examples, 1))
+    groups: list[list[str]] = []
+    used = 0
+    for name in store.layer_names:
+        size = rows * train[name] + queries.num_examples * query[name]
+        if groups and used + size <= SCORE_GROUP_BYTES:
+            groups[-1].append(name)
+            used += size
+        else:
+            groups.append([name])
+            used = size
+    return groups
+
+
 #: Most bytes of materialized query gradients :meth:`AttributionMethod.score` keeps for
 #: all its training chunks; beyond them a layer's queries are rebuilt block by block for
 #: each chunk (no extra memory; the chunk is at least as large as the query count, so
 #: this at most doubles that layer's materialization work).
-QUERY_CACHE_BYTES = 1 << 30
+QUERY_CACHE_BYTES = 1 << 29
 
 
 def default_chunk(queries: int) -> int:
@@ -156,7 +243,11 @@ def default_chunk(queries: int) -> int:
     return min(256, max(8, queries))
 
 
-def _load_queries(queries: StoreReader) -> StoreChunk:
+def _require_queries(queries: StoreReader) -> None:
     if queries.num_examples == 0:
         raise StoreError(f"the query store {queries.root} holds no example; capture queries first")
+
+
+def _load_queries(queries: StoreReader) -> StoreChunk:
+    _require_queries(queries)
     return queries.load_all()

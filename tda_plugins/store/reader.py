@@ -159,6 +159,35 @@ class StoreReader:
             {name: stack_examples(parts) for name, parts in per_layer.items()},
         )
 
-    def load_all(self) -> StoreChunk:
-        """Every stored example in one chunk (for query sets, which are small)."""
-        return next(self.iter_chunks(max_examples=max(self.num_examples, 1)))
+    def load_all(self, layers: list[str] | None = None) -> StoreChunk:
+        """Every stored example in one chunk (for query sets), of ``layers`` (default
+        all)."""
+        return next(self.iter_chunks(max_examples=max(self.num_examples, 1), layers=layers))
+
+    def layer_nbytes(self) -> dict[str, int]:
+        """Layer name -> stored bytes per example (each tensor of the first shard counted
+        once, a shared input with its first layer), read from the shard's header only."""
+        if not self._shards:
+            raise StoreError(f"the store {self.root} holds no committed step")
+        shard = self._shards[0]
+        with safe_open(shard.path, framework="pt") as f:
+            meta: dict[str, Any] = json.loads(f.metadata()["layers"])
+            aliases: dict[str, str] = json.loads(f.metadata()["aliases"])
+            out = {}
+            for name in self.layer_names:
+                fields = meta.get(name, {"fields": []})["fields"]  # a missing layer: _load says
+                keys = [f"{name}::{field}" for field in fields]
+                stored = [f.get_slice(k) for k in keys if k not in aliases]
+                out[name] = sum(_nbytes(t.get_shape(), t.get_dtype()) for t in stored)
+        return {name: -(-n // shard.size) for name, n in out.items()}
+
+
+#: Bytes per element of each safetensors dtype name.
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4}
+
+
+def _nbytes(shape: list[int], dtype: str) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count * _DTYPE_BYTES[dtype]
