@@ -283,6 +283,32 @@ def test_dot_costs_route_to_the_smaller_target_form() -> None:
     assert choose_route(train.dot_costs(DenseGrad(_randn(1, 64)))) is Route.MATERIALIZED
 
 
+def _score_counting_materializations(
+    prepared: QueryGradients,
+    queries: dict[str, TokenFactors],
+    trains: list[dict[str, TokenFactors]],
+) -> dict[str, int]:
+    """Score every training batch against ``prepared``, check each batch's scores against
+    the explicit gradients' dots summed over the layers, and return how many times each
+    query layer was materialized whole."""
+    calls: dict[str, int] = {n: 0 for n in queries}
+    original = TokenFactors.materialize
+
+    def counted(self: TokenFactors) -> torch.Tensor:
+        for name, q in queries.items():
+            calls[name] += self is q
+        return original(self)
+
+    with mock.patch.object(TokenFactors, "materialize", counted):
+        scored = [prepared.scores(train) for train in trains]
+    for train, scores in zip(trains, scored, strict=True):
+        reference = sum(
+            _explicit_materialize(train[n]) @ _explicit_materialize(q).T for n, q in queries.items()
+        )
+        torch.testing.assert_close(scores, reference)
+    return calls
+
+
 def test_query_gradients_materialize_each_layer_once_and_score_as_cross_gram() -> None:
     """Scoring many training batches against fixed queries materializes a layer's queries
     only where the cost model routes through materialized gradients, and then once; every
@@ -301,22 +327,7 @@ def test_query_gradients_materialize_each_layer_once_and_score_as_cross_gram() -
     routes = {n: choose_route(trains[0][n].gram_costs(q)) for n, q in queries.items()}
     assert routes == {"long": Route.MATERIALIZED, "short": Route.FACTORIZED}
     prepared = QueryGradients(queries)
-    calls: dict[str, int] = {n: 0 for n in queries}
-    original = TokenFactors.materialize
-
-    def counted(self: TokenFactors) -> torch.Tensor:
-        for name, q in queries.items():
-            calls[name] += self is q
-        return original(self)
-
-    with mock.patch.object(TokenFactors, "materialize", counted):
-        scored = [prepared.scores(train) for train in trains]
-    assert calls == {"long": 1, "short": 0}
-    for train, scores in zip(trains, scored, strict=True):
-        reference = sum(
-            _explicit_materialize(train[n]) @ _explicit_materialize(q).T for n, q in queries.items()
-        )
-        torch.testing.assert_close(scores, reference)
+    assert _score_counting_materializations(prepared, queries, trains) == {"long": 1, "short": 0}
     explicit = torch.cat([_explicit_materialize(q) for q in queries.values()], dim=1)
     torch.testing.assert_close(prepared.norms(), explicit.norm(dim=1))
 
@@ -332,22 +343,8 @@ def test_query_gradients_beyond_their_cache_budget_are_built_per_batch() -> None
     }
     one_layer = 2 * queries["first"].dim * 8  # fp64
     prepared = QueryGradients(queries, cache_bytes=one_layer)
-    calls: dict[str, int] = {n: 0 for n in queries}
-    original = TokenFactors.materialize
-
-    def counted(self: TokenFactors) -> torch.Tensor:
-        for name, q in queries.items():
-            calls[name] += self is q
-        return original(self)
-
-    with mock.patch.object(TokenFactors, "materialize", counted):
-        scored = [prepared.scores(train) for train in trains]
+    calls = _score_counting_materializations(prepared, queries, trains)
     assert calls == {"first": 1, "second": 0}
-    for train, scores in zip(trains, scored, strict=True):
-        reference = sum(
-            _explicit_materialize(train[n]) @ _explicit_materialize(q).T for n, q in queries.items()
-        )
-        torch.testing.assert_close(scores, reference)
 
 
 def test_query_gradients_refuse_other_layers() -> None:
