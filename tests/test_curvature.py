@@ -517,7 +517,7 @@ def test_ekfac_on_fp32_gradients_matches_the_fp64_rotation(tmp_path: Path) -> No
 # -- methods end to end on Llama -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("cache", ["default", "none"])
+@pytest.mark.parametrize("cache", ["default", "none", "uneven"])
 @pytest.mark.parametrize("method", ["kfac", "ekfac"])
 def test_method_scores_equal_dense_reference_on_llama(
     llama: Llama, method: str, cache: str
@@ -527,9 +527,14 @@ def test_method_scores_equal_dense_reference_on_llama(
     also with no memory to spare: one layer per pass over the store, no cache of
     materialized queries (K-FAC's preconditioned per-token query factors are then built
     block by block for each training chunk), and EK-FAC's dense queries preconditioned
-    and scored one query at a time."""
+    and scored one query at a time, or in groups that differ from layer to layer."""
     store, queries = llama.store("train"), llama.store("query")
-    budget = QUERY_CACHE_BYTES if cache == "default" else 0
+    budget = {
+        "default": QUERY_CACHE_BYTES,
+        "none": 0,
+        # one query of the widest layer: EK-FAC takes 1 query at a time there, 2 elsewhere
+        "uneven": max(g.dim for g in queries.load_all().layers.values()) * 8,
+    }[cache]
     group = SCORE_GROUP_BYTES if cache == "default" else 1
     with (
         mock.patch("tda_plugins.methods.base.QUERY_CACHE_BYTES", budget),

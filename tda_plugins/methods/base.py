@@ -82,23 +82,15 @@ class AttributionMethod(ABC):
         chunk = chunk_examples or default_chunk(queries.num_examples)
         groups = layer_groups(store, queries, chunk)
         bar = tqdm(total=store.num_examples, desc=f"{self.name} scores", disable=not progress)
-        total: dict[tuple[int, int], _Pass] = {}
+        totals = _Totals(queries.num_examples, self.normalize)
         with bar:
             for names in groups:
                 query = queries.load_all(names)
                 query_groups = self._query_groups(query)
                 bar.total = store.num_examples * len(groups) * len(query_groups)
                 for rows in query_groups:
-                    key = (rows.start, rows.stop)
-                    done = self._score_pass(store, query, rows, chunk, bar)
-                    total[key] = done if key not in total else total[key] + done
-        ordered = [total[key] for key in sorted(total)]
-        values = torch.cat([p.dots for p in ordered], dim=1)
-        if self.normalize:
-            train_norms = safe_norms(ordered[0].squares())
-            query_norms = torch.cat([safe_norms(p.query_squares()) for p in ordered])
-            values = values / torch.outer(train_norms, query_norms).to(values.dtype)
-        return Scores(ordered[0].train_ids, query.example_ids, values.float(), self.name)
+                    totals.add(rows, self._score_pass(store, query, rows, chunk, bar))
+        return Scores(totals.train_ids(), query.example_ids, totals.values(), self.name)
 
     def _query_groups(self, query: StoreChunk) -> list[slice]:
         """Query rows preconditioned and scored together: all of them, unless the
@@ -171,36 +163,50 @@ class AttributionMethod(ABC):
 class _Pass:
     """One pass through the store: ``(N,)`` training ids, their ``(N, m)`` dots with
     ``m`` queries over some layers, and for cosine the ``(N,)`` and ``(m,)`` squared
-    norms over the same layers; passes over other layers add up."""
+    norms over the same layers."""
 
     train_ids: Tensor
     dots: Tensor
     train_sq: Tensor | None
     query_sq: Tensor | None
 
-    def __add__(self, other: _Pass) -> _Pass:
-        if not torch.equal(self.train_ids, other.train_ids):
+
+class _Totals:
+    """Sums of the passes: each adds its layers' dots into its query columns (and, for
+    cosine, its layers' squared norms: the training side's once per layer group, from
+    the pass over its first query columns)."""
+
+    def __init__(self, queries: int, normalize: bool):
+        self.queries = queries
+        self.normalize = normalize
+        self._ids: Tensor | None = None
+        self._dots = self._train_sq = self._query_sq = torch.empty(0)
+
+    def add(self, rows: slice, part: _Pass) -> None:
+        if self._ids is None:
+            self._ids = part.train_ids
+            self._dots = part.dots.new_zeros(part.dots.shape[0], self.queries)
+            self._train_sq = part.dots.new_zeros(part.dots.shape[0])
+            self._query_sq = part.dots.new_zeros(self.queries)
+        elif not torch.equal(self._ids, part.train_ids):
             raise StoreError("the store's examples changed order between two reads of it")
-        return _Pass(
-            self.train_ids,
-            layer_sum([self.dots, other.dots]),
-            _added(self.train_sq, other.train_sq),
-            _added(self.query_sq, other.query_sq),
-        )
+        self._dots[:, rows] += part.dots
+        if part.train_sq is not None and part.query_sq is not None:
+            if rows.start == 0:
+                self._train_sq += part.train_sq
+            self._query_sq[rows] += part.query_sq
 
-    def squares(self) -> Tensor:
-        if self.train_sq is None:
-            raise RuntimeError("squared norms are kept only for a normalized method")
-        return self.train_sq
+    def train_ids(self) -> Tensor:
+        if self._ids is None:
+            raise StoreError("no pass through the store was made")
+        return self._ids
 
-    def query_squares(self) -> Tensor:
-        if self.query_sq is None:
-            raise RuntimeError("squared norms are kept only for a normalized method")
-        return self.query_sq
-
-
-def _added(a: Tensor | None, b: Tensor | None) -> Tensor | None:
-    return None if a is None or b is None else layer_sum([a, b])
+    def values(self) -> Tensor:
+        """``(N, M)`` fp32 scores (cosines when normalizing)."""
+        dots = self._dots
+        if self.normalize:
+            dots = dots / torch.outer(safe_norms(self._train_sq), safe_norms(self._query_sq))
+        return dots.float()
 
 
 #: Most bytes of stored gradients, the queries' and one training chunk's, that
