@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -547,6 +548,27 @@ def test_method_scores_equal_dense_reference_on_llama(
         method, llama.oracle("train"), llama.oracle("query"), load_curvature(store.root)
     )
     assert len(store.layer_names) == 15  # 7 linears in each of 2 blocks, and lm_head
+    assert rel_err(scores.values, expected) < SCORE_TOL
+
+
+def test_ekfac_scored_in_its_eigenbasis_equals_the_dense_reference(llama: Llama) -> None:
+    """With many queries and few training examples EK-FAC keeps the preconditioned
+    queries in its eigenbasis and rotates each training chunk instead of rotating every
+    query back; forced for every layer here, the scores still equal the dense reference."""
+    store, queries = llama.store("train"), llama.store("query")
+    method = method_by_name("ekfac")
+    fit = EKFAC.fit
+
+    def fit_then_prefer_the_eigenbasis(self: EKFAC, *args: Any, **kwargs: Any) -> None:
+        fit(self, *args, **kwargs)
+        self._train_rotation = dict.fromkeys(self._train_rotation, 0.0)
+
+    with mock.patch.object(EKFAC, "fit", fit_then_prefer_the_eigenbasis):
+        scores = method.score(store, queries, chunk_examples=1)
+    assert method.preconditioner._in_eigenbasis == set(store.layer_names)
+    expected = dense_scores(
+        "ekfac", llama.oracle("train"), llama.oracle("query"), load_curvature(store.root)
+    )
     assert rel_err(scores.values, expected) < SCORE_TOL
 
 

@@ -60,8 +60,9 @@ class AttributionMethod(ABC):
         self.preconditioner.fit(store, progress)
 
     def train_side(self, layer: str, grads: PerExampleGrad) -> PerExampleGrad:
-        """Transform of the training gradients (identity except for LESS)."""
-        return grads
+        """Transform of the training gradients: LESS's Adam step, or the preconditioner's
+        basis (EK-FAC may score in its eigenbasis); called after the queries' side."""
+        return self.preconditioner.train_side(layer, grads)
 
     def query_side(self, layer: str, grads: PerExampleGrad) -> PerExampleGrad:
         return self.preconditioner(layer, grads)

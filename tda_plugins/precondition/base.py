@@ -49,6 +49,12 @@ class Preconditioner(ABC):
     def __call__(self, layer: str, query: PerExampleGrad) -> PerExampleGrad:
         """Preconditioned ``(B2, D)`` queries of one layer."""
 
+    def train_side(self, layer: str, grads: PerExampleGrad) -> PerExampleGrad:
+        """The training gradients in the basis the last preconditioned queries of
+        ``layer`` are in (an orthogonal change of basis keeps every dot product; default:
+        the gradients as they are)."""
+        return grads
+
 
 @register_preconditioner("identity")
 class Identity(Preconditioner):

@@ -12,6 +12,9 @@ EK-FAC, with eigenbases ``U_A``, ``U_S`` and corrected eigenvalues
 
     G_q -> U_S [(U_S^T G_q U_A) / (Lambda + l)] U_A^T,      l = damping * mean(Lambda)
 
+(or, where that is cheaper, the queries stay in the eigenbasis and the training gradients
+are rotated into it, ``U_S^T dW U_A``: the same dot products).
+
 Factorizations (Cholesky, eigendecompositions) are computed in fp64, and so are the
 squares and sums of the correction and the division by ``Lambda + l``. The rotations
 themselves (:func:`~tda_plugins.grads.ops.rotated`: of the per-token factors where that is
@@ -155,22 +158,41 @@ class EKFAC(Preconditioner):
     def fit(self, store: StoreReader, progress: bool = False) -> None:
         self.eigen = _eigen(store)
         totals = {n: torch.zeros(e.shape, dtype=torch.float64) for n, e in self.eigen.items()}
+        self._train_rotation = dict.fromkeys(self.eigen, 0.0)
+        self._in_eigenbasis: set[str] = set()
         count = 0
         chunks = store.iter_chunks(_FIT_CHUNK)
         for chunk in tqdm(chunks, desc="EK-FAC eigenvalue correction", disable=not progress):
             for name, e in self.eigen.items():
-                _check_shape(chunk.layers[name], e.shape, name)
-                rotation = rotated(chunk.layers[name], e.u_s, e.u_a)
+                grads = chunk.layers[name]
+                _check_shape(grads, e.shape, name)
+                self._train_rotation[name] += min(grads.rotation_costs(*e.shape).values())
+                rotation = rotated(grads, e.u_s, e.u_a)
                 for block in rotation.split(_SQUARE_BLOCK):  # bounds the fp64 copy
                     totals[name] += block.double().square_().sum(dim=0).view(e.shape)
             count += chunk.size
         self.eigenvalues = {n: t / count for n, t in totals.items()}
 
     def __call__(self, layer: str, query: PerExampleGrad) -> PerExampleGrad:
+        # (Lambda + l)^-1 applies in the eigenbasis. Rotating it back, U_S X U_A^T, costs
+        # B2 N_o N_i (N_o + N_i); where rotating the stored training gradients into the
+        # eigenbasis instead costs less (many queries, few training examples), the
+        # queries stay there and train_side rotates each training chunk.
         e, lam = self.eigen[layer], self.eigenvalues[layer]
         _check_shape(query, e.shape, layer)
         rotation = rotated(query, e.u_s, e.u_a)
         damping = self.damping * lam.mean().clamp_min(torch.finfo(lam.dtype).tiny)
         scaled = (rotation.double().view(-1, *e.shape) / (lam + damping)).to(rotation.dtype)
+        n_o, n_i = e.shape
+        if self._train_rotation[layer] < query.batch_size * n_o * n_i * (n_o + n_i):
+            self._in_eigenbasis.add(layer)
+            return DenseGrad(scaled.flatten(1))
+        self._in_eigenbasis.discard(layer)
         u_s, u_a = e.u_s.to(rotation.dtype), e.u_a.to(rotation.dtype)
         return DenseGrad((u_s @ scaled @ u_a.T).flatten(1))
+
+    def train_side(self, layer: str, grads: PerExampleGrad) -> PerExampleGrad:
+        if layer not in self._in_eigenbasis:
+            return grads
+        e = self.eigen[layer]
+        return rotated_grads(grads, e.u_s, e.u_a)
