@@ -601,6 +601,17 @@ def parse_args(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
     return settings, a
 
 
+def fresh_dump_path(folder: Path, date: str) -> Path:
+    """``peers-<date>.json`` in ``folder``, with ``-2``, ``-3``... where runs that ended
+    in the same minute already wrote one (never overwrite a run's results)."""
+    stem = "peers-" + date.replace(" ", "_").replace(":", "")
+    path, n = folder / f"{stem}.json", 1
+    while path.exists():
+        n += 1
+        path = folder / f"{stem}-{n}.json"
+    return path
+
+
 def main(argv: Sequence[str]) -> None:
     """Run the comparison, write JSON, the RESULTS.md section and the chart."""
     settings, args = parse_args(argv)
@@ -620,8 +631,7 @@ def main(argv: Sequence[str]) -> None:
         runs = merged([Run.from_json(json.loads(path.read_text())) for path in args.report])
     else:
         runs = [collect(settings, argv)]
-        stamp = utc_now().replace(" ", "_").replace(":", "")
-        dump = settings.out / f"peers-{stamp}.json"
+        dump = fresh_dump_path(settings.out, utc_now())
         dump.write_text(json.dumps(runs[0].to_json(), indent=1))
         print(f"wrote {dump}")
     if settings.chart is not None and settings.write:

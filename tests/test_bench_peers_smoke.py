@@ -74,3 +74,13 @@ def test_an_empty_chart_path_means_no_chart(tmp_path: Path) -> None:
     off, _ = bench_peers.parse_args(["--quick", "--out", str(tmp_path), "--chart", ""])
     named, _ = bench_peers.parse_args(["--quick", "--out", str(tmp_path), "--chart", "r.png"])
     assert off.chart is None and named.chart == Path("r.png")
+
+
+def test_runs_ending_in_the_same_minute_keep_both_dumps(tmp_path: Path) -> None:
+    """Two runs that end in the same minute write two JSON files, not one over the other."""
+    date = "2026-12-01 17:52 UTC"
+    first = bench_peers.fresh_dump_path(tmp_path, date)
+    first.write_text("{}")
+    second = bench_peers.fresh_dump_path(tmp_path, date)
+    assert first.name == "peers-2026-12-01_1752_UTC.json"
+    assert second.name == "peers-2026-12-01_1752_UTC-2.json"
