@@ -107,6 +107,15 @@ def test_blocked_materialized_gram_spans_every_output_row(bias: bool, query_kind
     torch.testing.assert_close(scores, reference)
 
 
+def test_factor_row_blocks_refuse_another_row_width() -> None:
+    """Blocks of output rows only line up between two sides of one layer shape: factors
+    asked for rows of another width say so instead of slicing the wrong entries."""
+    factors = TokenFactors(_randn(2, 3, 6), _randn(2, 3, 4), bias=True)
+    assert factors.row_blocks(7, torch.float64)(slice(0, 4)).shape == (2, 4 * 7)
+    with pytest.raises(ValueError, match="same layer shape"):
+        factors.row_blocks(6, torch.float64)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_norm_route_equals_materialized_norm(kind: str) -> None:
     train, _ = _pair(kind)

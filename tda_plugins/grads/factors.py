@@ -80,6 +80,11 @@ def summed(parts: Iterable[Tensor]) -> Tensor:
     return out
 
 
+def spans(total: int, step: int) -> list[slice]:
+    """``[0, total)`` cut into consecutive slices of ``step`` (the last one shorter)."""
+    return [slice(i, min(i + step, total)) for i in range(0, total, step)]
+
+
 #: Bytes of one block of materialized gradients in a blocked product on a CPU (about a
 #: core's share of the last-level cache); other devices take one block.
 _CPU_BLOCK_BYTES = 1 << 21
@@ -106,13 +111,13 @@ def _output_blocks(out_dim: int, row_bytes: int, like: Tensor) -> list[slice]:
     if like.device.type != "cpu":
         return [slice(0, out_dim)]
     step = max(_MIN_BLOCK_ROWS, _CPU_BLOCK_BYTES // max(row_bytes, 1))
-    return [slice(i, min(i + step, out_dim)) for i in range(0, out_dim, step)]
+    return spans(out_dim, step)
 
 
 def _row_chunks(rows: int, cols: int) -> list[slice]:
     """Split ``rows`` so that each ``chunk x cols`` block stays under the chunk budget."""
     step = max(1, _GRAM_CHUNK_ELEMENTS // max(cols, 1))
-    return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
+    return spans(rows, step)
 
 
 class PerExampleGrad(ABC):
@@ -416,6 +421,11 @@ class TokenFactors(PerTokenGrad):
         return out
 
     def row_blocks(self, width: int, dtype: torch.dtype) -> Callable[[slice], Tensor]:
+        if width != self.in_dim:
+            raise ValueError(
+                f"row blocks of width {width} asked of factors whose rows are {self.in_dim} "
+                "wide: both sides of a product must be captured with the same layer shape"
+            )
         a, g = self.augmented_a().to(dtype), self.g.to(dtype)
         return lambda rows: torch.bmm(g[:, :, rows].transpose(1, 2), a).view(self.batch_size, -1)
 

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from tda_plugins.grads.factors import PerExampleGrad, values_dtype
+from tda_plugins.grads.factors import PerExampleGrad, spans, values_dtype
 from tda_plugins.grads.ops import (
     QueryGradients,
     example_norms,
@@ -101,7 +101,7 @@ class AttributionMethod(ABC):
             return [slice(0, query.size)]
         per_query = sum(g.dim * values_dtype(g).itemsize for g in query.layers.values())
         step = max(1, QUERY_CACHE_BYTES // max(per_query, 1))
-        return [slice(i, min(i + step, query.size)) for i in range(0, query.size, step)]
+        return spans(query.size, step)
 
     def _score_pass(
         self, store: StoreReader, query: StoreChunk, rows: slice, chunk: int, bar: tqdm

@@ -31,7 +31,13 @@ from torch import Tensor
 from tda_plugins.capture.config import CaptureConfig
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.records import MicroBatchRecord
-from tda_plugins.grads.factors import TensorKey, TokenFactors, accumulation_dtype, tensor_key
+from tda_plugins.grads.factors import (
+    TensorKey,
+    TokenFactors,
+    accumulation_dtype,
+    spans,
+    tensor_key,
+)
 from tda_plugins.store.io import atomic_write_bytes
 from tda_plugins.store.layout import CURVATURE_FILE, StoreError, rank_dir
 
@@ -94,7 +100,7 @@ def add_gram(out: Tensor, x: Tensor) -> None:
     (any dtype: the product is taken in ``x``'s). Computes the blocks on and above the
     diagonal, ``~(1/2 + 1/(2 k))`` of the full product for ``k`` blocks, and mirrors."""
     n = x.shape[1]
-    blocks = [slice(lo, min(lo + _GRAM_BLOCK, n)) for lo in range(0, n, _GRAM_BLOCK)]
+    blocks = spans(n, _GRAM_BLOCK)
     for i, rows in enumerate(blocks):
         left = x[:, rows].T
         for cols in blocks[i:]:
