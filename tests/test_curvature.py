@@ -12,6 +12,7 @@ Row-major ``vec`` throughout: a layer's ``(N_o, N_i')`` gradient ``G`` flattens 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -652,3 +653,72 @@ def test_store_without_curvature_says_how_to_capture_it(tmp_path: Path, method: 
     store = capture_store(toy_model(), toy_batches(), tmp_path, curvature=False)
     with pytest.raises(StoreError, match="capture with curvature enabled"):
         method_by_name(method).score(store, store)
+
+
+def test_kfac_scoring_frees_the_loaded_queries_before_reading_the_store(llama: Llama) -> None:
+    """The last pass over a layer group drops each loaded query gradient once its
+    preconditioned side exists: no loaded query tensor is alive when the first training
+    chunk arrives (K-FAC's preconditioned per-token factors are new tensors, so holding
+    the loaded ones too would keep the query side twice)."""
+    store, queries = llama.store("train"), llama.store("query")
+    loaded: list[weakref.ref[Tensor]] = []
+    load_all = StoreReader.load_all
+
+    def load_and_watch(reader: StoreReader, layers: list[str] | None = None) -> Any:
+        chunk = load_all(reader, layers)
+        for grads in chunk.layers.values():
+            grads.map_tensors(lambda t: loaded.append(weakref.ref(t)) or t)
+        return chunk
+
+    alive_at_first_chunk: list[int] = []
+    method = method_by_name("kfac")
+    train_side = method.train_side
+
+    def watch_train_side(layer: str, grads: Any) -> Any:
+        if not alive_at_first_chunk:
+            alive_at_first_chunk.append(sum(ref() is not None for ref in loaded))
+        return train_side(layer, grads)
+
+    with (
+        mock.patch.object(StoreReader, "load_all", load_and_watch),
+        mock.patch.object(method, "train_side", watch_train_side),
+    ):
+        scores = method.score(store, queries, chunk_examples=1)
+    assert loaded and alive_at_first_chunk == [0]
+    expected = dense_scores(
+        "kfac", llama.oracle("train"), llama.oracle("query"), load_curvature(store.root)
+    )
+    assert rel_err(scores.values, expected) < SCORE_TOL
+
+
+@pytest.mark.parametrize(("name", "factorization"), [("kfac", "cholesky"), ("ekfac", "eigh")])
+def test_fit_frees_each_layers_statistics_once_factorized(
+    llama: Llama, name: str, factorization: str
+) -> None:
+    """The fit holds the store's Kronecker statistics one layer at a time: each layer's
+    are freed once it is factorized, so the last factorization finds only the last
+    layer's alive (not every layer's fp64 factors beside their factorizations)."""
+    store = llama.store("train")
+    layers: list[tuple[weakref.ref[Tensor], weakref.ref[Tensor]]] = []
+    read = load_curvature
+
+    def load_and_watch(root: Any) -> dict[str, KroneckerFactors]:
+        out = read(root)
+        layers.extend((weakref.ref(s.a_sum), weakref.ref(s.g_sum)) for s in out.values())
+        return out
+
+    alive: list[int] = []  # per factorization: layers whose statistics are alive
+    real = getattr(torch.linalg, factorization)
+
+    def factorize(x: Tensor) -> Any:
+        alive.append(sum(a() is not None or g() is not None for a, g in layers))
+        return real(x)
+
+    with (
+        mock.patch("tda_plugins.precondition.kfac.load_curvature", load_and_watch),
+        mock.patch.object(torch.linalg, factorization, side_effect=factorize),
+    ):
+        PRECONDITIONERS.create(name, damping=DAMPING).fit(store)
+    assert len(layers) == len(store.layer_names) > 1
+    assert alive[0] == len(layers) and alive[-1] == 1
+    assert alive == sorted(alive, reverse=True)

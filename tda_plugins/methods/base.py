@@ -84,14 +84,18 @@ class AttributionMethod(ABC):
         groups = layer_groups(store, queries, chunk)
         bar = tqdm(total=store.num_examples, desc=f"{self.name} scores", disable=not progress)
         totals = _Totals(queries.num_examples, self.normalize)
+        query_ids = torch.empty(0, dtype=torch.long)
         with bar:
             for names in groups:
                 query = queries.load_all(names)
+                query_ids = query.example_ids
                 query_groups = self._query_groups(query)
                 bar.total = store.num_examples * len(groups) * len(query_groups)
-                for rows in query_groups:
-                    totals.add(rows, self._score_pass(store, query, rows, chunk, bar))
-        return Scores(totals.train_ids(), query.example_ids, totals.values(), self.name)
+                for i, rows in enumerate(query_groups):
+                    last = i == len(query_groups) - 1
+                    totals.add(rows, self._score_pass(store, query, rows, chunk, bar, last))
+                del query
+        return Scores(totals.train_ids(), query_ids, totals.values(), self.name)
 
     def _query_groups(self, query: StoreChunk) -> list[slice]:
         """Query rows preconditioned and scored together: all of them, unless the
@@ -104,16 +108,29 @@ class AttributionMethod(ABC):
         return spans(query.size, step)
 
     def _score_pass(
-        self, store: StoreReader, query: StoreChunk, rows: slice, chunk: int, bar: tqdm
+        self,
+        store: StoreReader,
+        query: StoreChunk,
+        rows: slice,
+        chunk: int,
+        bar: tqdm,
+        release: bool = False,
     ) -> _Pass:
         """Dots of every training example with the queries ``rows`` over the layers of
         ``query`` (and their squared norms for cosine), in one pass through the store in
-        chunks of ``chunk`` examples."""
+        chunks of ``chunk`` examples.
+
+        ``release`` (the last pass over ``query``): each layer's loaded query gradients
+        leave ``query`` as soon as its prepared side exists, so that the two are not held
+        together for every layer (a preconditioned side is a second copy)."""
         layers = list(query.layers)
-        prepared = QueryGradients(
-            {n: self.query_side(n, g.select(rows)) for n, g in query.layers.items()},
-            QUERY_CACHE_BYTES,
-        )
+        sides = {}
+        for name in layers:
+            grads = query.layers.pop(name) if release else query.layers[name]
+            sides[name] = self.query_side(name, grads.select(rows))
+            del grads
+        prepared = QueryGradients(sides, QUERY_CACHE_BYTES)
+        del sides
         ids, blocks, squares = [], [], []
         for part in store.iter_chunks(chunk, layers=layers):
             t_layers = {n: self.train_side(n, g) for n, g in part.layers.items()}

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from tda_plugins.capture.config import CaptureConfig
@@ -38,7 +38,7 @@ from tda_plugins.grads.factors import (
     spans,
     tensor_key,
 )
-from tda_plugins.store.io import atomic_write_bytes
+from tda_plugins.store.io import atomic_write
 from tda_plugins.store.layout import CURVATURE_FILE, StoreError, rank_dir
 
 
@@ -181,7 +181,7 @@ class CurvatureAccumulator(CaptureConsumer):
             tensors[f"{name}::A"] = stats.a_sum.cpu().contiguous()
             tensors[f"{name}::S"] = stats.g_sum.cpu().contiguous()
             tensors[f"{name}::tokens"] = stats.tokens.cpu().reshape(1)
-        atomic_write_bytes(target, save(tensors))
+        atomic_write(target, lambda tmp: save_file(tensors, tmp))  # streamed, no bytes copy
 
 
 def _read(path: Path) -> dict[str, KroneckerFactors]:

@@ -28,7 +28,7 @@ holding ``(M, D)`` dense queries.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,29 +78,38 @@ def _curvature(store: StoreReader) -> dict[str, KroneckerFactors]:
     return {name: curvature[name] for name in store.layer_names}
 
 
-class _SharedFactors:
-    """Memoizes a factorization over factors of equal value: layers fed by one input
-    (q/k/v, gate/up) have the same ``A``, factorized once."""
+class _SharedInput:
+    """Memoizes the factorization of input factors ``A`` across consecutive layers fed by
+    one input (q/k/v, gate/up: captured in model order, so adjacent), which have equal
+    ``A``. Only the last factor is kept, so that the statistics of the layers already
+    factorized can be freed; output factors ``S`` differ from layer to layer."""
 
     def __init__(self, factorize: Callable[[Tensor], Any]):
         self.factorize = factorize
-        self.done: list[tuple[Tensor, Any]] = []
+        self.last: tuple[Tensor, Any] | None = None
 
     def __call__(self, x: Tensor) -> Any:
-        for seen, result in self.done:
-            if seen.shape == x.shape and torch.equal(seen, x):
-                return result
+        if self.last is not None and self.last[0].shape == x.shape and torch.equal(self.last[0], x):
+            return self.last[1]
         result = self.factorize(x)
-        self.done.append((x, result))
+        self.last = (x, result)
         return result
 
 
+def _layer_statistics(store: StoreReader) -> Iterator[tuple[str, KroneckerFactors]]:
+    """``(name, statistics)`` of every captured layer in store order, each released by
+    the iterator once it moves past it (the factors of all layers are not held twice)."""
+    curvature = _curvature(store)
+    for name in list(curvature):
+        yield name, curvature.pop(name)
+
+
 def _eigen(store: StoreReader) -> dict[str, _Eigen]:
-    eigh = _SharedFactors(torch.linalg.eigh)
+    eigh_a = _SharedInput(torch.linalg.eigh)
     out = {}
-    for name, stats in _curvature(store).items():
-        d_a, u_a = eigh(stats.a_cov.double())
-        d_s, u_s = eigh(stats.g_cov.double())
+    for name, stats in _layer_statistics(store):
+        d_a, u_a = eigh_a(stats.a_cov.double())
+        d_s, u_s = torch.linalg.eigh(stats.g_cov.double())
         out[name] = _Eigen(u_a, d_a.clamp_min(0), u_s, d_s.clamp_min(0))
     return out
 
@@ -121,9 +130,10 @@ class KFAC(Preconditioner):
 
     def fit(self, store: StoreReader, progress: bool = False) -> None:
         self.inverses: dict[str, tuple[Tensor, Tensor]] = {}
-        inverse = _SharedFactors(self._damped_inverse)
-        for name, stats in _curvature(store).items():
-            self.inverses[name] = (inverse(stats.g_cov.double()), inverse(stats.a_cov.double()))
+        inverse_a = _SharedInput(self._damped_inverse)
+        for name, stats in _layer_statistics(store):
+            s_inv = self._damped_inverse(stats.g_cov.double())
+            self.inverses[name] = (s_inv, inverse_a(stats.a_cov.double()))
 
     def _damped_inverse(self, x: Tensor) -> Tensor:
         """``(X + l I)^{-1}`` for a ``(n, n)`` fp64 factor, ``l = damping * trace(X) / n``.
