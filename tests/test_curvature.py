@@ -486,11 +486,52 @@ def test_kfac_needs_no_eigendecomposition(toy: Toy) -> None:
     assert len(preconditioned) == len(TOY_LAYERS) > 0
 
 
+def test_kfac_on_fp32_gradients_keeps_fp32_inverses_of_the_fp64_factorization(
+    tmp_path: Path, llama: Llama
+) -> None:
+    """K-FAC factorizes in fp64 and keeps each damped inverse in the store's accumulation
+    dtype (fp32 for fp32 gradients: the products cast them to it anyway, so no fp64 copy
+    is held); the preconditioned fp32 query equals the fp64 dense solve to fp32
+    precision. An fp64 store keeps fp64 inverses."""
+    model = tiny_causal_lm("llama", torch.float32)
+    train = [lm_batch(lengths=(10, 7, 5), seed=1), lm_batch(lengths=(8, 10, 6), seed=2)]
+    layers = LayerSelection("linear")
+    store = capture_store(model, train, tmp_path / "train", layers)
+    queries = capture_store(
+        model, [lm_batch(batch=2, lengths=(10, 4), seed=3)], tmp_path / "q", layers, curvature=False
+    )
+    assert store.values_dtype() == torch.float32
+    kfac = PRECONDITIONERS["kfac"](DAMPING)
+    kfac.fit(store)
+    curvature = load_curvature(store.root)
+    query = queries.load_all().layers
+    for name in store.layer_names:
+        s_inv, a_inv = kfac.inverses[name]
+        assert s_inv.dtype == a_inv.dtype == torch.float32
+        stats = curvature[name]
+        q = (
+            query[name]
+            .materialize()
+            .double()
+            .view(-1, *stats.g_sum.shape[:1], stats.a_sum.shape[0])
+        )
+        s, a = damped(stats.g_cov, DAMPING), damped(stats.a_cov, DAMPING)
+        expected = torch.linalg.solve(s, torch.linalg.solve(a, q.transpose(1, 2)).transpose(1, 2))
+        got = kfac(name, query[name]).materialize()
+        assert got.dtype == torch.float32
+        assert rel_err(got, expected.flatten(1)) < FP32_TOL, name
+    fp64 = PRECONDITIONERS["kfac"](DAMPING)
+    fp64.fit(llama.store("train"))
+    assert llama.store("train").values_dtype() == torch.float64
+    assert all(s.dtype == a.dtype == torch.float64 for s, a in fp64.inverses.values())
+
+
 def test_ekfac_on_fp32_gradients_matches_the_fp64_rotation(tmp_path: Path) -> None:
     """On fp32 gradients EK-FAC rotates the per-token factors in fp32 (``U_S^T g_t``,
     ``U_A^T a_t``) and squares and sums in fp64. Its eigenvalues and preconditioned queries
     equal those of the fp64 path (``U_S^T dW U_A`` of the materialized gradients, every
-    product in fp64) to fp32 precision."""
+    product in fp64, with the bases of fp64 eigendecompositions of the stored factors) to
+    fp32 precision; the fit keeps its bases in fp32, the gradients' accumulation dtype."""
     model = tiny_causal_lm("llama", torch.float32)
     train = [lm_batch(lengths=(10, 7, 5), seed=1), lm_batch(lengths=(8, 10, 6), seed=2)]
     layers = LayerSelection("linear")
@@ -501,15 +542,19 @@ def test_ekfac_on_fp32_gradients_matches_the_fp64_rotation(tmp_path: Path) -> No
     ekfac = EKFAC(DAMPING)
     ekfac.fit(store)
     chunk, query = store.load_all(), queries.load_all()
+    curvature = load_curvature(store.root)
     routes = []
     for name, e in ekfac.eigen.items():
+        assert e.u_s.dtype == e.u_a.dtype == torch.float32
+        u_s = torch.linalg.eigh(curvature[name].g_cov.double())[1]
+        u_a = torch.linalg.eigh(curvature[name].a_cov.double())[1]
         grads = chunk.layers[name]
         routes.append(choose_route(grads.rotation_costs(*e.shape)))
         dw = grads.materialize().double().view(-1, *e.shape)
-        lam = (e.u_s.T @ dw @ e.u_a).pow(2).mean(dim=0)
+        lam = (u_s.T @ dw @ u_a).pow(2).mean(dim=0)
         assert rel_err(ekfac.eigenvalues[name], lam) < FP32_TOL, name
         q = query.layers[name].materialize().double().view(-1, *e.shape)
-        expected = e.u_s @ ((e.u_s.T @ q @ e.u_a) / (lam + DAMPING * lam.mean())) @ e.u_a.T
+        expected = u_s @ ((u_s.T @ q @ u_a) / (lam + DAMPING * lam.mean())) @ u_a.T
         got = ekfac(name, query.layers[name]).materialize()
         assert got.dtype == torch.float32
         assert rel_err(got, expected.flatten(1)) < FP32_TOL, name

@@ -105,12 +105,15 @@ def _layer_statistics(store: StoreReader) -> Iterator[tuple[str, KroneckerFactor
 
 
 def _eigen(store: StoreReader) -> dict[str, _Eigen]:
+    """Eigendecompositions in fp64, the bases kept in the store's accumulation dtype (every
+    rotation casts them to it)."""
     eigh_a = _SharedInput(torch.linalg.eigh)
+    dtype = store.values_dtype()
     out = {}
     for name, stats in _layer_statistics(store):
         d_a, u_a = eigh_a(stats.a_cov.double())
         d_s, u_s = torch.linalg.eigh(stats.g_cov.double())
-        out[name] = _Eigen(u_a, d_a.clamp_min(0), u_s, d_s.clamp_min(0))
+        out[name] = _Eigen(u_a.to(dtype), d_a.clamp_min(0), u_s.to(dtype), d_s.clamp_min(0))
     return out
 
 
@@ -130,9 +133,12 @@ class KFAC(Preconditioner):
 
     def fit(self, store: StoreReader, progress: bool = False) -> None:
         self.inverses: dict[str, tuple[Tensor, Tensor]] = {}
-        inverse_a = _SharedInput(self._damped_inverse)
+        # factorized in fp64, kept in the store's accumulation dtype (every product casts
+        # them to it), so that fp32 gradients need no fp64 copy of every inverse
+        dtype = store.values_dtype()
+        inverse_a = _SharedInput(lambda a: self._damped_inverse(a).to(dtype))
         for name, stats in _layer_statistics(store):
-            s_inv = self._damped_inverse(stats.g_cov.double())
+            s_inv = self._damped_inverse(stats.g_cov.double()).to(dtype)
             self.inverses[name] = (s_inv, inverse_a(stats.a_cov.double()))
 
     def _damped_inverse(self, x: Tensor) -> Tensor:

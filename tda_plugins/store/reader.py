@@ -181,6 +181,16 @@ class StoreReader:
                 out[name] = sum(_nbytes(t.get_shape(), t.get_dtype()) for t in stored)
         return {name: -(-n // shard.size) for name, n in out.items()}
 
+    def values_dtype(self) -> torch.dtype:
+        """The accumulation dtype of the stored gradients (as :func:`values_dtype` of a
+        loaded one): fp64 when any stored floating tensor is fp64, else fp32; read from
+        the first shard's header only."""
+        if not self._shards:
+            raise StoreError(f"the store {self.root} holds no committed step")
+        with safe_open(self._shards[0].path, framework="pt") as f:
+            dtypes = {f.get_slice(key).get_dtype() for key in f.keys()}  # noqa: SIM118 (a safe_open handle is not iterable)
+        return torch.float64 if "F64" in dtypes else torch.float32
+
 
 #: Bytes per element of each safetensors dtype name.
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4}
