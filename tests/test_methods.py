@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from tda_plugins import CaptureEngine, ProjectionConfig
 from tda_plugins.capture import content_hash
+from tda_plugins.grads import Route
 from tda_plugins.grads.factors import DenseGrad, TokenFactors
 from tda_plugins.methods import Checkpoint, Scores, method_by_name
 from tda_plugins.methods.base import SCORE_GROUP_BYTES, default_chunk, layer_groups
@@ -167,6 +168,33 @@ def test_graddot_equals_oracle_dot_matrix(
     assert groups == ([names] if layers == "together" else [[n] for n in names])
     got = scores_by_id(scores, captured.train_ids, captured.query_ids)
     assert got.shape == (6, 2)
+    assert rel_error(got, captured.train_grads @ captured.query_grads.T) <= REL_TOL
+
+
+@pytest.mark.parametrize(("chunk", "cached"), [(3, True), (256, False)])
+def test_materialized_queries_are_kept_only_for_a_second_training_chunk(
+    captured: Captured, chunk: int, cached: bool
+) -> None:
+    """Scoring keeps a layer's materialized queries for the training chunks after the first
+    (two chunks of 3 here), and keeps none when the store is read in one chunk: each query
+    is then built once either way, block by block, with no ``(M, D)`` copy held. Both give
+    the exact dot matrix. (The route is forced to materialized gradients: at these tiny
+    sizes the cost model takes the factorized one, which materializes nothing.)"""
+    materialize = TokenFactors.materialize
+    sizes: list[int] = []
+
+    def record(grads: TokenFactors) -> Tensor:
+        sizes.append(grads.batch_size)
+        return materialize(grads)
+
+    with (
+        mock.patch.object(TokenFactors, "materialize", autospec=True, side_effect=record),
+        mock.patch("tda_plugins.grads.ops.choose_route", return_value=Route.MATERIALIZED),
+    ):
+        scores = method_by_name("graddot").score(captured.store, captured.queries, chunk)
+    queries = captured.queries.num_examples
+    assert (queries in sizes) is cached  # the queries' batch (2) is no training chunk's
+    got = scores_by_id(scores, captured.train_ids, captured.query_ids)
     assert rel_error(got, captured.train_grads @ captured.query_grads.T) <= REL_TOL
 
 

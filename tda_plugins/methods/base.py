@@ -129,7 +129,9 @@ class AttributionMethod(ABC):
             grads = query.layers.pop(name) if release else query.layers[name]
             sides[name] = self.query_side(name, grads.select(rows))
             del grads
-        prepared = QueryGradients(sides, QUERY_CACHE_BYTES)
+        # materialized queries are worth keeping only for a second training chunk
+        cache = QUERY_CACHE_BYTES if store.num_examples > chunk else 0
+        prepared = QueryGradients(sides, cache)
         del sides
         ids, blocks, squares = [], [], []
         for part in store.iter_chunks(chunk, layers=layers):
@@ -255,7 +257,8 @@ def layer_groups(store: StoreReader, queries: StoreReader, chunk: int) -> list[l
 #: Most bytes of materialized query gradients :meth:`AttributionMethod.score` keeps for
 #: all its training chunks; beyond them a layer's queries are rebuilt block by block for
 #: each chunk (no extra memory; the chunk is at least as large as the query count, so
-#: this at most doubles that layer's materialization work).
+#: this at most doubles that layer's materialization work). A store read in one chunk
+#: keeps none: each query is then built once either way.
 QUERY_CACHE_BYTES = 1 << 29
 
 
