@@ -115,8 +115,9 @@ class OursLive(PeerAdapter):
             engine.end()
 
     def scores(self, problem: Problem, method: str) -> Tensor:
-        queries = RecordCollector()
-        self._capture(problem, problem.queries, method, queries)
-        live = _LiveScores(queries.records)
+        collected = RecordCollector()
+        self._capture(problem, problem.queries, method, collected)
+        live = _LiveScores(collected.records)
+        del collected  # the prepared queries replace the captured ones (freed once dense)
         self._capture(problem, problem.train, method, live)
         return torch.cat(live.blocks).T
