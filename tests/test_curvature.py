@@ -486,6 +486,18 @@ def test_kfac_needs_no_eigendecomposition(toy: Toy) -> None:
     assert len(preconditioned) == len(TOY_LAYERS) > 0
 
 
+def fp32_llama_stores(root: Path) -> tuple[StoreReader, StoreReader]:
+    """Train (with curvature) and query stores of a tiny fp32 Llama's linear layers."""
+    model = tiny_causal_lm("llama", torch.float32)
+    train = [lm_batch(lengths=(10, 7, 5), seed=1), lm_batch(lengths=(8, 10, 6), seed=2)]
+    layers = LayerSelection("linear")
+    store = capture_store(model, train, root / "train", layers)
+    queries = capture_store(
+        model, [lm_batch(batch=2, lengths=(10, 4), seed=3)], root / "q", layers, curvature=False
+    )
+    return store, queries
+
+
 def test_kfac_on_fp32_gradients_keeps_fp32_inverses_of_the_fp64_factorization(
     tmp_path: Path, llama: Llama
 ) -> None:
@@ -493,13 +505,7 @@ def test_kfac_on_fp32_gradients_keeps_fp32_inverses_of_the_fp64_factorization(
     dtype (fp32 for fp32 gradients: the products cast them to it anyway, so no fp64 copy
     is held); the preconditioned fp32 query equals the fp64 dense solve to fp32
     precision. An fp64 store keeps fp64 inverses."""
-    model = tiny_causal_lm("llama", torch.float32)
-    train = [lm_batch(lengths=(10, 7, 5), seed=1), lm_batch(lengths=(8, 10, 6), seed=2)]
-    layers = LayerSelection("linear")
-    store = capture_store(model, train, tmp_path / "train", layers)
-    queries = capture_store(
-        model, [lm_batch(batch=2, lengths=(10, 4), seed=3)], tmp_path / "q", layers, curvature=False
-    )
+    store, queries = fp32_llama_stores(tmp_path)
     assert store.values_dtype() == torch.float32
     kfac = PRECONDITIONERS["kfac"](DAMPING)
     kfac.fit(store)
@@ -532,13 +538,7 @@ def test_ekfac_on_fp32_gradients_matches_the_fp64_rotation(tmp_path: Path) -> No
     equal those of the fp64 path (``U_S^T dW U_A`` of the materialized gradients, every
     product in fp64, with the bases of fp64 eigendecompositions of the stored factors) to
     fp32 precision; the fit keeps its bases in fp32, the gradients' accumulation dtype."""
-    model = tiny_causal_lm("llama", torch.float32)
-    train = [lm_batch(lengths=(10, 7, 5), seed=1), lm_batch(lengths=(8, 10, 6), seed=2)]
-    layers = LayerSelection("linear")
-    store = capture_store(model, train, tmp_path / "train", layers)
-    queries = capture_store(
-        model, [lm_batch(batch=2, lengths=(10, 4), seed=3)], tmp_path / "q", layers, curvature=False
-    )
+    store, queries = fp32_llama_stores(tmp_path)
     ekfac = EKFAC(DAMPING)
     ekfac.fit(store)
     chunk, query = store.load_all(), queries.load_all()
