@@ -23,7 +23,9 @@ rotation keeps norms, so fp32 adds only fp32 rounding to what fp32 gradients car
 products with the damped inverses take the same route and dtype (the damping bounds their
 condition number by ``1 + n / damping``); on the factorized route the preconditioned
 queries stay per-token factors, so that scoring can build them block by block instead of
-holding ``(M, D)`` dense queries.
+holding ``(M, D)`` dense queries. So the bases and inverses are kept in that dtype once
+computed (``StoreReader.values_dtype``), and each layer's statistics are freed once
+factorized.
 """
 
 from __future__ import annotations

@@ -188,7 +188,8 @@ class StoreReader:
         if not self._shards:
             raise StoreError(f"the store {self.root} holds no committed step")
         with safe_open(self._shards[0].path, framework="pt") as f:
-            dtypes = {f.get_slice(key).get_dtype() for key in f.keys()}  # noqa: SIM118 (a safe_open handle is not iterable)
+            # a safe_open handle is not iterable: its keys() is the way
+            dtypes = {f.get_slice(key).get_dtype() for key in f.keys()}  # noqa: SIM118
         return torch.float64 if "F64" in dtypes else torch.float32
 
 
