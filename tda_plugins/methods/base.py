@@ -94,7 +94,6 @@ class AttributionMethod(ABC):
                 for i, rows in enumerate(query_groups):
                     last = i == len(query_groups) - 1
                     totals.add(rows, self._score_pass(store, query, rows, chunk, bar, last))
-                del query
         return Scores(totals.train_ids(), query_ids, totals.values(), self.name)
 
     def _query_groups(self, query: StoreChunk) -> list[slice]:
@@ -114,7 +113,7 @@ class AttributionMethod(ABC):
         rows: slice,
         chunk: int,
         bar: tqdm,
-        release: bool = False,
+        release: bool,
     ) -> _Pass:
         """Dots of every training example with the queries ``rows`` over the layers of
         ``query`` (and their squared norms for cosine), in one pass through the store in
@@ -132,7 +131,7 @@ class AttributionMethod(ABC):
         # materialized queries are worth keeping only for a second training chunk
         cache = QUERY_CACHE_BYTES if store.num_examples > chunk else 0
         prepared = QueryGradients(sides, cache)
-        del sides
+        del sides  # prepared swaps factors for materialized queries: nothing else holds them
         ids, blocks, squares = [], [], []
         for part in store.iter_chunks(chunk, layers=layers):
             t_layers = {n: self.train_side(n, g) for n, g in part.layers.items()}

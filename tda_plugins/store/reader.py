@@ -63,6 +63,12 @@ class StoreReader:
         self.config, self.metadata = read_header(self.root)
         self._shards = self._list_shards()
 
+    def _committed(self) -> list[_Shard]:
+        """The committed shards, refusing a store that has none."""
+        if not self._shards:
+            raise StoreError(f"the store {self.root} holds no committed step")
+        return self._shards
+
     def _list_shards(self) -> list[_Shard]:
         shards = []
         for index in sorted(self.root.glob(f"rank-*/{INDEX_FILE}")):
@@ -132,11 +138,10 @@ class StoreReader:
     ) -> Iterator[StoreChunk]:
         """Consecutive chunks of at most ``max_examples`` examples (whole micro-batches;
         a micro-batch larger than the limit is its own chunk)."""
-        if not self._shards:
-            raise StoreError(f"the store {self.root} holds no committed step")
+        shards = self._committed()
         layers = list(self.config.layers) if layers is None else layers
         group: list[_Shard] = []
-        for shard in self._shards:
+        for shard in shards:
             if group and sum(s.size for s in group) + shard.size > max_examples:
                 yield self._chunk(group, layers)
                 group = []
@@ -167,9 +172,7 @@ class StoreReader:
     def layer_nbytes(self) -> dict[str, int]:
         """Layer name -> stored bytes per example (each tensor of the first shard counted
         once, a shared input with its first layer), read from the shard's header only."""
-        if not self._shards:
-            raise StoreError(f"the store {self.root} holds no committed step")
-        shard = self._shards[0]
+        shard = self._committed()[0]
         with safe_open(shard.path, framework="pt") as f:
             meta: dict[str, Any] = json.loads(f.metadata()["layers"])
             aliases: dict[str, str] = json.loads(f.metadata()["aliases"])
@@ -185,9 +188,7 @@ class StoreReader:
         """The accumulation dtype of the stored gradients (as :func:`values_dtype` of a
         loaded one): fp64 when any stored floating tensor is fp64, else fp32; read from
         the first shard's header only."""
-        if not self._shards:
-            raise StoreError(f"the store {self.root} holds no committed step")
-        with safe_open(self._shards[0].path, framework="pt") as f:
+        with safe_open(self._committed()[0].path, framework="pt") as f:
             # a safe_open handle is not iterable: its keys() is the way
             dtypes = {f.get_slice(key).get_dtype() for key in f.keys()}  # noqa: SIM118
         return torch.float64 if "F64" in dtypes else torch.float32
