@@ -173,7 +173,9 @@ class CaptureSession:
 
     def save_checkpoint(self, next_step: int) -> None:
         """The trainer checkpoints after ``next_step`` optimizer steps: keep what a run
-        resumed from that checkpoint needs (the K-FAC statistics so far, in the store)."""
+        resumed from that checkpoint needs (every committed step on disk, and the K-FAC
+        statistics so far, in the store)."""
+        self.store.flush()
         if self.curvature is not None:
             self.curvature.save(_curvature_snapshot(self.settings.store_dir, self.rank, next_step))
 

@@ -21,10 +21,11 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import pytest
 import torch
@@ -40,9 +41,11 @@ from tda_plugins import (
     RecordCollector,
 )
 from tda_plugins.capture import CaptureConsumer, content_hash
+from tda_plugins.capture.normalization import SummedLoss
 from tda_plugins.grads.factors import DenseGrad, EmbeddingFactors, PerExampleGrad, TokenFactors
 from tda_plugins.methods import Scores, method_by_name
-from tda_plugins.store import FORMAT_VERSION, GradientStore, StoreError, StoreReader
+from tda_plugins.session import CaptureSession, CaptureSettings
+from tda_plugins.store import FORMAT_VERSION, GradientStore, StoreError, StoreReader, writer
 from tda_plugins.store.io import atomic_write
 from tda_plugins.store.layout import rank_dir, shard_name
 from tests import store_worker
@@ -415,6 +418,120 @@ def test_sigkill_between_micro_batches_loses_only_that_step_and_resume_is_exact(
     assert torch.equal(got.values, expected.values)
 
 
+class DiskLog:
+    """Stands in for the store's disk waits: logs each fsync, shard write and index write
+    in the order they happen (from either thread). An fsync can be held until released
+    (at most 10 s: a writer that waits for a held fsync fails the test, not hangs it),
+    slowed by ``delay`` seconds, or fail for a shard (``fail_shards``)."""
+
+    def __init__(
+        self, monkeypatch: pytest.MonkeyPatch, delay: float = 0.0, fail_shards: bool = False
+    ):
+        self.events: list[tuple[str, str]] = []
+        self.release = threading.Event()
+        self.release.set()
+        real_write, real_json = writer.write_renamed, writer.atomic_write_json
+
+        def fsync(path: Path) -> None:
+            self.release.wait(timeout=10)
+            time.sleep(delay)
+            if fail_shards and path.suffix == ".safetensors":
+                raise OSError(28, "No space left on device")
+            self.events.append(("fsync", path.name))
+
+        def write(path: Path, fill: Callable[[Path], object]) -> None:
+            self.events.append(("write", path.name))
+            real_write(path, fill)
+
+        def publish(path: Path, value: Any) -> None:
+            if path.name == "index.json":
+                self.events.append(("index", ",".join(s["file"] for s in value["shards"])))
+            real_json(path, value)
+
+        monkeypatch.setattr(writer, "fsync_path", fsync)
+        monkeypatch.setattr(writer, "write_renamed", write)
+        monkeypatch.setattr(writer, "atomic_write_json", publish)
+
+    def position(self, event: tuple[str, str]) -> int:
+        return self.events.index(event)
+
+
+def test_a_step_is_committed_without_waiting_for_the_disk_and_published_once_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the disk held, the micro-batch and its commit return (the fsyncs wait on the
+    background thread) and no index lists the shard; once released, ``flush`` returns
+    with the shard fsynced, then its folder, then the index listing it."""
+    disk = DiskLog(monkeypatch)
+    disk.release.clear()
+    model = tiny_causal_lm("llama")
+    store = GradientStore(tmp_path)
+    with CaptureEngine(model, consumers=[store]) as engine:
+        summed_loss(model, lm_batch(2, 8, seed=0)).backward()
+        engine.optimizer_step()  # returns although the shard's fsync is held
+        assert store.committed_steps == [0]
+        assert not (rank_dir(tmp_path, 0) / "index.json").exists()
+        disk.release.set()
+        store.flush()
+        shard = shard_name(0, 0)
+        assert indexed_files(tmp_path) == {shard}
+        assert disk.events == [
+            ("write", shard),
+            ("fsync", shard),
+            ("fsync", rank_dir(tmp_path, 0).name),
+            ("index", shard),
+        ]
+
+
+def test_the_next_step_starts_writing_only_after_the_last_commit_is_on_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At most one step is in flight: the first shard of step n + 1 is written after the
+    index that publishes step n, and each index lists only shards fsynced before it."""
+    disk = DiskLog(monkeypatch, delay=0.2)  # the disk slower than the tiny model's steps
+    steps = [[lm_batch(2, 8, seed=10 * s + m) for m in range(2)] for s in range(3)]
+    capture(tiny_causal_lm("llama"), steps, tmp_path, LayerSelection())
+    indexes = [i for i, (kind, _) in enumerate(disk.events) if kind == "index"]
+    assert len(indexes) == 3
+    for step in range(3):
+        listed = disk.events[indexes[step]][1].split(",")
+        assert all(disk.position(("fsync", f)) < indexes[step] for f in listed)
+        if step:
+            assert disk.position(("write", shard_name(step, 2 * step))) > indexes[step - 1]
+    assert StoreReader(tmp_path).steps == [0, 1, 2]
+
+
+def test_a_failed_background_fsync_is_raised_and_nothing_after_it_is_published(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk error in a shard's fsync surfaces as a StoreError naming the store and the
+    cause by the end of capture at the latest, and the index job queued after it (whose
+    own fsync would succeed) does not run: no index lists that shard."""
+    DiskLog(monkeypatch, fail_shards=True)
+    with pytest.raises(StoreError, match=r"durable failed in the background.*No space left"):
+        capture(tiny_causal_lm("llama"), [[lm_batch(2, 8, seed=0)]], tmp_path, LayerSelection())
+    assert not (rank_dir(tmp_path, 0) / "index.json").exists()
+
+
+def test_a_trainer_checkpoint_waits_until_every_committed_step_is_on_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``CaptureSession.save_checkpoint`` (the trainer integrations' checkpoint hook)
+    returns only once the steps committed so far are listed by the index on disk, so a
+    checkpoint never runs ahead of the store."""
+    disk = DiskLog(monkeypatch, delay=0.2)
+    model = tiny_causal_lm("llama")
+    session = CaptureSession(CaptureSettings(str(tmp_path), curvature=False), model, SummedLoss())
+    for step in range(2):
+        summed_loss(model, lm_batch(2, 8, seed=step)).backward()
+        session.step()
+        model.zero_grad(set_to_none=True)
+    session.save_checkpoint(2)
+    assert indexed_files(tmp_path) == {shard_name(0, 0), shard_name(1, 1)}
+    assert disk.events[-1] == ("index", f"{shard_name(0, 0)},{shard_name(1, 1)}")
+    session.end()
+
+
 # -- 3. refusals -------------------------------------------------------------------------
 
 
@@ -496,11 +613,13 @@ def test_nan_gradients_stop_the_capture_and_keep_every_committed_step(tmp_path: 
     micro-batch raise a StoreError naming non-finite gradients and the step; the store
     still reads exactly steps 0 and 1, with their files byte for byte unchanged."""
     model, steps = tiny_causal_lm("llama"), micro_batches(3, (10, 7))
-    with CaptureEngine(model, ALL, consumers=[GradientStore(tmp_path)]) as engine:
+    store = GradientStore(tmp_path)
+    with CaptureEngine(model, ALL, consumers=[store]) as engine:
         for step in steps[:2]:
             for batch in step:
                 summed_loss(model, batch).backward()
             engine.optimizer_step()
+        store.flush()  # read while attached: the last commit on disk first
         before = snapshot(tmp_path)
         good = StoreReader(tmp_path).load_all()
         summed_loss(model, steps[2][0]).backward()

@@ -15,7 +15,8 @@ class CaptureConsumer:
     stops the attach before any hook exists), :meth:`on_micro_batch` after each
     micro-batch's backward, then :meth:`on_optimizer_step` when the trainer signals an
     optimizer step (with that step's records if :attr:`wants_step_records`), then
-    :meth:`on_end` once when capture ends.
+    :meth:`on_end` once when capture ends, and :meth:`on_detach` when the engine's hooks
+    are removed (after an end, or instead of one).
     """
 
     #: Ask the engine to keep each step's records until :meth:`on_optimizer_step`.
@@ -33,6 +34,9 @@ class CaptureConsumer:
 
     def on_end(self) -> None:
         """Capture ended (training finished or the engine was closed)."""
+
+    def on_detach(self) -> None:
+        """The engine removed its hooks: finish any background work on what was delivered."""
 
 
 class RecordCollector(CaptureConsumer):

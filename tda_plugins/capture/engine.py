@@ -197,10 +197,14 @@ class CaptureEngine:
         return self
 
     def detach(self) -> None:
-        """Remove every hook and drop every held tensor. Undelivered gradients are lost."""
+        """Remove every hook and drop every held tensor. Undelivered gradients are lost;
+        consumers finish their background work on delivered ones (a store's last commit
+        is on disk when this returns)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for consumer in self._consumers:
+            consumer.on_detach()
         self._restore_all()
         self._pending = None
         self._unfinished.clear()

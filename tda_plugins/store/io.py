@@ -1,6 +1,8 @@
 """Crash-safe file writes: temp file, fsync, rename, then fsync of the directory.
 
 A reader sees either the old file or the complete new one, never a partial write.
+:func:`write_renamed` is the first half alone (temp file, rename, no fsync), for files
+that only become part of something once a later, durable write lists them.
 """
 
 from __future__ import annotations
@@ -12,31 +14,42 @@ from pathlib import Path
 from typing import Any
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+def fsync_path(path: Path) -> None:
+    """Wait until ``path`` (a file, or a directory's entries) is on disk."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
-    """Create ``path`` through ``write(temp_path)`` so that a crash leaves either nothing
-    new or all of it: ``write`` fills a temp file beside ``path``, which is fsynced and
-    renamed over ``path`` (a failed ``write`` leaves no temp file)."""
+def _written(path: Path, write: Callable[[Path], object], durable: bool) -> None:
+    """``write`` into a temp file beside ``path`` (fsynced if ``durable``), renamed over
+    ``path``; a failed ``write`` leaves no temp file."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         write(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        if durable:
+            fsync_path(tmp)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+
+
+def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
+    """Create ``path`` through ``write(temp_path)`` so that a crash leaves either nothing
+    new or all of it: ``write`` fills a temp file beside ``path``, which is fsynced and
+    renamed over ``path`` (a failed ``write`` leaves no temp file)."""
+    _written(path, write, durable=True)
+    fsync_path(path.parent)
+
+
+def write_renamed(path: Path, write: Callable[[Path], object]) -> None:
+    """:func:`atomic_write` without its fsyncs: ``path`` appears complete or not at all
+    while the system runs, but a crash may leave it partial. For files that a later
+    durable write publishes only after :func:`fsync_path` of them and of their folder."""
+    _written(path, write, durable=False)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -1,9 +1,19 @@
 """GradientStore: the consumer that writes each micro-batch's per-example gradients to disk.
 
 Writes are crash-safe at optimizer-step granularity: each micro-batch goes to its own
-shard file (temp file, fsync, rename), and a step becomes visible only when the rank's
-index is rewritten atomically at the optimizer step. A crash at any moment leaves every
-completed step readable and no partial one visible.
+shard file, and a step becomes visible only when the rank's index is rewritten
+atomically after its shards are on disk. A crash at any moment leaves every durably
+committed step readable and no partial one visible.
+
+The disk waits (the fsyncs of the shards, of their folder, and the index write) run on a
+background thread (:class:`~tda_plugins.store.sync.BackgroundSync`), overlapping the
+next micro-batch's forward and backward: a commit is durable shortly after
+:meth:`GradientStore.commit` returns. At most one step is in flight: the first shard of
+the next step waits for the previous commit to be on disk, and :meth:`GradientStore.flush`,
+the end of capture, the engine's detach, :meth:`~GradientStore.truncate` and a trainer
+checkpoint (:meth:`~tda_plugins.session.CaptureSession.save_checkpoint`) wait for all of
+it. A crash can therefore lose the last committed step along with the one in progress; a
+reader opened while the writer is attached may not see the latest commit yet.
 
 Loss convention: stored gradients are each example's own gradient of its *summed*
 token loss (``record.loss_scale`` converts the trainer's mean loss).
@@ -22,7 +32,13 @@ from tda_plugins.capture.config import CaptureConfig
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.records import MicroBatchRecord
 from tda_plugins.store.codec import compact, encode
-from tda_plugins.store.io import atomic_write, atomic_write_bytes, atomic_write_json, read_json
+from tda_plugins.store.io import (
+    atomic_write_bytes,
+    atomic_write_json,
+    fsync_path,
+    read_json,
+    write_renamed,
+)
 from tda_plugins.store.layout import (
     EXAMPLES_FILE,
     FORMAT_VERSION,
@@ -33,6 +49,7 @@ from tda_plugins.store.layout import (
     read_header,
     shard_name,
 )
+from tda_plugins.store.sync import BackgroundSync
 
 
 class GradientStore(CaptureConsumer):
@@ -61,6 +78,7 @@ class GradientStore(CaptureConsumer):
         self._dir = rank_dir(self.root, rank)
         self._shards: list[dict[str, Any]] = self._read_index()
         self._pending: list[dict[str, Any]] = []
+        self._sync = BackgroundSync(f"the gradient store {self.root}")
         self.config: CaptureConfig | None = None
 
     # -- consumer events ---------------------------------------------------------------
@@ -94,6 +112,8 @@ class GradientStore(CaptureConsumer):
                 f"{self.committed_steps[-1]}); continue with engine.resume_at_step("
                 f"{self.next_step}), or truncate(from_step={record.step}) to redo it"
             )
+        if not self._pending:  # a new step: the previous one's commit is on disk first
+            self._sync.wait()
         cpu = record.to("cpu", non_blocking=False)
         tensors = {"example_ids": cpu.example_ids.contiguous()}
         layers: dict[str, Any] = {}
@@ -125,8 +145,11 @@ class GradientStore(CaptureConsumer):
         _require_finite(tensors, record.step)
         name = shard_name(record.step, record.index)
         metadata = {"layers": json.dumps(layers), "aliases": json.dumps(aliases)}
-        # safetensors writes the tensors straight into the file: no serialized copy.
-        atomic_write(self._dir / name, lambda path: save_file(tensors, path, metadata))
+        # safetensors writes the tensors straight into the file: no serialized copy. The
+        # shard is unlisted until its step's index write, which runs after this fsync.
+        path = self._dir / name
+        write_renamed(path, lambda tmp: save_file(tensors, tmp, metadata))
+        self._sync.submit(lambda: fsync_path(path))
         self._pending.append(
             {
                 "file": name,
@@ -141,26 +164,42 @@ class GradientStore(CaptureConsumer):
 
     def on_end(self) -> None:
         self.commit()
+        self._sync.close()
+
+    def on_detach(self) -> None:
+        self._sync.close()
 
     # -- store operations --------------------------------------------------------------
 
     def commit(self) -> None:
-        """Make every written micro-batch part of the store (one atomic index write)."""
+        """Make every written micro-batch part of the store: one atomic index write, in
+        the background once their shards are on disk (:meth:`flush` waits for it)."""
         if not self._pending:
             return
         self._shards.extend(self._pending)
         self._pending = []
-        self._write_index()
+        shards, folder = list(self._shards), self._dir
+
+        def publish() -> None:  # the shards' fsyncs ran before this job
+            fsync_path(folder)
+            self._write_index(shards)
+
+        self._sync.submit(publish)
+
+    def flush(self) -> None:
+        """Wait until every commit so far is on disk (raising a background failure)."""
+        self._sync.wait()
 
     def truncate(self, from_step: int) -> None:
         """Drop every committed step ``>= from_step`` (resuming from an earlier checkpoint).
 
         K-FAC statistics saved beside the store are sums and are not rolled back.
         """
+        self.flush()
         kept = [s for s in self._shards if s["step"] < from_step]
         dropped = [s for s in self._shards if s["step"] >= from_step]
         self._shards = kept
-        self._write_index()
+        self._write_index(kept)
         for shard in dropped:
             (self._dir / shard["file"]).unlink(missing_ok=True)
 
@@ -193,8 +232,8 @@ class GradientStore(CaptureConsumer):
         path = self._dir / INDEX_FILE
         return list(read_json(path)["shards"]) if path.exists() else []
 
-    def _write_index(self) -> None:
-        atomic_write_json(self._dir / INDEX_FILE, {"shards": self._shards})
+    def _write_index(self, shards: list[dict[str, Any]]) -> None:
+        atomic_write_json(self._dir / INDEX_FILE, {"shards": shards})
 
     def _remove_uncommitted(self) -> None:
         listed = {s["file"] for s in self._shards}
