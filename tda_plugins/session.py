@@ -168,8 +168,14 @@ class CaptureSession:
         self.engine.resume_at_step(start_step)
 
     def step(self) -> None:
-        """An optimizer step is about to happen: commit its micro-batches."""
+        """An optimizer step is about to happen: commit its micro-batches (the disk waits
+        run in the background, beside the optimizer update)."""
         self.engine.optimizer_step()
+
+    def finish_step(self) -> None:
+        """The step is over: wait until its commit is on disk, so that an exception later
+        in the run (which ends no capture) leaves every finished step readable."""
+        self.store.flush()
 
     def save_checkpoint(self, next_step: int) -> None:
         """The trainer checkpoints after ``next_step`` optimizer steps: keep what a run

@@ -532,6 +532,23 @@ def test_a_trainer_checkpoint_waits_until_every_committed_step_is_on_disk(
     session.end()
 
 
+def test_a_finished_trainer_step_is_on_disk_before_the_next_one_begins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``CaptureSession.finish_step`` (the trainer callbacks' end-of-step hook) returns
+    once that step's commit is on disk: an exception raised before the next step's
+    first backward (which ends no capture) still leaves the step readable."""
+    disk = DiskLog(monkeypatch, delay=0.2)
+    model = tiny_causal_lm("llama")
+    session = CaptureSession(CaptureSettings(str(tmp_path), curvature=False), model, SummedLoss())
+    summed_loss(model, lm_batch(2, 8, seed=0)).backward()
+    session.step()
+    session.finish_step()
+    assert StoreReader(tmp_path).steps == [0]
+    assert disk.events[-1] == ("index", shard_name(0, 0))
+    session.end()
+
+
 # -- 3. refusals -------------------------------------------------------------------------
 
 

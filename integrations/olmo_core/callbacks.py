@@ -195,6 +195,10 @@ class GradientCaptureCallback(Callback):
         if self._session is not None:
             self._session.step()
 
+    def post_step(self) -> None:
+        if self._session is not None:
+            self._session.finish_step()
+
     def state_dict(self) -> dict[str, Any]:
         """Called as OLMo-core starts saving the checkpoint of the current step (also an
         asynchronous one): keep the capture state that matches it, in the store."""

@@ -143,6 +143,12 @@ class GradientCaptureCallback(TrainerCallback):
         if self.session is not None:
             self.session.step()
 
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self.session is not None:
+            self.session.finish_step()
+
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:

@@ -12,7 +12,9 @@ next micro-batch's forward and backward: a commit is durable shortly after
 the next step waits for the previous commit to be on disk, and :meth:`GradientStore.flush`,
 the end of capture, the engine's detach, :meth:`~GradientStore.truncate` and a trainer
 checkpoint (:meth:`~tda_plugins.session.CaptureSession.save_checkpoint`) wait for all of
-it. A crash can therefore lose the last committed step along with the one in progress; a
+it; the trainer callbacks also wait at the end of each step
+(:meth:`~tda_plugins.session.CaptureSession.finish_step`), after the optimizer update.
+A crash can therefore lose the last committed step along with the one in progress; a
 reader opened while the writer is attached may not see the latest commit yet.
 
 Loss convention: stored gradients are each example's own gradient of its *summed*
