@@ -48,6 +48,7 @@ from tda_plugins.session import CaptureSession, CaptureSettings
 from tda_plugins.store import FORMAT_VERSION, GradientStore, StoreError, StoreReader, writer
 from tda_plugins.store.io import atomic_write
 from tda_plugins.store.layout import rank_dir, shard_name
+from tda_plugins.store.sync import BackgroundSync
 from tests import store_worker
 from tests.models import lm_batch, tiny_causal_lm
 from tests.oracle import max_rel_error
@@ -511,6 +512,28 @@ def test_a_failed_background_fsync_is_raised_and_nothing_after_it_is_published(
     with pytest.raises(StoreError, match=r"durable failed in the background.*No space left"):
         capture(tiny_causal_lm("llama"), [[lm_batch(2, 8, seed=0)]], tmp_path, LayerSelection())
     assert not (rank_dir(tmp_path, 0) / "index.json").exists()
+
+
+def test_background_sync_stops_after_a_failure_and_reports_it_once_at_close() -> None:
+    """After a failed job no later job runs; every wait raises the failure, and close
+    raises it only when nothing reported it before (a detach after a failed end does not
+    raise a second error)."""
+    sync, ran = BackgroundSync("the test store"), []
+
+    def fail() -> None:
+        raise OSError(5, "Input/output error")
+
+    sync.submit(fail)
+    with pytest.raises(StoreError, match=r"the test store durable failed.*Input/output"):
+        sync.wait()
+    with pytest.raises(StoreError, match="Input/output"):
+        sync.submit(lambda: ran.append("after"))
+    sync.close()  # already reported: no second error
+    assert ran == []
+    unreported = BackgroundSync("another store")
+    unreported.submit(fail)
+    with pytest.raises(StoreError, match="another store"):
+        unreported.close()
 
 
 def test_a_trainer_checkpoint_waits_until_every_committed_step_is_on_disk(
