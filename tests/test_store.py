@@ -375,17 +375,20 @@ def indexed_files(root: Path, rank: int = 0) -> set[str]:
 def test_sigkill_between_micro_batches_loses_only_that_step_and_resume_is_exact(
     tmp_path: Path,
 ) -> None:
-    """A run killed (SIGKILL) after two of the three micro-batches of step 2 reopens with
-    exactly steps 0 and 1; reattaching removes the orphaned shards (and a half-written
-    temp file) without touching committed ones; resuming from the checkpoint at step 2
+    """A run killed (SIGKILL) after two of the three micro-batches of step 2 (their shards
+    written or being written, unlisted) reopens with exactly steps 0 and 1; reattaching
+    removes the orphaned shards (and a half-written temp file) without touching committed
+    ones; resuming from the checkpoint at step 2
     (``resume_at_step``) ends with a store whose GradDot scores are bit-identical to an
     uninterrupted run's."""
     killed, checkpoints, log = tmp_path / "killed", tmp_path / "killed-ckpt", tmp_path / "log"
     with log.open("w") as stderr, start_worker(killed, checkpoints, (2, 1), stderr) as proc:
         try:
             wait_for_line(proc, "paused", log)
+            # the first shard of step 2 is written (the second waited for its write);
+            # the second's background write may still be running when the kill lands
             orphans = shard_files(killed) - indexed_files(killed)
-            assert sorted(orphans) == [shard_name(2, 6), shard_name(2, 7)]
+            assert shard_name(2, 6) in orphans <= {shard_name(2, 6), shard_name(2, 7)}
             os.kill(proc.pid, signal.SIGKILL)
             assert proc.wait(timeout=30) == -signal.SIGKILL
         finally:
@@ -509,7 +512,7 @@ def test_a_failed_background_fsync_is_raised_and_nothing_after_it_is_published(
     cause by the end of capture at the latest, and the index job queued after it (whose
     own fsync would succeed) does not run: no index lists that shard."""
     DiskLog(monkeypatch, fail_shards=True)
-    with pytest.raises(StoreError, match=r"durable failed in the background.*No space left"):
+    with pytest.raises(StoreError, match=r"to disk failed in the background.*No space left"):
         capture(tiny_causal_lm("llama"), [[lm_batch(2, 8, seed=0)]], tmp_path, LayerSelection())
     assert not (rank_dir(tmp_path, 0) / "index.json").exists()
 
@@ -524,7 +527,7 @@ def test_background_sync_stops_after_a_failure_and_reports_it_once_at_close() ->
         raise OSError(5, "Input/output error")
 
     sync.submit(fail)
-    with pytest.raises(StoreError, match=r"the test store durable failed.*Input/output"):
+    with pytest.raises(StoreError, match=r"the test store to disk failed.*Input/output"):
         sync.wait()
     with pytest.raises(StoreError, match="Input/output"):
         sync.submit(lambda: ran.append("after"))

@@ -1,9 +1,11 @@
-"""Background fsyncs: the disk's part of a durable write, off the training thread.
+"""Background disk work: the shard writes and fsyncs of a durable store, off the training
+thread.
 
-An fsync waits for the disk, not the CPU. Run on one background thread, it overlaps the
-next micro-batch's forward and backward instead of stalling them. Jobs run one at a
-time in submission order, so a job that publishes files (an index write) runs only once
-every earlier job (their fsyncs) has succeeded.
+Copying a shard into the page cache and waiting for the disk need no Python (the GIL is
+released), so on one background thread they overlap the next micro-batch's forward and
+backward instead of stalling them. Jobs run one at a time in submission order, so a job
+that publishes files (an index write) runs only once every earlier job (their writes and
+fsyncs) has succeeded.
 """
 
 from __future__ import annotations
@@ -30,13 +32,23 @@ class BackgroundSync:
         self._error: Exception | None = None
         self._reported = False
 
-    def submit(self, job: Callable[[], None]) -> None:
-        """Queue ``job`` after every job submitted before it."""
+    def submit(self, job: Callable[[], None]) -> Future[None]:
+        """Queue ``job`` after every job submitted before it; its future (see
+        :meth:`wait_for`)."""
         self._raise_error()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tda-store-sync")
         self._jobs = [j for j in self._jobs if not j.done()]
-        self._jobs.append(self._pool.submit(self._run, job))
+        future = self._pool.submit(self._run, job)
+        self._jobs.append(future)
+        return future
+
+    def wait_for(self, job: Future[None] | None) -> None:
+        """Return once ``job`` (a :meth:`submit` future, or ``None``: nothing to wait for)
+        and every job before it are done; raise if one failed."""
+        if job is not None:
+            job.result()  # _run keeps the error instead of raising it
+        self._raise_error()
 
     def wait(self) -> None:
         """Return once every submitted job is done; raise if one failed."""
@@ -71,7 +83,7 @@ class BackgroundSync:
             return
         self._reported = True
         raise StoreError(
-            f"making {self.what} durable failed in the background ({self._error}); steps "
+            f"writing {self.what} to disk failed in the background ({self._error}); steps "
             "committed before it are on disk, later ones are not: check the disk (space, "
             "permissions) and resume from the last step on disk in a new run"
         ) from self._error

@@ -5,11 +5,14 @@ shard file, and a step becomes visible only when the rank's index is rewritten
 atomically after its shards are on disk. A crash at any moment leaves every durably
 committed step readable and no partial one visible.
 
-The disk waits (the fsyncs of the shards, of their folder, and the index write) run on a
-background thread (:class:`~tda_plugins.store.sync.BackgroundSync`), overlapping the
+The disk work (each shard's write and fsync, the folder's fsync and the index write) runs
+on a background thread (:class:`~tda_plugins.store.sync.BackgroundSync`), overlapping the
 next micro-batch's forward and backward: a commit is durable shortly after
-:meth:`GradientStore.commit` returns. At most one step is in flight: the first shard of
-the next step waits for the previous commit to be on disk, and :meth:`GradientStore.flush`,
+:meth:`GradientStore.commit` returns. The jobs run in order, so a step's shards are
+written only once the previous commit is on disk. The shard's tensors are held until
+written, and each shard waits for the previous one's write (with it, every earlier
+job), so at most one micro-batch's gradients are held beside the one being captured,
+and at most one committed step is not yet on disk. :meth:`GradientStore.flush`,
 the end of capture, the engine's detach, :meth:`~GradientStore.truncate` and a trainer
 checkpoint (:meth:`~tda_plugins.session.CaptureSession.save_checkpoint`) wait for all of
 it; the trainer callbacks also wait at the end of each step
@@ -24,6 +27,7 @@ token loss (``record.loss_scale`` converts the trainer's mean loss).
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +85,7 @@ class GradientStore(CaptureConsumer):
         self._shards: list[dict[str, Any]] = self._read_index()
         self._pending: list[dict[str, Any]] = []
         self._sync = BackgroundSync(f"the gradient store {self.root}")
+        self._writing: Future[None] | None = None  # the last shard's background write
         self.config: CaptureConfig | None = None
 
     # -- consumer events ---------------------------------------------------------------
@@ -114,8 +119,9 @@ class GradientStore(CaptureConsumer):
                 f"{self.committed_steps[-1]}); continue with engine.resume_at_step("
                 f"{self.next_step}), or truncate(from_step={record.step}) to redo it"
             )
-        if not self._pending:  # a new step: the previous one's commit is on disk first
-            self._sync.wait()
+        # hold at most one earlier micro-batch's tensors (the jobs run in order: once that
+        # shard is written, every earlier commit is on disk too)
+        self._sync.wait_for(self._writing)
         cpu = record.to("cpu", non_blocking=False)
         tensors = {"example_ids": cpu.example_ids.contiguous()}
         layers: dict[str, Any] = {}
@@ -147,11 +153,16 @@ class GradientStore(CaptureConsumer):
         _require_finite(tensors, record.step)
         name = shard_name(record.step, record.index)
         metadata = {"layers": json.dumps(layers), "aliases": json.dumps(aliases)}
-        # safetensors writes the tensors straight into the file: no serialized copy. The
-        # shard is unlisted until its step's index write, which runs after this fsync.
+        # safetensors writes the tensors straight into the file (no serialized copy),
+        # releasing the GIL. The shard is unlisted until its step's index write, which
+        # runs after its fsync; the closure holds the tensors until then.
         path = self._dir / name
-        write_renamed(path, lambda tmp: save_file(tensors, tmp, metadata))
-        self._sync.submit(lambda: fsync_path(path))
+
+        def write() -> None:
+            write_renamed(path, lambda tmp: save_file(tensors, tmp, metadata))
+            fsync_path(path)
+
+        self._writing = self._sync.submit(write)
         self._pending.append(
             {
                 "file": name,
