@@ -423,10 +423,11 @@ def test_sigkill_between_micro_batches_loses_only_that_step_and_resume_is_exact(
 
 
 class DiskLog:
-    """Stands in for the store's disk waits: logs each fsync, shard write and index write
-    in the order they happen (from either thread). An fsync can be held until released
-    (at most 10 s: a writer that waits for a held fsync fails the test, not hangs it),
-    slowed by ``delay`` seconds, or fail for a shard (``fail_shards``)."""
+    """Stands in for the store's disk work: logs each finished shard write, fsync and
+    index write in the order they happen (from either thread). Shard writes and fsyncs
+    can be held until released (at most 10 s: a writer that waits for held disk work
+    fails the test, not hangs it), fsyncs slowed by ``delay`` seconds, or failed for a
+    shard (``fail_shards``)."""
 
     def __init__(
         self, monkeypatch: pytest.MonkeyPatch, delay: float = 0.0, fail_shards: bool = False
@@ -444,8 +445,9 @@ class DiskLog:
             self.events.append(("fsync", path.name))
 
         def write(path: Path, fill: Callable[[Path], object]) -> None:
-            self.events.append(("write", path.name))
+            self.release.wait(timeout=10)
             real_write(path, fill)
+            self.events.append(("write", path.name))
 
         def publish(path: Path, value: Any) -> None:
             if path.name == "index.json":
@@ -463,17 +465,19 @@ class DiskLog:
 def test_a_step_is_committed_without_waiting_for_the_disk_and_published_once_durable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With the disk held, the micro-batch and its commit return (the fsyncs wait on the
-    background thread) and no index lists the shard; once released, ``flush`` returns
-    with the shard fsynced, then its folder, then the index listing it."""
+    """With the disk held, the micro-batch and its commit return (the shard's write and
+    fsyncs wait on the background thread): the shard is not written and no index lists
+    it; once released, ``flush`` returns with the shard written, fsynced, then its
+    folder, then the index listing it."""
     disk = DiskLog(monkeypatch)
     disk.release.clear()
     model = tiny_causal_lm("llama")
     store = GradientStore(tmp_path)
     with CaptureEngine(model, consumers=[store]) as engine:
         summed_loss(model, lm_batch(2, 8, seed=0)).backward()
-        engine.optimizer_step()  # returns although the shard's fsync is held
+        engine.optimizer_step()  # returns although the shard's write is held
         assert store.committed_steps == [0]
+        assert disk.events == []  # nothing written yet
         assert not (rank_dir(tmp_path, 0) / "index.json").exists()
         disk.release.set()
         store.flush()
@@ -490,8 +494,9 @@ def test_a_step_is_committed_without_waiting_for_the_disk_and_published_once_dur
 def test_the_next_step_starts_writing_only_after_the_last_commit_is_on_disk(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """At most one step is in flight: the first shard of step n + 1 is written after the
-    index that publishes step n, and each index lists only shards fsynced before it."""
+    """A step's shards follow the previous commit: the first shard of step n + 1 is
+    written after the index that publishes step n, and each index lists only shards
+    fsynced before it."""
     disk = DiskLog(monkeypatch, delay=0.2)  # the disk slower than the tiny model's steps
     steps = [[lm_batch(2, 8, seed=10 * s + m) for m in range(2)] for s in range(3)]
     capture(tiny_causal_lm("llama"), steps, tmp_path, LayerSelection())
@@ -503,6 +508,30 @@ def test_the_next_step_starts_writing_only_after_the_last_commit_is_on_disk(
         if step:
             assert disk.position(("write", shard_name(step, 2 * step))) > indexes[step - 1]
     assert StoreReader(tmp_path).steps == [0, 1, 2]
+
+
+def test_a_micro_batch_waits_for_the_previous_shards_write_so_one_is_held_at_most(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The background write holds a shard's tensors until it runs; the next micro-batch
+    of the step waits for that write before queuing its own, so a slow disk holds one
+    earlier micro-batch's gradients at most (released here after 0.3 s)."""
+    disk = DiskLog(monkeypatch)
+    disk.release.clear()
+    threading.Timer(0.3, disk.release.set).start()
+    model = tiny_causal_lm("llama")
+    store = GradientStore(tmp_path)
+    with CaptureEngine(model, consumers=[store]) as engine:
+        summed_loss(model, lm_batch(2, 8, seed=0)).backward()  # queued, write held
+        disk.events.append(("returned", "micro-batch 0"))
+        summed_loss(model, lm_batch(2, 8, seed=1)).backward()
+        disk.events.append(("returned", "micro-batch 1"))
+        engine.optimizer_step()
+        engine.end()
+    first = ("write", shard_name(0, 0))
+    assert disk.position(("returned", "micro-batch 0")) < disk.position(first)
+    assert disk.position(first) < disk.position(("returned", "micro-batch 1"))
+    assert indexed_files(tmp_path) == {shard_name(0, 0), shard_name(0, 1)}
 
 
 def test_a_failed_background_fsync_is_raised_and_nothing_after_it_is_published(
