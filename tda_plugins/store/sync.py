@@ -52,10 +52,8 @@ class BackgroundSync:
 
     def wait(self) -> None:
         """Return once every submitted job is done; raise if one failed."""
-        for job in self._jobs:
-            job.result()  # _run keeps the error instead of raising it
+        self.wait_for(self._jobs[-1] if self._jobs else None)  # jobs run in order
         self._jobs = []
-        self._raise_error()
 
     def close(self) -> None:
         """:meth:`wait`, then stop the thread (a later :meth:`submit` starts another)."""
