@@ -238,8 +238,8 @@ def test_dot_with_a_vector_equals_materialized_rows(kind: str) -> None:
 
 
 def test_layers_sharing_an_input_are_scored_and_summed_as_each_alone() -> None:
-    """``dots_with``/``rows_sums`` batch layers that share one input tensor (q/k/v); the
-    results equal each layer's explicit rows, for grouped and ungrouped layers alike."""
+    """``dots_with`` batches layers that share one input tensor (q/k/v); its dots, and
+    ``rows_sums``' sums, equal each layer's explicit rows, grouped layers or not."""
     x = _randn(3, 5, 6)
     grads: dict[str, PerExampleGrad] = {
         "q": TokenFactors(x, _randn(3, 5, 2)),
@@ -391,18 +391,24 @@ def test_row_runs_split_indices_into_consecutive_slices() -> None:
     assert row_runs(torch.tensor([], dtype=torch.long)) == [slice(0, 0)]
 
 
-def test_rows_sums_of_shared_input_layers_over_several_runs() -> None:
-    """Layers sharing an input take one product per run of rows; the sums equal the
-    explicit rows' sums whatever the runs."""
-    x = _randn(5, 4, 6)
+@pytest.mark.parametrize("bias", [False, True])
+def test_rows_sums_over_several_runs_of_rows(bias: bool) -> None:
+    """Factors add every run of consecutive rows into one output; the sums equal the
+    explicit rows' sums whatever the runs (none, one, several), bias column included."""
     grads: dict[str, PerExampleGrad] = {
-        "q": TokenFactors(x, _randn(5, 4, 3)),
-        "k": TokenFactors(x, _randn(5, 4, 2)),
+        "q": TokenFactors(_randn(5, 4, 6), _randn(5, 4, 3), bias=bias),
+        "o": TokenFactors(_randn(5, 4, 3), _randn(5, 4, 6), bias=bias),
     }
-    for rows in (torch.tensor([0, 2, 3]), torch.tensor([4]), torch.tensor([], dtype=torch.long)):
+    for rows in (
+        torch.tensor([0, 2, 3]),
+        torch.tensor([0, 1, 4]),
+        torch.tensor([4]),
+        torch.tensor([], dtype=torch.long),
+    ):
         sums = rows_sums(grads, rows)
         for name, g in grads.items():
-            torch.testing.assert_close(sums[name], _explicit_materialize(g)[rows].sum(0))
+            expected = _explicit_materialize(g)[rows].sum(0)
+            torch.testing.assert_close(sums[name], expected)
 
 
 def test_ghost_dots_take_a_shared_input_gram_once() -> None:

@@ -455,6 +455,19 @@ class TokenFactors(PerTokenGrad):
         g = self.g.to(accumulation_dtype(self.g)).reshape(-1, self.out_dim)
         return (g.T @ self.augmented_a().reshape(-1, self.in_dim)).flatten()
 
+    def runs_sum(self, runs: list[slice]) -> Tensor:
+        # One (N_o, N_i) output that every run's product adds into (addmm_): a separate
+        # product per run and a sum of them would write and read the output once more per
+        # run (for an 8000-row head, ~40% of the runs' time on a CPU).
+        out: Tensor | None = None
+        for run in runs:
+            part = self.select(run)  # views of the run's examples
+            g = part.g.to(accumulation_dtype(part.g)).reshape(-1, self.out_dim).T
+            a = part.augmented_a().reshape(-1, self.in_dim)
+            out = g @ a if out is None else out.addmm_(g, a)
+        assert out is not None  # row_runs gives at least one (possibly empty) run
+        return out.flatten()
+
     def scaled(self, factor: float | Tensor) -> TokenFactors:
         return TokenFactors(self.a, self.g * factor, self.bias)
 

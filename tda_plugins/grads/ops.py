@@ -20,7 +20,6 @@ from tda_plugins.grads.factors import (
     TokenFactors,
     accumulation_dtype,
     row_runs,
-    summed,
     tensor_key,
     values_dtype,
 )
@@ -201,20 +200,14 @@ def _ghost_dots(
     return out
 
 
-def _input_groups(
-    grads: Mapping[str, PerExampleGrad], narrow_output: bool
-) -> tuple[list[Group], list[str]]:
-    """Layers whose factors share one input tensor (q/k/v or gate/up projections, their
-    LoRA ``A`` adapters), as groups of two or more, and the other layers. Only bias-free
-    :class:`TokenFactors` group; ``narrow_output`` keeps those with ``N_o < N_i``."""
+def _input_groups(grads: Mapping[str, PerExampleGrad]) -> tuple[list[Group], list[str]]:
+    """Layers whose factors share one input tensor and have the narrower output side
+    (``N_o < N_i``; LoRA ``A`` adapters of q/k/v, gate/up), as groups of two or more, and
+    the other layers. Only bias-free :class:`TokenFactors` group."""
     groups: dict[TensorKey, Group] = {}
     rest = []
     for name, g in grads.items():
-        if (
-            isinstance(g, TokenFactors)
-            and not g.bias
-            and (g.out_dim < g.in_dim or not narrow_output)
-        ):
+        if isinstance(g, TokenFactors) and not g.bias and g.out_dim < g.in_dim:
             groups.setdefault(tensor_key(g.a), []).append((name, g))
         else:
             rest.append(name)
@@ -247,7 +240,7 @@ def dots_with(
         }
     )
     direct = {name: g for name, g in grads.items() if name not in ghost}
-    shared, rest = _input_groups(direct, narrow_output=True)
+    shared, rest = _input_groups(direct)
     out = {name: grads[name].dot(vectors[name]) for name in rest}
     for group in shared:
         a = group[0][1].a
@@ -260,23 +253,7 @@ def dots_with(
     return {name: out[name] for name in grads}
 
 
-def _group_total(group: list[tuple[str, TokenFactors]], run: slice) -> Tensor:
-    """``[g_1 g_2 ...]^T a`` over the tokens of examples ``run`` of layers sharing the
-    input ``a``: ``(sum_l N_o_l, N_i)``, from views of the run (nothing gathered)."""
-    a = group[0][1].a[run]
-    a = a.to(accumulation_dtype(a)).reshape(-1, a.shape[-1])
-    g = torch.cat([f.g[run].to(a.dtype) for _, f in group], dim=-1)
-    return g.reshape(-1, g.shape[-1]).T @ a
-
-
 def rows_sums(grads: Mapping[str, PerExampleGrad], rows: Tensor) -> dict[str, Tensor]:
-    """Per layer, ``(D,)`` sum of the per-example gradients of examples ``rows``; layers
-    that share an input select it once and take one ``[g_1 g_2 ...]^T a`` product."""
+    """Per layer, ``(D,)`` sum of the per-example gradients of examples ``rows``."""
     runs = row_runs(rows)  # one host read of the rows for every layer
-    shared, rest = _input_groups(grads, narrow_output=False)
-    out = {name: grads[name].runs_sum(runs) for name in rest}
-    for group in shared:
-        total = summed(_group_total(group, run) for run in runs)
-        products = total.split([f.out_dim for _, f in group])
-        out.update({name: p.flatten() for (name, _), p in zip(group, products, strict=True)})
-    return out
+    return {name: g.runs_sum(runs) for name, g in grads.items()}
