@@ -393,11 +393,13 @@ def test_row_runs_split_indices_into_consecutive_slices() -> None:
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_rows_sums_over_several_runs_of_rows(bias: bool) -> None:
-    """Factors add every run of consecutive rows into one output; the sums equal the
-    explicit rows' sums whatever the runs (none, one, several), bias column included."""
+    """Factors (linear and embedding) add every run of consecutive rows into one output;
+    the sums equal the explicit rows' sums whatever the runs (none, one, several), bias
+    column included."""
     grads: dict[str, PerExampleGrad] = {
         "q": TokenFactors(_randn(5, 4, 6), _randn(5, 4, 3), bias=bias),
         "o": TokenFactors(_randn(5, 4, 3), _randn(5, 4, 6), bias=bias),
+        "emb": EmbeddingFactors(torch.randint(0, 7, (5, 4)), _randn(5, 4, 3), num_embeddings=7),
     }
     for rows in (
         torch.tensor([0, 2, 3]),

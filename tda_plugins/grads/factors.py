@@ -625,6 +625,17 @@ class EmbeddingFactors(PerTokenGrad):
     def total(self) -> Tensor:
         return self._scattered(self._g())
 
+    def runs_sum(self, runs: list[slice]) -> Tensor:
+        # One (V, D) table that every run's tokens are added into, instead of a zeroed
+        # table per run and their sum.
+        out = self.g.new_zeros(
+            self.num_embeddings, self.g.shape[2], dtype=accumulation_dtype(self.g)
+        )
+        for run in runs:
+            part = self.select(run)  # views of the run's examples
+            out.index_add_(0, part.ids.reshape(-1), part._g().reshape(-1, out.shape[1]))
+        return out.flatten()
+
     def _scattered(self, g: Tensor) -> Tensor:
         """``(B, T, D)`` token gradients added into their rows: the ``(V D,)`` sum."""
         out = g.new_zeros(self.num_embeddings, g.shape[2])
