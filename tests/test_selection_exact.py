@@ -578,7 +578,8 @@ def test_trainer_grad_is_the_clipped_fresh_backward_over_kept(
     clipping follows selection and the trainer's own clipping before it is off); every
     fresh gradient is above 0.05, so the clipping is in effect. Afterwards
     ``max_grad_norm`` is 0.05 again, ``selection.jsonl`` has one line per step with its
-    dropped ids, and the trainer's logs carry ``selection/kept`` and friends."""
+    dropped ids, and the trainer's logs carry ``selection/kept`` and friends, with
+    ``selection/grad_norm`` the fresh backward's norm before clipping."""
     run = train_with_selection(tmp_path, spec, accumulation, **options)
     history = run.selection.history
     examples_per_step = PER_DEVICE * accumulation
@@ -597,6 +598,11 @@ def test_trainer_grad_is_the_clipped_fresh_backward_over_kept(
     assert [e["step"] for e in logged] == [1, 2, 3]
     assert all(e["selection/kept"] == examples_per_step // 2 for e in logged)
     assert all("selection/dropped" in e and "selection/mean_score" in e for e in logged)
+    # the corrected gradient's norm before clipping: the fresh backward's, per step
+    norms = torch.tensor([e["selection/grad_norm"] for e in logged], dtype=torch.float64)
+    torch.testing.assert_close(
+        norms, torch.tensor(check.fresh_norms, dtype=torch.float64), rtol=1e-4, atol=0.0
+    )
 
 
 def _param_grad(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:

@@ -399,7 +399,10 @@ class DataSelectionCallback(PoolCallback):
     clipping and ``optimizer.step()``: the result equals a fresh backward over the kept
     examples with the trainer's normalization (token mean over the kept examples'
     label tokens, as ``num_items_in_batch`` does). Gradient clipping is taken over while
-    training (``max_grad_norm`` is applied after selection) and restored at the end. In
+    training (``max_grad_norm`` is applied after selection) and restored at the end. The
+    trainer's logs get ``selection/kept``, ``selection/dropped``, ``selection/mean_score``
+    and ``selection/grad_norm``: the corrected gradient's norm before clipping (the
+    trainer's own ``grad_norm`` is taken before the selection, so it is not that). In
     full fine-tuning in one process, autograd skips the captured layers' weight gradients
     and the selection builds their ``.grad`` from the kept examples' factors (cheaper than
     correcting autograd's); under DDP, and for LoRA adapters, autograd computes them and
@@ -456,6 +459,8 @@ class DataSelectionCallback(PoolCallback):
         self.log_path = log_path
         self.selector: DataSelector | None = None
         self._max_grad_norm = 0.0
+        #: Norm of the last step's corrected gradient, before clipping (0-dim tensor).
+        self._grad_norm: Tensor | None = None
 
     @property
     def history(self) -> list[StepSelection]:
@@ -533,18 +538,28 @@ class DataSelectionCallback(PoolCallback):
         **kwargs: Any,
     ) -> None:
         super().on_pre_optimizer_step(args, state, control)
-        if model is not None and self._max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), self._max_grad_norm)
+        if model is None:
+            return
+        # The trainer's own grad_norm is taken before this event, so before selection:
+        # the corrected gradient's norm (before clipping) is logged as selection/grad_norm.
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        if self._max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), self._max_grad_norm, norm)
+        self._grad_norm = norm.detach()
 
     def step_metrics(self) -> dict[str, float]:
         if not self.history:
             return {}
         last = self.history[-1].summary()
-        return {
+        metrics = {
             "selection/kept": float(last["kept"]),
             "selection/dropped": float(last["dropped"]),
             "selection/mean_score": last["mean_score"],
         }
+        if self._grad_norm is not None:
+            metrics["selection/grad_norm"] = float(self._grad_norm)
+        return metrics
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
