@@ -346,7 +346,7 @@ class DataSelector(CaptureConsumer):
                 continue
             parts = rows_sums({name: r.layers[name].grads for name in names}, rows)
             for name, part in parts.items():
-                totals[name] = totals[name] + part if name in totals else part
+                totals[name] = totals[name].add_(part) if name in totals else part
         return {
             name: totals[name] if name in totals else torch.zeros(records[0].layers[name].grads.dim)
             for name in names
