@@ -28,7 +28,8 @@ two entry points in the same timed runs -- the target gradient (``on_step_begin`
 selection at the optimizer step (``on_pre_optimizer_step``: scoring, dropping, ``.grad``
 surgery, clipping) -- and the rest of the extra time is the capture hooks on the
 training forward/backward. A short cProfile run splits the selection step into scoring
-(dots of the per-example factors with the target, the rule) and surgery.
+(the layers' per-example gradients built once where that is cheaper, the dots with the
+target, the rule) and surgery.
 
 Usage::
 
@@ -106,7 +107,11 @@ TARGETED = (SELECT, ONE, PROJECTED)
 SELECTOR = "tda_plugins/selection/selector.py"
 #: Code whose cumulative time splits the selection's cost.
 PROFILED = {
-    "scoring": ((SELECTOR, "_unit_scores"), (SELECTOR, "_keep_masks")),
+    "scoring": (
+        (SELECTOR, "_built_once"),
+        (SELECTOR, "_unit_scores"),
+        (SELECTOR, "_keep_masks"),
+    ),
     "selection step": ((SELECTOR, "on_optimizer_step"),),
 }
 
@@ -513,8 +518,8 @@ the same slot. Target: <= {TARGET}x with selection (the dattri-llm paper reports
 Where the extra time of a step goes (CPU time, steadier than wall time here; medians of \
 the timed steps): the target's gradient and the selection at the optimizer step are \
 timed by the callback itself in the runs above; the selection's split, in CPU ms per \
-step under cProfile ({settings.profile_steps} steps), is scoring (dots of the \
-per-example factors with the target, the rule) / surgery (dropped examples' \
+step under cProfile ({settings.profile_steps} steps), is scoring (per-example gradients \
+built once where cheaper, their dots with the target, the rule) / surgery (dropped examples' \
 contributions summed and removed from `.grad`, logging). The rest \
 is the capture hooks on the training forward/backward (and the records they keep). \
 The last column estimates a target refreshed every 8 steps: fixed + (select - fixed) / 8.

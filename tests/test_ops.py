@@ -292,6 +292,27 @@ def test_dot_costs_route_to_the_smaller_target_form() -> None:
     assert choose_route(train.dot_costs(DenseGrad(_randn(1, 64)))) is Route.MATERIALIZED
 
 
+def test_selection_builds_factors_once_when_the_summed_rows_cost_more_than_reading() -> None:
+    """Scoring then summing ``rows`` examples: on the factors it costs the cheaper dot
+    route plus the rows' share of one weight-gradient product, ``rows T D``; built once,
+    ``B T D`` plus ``B D`` reads. So a step that sums no row keeps the factors, one that
+    sums every row builds them; a dense capture is never built again; an embedding, whose
+    built gradient is vocabulary-wide, stays as it is."""
+    b, t, n = 2, 3, 8
+    train = TokenFactors(_randn(b, t, n), _randn(b, t, n))
+    for rows, expected in ((0, Route.FACTORIZED), (b, Route.MATERIALIZED)):
+        costs = train.score_and_sum_costs(None, rows)
+        assert costs[Route.FACTORIZED] == b * t * n * n * (1 + rows / b)
+        assert costs[Route.MATERIALIZED] == b * t * n * n + b * n * n
+        assert choose_route(costs) is expected
+    target = TokenFactors(_randn(1, 1, n), _randn(1, 1, n))  # ghost dot: b t (2 n)
+    assert train.score_and_sum_costs(target, 1)[Route.FACTORIZED] == b * t * 2 * n + t * n * n
+    assert choose_route(DenseGrad(_randn(b, 64)).score_and_sum_costs(None, b)) is (Route.FACTORIZED)
+    ids = torch.randint(0, 1000, (b, t), generator=gen)
+    embedding = EmbeddingFactors(ids, _randn(b, t, n), num_embeddings=1000)
+    assert choose_route(embedding.score_and_sum_costs(None, b)) is Route.FACTORIZED
+
+
 def _score_counting_materializations(
     prepared: QueryGradients,
     queries: dict[str, TokenFactors],

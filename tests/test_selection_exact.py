@@ -41,12 +41,15 @@ from transformers import Trainer, TrainerCallback
 
 from tda_plugins import CaptureEngine, LayerSelection, ProjectionConfig
 from tda_plugins.api import causal_lm_losses
+from tda_plugins.capture import MicroBatchRecord
+from tda_plugins.grads import Route
 from tda_plugins.integrations.transformers.callbacks import (
     DataSelectionCallback,
     UnsupportedTrainingSetup,
     causal_lm_token_counts,
 )
 from tda_plugins.selection import DataSelector, StepSelection, rule_by_name
+from tda_plugins.selection import selector as selector_module
 from tda_plugins.selection.target import target_gradient
 from tests.models import lm_batch, tiny_causal_lm, with_lora
 from tests.oracle import loop_oracle, max_rel_error
@@ -211,6 +214,20 @@ class Outcome:
     selection: StepSelection
     layer_names: list[str]
     factor_layers: list[str]
+    materialized: list[set[str]]
+    linear_layers: set[str]
+
+
+class RecordingSelector(DataSelector):
+    """A :class:`DataSelector` that remembers which layers each step materialized."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.materialized: list[set[str]] = []
+
+    def materialized_layers(self, records: list[MicroBatchRecord]) -> set[str]:
+        self.materialized.append(super().materialized_layers(records))
+        return self.materialized[-1]
 
 
 def run_step(
@@ -220,43 +237,57 @@ def run_step(
     options: dict[str, float],
     score: str = "dot",
     granularity: str = "global",
+    route: Route | None = None,
+    steps: int = 1,
 ) -> Outcome:
     """The trainer's step, by hand: the target captured with the engine paused, then per
     micro-batch ``sum of its summed losses / N_window`` backpropagated (the engine told
     ``loss_scale = N_window``), then ``engine.optimizer_step()``; ``.grad`` before and
-    after the selection."""
+    after the selection (of the last of ``steps`` such steps, each on the same window
+    and target, with no optimizer step between them)."""
     micro_batches = s.micro_batches(accumulation)
     normalization = ManualScale()
     normalization.value = s.window_tokens
     with CaptureEngine(s.model, s.layers, None, (), normalization) as engine:
-        selector = DataSelector(
+        selector = RecordingSelector(
             engine.captured_layers,
             rule_by_name(rule, **options),
             causal_lm_token_counts,
             score,  # type: ignore[arg-type]
             granularity,  # type: ignore[arg-type]
             s.optimizer,
+            route=route,
         )
         engine.add_consumer(selector)
         with engine.paused():
             selector.set_target(
                 target_gradient(s.model, engine.captured_layers, s.target, causal_lm_losses)
             )
-        s.model.zero_grad(set_to_none=True)
-        first = 0
-        for batch in micro_batches:
-            size = batch["input_ids"].shape[0]
-            engine.set_example_ids(torch.arange(first, first + size))
-            first += size
-            (example_losses(s.model, batch).sum() / normalization.value).backward()
-        before = current_grads(s.model)
-        engine.optimizer_step()
-        after = current_grads(s.model)
+        for _ in range(steps):
+            s.model.zero_grad(set_to_none=True)
+            first = 0
+            for batch in micro_batches:
+                size = batch["input_ids"].shape[0]
+                engine.set_example_ids(torch.arange(first, first + size))
+                first += size
+                (example_losses(s.model, batch).sum() / normalization.value).backward()
+            before = current_grads(s.model)
+            engine.optimizer_step()
+            after = current_grads(s.model)
         layer_names = engine.layer_names
+        linear = {n for n, (_, a) in engine.captured_layers.items() if a.family == "linear"}
     s.model.zero_grad(set_to_none=True)
-    assert len(selector.history) == 1 and selector.target is not None
+    assert len(selector.history) == steps and selector.target is not None
     factor_layers = list(selector.target.factors)
-    return Outcome(before, after, selector.history[0], layer_names, factor_layers)
+    return Outcome(
+        before,
+        after,
+        selector.history[-1],
+        layer_names,
+        factor_layers,
+        selector.materialized,
+        linear,
+    )
 
 
 def oracle_scores(s: Subject, score: str, names: list[str]) -> Tensor:
@@ -332,29 +363,44 @@ def assert_grad_is_fresh_over_kept(
     assert error <= FP64_TOL, f".grad is {error:.2e} away from the fresh backward over kept"
 
 
+#: How scoring and surgery read the gradients: the cost model's choice (here every linear
+#: layer materialized once, the rest as captured), or each route forced on every layer.
+ROUTES = {"routed": None, "factors": Route.FACTORIZED, "built-once": Route.MATERIALIZED}
+
 CORE_CASES = [
-    pytest.param(spec, acc, score, gran, rule, id=f"{spec}-ga{acc}-{score}-{gran}-{rule}")
+    pytest.param(
+        spec, acc, score, gran, rule, route, id=f"{spec}-ga{acc}-{score}-{gran}-{rule}-{route}"
+    )
     for spec in MODELS
     for acc in (1, 4)
     for score in SCORES
     for gran in GRANULARITIES
     for rule in RULES
+    for route in ROUTES
     # A tied weight would get two kept sets: refused (test_per_layer_refuses_a_tied_weight).
     if not (spec == "gpt2-full" and gran == "per_layer")
 ]
 
 
-@pytest.mark.parametrize("spec, accumulation, score, granularity, rule", CORE_CASES)
+@pytest.mark.parametrize("spec, accumulation, score, granularity, rule, route", CORE_CASES)
 def test_grad_after_selection_is_a_fresh_backward_over_the_kept_examples(
-    spec: str, accumulation: int, score: str, granularity: str, rule: str
+    spec: str, accumulation: int, score: str, granularity: str, rule: str, route: str
 ) -> None:
     """The engine's selection keeps exactly the examples the rule picks from the oracle's
     scores (per layer: each layer its own), and every trainable ``.grad`` then equals the
     fresh backward over those kept examples (per layer: over that layer's kept set),
-    normalized by their own label tokens, within fp64 rounding."""
+    normalized by their own label tokens, within fp64 rounding: whether scores and sums
+    read the captured factors or per-example gradients built once."""
     s = subject(spec, adam=score == "adam")
     option = rule_option(s, rule, score, granularity)
-    outcome = run_step(s, accumulation, rule, {_option_name(rule): option}, score, granularity)
+    options = {_option_name(rule): option}
+    outcome = run_step(s, accumulation, rule, options, score, granularity, ROUTES[route])
+    expected_routes = {
+        "factors": set(),
+        "built-once": set(outcome.layer_names),
+        "routed": outcome.linear_layers,
+    }
+    assert outcome.materialized == [expected_routes[route]]
     keep = expected_keep(s, rule, option, score, granularity)
     masks = torch.stack(list(keep.values()))
     assert not masks.all(), "the case is vacuous: the rule drops nothing anywhere"
@@ -443,6 +489,49 @@ def test_dropping_everything_keeps_the_best_example(spec: str, granularity: str)
         assert_grad_is_fresh_over_kept(s, outcome, 4, next(iter(keep.values())))
     else:
         assert_grad_is_fresh_over_kept(s, outcome, 4, keep)
+
+
+def test_a_layer_wider_than_the_cache_or_the_budget_stays_factorized(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The cost model materializes a layer only if one example's gradient fits
+    ``DENSE_EXAMPLE_BYTES`` (here set to leave out the LM head, the widest layer) and the
+    step's built gradients fit ``DENSE_STEP_BYTES`` (here three of the widest block
+    layers'): every eligible layer left out would not have fit beside the chosen ones.
+    The mixed step is still the fresh backward over the kept examples."""
+    s = subject("llama-full")
+    model = s.model
+    dims = {
+        n: sum(p.numel() for p in m.parameters())
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear)
+    }
+    widest_block = max(d for n, d in dims.items() if n != "lm_head")
+    assert dims["lm_head"] > widest_block
+    itemsize = torch.float64.itemsize
+    budget = 3 * EXAMPLES * widest_block * itemsize
+    monkeypatch.setattr(selector_module, "DENSE_EXAMPLE_BYTES", widest_block * itemsize)
+    monkeypatch.setattr(selector_module, "DENSE_STEP_BYTES", budget)
+    outcome = run_step(s, 1, "bottom_fraction", {"fraction": FRACTION})
+    (chosen,) = outcome.materialized
+    assert chosen and "lm_head" not in chosen
+    used = sum(EXAMPLES * dims[n] * itemsize for n in chosen)
+    assert used <= budget
+    left_out = set(dims) - chosen - {"lm_head"}
+    assert left_out, "the budget is not binding"
+    assert all(budget - used < EXAMPLES * dims[n] * itemsize for n in left_out)
+    assert_grad_is_fresh_over_kept(s, outcome, 1, ~outcome.selection.dropped)
+
+
+def test_after_a_step_that_summed_no_row_nothing_is_materialized() -> None:
+    """The cost model prices the sums by the share of rows the previous step summed
+    (half before the first): after a step that dropped nothing, so summed no row,
+    reading the factors is the cheaper route for every layer, and ``.grad`` is still
+    left as the backward wrote it."""
+    s = subject("llama-full")
+    outcome = run_step(s, 1, "threshold", {"value": -math.inf}, steps=2)
+    assert outcome.materialized == [outcome.linear_layers, set()]
+    assert all(torch.equal(outcome.before[n], outcome.after[n]) for n in outcome.before)
 
 
 def test_per_layer_refuses_a_tied_weight() -> None:

@@ -147,6 +147,12 @@ class PerExampleGrad(ABC):
     def materialize(self) -> Tensor:
         """Per-example gradients as a ``(B, D)`` tensor in the accumulation dtype."""
 
+    def materialize_into(self, out: Tensor) -> Tensor:
+        """:meth:`materialize` written into ``out``, a ``(B, D)`` tensor of the
+        accumulation dtype (no allocation of the result where the representation can
+        write it in place); returns ``out``."""
+        return out.copy_(self.materialize())
+
     @abstractmethod
     def merge_call(self, other: Self) -> Self:
         """Combine two calls of the same module in one forward (their gradients add)."""
@@ -199,6 +205,25 @@ class PerExampleGrad(ABC):
         factorized = self.gram_costs(vector_factors).get(Route.FACTORIZED)
         costs = {Route.MATERIALIZED: self._materialize_flops()}
         return costs if factorized is None else {**costs, Route.FACTORIZED: factorized}
+
+    def score_and_sum_costs(
+        self, vector_factors: PerExampleGrad | None, rows: float
+    ) -> dict[Route, float]:
+        """Cost estimate of what data selection does with a step's gradients: a
+        :meth:`dot` of every example with one vector (also known as the summed gradients
+        ``vector_factors``, where given), then the sum of ``rows`` of the examples.
+        Factorized: both on this representation as it is, the cheaper dot route plus the
+        rows' share of one weight-gradient product; materialized: the ``(B, D)`` gradients
+        built once (``B T D`` for factors), both read from them (``~ B D``). A
+        representation that is already materialized stays as it is."""
+        dots = {Route.MATERIALIZED: self._materialize_flops()}
+        if vector_factors is not None:
+            dots = self.dot_costs(vector_factors)
+        share = self._materialize_flops() * rows / max(self.batch_size, 1)
+        return {
+            Route.FACTORIZED: min(dots.values()) + share,
+            Route.MATERIALIZED: self._materialize_flops() + self.batch_size * self.dim,
+        }
 
     @classmethod
     @abstractmethod
@@ -409,6 +434,12 @@ class TokenFactors(PerTokenGrad):
     def materialize(self) -> Tensor:
         g = self.g.to(accumulation_dtype(self.g))
         return torch.bmm(g.transpose(1, 2), self.augmented_a()).reshape(self.batch_size, -1)
+
+    def materialize_into(self, out: Tensor) -> Tensor:
+        g = self.g.to(accumulation_dtype(self.g))
+        shape = (self.batch_size, self.out_dim, self.in_dim)
+        torch.bmm(g.transpose(1, 2), self.augmented_a(), out=out.view(shape))
+        return out
 
     def merge_call(self, other: TokenFactors) -> TokenFactors:
         return TokenFactors(

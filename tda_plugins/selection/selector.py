@@ -18,7 +18,10 @@ exact contributions are removed from every captured parameter's ``.grad``:
 
 (whichever of the two sums has fewer examples is computed, in the gradient's dtype; a
 parameter the backward left without ``.grad``, under an engine with
-``parameter_grads=False``, gets the second form directly)
+``parameter_grads=False``, gets the second form directly). Per layer, the scores and the
+sums read the captured factors, or the ``(B, D)`` per-example gradients built once into a
+kept workspace and held until the sums (where the cost model says that is cheaper and one
+example's gradient fits in cache: block layers, not a wide LM head).
 
 ``c_i`` is example ``i``'s contribution to ``.grad`` (the captured gradient) and ``N`` the
 loss's token counts (all examples of the window / kept ones). For a trainer that
@@ -30,6 +33,7 @@ rank's ``.grad`` stays identical.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -43,15 +47,28 @@ from torch import Tensor, nn
 from tda_plugins.capture.adapters import LayerAdapter
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.records import MicroBatchRecord
-from tda_plugins.grads.factors import PerExampleGrad
+from tda_plugins.grads.factors import DenseGrad, PerExampleGrad, values_dtype
 from tda_plugins.grads.ops import dots_with, rows_sums, sq_norms
 from tda_plugins.grads.projection import ProjectionConfig, Projector
+from tda_plugins.grads.routing import Route, choose_route
+from tda_plugins.grads.workspace import Workspace
 from tda_plugins.selection.rules import DropRule
 from tda_plugins.selection.target import Target
 
 ScoreMode = Literal["dot", "cosine", "adam"]
 Granularity = Literal["global", "per_layer"]
 TokenCounter = Callable[[MicroBatchRecord], Tensor]
+
+#: Most bytes of one example's gradient in a layer whose per-example gradients selection
+#: builds once (about a core's share of a CPU's last-level cache). Wider layers make the
+#: batched product memory-bound: on the selection benchmark's model (batch 8 x 128
+#: tokens), scoring and summing the 8000 x 256 LM head took 77 ms materialized against
+#: 61 ms on its factors, while its 256-wide block layers took 18-38% less time
+#: materialized (benchmarks/RESULTS.md, data selection overhead).
+DENSE_EXAMPLE_BYTES = 1 << 21
+#: Most bytes of per-example gradients built once per step; the selector's workspace keeps
+#: that much between steps (a fresh allocation each step costs its page faults again).
+DENSE_STEP_BYTES = 1 << 27
 
 
 @dataclass
@@ -127,6 +144,13 @@ class DataSelector(CaptureConsumer):
             instead of tokens x N_i x N_o per layer); removal stays exact. Not with
             ``score="adam"``. A tied parameter's layers are projected separately, so
             its cosine norm leaves out their cross terms.
+        route: how scores and sums read each layer's gradients: ``FACTORIZED`` on the
+            captured factors, ``MATERIALIZED`` from ``(B, D)`` gradients built once (every
+            layer, no byte limit); ``None`` (default): per layer, the cheaper by the cost
+            model (with the summed rows' share of the previous step) among the layers
+            whose one example's gradient fits :data:`DENSE_EXAMPLE_BYTES`, the largest
+            savings first within :data:`DENSE_STEP_BYTES`. Every route gives the same
+            selection and ``.grad`` up to rounding.
     """
 
     wants_step_records: ClassVar[bool] = True
@@ -141,6 +165,7 @@ class DataSelector(CaptureConsumer):
         optimizer: torch.optim.Optimizer | None = None,
         log_path: str | Path | None = None,
         score_projection: ProjectionConfig | None = None,
+        route: Route | None = None,
     ):
         if score not in ("dot", "cosine", "adam"):
             raise ValueError(f"score must be 'dot', 'cosine' or 'adam', got {score!r}")
@@ -164,6 +189,12 @@ class DataSelector(CaptureConsumer):
         self.log_path = Path(log_path) if log_path is not None else None
         self.target: Target | None = None
         self.history: list[StepSelection] = []
+        self.route = route
+        #: Where the materialized layers' gradients are built each step (kept: at most
+        #: :data:`DENSE_STEP_BYTES` under the cost model).
+        self.workspace = Workspace()
+        #: Share of a step's rows the last surgery summed (the cost model's guess: half).
+        self._summed_share = 0.5
         self._check_tied_parameters()
 
     def _check_tied_parameters(self) -> None:
@@ -264,6 +295,63 @@ class DataSelector(CaptureConsumer):
                 squares[key] = self._unit_sq_norms(unit, records)
                 target_sq[key] = self._unit_target(unit, records, target).double().pow(2).sum()
         return dots, squares, target_sq
+
+    def materialized_layers(self, records: list[MicroBatchRecord]) -> set[str]:
+        """The layers whose ``(N, D)`` per-example gradients this step's selection builds
+        once and scores and sums from (see ``route``); the rest are read as captured.
+        None under a score projection (it scores projected factors) or before a target."""
+        if self.projector is not None or self.target is None or self.route is Route.FACTORIZED:
+            return set()
+        forced = self.route is Route.MATERIALIZED
+        candidates: list[tuple[float, int, str]] = []  # (flops saved, bytes, layer)
+        for name in self.layers:
+            grads = [r.layers[name].grads for r in records]
+            factors = self.target.factors.get(name) if self.score != "adam" else None
+            costs = [
+                g.score_and_sum_costs(factors, self._summed_share * g.batch_size) for g in grads
+            ]
+            total = {route: sum(c[route] for c in costs) for route in costs[0]}
+            itemsize = values_dtype(grads[0]).itemsize
+            if not forced and (
+                choose_route(total) is not Route.MATERIALIZED
+                or grads[0].dim * itemsize > DENSE_EXAMPLE_BYTES
+            ):
+                continue
+            nbytes = sum(g.batch_size for g in grads) * grads[0].dim * itemsize
+            candidates.append((total[Route.FACTORIZED] - total[Route.MATERIALIZED], nbytes, name))
+        dense, left = set(), DENSE_STEP_BYTES
+        for _, nbytes, name in sorted(candidates, key=lambda c: -c[0]):
+            if forced or nbytes <= left:
+                dense.add(name)
+                left -= nbytes
+        return dense
+
+    def _built_once(self, records: list[MicroBatchRecord]) -> list[MicroBatchRecord]:
+        """Shallow copies of the records (the engine's own untouched) in which the
+        :meth:`materialized_layers` hold their gradients as :class:`DenseGrad`, written
+        into the selector's kept :class:`Workspace` (valid until the next step)."""
+        dense = self.materialized_layers(records)
+        if not dense:
+            return records
+        grads = [r.layers[name].grads for r in records for name in r.layers if name in dense]
+        slots: dict[int, Tensor] = {}
+        device = records[0].example_ids.device
+        for dtype in {values_dtype(g) for g in grads}:
+            group = [g for g in grads if values_dtype(g) == dtype]
+            views = self.workspace.carve([(g.batch_size, g.dim) for g in group], dtype, device)
+            slots.update((id(g), g.materialize_into(v)) for g, v in zip(group, views, strict=True))
+        return [
+            dataclasses.replace(
+                r,
+                layers={
+                    name: dataclasses.replace(lr, grads=DenseGrad(slots[id(lr.grads)]))
+                    if name in dense
+                    else lr
+                    for name, lr in r.layers.items()
+                },
+            )
+            for r in records
+        ]
 
     def _grads(self, record: MicroBatchRecord, name: str) -> PerExampleGrad:
         """Layer ``name``'s per-example gradients as scored (projected if configured)."""
@@ -399,6 +487,7 @@ class DataSelector(CaptureConsumer):
                 keep = torch.ones(size, dtype=torch.bool, device=device)
                 self._apply(records, dict.fromkeys(self.layers, keep), missing)
             return
+        records = self._built_once(records)
         dots, squares, target_sq = self._unit_scores(records, self.target)
         masks, scores = self._keep_masks(dots, squares, target_sq)
         self._apply(records, masks, missing)
@@ -423,6 +512,8 @@ class DataSelector(CaptureConsumer):
                 if not group:
                     continue
                 plan = self._plan(records, masks[group[0]], counts, total, rebuild)
+                summed_rows = sum(len(rows) for rows in plan.rows if rows is not None)
+                self._summed_share = summed_rows / len(counts)
                 for name, part in self._rows_sums(records, group, plan).items():
                     if world > 1:
                         part = _all_reduce(part) / world
