@@ -404,7 +404,7 @@ class DataSelectionCallback(PoolCallback):
     and ``selection/grad_norm``: the corrected gradient's norm before clipping (the
     trainer's own ``grad_norm`` is taken before the selection, so it is not that). In
     full fine-tuning in one process, autograd skips the captured layers' weight gradients
-    and the selection builds their ``.grad`` from the kept examples' factors (cheaper than
+    and the selection builds their ``.grad`` from the kept examples' gradients (cheaper than
     correcting autograd's); under DDP, and for LoRA adapters, autograd computes them and
     the selection corrects them.
 
