@@ -216,6 +216,7 @@ class Outcome:
     factor_layers: list[str]
     materialized: list[set[str]]
     linear_layers: set[str]
+    workspace_bytes: int
 
 
 class RecordingSelector(DataSelector):
@@ -287,6 +288,7 @@ def run_step(
         factor_layers,
         selector.materialized,
         linear,
+        selector.workspace.nbytes(),
     )
 
 
@@ -497,8 +499,9 @@ def test_a_layer_wider_than_the_cache_or_the_budget_stays_factorized(
     """The cost model materializes a layer only if one example's gradient fits
     ``DENSE_EXAMPLE_BYTES`` (here set to leave out the LM head, the widest layer) and the
     step's built gradients fit ``DENSE_STEP_BYTES`` (here three of the widest block
-    layers'): every eligible layer left out would not have fit beside the chosen ones.
-    The mixed step is still the fresh backward over the kept examples."""
+    layers'): every eligible layer left out would not have fit beside the chosen ones,
+    and the selector's kept workspace holds no more than the chosen ones. The mixed step
+    is still the fresh backward over the kept examples."""
     s = subject("llama-full")
     model = s.model
     dims = {
@@ -517,6 +520,7 @@ def test_a_layer_wider_than_the_cache_or_the_budget_stays_factorized(
     assert chosen and "lm_head" not in chosen
     used = sum(EXAMPLES * dims[n] * itemsize for n in chosen)
     assert used <= budget
+    assert outcome.workspace_bytes == used, "the selector keeps exactly the built gradients"
     left_out = set(dims) - chosen - {"lm_head"}
     assert left_out, "the budget is not binding"
     assert all(budget - used < EXAMPLES * dims[n] * itemsize for n in left_out)
