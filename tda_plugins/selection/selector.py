@@ -33,10 +33,9 @@ rank's ``.grad`` stays identical.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -193,7 +192,7 @@ class DataSelector(CaptureConsumer):
         #: Where the materialized layers' gradients are built each step (kept: at most
         #: :data:`DENSE_STEP_BYTES` under the cost model).
         self.workspace = Workspace()
-        #: Share of a step's rows the last surgery summed (the cost model's guess: half).
+        #: Share of a step's rows the last surgery summed (before the first step: half).
         self._summed_share = 0.5
         self._check_tied_parameters()
 
@@ -299,7 +298,8 @@ class DataSelector(CaptureConsumer):
     def materialized_layers(self, records: list[MicroBatchRecord]) -> set[str]:
         """The layers whose ``(N, D)`` per-example gradients this step's selection builds
         once and scores and sums from (see ``route``); the rest are read as captured.
-        None under a score projection (it scores projected factors) or before a target."""
+        No layer under a score projection (it scores projected factors) or before a
+        target."""
         if self.projector is not None or self.target is None or self.route is Route.FACTORIZED:
             return set()
         forced = self.route is Route.MATERIALIZED
@@ -341,12 +341,10 @@ class DataSelector(CaptureConsumer):
             views = self.workspace.carve([(g.batch_size, g.dim) for g in group], dtype, device)
             slots.update((id(g), g.materialize_into(v)) for g, v in zip(group, views, strict=True))
         return [
-            dataclasses.replace(
+            replace(
                 r,
                 layers={
-                    name: dataclasses.replace(lr, grads=DenseGrad(slots[id(lr.grads)]))
-                    if name in dense
-                    else lr
+                    name: replace(lr, grads=DenseGrad(slots[id(lr.grads)])) if name in dense else lr
                     for name, lr in r.layers.items()
                 },
             )
