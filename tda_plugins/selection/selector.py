@@ -59,12 +59,12 @@ Granularity = Literal["global", "per_layer"]
 TokenCounter = Callable[[MicroBatchRecord], Tensor]
 
 #: Most bytes of one example's gradient in a layer whose per-example gradients selection
-#: builds once (about a core's share of a CPU's last-level cache). Wider layers make the
-#: batched product memory-bound: on the selection benchmark's model (batch 8 x 128
-#: tokens), scoring and summing the 8000 x 256 LM head took 77 ms materialized against
-#: 61 ms on its factors, while its 256-wide block layers took 18-38% less time
-#: materialized (benchmarks/RESULTS.md, data selection overhead).
-DENSE_EXAMPLE_BYTES = 1 << 21
+#: builds once (about a core's L2 cache). Past it the batched product's output leaves the
+#: cache and the factors are faster: scoring and summing 6 of 8 examples of 128 tokens
+#: took 0.70x the factors' time built once for a 256 x 256 layer (0.25 MiB an example),
+#: 0.84x for 256 x 688 (0.67 MiB), 0.99x for 576 x 576 (1.27 MiB), 1.15x for 576 x 1536
+#: and 1.28x for 1024 x 1024 (benchmarks/RESULTS.md, data selection overhead).
+DENSE_EXAMPLE_BYTES = 1 << 20
 #: Most bytes of per-example gradients built once per step; the selector's workspace keeps
 #: that much between steps (a fresh allocation each step costs its page faults again).
 DENSE_STEP_BYTES = 1 << 27
