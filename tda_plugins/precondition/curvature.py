@@ -141,30 +141,42 @@ class CurvatureAccumulator(CaptureConsumer):
         self.factors = _read(Path(path))
 
     def on_micro_batch(self, record: MicroBatchRecord) -> None:
-        # one A product per shared input (q/k/v, gate/up): its key, its Gram and row count
-        a_grams: dict[tuple[TensorKey, bool], tuple[Tensor, Tensor]] = {}
+        # Layers fed by one input (q/k/v, gate/up) share its A product: a lone layer's is
+        # added straight into its running sum (no (N_i', N_i') temporary per micro-batch),
+        # a shared one is taken once and added to each.
+        groups: dict[tuple[TensorKey, bool], list[tuple[str, TokenFactors]]] = {}
         for name, layer in record.layers.items():
-            grads = layer.grads
-            if not isinstance(grads, TokenFactors):
-                continue
-            key = (tensor_key(grads.a), grads.bias)
-            if key not in a_grams:
-                a, count = _token_rows(
-                    self._in_product_dtype(grads.augmented_a()), record.token_mask
-                )
-                a_grams[key] = (gram(a, torch.float64), count)
-            a_sum, count = a_grams[key]
-            g = grads.g.to(accumulation_dtype(grads.g)) * record.loss_scale
-            g, _ = _token_rows(self._in_product_dtype(g), record.token_mask)
-            stats = self.factors.get(name)
-            if stats is None:
-                s_sum = torch.zeros(g.shape[1], g.shape[1], dtype=torch.float64, device=g.device)
-                tokens = torch.zeros((), dtype=torch.float64, device=g.device)
-                stats = KroneckerFactors(torch.zeros_like(a_sum), s_sum, tokens)
-                self.factors[name] = stats
-            add_gram(stats.g_sum, g)
-            stats.a_sum += a_sum
-            stats.tokens += count
+            if isinstance(layer.grads, TokenFactors):
+                key = (tensor_key(layer.grads.a), layer.grads.bias)
+                groups.setdefault(key, []).append((name, layer.grads))
+        for group in groups.values():
+            a, count = _token_rows(
+                self._in_product_dtype(group[0][1].augmented_a()), record.token_mask
+            )
+            stats = [self._stats(name, grads, a) for name, grads in group]
+            if len(stats) == 1:
+                add_gram(stats[0].a_sum, a)
+            else:
+                a_sum = gram(a, torch.float64)
+                for s in stats:
+                    s.a_sum += a_sum
+            for (_, grads), s in zip(group, stats, strict=True):
+                g = grads.g.to(accumulation_dtype(grads.g)) * record.loss_scale
+                g, _ = _token_rows(self._in_product_dtype(g), record.token_mask)
+                add_gram(s.g_sum, g)
+                s.tokens += count
+
+    def _stats(self, name: str, grads: TokenFactors, a: Tensor) -> KroneckerFactors:
+        """Layer ``name``'s running sums, zero ones first (``a``: its ``(rows, N_i')``
+        input rows)."""
+        if name not in self.factors:
+            n_i, n_o = a.shape[1], grads.out_dim
+            self.factors[name] = KroneckerFactors(
+                torch.zeros(n_i, n_i, dtype=torch.float64, device=a.device),
+                torch.zeros(n_o, n_o, dtype=torch.float64, device=a.device),
+                torch.zeros((), dtype=torch.float64, device=a.device),
+            )
+        return self.factors[name]
 
     def _in_product_dtype(self, t: Tensor) -> Tensor:
         return t if self.product_dtype is None else t.to(self.product_dtype)
