@@ -15,6 +15,7 @@ it was trained in), whose extremes are the running top-k helpful and harmful exa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -24,6 +25,7 @@ from torch import Tensor
 
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.records import MicroBatchRecord
+from tda_plugins.grads.factors import stack_examples
 from tda_plugins.grads.ops import QueryGradients, example_norms
 from tda_plugins.methods.scores import Scores
 from tda_plugins.report.html import write_html
@@ -59,9 +61,29 @@ def score_record(record: MicroBatchRecord, queries: QueryGradients, cosine: bool
     return scores
 
 
-def query_gradients(queries: MicroBatchRecord) -> QueryGradients:
-    """A captured query micro-batch, prepared for scoring many training micro-batches."""
-    return QueryGradients({name: layer.grads for name, layer in queries.layers.items()})
+def query_gradients(queries: MicroBatchRecord | Sequence[MicroBatchRecord]) -> QueryGradients:
+    """Captured query micro-batches, prepared once for scoring many training micro-batches.
+
+    Several records (queries captured in micro-batches) are stacked per layer along the
+    example axis, in order, so that each training micro-batch is scored against all of
+    them at once: its gradients are built (where the route materializes them) once, not
+    once per query micro-batch. Score columns follow the records' examples in order. Each
+    record's ``loss_scale`` is applied, so that the queries are each example's own
+    summed-token-loss gradient, as the training side is.
+    """
+    records = [queries] if isinstance(queries, MicroBatchRecord) else list(queries)
+    if not records:
+        raise ValueError("query_gradients needs at least one captured query micro-batch")
+    names = records[0].layers.keys()
+    for record in records[1:]:
+        if record.layers.keys() != names:
+            raise ValueError(
+                "query micro-batches were captured on different layers: "
+                f"{sorted(set(record.layers) ^ set(names))[:3]} are in some only; capture "
+                "them with one engine configuration"
+            )
+    grads = [r.example_grads() for r in records]  # each record's loss_scale applied
+    return QueryGradients({name: stack_examples([g[name] for g in grads]) for name in names})
 
 
 class InfluenceLogger(CaptureConsumer):
@@ -83,8 +105,13 @@ class InfluenceLogger(CaptureConsumer):
         self._cumulative: dict[int, Tensor] = {}
         self._tokens: dict[int, list[int]] = {}
 
-    def set_queries(self, queries: MicroBatchRecord | None, learning_rate: float = 1.0) -> None:
-        """Query gradients at the weights of the coming step (``None``: skip the step)."""
+    def set_queries(
+        self,
+        queries: MicroBatchRecord | Sequence[MicroBatchRecord] | None,
+        learning_rate: float = 1.0,
+    ) -> None:
+        """Query gradients at the weights of the coming step: one captured record, or
+        several (query micro-batches, stacked in order); ``None``: skip the step."""
         self.queries = None if queries is None else query_gradients(queries)
         self.learning_rate = learning_rate
 

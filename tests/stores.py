@@ -68,9 +68,30 @@ def capture_store(
     consumers: list[CaptureConsumer] = [store]
     if curvature:
         consumers.append(CurvatureAccumulator(path, rank=rank))
+    # appending to a store continues its steps
+    run_captured(model, batches, consumers, layers, projection, loss_fn, mean_loss, store.next_step)
+    return StoreReader(path)
+
+
+def run_captured(
+    model: nn.Module,
+    batches: Iterable[Mapping[str, Tensor]],
+    consumers: list[CaptureConsumer],
+    layers: LayerSelection | None = None,
+    projection: ProjectionConfig | None = None,
+    loss_fn: LossFn = summed_loss,
+    mean_loss: bool = False,
+    first_step: int = 0,
+) -> None:
+    """One committed step per batch into ``consumers``; ``.grad`` is cleared after.
+
+    ``loss_fn(model, batch)`` is the batch's summed loss. With ``mean_loss`` each batch's
+    loss is divided by its :func:`label_tokens` (a trainer's mean loss) and the engine is
+    told that count as the loss scale.
+    """
     normalization = ManualScale()
     with CaptureEngine(model, layers, projection, consumers, normalization) as engine:
-        engine.resume_at_step(store.next_step)  # appending to a store continues its steps
+        engine.resume_at_step(first_step)
         for batch in batches:
             scale = label_tokens(batch) if mean_loss else 1
             normalization.value = scale
@@ -78,7 +99,6 @@ def capture_store(
             engine.optimizer_step()
         engine.end()
     model.zero_grad(set_to_none=True)
-    return StoreReader(path)
 
 
 def flat_oracle_grads(

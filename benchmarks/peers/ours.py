@@ -77,15 +77,15 @@ class Ours(PeerAdapter):
 
 
 class _LiveScores(CaptureConsumer):
-    """Scores each finished training micro-batch against every query record."""
+    """Scores each finished training micro-batch against every query at once (the query
+    records stacked into one prepared side)."""
 
     def __init__(self, queries: list[MicroBatchRecord]):
-        self.queries = [query_gradients(q) for q in queries]
+        self.queries = query_gradients(queries)
         self.blocks: list[Tensor] = []
 
     def on_micro_batch(self, record: MicroBatchRecord) -> None:
-        parts = [score_record(record, q, cosine=False) for q in self.queries]
-        self.blocks.append(torch.cat(parts, dim=1))
+        self.blocks.append(score_record(record, self.queries, cosine=False))
 
 
 @register_peer
