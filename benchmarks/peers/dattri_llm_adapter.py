@@ -32,13 +32,14 @@ def _summed_loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
 
 @register_peer
 class DattriLLM(PeerAdapter):
-    """dattri-llm 0.1 on the live model; capture style "auto" (its cost model)."""
+    """dattri-llm 0.1 on the live model; capture style "auto" (its cost model), except
+    "factorized" for K-FAC and EK-FAC."""
 
     name = "dattri-llm"
     notes: ClassVar[dict[str, str]] = {
         "graddot_proj": "logra factor projection, proj_dim = k per side (rademacher)",
-        "kfac": "damping 0.1, relative_damping=True",
-        "ekfac": "damping 0.1, relative_damping=True",
+        "kfac": "damping 0.1, relative_damping=True, capture_style='factorized'",
+        "ekfac": "damping 0.1, relative_damping=True, capture_style='factorized'",
     }
 
     def scores(self, problem: Problem, method: str) -> Tensor:
@@ -55,7 +56,12 @@ class DattriLLM(PeerAdapter):
             }
             hooks = HookManagerConfig(linear_io=layers, projection_kwargs=projection)
         else:
-            hooks = HookManagerConfig(linear_io=layers, capture_style="auto")
+            # "auto" (its cost model) materializes a layer once T >= N_i N_o / (N_i + N_o),
+            # and a materialized layer cannot enter K-FAC (dattri-llm then warns and falls
+            # back to a capped dense Fisher, or leaves the layer out): K-FAC and EK-FAC
+            # capture factorized, as dattri-llm's warning advises.
+            style = "factorized" if method in ("kfac", "ekfac") else "auto"
+            hooks = HookManagerConfig(linear_io=layers, capture_style=style)
         args = AttributionArguments(
             output_dir=str(problem.work / "dattri-llm"),
             per_device_train_batch_size=problem.batch,
