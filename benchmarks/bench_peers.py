@@ -69,12 +69,16 @@ from common import (
     utc_now,
 )
 from peers.base import LIBRARIES, Unsupported, adapter, library_version
+from peers.coverage import CellKey, Found, Gap, coverage_table, load_gaps
 from peers.reference import reference_scores
 from peers.workload import METHODS, Shape, floor_backward, floor_forward, make_problem
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 SECTION = "## Peer comparison (benchmarks/bench_peers.py)"
+INDEX_SECTION = "## Peer comparison: cell index (benchmarks/bench_peers.py --index)"
+#: Where the published runs' dumps and the reasons for the cells none reached are kept.
+DUMPS, GAPS = "benchmarks/peers/results", "benchmarks/peers/gaps.json"
 SCRIPT = "benchmarks/bench_peers.py"
 OUT = REPO / "benchmarks" / "out"
 CHART = REPO / "benchmarks" / "peer_ratios.png"
@@ -549,6 +553,45 @@ GradDot. A cell that could not run says why.
 """)
 
 
+def index_text(dumps: Sequence[tuple[str, Run]], settings: Settings, gaps: Sequence[Gap]) -> str:
+    """The cell index section: per workload size, every (model, queries, method) x
+    library cell with its latest figure (dumps in order, later ones replacing earlier
+    ones) or the reason it is missing."""
+    sizes: dict[Shape, dict[CellKey, Found]] = {}
+    standing: dict[tuple[str, str], Found] = {}
+    for name, run in dumps:
+        found = sizes.setdefault(replace(run.shape, model=""), {})
+        for r in run.results:
+            ratio = r.ratio() if r.status == "ok" else None
+            key = (r.cell.model, r.cell.library, r.cell.method, r.cell.queries)
+            found[key] = Found(r.status, name, ratio, r.reason)
+            if r.status == "unsupported":
+                standing[(r.cell.library, r.cell.method)] = found[key]
+    axes = (settings.models, settings.query_counts, settings.methods, settings.libraries)
+    parts = []
+    for shape, found in sorted(sizes.items(), key=lambda item: -item[0].train):
+        tiny = " (tiny models)" if shape.tiny else ""
+        parts.append(
+            f"### {shape.train} training rows of {shape.seq} tokens{tiny}\n\n"
+            + coverage_table(shape.train, found, axes, standing, gaps)
+        )
+    body = "\n\n".join(parts)
+    # the dumps' glob unquoted, for the shell to expand (in date order)
+    command = command_line(SCRIPT, []) + f" --report {DUMPS}/peers-*.json --index {GAPS}"
+    return tidy(f"""{INDEX_SECTION}
+
+Every workload x library cell of the comparison above, one table per training-set size: \
+the latest measured time over the floor of its own process (the full rows, with peak \
+RSS and agreement, are in the subsections above), or the reason the cell is missing. \
+(0) the floor is measured inside every cell; (6) peak RSS comes with every measured \
+cell; (4) capture in training and (5) selection have their own sections below.
+
+Command: `{command}`
+
+{body}
+""")
+
+
 # -- command line ----------------------------------------------------------------------
 
 
@@ -574,6 +617,13 @@ def parse_args(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
         help="render the section from these JSON dumps of earlier runs (runs nothing)",
     )
     p.add_argument("--notes", type=Path, help="markdown inserted above the runs' tables")
+    p.add_argument(
+        "--index",
+        type=Path,
+        metavar="GAPS",
+        help="with --report: render the cell index instead, GAPS (JSON) explaining the "
+        "cells no run reached",
+    )
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--reference", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -626,6 +676,13 @@ def main(argv: Sequence[str]) -> None:
         shape = replace(settings.shape, model=cell.model)
         found = run_cell(cell, shape, settings.rounds, settings.reference_path(cell.model))
         print(json.dumps(found.to_json()))
+        return
+    if args.index:
+        if not args.report:
+            raise SystemExit("--index renders the dumps given with --report: pass both")
+        dumps = [(p.name, Run.from_json(json.loads(p.read_text()))) for p in args.report]
+        index = index_text(dumps, settings, load_gaps(args.index))
+        publish(index, INDEX_SECTION, settings.results, settings.write)
         return
     if args.report:
         runs = merged([Run.from_json(json.loads(path.read_text())) for path in args.report])
