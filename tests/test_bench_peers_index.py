@@ -83,10 +83,12 @@ def test_each_cell_has_its_figure_or_its_reason(settings: bench_peers.Settings) 
     assert "Figures from: `a.json`, `b.json`." in text
 
 
-def test_gaps_file_with_an_unknown_field_is_refused(tmp_path: Path) -> None:
+def test_gaps_file_lists_libraries_and_refuses_unknown_fields(tmp_path: Path) -> None:
     path = tmp_path / "gaps.json"
     path.write_text(json.dumps([{"library": "logix", "reason": "slow", "model": "gpt2"}]))
     assert load_gaps(path) == [Gap("logix", "slow", model="gpt2")]
+    path.write_text(json.dumps([{"library": ["logix", "traker"], "reason": "slow"}]))
+    assert load_gaps(path) == [Gap("logix", "slow"), Gap("traker", "slow")]
     path.write_text(json.dumps([{"library": "logix", "reason": "slow", "modle": "gpt2"}]))
     with pytest.raises(ValueError, match="modle"):
         load_gaps(path)

@@ -48,13 +48,13 @@ class Gap:
     def covers(self, train: int, key: CellKey) -> bool:
         """Whether this gap explains the cell ``key`` at ``train`` training rows."""
         model, library, method, queries = key
-        wanted = {"library": library, "method": method, "model": model, "queries": queries}
-        wanted["train"] = train
+        wanted = dict(library=library, method=method, model=model, queries=queries, train=train)
         return all(getattr(self, k) in (None, v) for k, v in wanted.items())
 
 
 def load_gaps(path: Path) -> list[Gap]:
-    """The gaps listed in ``path`` (a JSON list of objects with :class:`Gap`'s fields)."""
+    """The gaps listed in ``path``: a JSON list of objects with :class:`Gap`'s fields,
+    where ``library`` may also be a list (one gap per library, the same reason)."""
     names = {f.name for f in fields(Gap)}
     gaps = []
     for i, entry in enumerate(json.loads(path.read_text())):
@@ -64,7 +64,9 @@ def load_gaps(path: Path) -> list[Gap]:
                 f"{path}: entry {i} has unknown field(s) {sorted(unknown)}; "
                 f"the fields are {sorted(names)}"
             )
-        gaps.append(Gap(**entry))
+        libraries = entry["library"]
+        for library in [libraries] if isinstance(libraries, str) else libraries:
+            gaps.append(Gap(**{**entry, "library": library}))
     return gaps
 
 
@@ -109,8 +111,9 @@ def coverage_table(
                         sources[hit.where] = None
                         cells.append(f"{hit.ratio:.2f}x")
                         continue
-                    label, why = "not measured", _explained(train, key, gaps)
-                    if hit is not None:
+                    if hit is None:
+                        label, why = "not measured", _explained(train, key, gaps)
+                    else:
                         label, why = hit.status, hit.reason
                     number = reasons.setdefault(why, len(reasons) + 1)
                     cells.append(f"{label} [{number}]")
