@@ -14,6 +14,7 @@ from tda_plugins.capture import (
     RecordCollector,
 )
 from tda_plugins.grads import ProjectionConfig, Route, cross_gram, per_token_scores, sq_norms
+from tda_plugins.queries import QueryCollector, score_record
 
 __version__ = "0.1.0"
 
@@ -24,6 +25,7 @@ __all__ = [
     "LayerSelectionError",
     "MicroBatchRecord",
     "ProjectionConfig",
+    "QueryCollector",
     "RecordCollector",
     "Route",
     "__version__",
@@ -31,5 +33,6 @@ __all__ = [
     "cross_gram",
     "per_example_gradients",
     "per_token_scores",
+    "score_record",
     "sq_norms",
 ]

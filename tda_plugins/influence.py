@@ -25,9 +25,9 @@ from torch import Tensor
 
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.records import MicroBatchRecord
-from tda_plugins.grads.factors import stack_examples
-from tda_plugins.grads.ops import QueryGradients, example_norms
+from tda_plugins.grads.ops import QueryGradients
 from tda_plugins.methods.scores import Scores
+from tda_plugins.queries import query_gradients, score_record
 from tda_plugins.report.html import write_html
 from tda_plugins.store.io import atomic_write_json
 
@@ -49,41 +49,6 @@ class StepInfluence:
     max: Tensor
     example_ids: Tensor
     scores: Tensor
-
-
-def score_record(record: MicroBatchRecord, queries: QueryGradients, cosine: bool) -> Tensor:
-    """``(B, M)`` scores of a training micro-batch against query gradients prepared once
-    (:func:`query_gradients`) for all the micro-batches scored against them."""
-    train = record.example_grads()
-    scores = queries.scores(train)
-    if cosine:
-        scores = scores / torch.outer(example_norms(train), queries.norms()).to(scores.dtype)
-    return scores
-
-
-def query_gradients(queries: MicroBatchRecord | Sequence[MicroBatchRecord]) -> QueryGradients:
-    """Captured query micro-batches, prepared once for scoring many training micro-batches.
-
-    Several records (queries captured in micro-batches) are stacked per layer along the
-    example axis, in order, so that each training micro-batch is scored against all of
-    them at once: its gradients are built (where the route materializes them) once, not
-    once per query micro-batch. Score columns follow the records' examples in order. Each
-    record's ``loss_scale`` is applied, so that the queries are each example's own
-    summed-token-loss gradient, as the training side is.
-    """
-    records = [queries] if isinstance(queries, MicroBatchRecord) else list(queries)
-    if not records:
-        raise ValueError("query_gradients needs at least one captured query micro-batch")
-    names = records[0].layers.keys()
-    for record in records[1:]:
-        if record.layers.keys() != names:
-            raise ValueError(
-                "query micro-batches were captured on different layers: "
-                f"{sorted(set(record.layers) ^ set(names))[:3]} are in some only; capture "
-                "them with one engine configuration"
-            )
-    grads = [r.example_grads() for r in records]  # each record's loss_scale applied
-    return QueryGradients({name: stack_examples([g[name] for g in grads]) for name in names})
 
 
 class InfluenceLogger(CaptureConsumer):

@@ -4,10 +4,11 @@
   backward, factor projection inside the hook, inline K-FAC statistics), then
   ``method_by_name(m).score`` -- the same path as ``benchmarks/attribution.py``; the run
   ends attribution-ready, with everything on disk.
-* ``ours-live``: the query gradients are captured first and kept in memory; each
+* ``ours-live``: the query gradients are captured first and kept in memory, prepared as
+  each query micro-batch finishes (``tda_plugins.queries.QueryCollector``); each
   training micro-batch is scored against them as its backward finishes (a capture
-  consumer calling ``tda_plugins.influence.score_record``, the routed ops of the live
-  influence logger, with the queries prepared once); nothing is written. GradDot only
+  consumer calling ``tda_plugins.queries.score_record``, the routed ops of the live
+  influence logger); nothing is written. GradDot only
   (live K-FAC needs the factors of the whole training set before the first score).
 """
 
@@ -23,10 +24,11 @@ from torch import Tensor
 from peers.base import PeerAdapter, register_peer
 from peers.workload import Problem, example_losses, row_batches
 from tda_plugins import CaptureEngine, LayerSelection, ProjectionConfig
-from tda_plugins.capture import CaptureConsumer, RecordCollector
+from tda_plugins.capture import CaptureConsumer
 from tda_plugins.capture.records import MicroBatchRecord
-from tda_plugins.influence import query_gradients, score_record
+from tda_plugins.grads import QueryGradients
 from tda_plugins.methods import method_by_name
+from tda_plugins.queries import QueryCollector, score_record
 
 #: Our method for each measured configuration.
 _METHOD = {"graddot": "graddot", "graddot_proj": "graddot", "kfac": "kfac", "ekfac": "ekfac"}
@@ -77,11 +79,11 @@ class Ours(PeerAdapter):
 
 
 class _LiveScores(CaptureConsumer):
-    """Scores each finished training micro-batch against every query at once (the query
-    records stacked into one prepared side)."""
+    """Scores each finished training micro-batch against every query at once (one
+    prepared query side)."""
 
-    def __init__(self, queries: list[MicroBatchRecord]):
-        self.queries = query_gradients(queries)
+    def __init__(self, queries: QueryGradients):
+        self.queries = queries
         self.blocks: list[Tensor] = []
 
     def on_micro_batch(self, record: MicroBatchRecord) -> None:
@@ -115,9 +117,9 @@ class OursLive(PeerAdapter):
             engine.end()
 
     def scores(self, problem: Problem, method: str) -> Tensor:
-        collected = RecordCollector()
-        self._capture(problem, problem.queries, method, collected)
-        live = _LiveScores(collected.records)
-        del collected  # the prepared queries replace the captured ones (freed once dense)
+        collector = QueryCollector(problem.queries.shape[0])
+        self._capture(problem, problem.queries, method, collector)
+        live = _LiveScores(collector.gradients())
+        del collector
         self._capture(problem, problem.train, method, live)
         return torch.cat(live.blocks).T

@@ -102,17 +102,30 @@ _CPU_BLOCK_BYTES = 1 << 21
 _MIN_BLOCK_ROWS = 128
 
 
-def values_dtype(grads: PerExampleGrad) -> torch.dtype:
-    """The accumulation dtype of a representation's materialized values: fp64 when any of
-    its floating tensors is fp64, else fp32."""
-    dtypes: set[torch.dtype] = set()
+def _tensors_of(grads: PerExampleGrad) -> list[Tensor]:
+    """The tensors a representation holds."""
+    found: list[Tensor] = []
 
     def note(t: Tensor) -> Tensor:
-        dtypes.add(t.dtype)
+        found.append(t)
         return t
 
     grads.map_tensors(note)
+    return found
+
+
+def values_dtype(grads: PerExampleGrad) -> torch.dtype:
+    """The accumulation dtype of a representation's materialized values: fp64 when any of
+    its floating tensors is fp64, else fp32."""
+    dtypes = {t.dtype for t in _tensors_of(grads)}
     return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def empty_values(grads: PerExampleGrad, rows: int) -> Tensor:
+    """An uninitialized ``(rows, D)`` tensor for materialized gradients of ``grads``' layer:
+    its accumulation dtype (:func:`values_dtype`), on its device."""
+    device = _tensors_of(grads)[0].device
+    return torch.empty(rows, grads.dim, dtype=values_dtype(grads), device=device)
 
 
 def _output_blocks(out_dim: int, row_bytes: int, like: Tensor) -> list[slice]:

@@ -1,0 +1,156 @@
+"""Query gradients prepared once, for scoring many training micro-batches against them.
+
+The live paths (:class:`~tda_plugins.influence.InfluenceLogger`, a consumer scoring each
+micro-batch as its backward finishes) hold the queries' gradients for the whole run and
+score every training micro-batch against all of them at once:
+
+    score(z, q) = <g_q, g_z>
+
+with ``g`` each example's own summed-token-loss gradient (each record's ``loss_scale``
+applied). :class:`QueryCollector` builds that side as the query micro-batches are
+captured; :func:`query_gradients` does the same from records already captured.
+
+Each layer takes, at its first micro-batch, the form its scores will use. Where the cost
+model routes a Gram of captures like this one through materialized gradients (every
+linear layer at ordinary sequence lengths, projected or not), the micro-batch's
+``(B, D)`` gradients are written straight into one ``(rows, D)`` buffer allocated once:
+no per-token factors outlive their micro-batch and no stacked copy is made. Besides the
+memory of the factors themselves, this avoids the C heap growth of many mid-sized
+long-lived tensors allocated between each micro-batch's transient buffers (glibc cannot
+reuse or return the freed space around them; measured in ``benchmarks/RESULTS.md``,
+"Peer comparison", rerun (14)). Otherwise (few tokens, wide layers) the layer's factors
+are kept and stacked once at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from tda_plugins.capture.consumer import CaptureConsumer
+from tda_plugins.capture.records import MicroBatchRecord
+from tda_plugins.grads.factors import DenseGrad, PerExampleGrad, empty_values, stack_examples
+from tda_plugins.grads.ops import QueryGradients, example_norms
+from tda_plugins.grads.routing import Route, choose_route
+
+
+class _LayerRows(Protocol):
+    """One layer's query rows as they arrive."""
+
+    def add(self, grads: PerExampleGrad, start: int) -> None:
+        """Take the gradients of rows ``start : start + grads.batch_size``."""
+
+    def result(self) -> PerExampleGrad:
+        """All rows, in order."""
+
+
+class _DenseRows:
+    """Materialized into one ``(rows, D)`` buffer as the micro-batches arrive."""
+
+    def __init__(self, first: PerExampleGrad, rows: int):
+        self.values = empty_values(first, rows)
+
+    def add(self, grads: PerExampleGrad, start: int) -> None:
+        grads.materialize_into(self.values[start : start + grads.batch_size])
+
+    def result(self) -> PerExampleGrad:
+        return DenseGrad(self.values)
+
+
+class _FactorParts:
+    """Kept as captured, stacked once at the end."""
+
+    def __init__(self, first: PerExampleGrad, rows: int):
+        self.parts: list[PerExampleGrad] = []
+
+    def add(self, grads: PerExampleGrad, start: int) -> None:
+        self.parts.append(grads)
+
+    def result(self) -> PerExampleGrad:
+        return stack_examples(self.parts)
+
+
+#: The form of a layer's prepared queries, by the route of its Gram.
+_FORMS: dict[Route, type[_DenseRows] | type[_FactorParts]] = {
+    Route.MATERIALIZED: _DenseRows,
+    Route.FACTORIZED: _FactorParts,
+}
+
+
+class QueryCollector(CaptureConsumer):
+    """A capture consumer that prepares the query side as query micro-batches finish.
+
+    Attach it to the engine that captures the queries (or call :meth:`add` with records),
+    then take :meth:`gradients` once every query row has arrived. Memory: the prepared
+    side plus one micro-batch's record.
+
+    Args:
+        rows: number of query examples that will arrive (the size of each layer's
+            buffer); score columns follow the examples in arrival order.
+    """
+
+    def __init__(self, rows: int):
+        if rows < 1:
+            raise ValueError(f"QueryCollector needs at least one query row, got rows={rows}")
+        self.rows = rows
+        self._filled = 0
+        self._layers: dict[str, _LayerRows] = {}
+
+    def on_micro_batch(self, record: MicroBatchRecord) -> None:
+        self.add(record)
+
+    def add(self, record: MicroBatchRecord) -> None:
+        """Take one captured query micro-batch (its ``loss_scale`` applied)."""
+        if self._layers and record.layers.keys() != self._layers.keys():
+            raise ValueError(
+                "query micro-batches were captured on different layers: "
+                f"{sorted(set(record.layers) ^ set(self._layers))[:3]} are in some only; "
+                "capture them with one engine configuration"
+            )
+        if self._filled + record.batch_size > self.rows:
+            raise ValueError(
+                f"QueryCollector was made for {self.rows} query rows but received "
+                f"{self._filled + record.batch_size}; pass the number of query examples"
+            )
+        for name, grads in record.example_grads().items():
+            if name not in self._layers:
+                form = _FORMS[choose_route(grads.gram_costs(grads))]
+                self._layers[name] = form(grads, self.rows)
+            self._layers[name].add(grads, self._filled)
+        self._filled += record.batch_size
+
+    def gradients(self) -> QueryGradients:
+        """The prepared query side (once all ``rows`` have arrived)."""
+        if self._filled != self.rows:
+            raise ValueError(
+                f"QueryCollector was made for {self.rows} query rows but received "
+                f"{self._filled}; capture every query before scoring"
+            )
+        return QueryGradients({name: rows.result() for name, rows in self._layers.items()})
+
+
+def query_gradients(queries: MicroBatchRecord | Sequence[MicroBatchRecord]) -> QueryGradients:
+    """Captured query micro-batches, prepared once for scoring many training micro-batches
+    (as :class:`QueryCollector`, from records already in memory). Score columns follow
+    the records' examples in order."""
+    records = [queries] if isinstance(queries, MicroBatchRecord) else list(queries)
+    if not records:
+        raise ValueError("query_gradients needs at least one captured query micro-batch")
+    collector = QueryCollector(sum(r.batch_size for r in records))
+    for record in records:
+        collector.add(record)
+    return collector.gradients()
+
+
+def score_record(record: MicroBatchRecord, queries: QueryGradients, cosine: bool) -> Tensor:
+    """``(B, M)`` scores of a training micro-batch against query gradients prepared once
+    (:class:`QueryCollector`, :func:`query_gradients`) for all the micro-batches scored
+    against them."""
+    train = record.example_grads()
+    scores = queries.scores(train)
+    if cosine:
+        scores = scores / torch.outer(example_norms(train), queries.norms()).to(scores.dtype)
+    return scores
