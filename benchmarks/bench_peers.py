@@ -584,7 +584,9 @@ Every workload x library cell of the comparison above, one table per training-se
 the latest measured time over the floor of its own process (the full rows, with peak \
 RSS and agreement, are in the subsections above), or the reason the cell is missing. \
 (0) the floor is measured inside every cell; (6) peak RSS comes with every measured \
-cell; (4) capture in training and (5) selection have their own sections below.
+cell; (4) capture in training and (5) selection have their own sections below. \
+The runs behind one row may come from different machines (each subsection names its \
+machine): every ratio is to the floor of its own process, not to the other cells'.
 
 Command: `{command}`
 
