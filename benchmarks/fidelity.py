@@ -22,13 +22,19 @@ The protocol (dattri-LLM, appendix B.2, at CPU scale):
   validation blocks with a percentile bootstrap 95% interval (validation blocks
   resampled). Sign convention: a positive score predicts that removing the block raises
   the validation loss (it helped), so a faithful method correlates positively.
+* **Linear datamodeling score (LDS)**: ``subsets`` runs, each on a random half of the
+  training blocks (the same order restricted to them, the same seeds), cached like the
+  leave-one-out runs. Per validation block, the Spearman correlation over the subsets
+  between the sum of an attributor's scores of the subset's blocks and minus the
+  validation loss of the run trained on it; mean and bootstrap interval as above.
 * **Determinism**: a second run with nothing removed must reproduce the reference losses
   (the figure is the largest absolute difference); the rounding noise floor is a run on
   the same batches with each batch's rows in reverse order (the same gradient in exact
   arithmetic), compared with the size of the leave-one-out effects.
 
 Attributors (``fidelity_methods.py``) get the trained state, the model factory, the
-blocks and a replay of the training run, and return a ``(64, 50)`` score matrix; ours are
+blocks and a replay of the training run, and return a ``(64, 512)`` score matrix (every
+training block: the removed blocks' columns for leave-one-out, all of them for LDS); ours are
 the library's methods, the peers' (``fidelity_peers.py``, the adapters of
 ``benchmarks/peers`` for every peer library installed) plug in through the same registry,
 and the report compares our best method with the best peer by the paired bootstrap.
@@ -49,7 +55,7 @@ import json
 import math
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -108,6 +114,8 @@ class Config:
         model_seed: seed of the random init.
         data_seed: seed of the block draw, the removed blocks and the training order.
         bootstrap: resamples of the validation blocks for the intervals.
+        subsets: LDS training runs, each on a random subset of the training blocks.
+        subset_fraction: the share of the training blocks in each LDS subset.
     """
 
     n_embd: int = 128
@@ -122,6 +130,8 @@ class Config:
     model_seed: int = 0
     data_seed: int = 0
     bootstrap: int = 2000
+    subsets: int = 100
+    subset_fraction: float = 0.5
 
     @property
     def steps(self) -> int:
@@ -131,8 +141,18 @@ class Config:
 
 FULL = Config()
 QUICK = Config(
-    n_embd=32, n_layer=1, n_head=2, block=32, train_blocks=64, val_blocks=8, removed=6, batch=8
+    n_embd=32,
+    n_layer=1,
+    n_head=2,
+    block=32,
+    train_blocks=64,
+    val_blocks=8,
+    removed=6,
+    batch=8,
+    subsets=8,
 )
+#: Config fields that no leave-one-out run depends on (left out of its cache key).
+_NOT_IN_LOO_KEY = ("subsets", "subset_fraction")
 
 
 # -- data, model, training ------------------------------------------------------------
@@ -215,9 +235,12 @@ def train(
     skip: int | None = None,
     reverse_rows: bool = False,
     hook: StepHook | None = None,
+    subset: Tensor | None = None,
 ) -> torch.optim.AdamW:
     """One epoch of AdamW over ``blocks.train`` in ``blocks.order``, batches of ``batch``,
-    without training block ``skip``; transformers' mean token loss.
+    without training block ``skip``; transformers' mean token loss. ``subset``: an
+    ``(N,)`` bool mask of the blocks to train on (the order restricted to them, batched
+    anew: fewer steps).
 
     ``reverse_rows`` feeds each batch's rows in reverse order (the same gradient in exact
     arithmetic: the rounding noise probe). ``hook(step, model)`` runs after each backward,
@@ -225,9 +248,10 @@ def train(
     """
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate)
+    order = blocks.order if subset is None else blocks.order[subset[blocks.order]]
     with deterministic():
-        for step in range(config.steps):
-            rows = blocks.order[step * config.batch : (step + 1) * config.batch]
+        for step in range(-(-order.numel() // config.batch)):
+            rows = order[step * config.batch : (step + 1) * config.batch]
             rows = rows[rows != skip] if skip is not None else rows
             ids = blocks.train[rows.flip(0) if reverse_rows else rows]
             model(input_ids=ids, labels=ids).loss.backward()
@@ -305,7 +329,10 @@ class LeaveOneOut:
 def cache_key(config: Config, blocks: Blocks) -> str:
     """Digest of what a leave-one-out run depends on: the configuration (less the
     bootstrap), the data, and the torch / transformers versions."""
-    facts = asdict(replace(config, bootstrap=0)) | {
+    kept = {
+        k: v for k, v in asdict(replace(config, bootstrap=0)).items() if k not in _NOT_IN_LOO_KEY
+    }
+    facts = kept | {
         "protocol": PROTOCOL_VERSION,
         "data": blocks.fingerprint(),
         "torch": torch.__version__,
@@ -314,35 +341,89 @@ def cache_key(config: Config, blocks: Blocks) -> str:
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def cached_runs(path: Path | None, train_all: Callable[[], dict[str, Tensor]]) -> dict[str, Tensor]:
+    """The tensors saved at ``path`` when it exists, else ``train_all()``'s, saved there
+    (``path=None``: always ``train_all()``)."""
+    if path is not None and path.exists():
+        return load_file(path)
+    tensors = train_all()
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, path)
+    return tensors
+
+
 def leave_one_out(config: Config, blocks: Blocks, cache: Path | None) -> LeaveOneOut:
     """The leave-one-out runs of ``config``, read from ``cache`` when there (and written
     there otherwise); ``cache=None`` always retrains."""
     path = None if cache is None else cache / f"loo-{cache_key(config, blocks)}.safetensors"
-    if path is not None and path.exists():
-        tensors = load_file(path)
-        return LeaveOneOut(
-            tensors["full"],
-            tensors["without"],
-            tensors["repeat"],
-            tensors["reversed_rows"],
-            float(tensors["seconds"]),
-        )
-    with Stopwatch() as watch:
-        full = run_losses(config, blocks)
-        repeat = run_losses(config, blocks)
-        reversed_rows = run_losses(config, blocks, reverse_rows=True)
-        removed = blocks.removed.tolist()
-        without = torch.stack(
-            [run_losses(config, blocks, skip=j) for j in tqdm(removed, desc="leave-one-out runs")]
-        )
-    runs = len(removed) + 3
-    loo = LeaveOneOut(full, without, repeat, reversed_rows, watch.sample.wall / runs)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {"full": full, "without": without, "repeat": repeat}
-        tensors |= {"reversed_rows": reversed_rows, "seconds": torch.tensor(loo.seconds)}
-        save_file(tensors, path)
-    return loo
+
+    def train_all() -> dict[str, Tensor]:
+        with Stopwatch() as watch:
+            full = run_losses(config, blocks)
+            repeat = run_losses(config, blocks)
+            reversed_rows = run_losses(config, blocks, reverse_rows=True)
+            removed = blocks.removed.tolist()
+            without = torch.stack(
+                [
+                    run_losses(config, blocks, skip=j)
+                    for j in tqdm(removed, desc="leave-one-out runs")
+                ]
+            )
+        seconds = torch.tensor(watch.sample.wall / (len(removed) + 3))
+        return {"full": full, "without": without, "repeat": repeat} | {
+            "reversed_rows": reversed_rows,
+            "seconds": seconds,
+        }
+
+    t = cached_runs(path, train_all)
+    return LeaveOneOut(
+        t["full"], t["without"], t["repeat"], t["reversed_rows"], float(t["seconds"])
+    )
+
+
+@dataclass(frozen=True)
+class SubsetRuns:
+    """LDS ground truth: training runs on random subsets of the training blocks.
+
+    Attributes:
+        masks: ``(S, N)`` bool, the training blocks of each run.
+        losses: ``(S, M)`` validation losses after each run.
+        seconds: wall seconds per training run.
+    """
+
+    masks: Tensor
+    losses: Tensor
+    seconds: float
+
+
+def subset_masks(config: Config) -> Tensor:
+    """``(S, N)`` bool masks of ``subset_fraction`` of the training blocks each, drawn with
+    seed ``data_seed + 1`` (the leave-one-out draws stay as they were)."""
+    gen = torch.Generator().manual_seed(config.data_seed + 1)
+    size = round(config.train_blocks * config.subset_fraction)
+    masks = torch.zeros(config.subsets, config.train_blocks, dtype=torch.bool)
+    for mask in masks:
+        mask[torch.randperm(config.train_blocks, generator=gen)[:size]] = True
+    return masks
+
+
+def subset_runs(config: Config, blocks: Blocks, cache: Path | None) -> SubsetRuns:
+    """One training run per subset of :func:`subset_masks`, cached as
+    :func:`leave_one_out` (the key adds the subset draw)."""
+    key = cache_key(config, blocks) + f"-{config.subsets}x{config.subset_fraction:g}"
+    path = None if cache is None else cache / f"lds-{key}.safetensors"
+    masks = subset_masks(config)
+
+    def train_all() -> dict[str, Tensor]:
+        with Stopwatch() as watch:
+            losses = torch.stack(
+                [run_losses(config, blocks, subset=m) for m in tqdm(masks, desc="LDS subset runs")]
+            )
+        return {"losses": losses, "seconds": torch.tensor(watch.sample.wall / len(masks))}
+
+    t = cached_runs(path, train_all)
+    return SubsetRuns(masks, t["losses"], float(t["seconds"]))
 
 
 # -- attribution and the metric ----------------------------------------------------------
@@ -364,7 +445,6 @@ def make_task(config: Config, blocks: Blocks, work: Path) -> FidelityTask:
         batch=config.batch,
         train=blocks.train,
         validation=blocks.validation,
-        removed=blocks.removed,
         replay=replay,
         work=work,
     )
@@ -405,22 +485,59 @@ class Fidelity:
 def fidelity(
     name: str, scores: Tensor, effects: Tensor, resamples: int, seconds: float = float("nan")
 ) -> Fidelity:
-    """Spearman per validation block of ``(M, R)`` scores against ``(M, R)`` effects."""
+    """Spearman per validation block of ``(M, K)`` scores against ``(M, K)`` effects."""
     if scores.shape != effects.shape:
         raise ValueError(
-            f"{name} returned scores of shape {tuple(scores.shape)}, expected "
-            f"{tuple(effects.shape)} (validation blocks x removed blocks)"
+            f"{name} gave scores of shape {tuple(scores.shape)}, expected "
+            f"{tuple(effects.shape)} (validation blocks x removed blocks or subsets)"
         )
     rho = spearman(scores.T.double(), effects.T.double())
     return Fidelity(name, rho, resamples, seconds)
 
 
+@dataclass(frozen=True)
+class GroundTruth:
+    """What an attributor's ``(M, N)`` scores are measured against.
+
+    Attributes:
+        loo: the leave-one-out runs.
+        removed: ``(R,)`` the training blocks they left out.
+        subsets: the LDS runs.
+        resamples: bootstrap resamples.
+    """
+
+    loo: LeaveOneOut
+    removed: Tensor
+    subsets: SubsetRuns
+    resamples: int
+
+    def leave_one_out(self, name: str, scores: Tensor, seconds: float = float("nan")) -> Fidelity:
+        """The removed blocks' scores against their leave-one-out effects."""
+        self._check(name, scores)
+        return fidelity(name, scores[:, self.removed], self.loo.effects, self.resamples, seconds)
+
+    def lds(self, name: str, scores: Tensor) -> Fidelity:
+        """Per validation block, the Spearman over the subsets of the summed scores of each
+        subset's blocks against minus the loss of the run trained on it."""
+        self._check(name, scores)
+        predicted = scores.double() @ self.subsets.masks.double().T
+        return fidelity(name, predicted, -self.subsets.losses.T, self.resamples)
+
+    def _check(self, name: str, scores: Tensor) -> None:
+        expected = (self.loo.full.shape[0], self.subsets.masks.shape[1])
+        if tuple(scores.shape) != expected:
+            raise ValueError(
+                f"{name} returned scores of shape {tuple(scores.shape)}, expected {expected} "
+                "(validation blocks x training blocks)"
+            )
+
+
 def attribute(
-    task: FidelityTask, names: Sequence[str], effects: Tensor, config: Config
-) -> tuple[list[Fidelity], dict[str, str]]:
-    """Run each named attributor on ``task`` and score it against ``effects``; returns the
-    results and, for the attributors that could not run, name -> why."""
-    results, skipped = [], {}
+    task: FidelityTask, names: Sequence[str], truth: GroundTruth
+) -> tuple[list[Fidelity], dict[str, Fidelity], dict[str, str]]:
+    """Run each named attributor on ``task``; returns its leave-one-out fidelity, its LDS
+    (by name) and, for the attributors that could not run, name -> why."""
+    results, lds, skipped = [], {}, {}
     for name in tqdm(names, desc="attributors"):
         try:
             with Stopwatch() as watch:
@@ -428,8 +545,9 @@ def attribute(
         except Unsupported as why:
             skipped[name] = str(why)
             continue
-        results.append(fidelity(name, scores, effects, config.bootstrap, watch.sample.wall))
-    return results, skipped
+        results.append(truth.leave_one_out(name, scores, watch.sample.wall))
+        lds[name] = truth.lds(name, scores)
+    return results, lds, skipped
 
 
 @dataclass(frozen=True)
@@ -448,11 +566,9 @@ class Diagnostics:
     shares: dict[str, float]
 
 
-def diagnose(task: FidelityTask, effects: Tensor, config: Config) -> Diagnostics:
-    """Damping sweep of K-FAC and EK-FAC, and per-layer GradDot and EK-FAC."""
-
-    def measured(name: str, scores: Tensor) -> Fidelity:
-        return fidelity(name, scores, effects, config.bootstrap)
+def diagnose(task: FidelityTask, truth: GroundTruth) -> Diagnostics:
+    """Damping sweep of K-FAC and EK-FAC, and per-layer GradDot and EK-FAC (leave-one-out)."""
+    measured = truth.leave_one_out
 
     damping = {
         d: (
@@ -463,7 +579,7 @@ def diagnose(task: FidelityTask, effects: Tensor, config: Config) -> Diagnostics
     }
     graddot, ekfac = per_layer_scores(task, "graddot"), per_layer_scores(task, "ekfac")
     layers = {n: (measured(n, graddot[n]), measured(n, ekfac[n])) for n in graddot}
-    sizes = {n: float(scores.abs().mean()) for n, scores in graddot.items()}
+    sizes = {n: float(scores[:, truth.removed].abs().mean()) for n, scores in graddot.items()}
     shares = {n: size / sum(sizes.values()) for n, size in sizes.items()}
     return Diagnostics(damping, layers, shares)
 
@@ -482,14 +598,14 @@ def interval_text(bounds: tuple[float, float]) -> str:
     return f"[{bounds[0]:.3f}, {bounds[1]:.3f}]"
 
 
-def results_table(results: Sequence[Fidelity]) -> str:
+def results_table(results: Sequence[Fidelity], lds: dict[str, Fidelity]) -> str:
     """Markdown: attributor, library (peers marked), mean Spearman, interval, paired
-    difference to our GradDot, time."""
+    difference to our GradDot, LDS [interval], time."""
     base = next((r for r in results if r.name == "graddot"), None)
     lines = [
         "| method | library | mean Spearman vs LOO | bootstrap 95% interval "
-        "| minus our GradDot [paired interval] | attribution s |",
-        "|---|---|---:|---:|---:|---:|",
+        "| minus our GradDot [paired interval] | LDS [interval] | attribution s |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in sorted(results, key=lambda r: -r.mean):
         diff = "—"
@@ -497,26 +613,19 @@ def results_table(results: Sequence[Fidelity]) -> str:
             diff = f"{r.mean - base.mean:+.3f} {interval_text(r.interval(base))}"
         peer = peer_of(r.name)
         library = "ours" if peer is None else f"**peer**: {peer.version}"
+        datamodel = lds[r.name]
         lines.append(
             f"| {r.name} | {library} | {r.mean:.3f} | {interval_text(r.interval())} | {diff} "
-            f"| {r.seconds:.1f} |"
+            f"| {datamodel.mean:.3f} {interval_text(datamodel.interval())} | {r.seconds:.1f} |"
         )
     return "\n".join(lines)
 
 
-def peers_text(results: Sequence[Fidelity], skipped: dict[str, str]) -> str:
-    """Markdown: what each peer row ran with, our best method against the best peer (the
-    paired bootstrap), and the peer methods that could not run, grouped by reason."""
-    ours = [r for r in results if peer_of(r.name) is None]
-    theirs = [(r, peer) for r in results if (peer := peer_of(r.name)) is not None]
-    if not theirs:
-        return (
-            "No peer attributor ran in this environment (the peer libraries are installed "
-            "in `benchmarks/.venv-peers`)."
-        )
-    notes = [f"- `{r.name}`: {peer.note or 'the adapter defaults'}" for r, peer in theirs]
-    best = max(ours, key=lambda r: r.mean)
-    rival = max((r for r, _ in theirs), key=lambda r: r.mean)
+def best_against_best(results: Sequence[Fidelity], metric: str) -> str:
+    """Markdown: our best method against the best peer by ``metric``'s paired bootstrap
+    (``results`` holds both)."""
+    best = max((r for r in results if peer_of(r.name) is None), key=lambda r: r.mean)
+    rival = max((r for r in results if peer_of(r.name) is not None), key=lambda r: r.mean)
     low, high = best.interval(rival)
     if low > 0:
         verdict = "more faithful (interval above 0): target met"
@@ -524,14 +633,34 @@ def peers_text(results: Sequence[Fidelity], skipped: dict[str, str]) -> str:
         verdict = "less faithful (interval below 0): target missed"
     else:
         verdict = "not distinguishable (interval contains 0): not worse at 95%, target met"
+    return (
+        f"**Our best method against the best peer, {metric}**: `{best.name}` {best.mean:.3f} "
+        f"vs `{rival.name}` {rival.mean:.3f}, difference {best.mean - rival.mean:+.3f}, "
+        f"paired bootstrap 95% interval {interval_text((low, high))}: ours is {verdict}."
+    )
+
+
+def peers_text(
+    results: Sequence[Fidelity], lds: dict[str, Fidelity], skipped: dict[str, str]
+) -> str:
+    """Markdown: what each peer row ran with, our best method against the best peer (the
+    paired bootstrap, leave-one-out and LDS), and the peer methods that could not run,
+    grouped by reason."""
+    theirs = [(r, peer) for r in results if (peer := peer_of(r.name)) is not None]
+    if not theirs:
+        return (
+            "No peer attributor ran in this environment (the peer libraries are installed "
+            "in `benchmarks/.venv-peers`)."
+        )
+    notes = [f"- `{r.name}`: {peer.note or 'the adapter defaults'}" for r, peer in theirs]
     lines = [
         "Peer rows, as run:",
         "",
         *notes,
         "",
-        f"**Our best method against the best peer**: `{best.name}` {best.mean:.3f} vs "
-        f"`{rival.name}` {rival.mean:.3f}, difference {best.mean - rival.mean:+.3f}, paired "
-        f"bootstrap 95% interval {interval_text((low, high))}: ours is {verdict}.",
+        best_against_best(results, "leave-one-out"),
+        "",
+        best_against_best([lds[r.name] for r in results], "LDS"),
     ]
     reasons: dict[str, list[str]] = {}
     for name, why in skipped.items():
@@ -593,7 +722,11 @@ Fidelity: per validation block, Spearman of the method's {config.removed} scores
 the effects; mean over validation blocks with a percentile bootstrap 95% interval \
 ({config.bootstrap} resamples of the validation blocks; the difference to GradDot is \
 resampled paired). Sign: a positive score predicts that removing the block raises the \
-validation loss.
+validation loss. LDS (linear datamodeling score): {config.subsets} more training runs, \
+each on a random {config.subset_fraction:.0%} of the training blocks ({run.subset_seconds:.1f} s \
+each, cached; the same order restricted to the subset, the same seeds); per validation \
+block, the Spearman over the runs between the summed scores of the run's blocks and \
+minus its validation loss; mean and bootstrap interval as above.
 
 Determinism: a second run with nothing removed reproduces the reference validation losses \
 to max |diff| = {loo.determinism:.3g} (one thread, `torch.use_deterministic_algorithms`), \
@@ -626,9 +759,9 @@ compared with the best peer by the paired bootstrap of the difference of their m
 (both picked as the best on these same validation blocks): the target is met unless the \
 interval lies below 0.
 
-{results_table(run.results)}
+{results_table(run.results, run.lds)}
 
-{peers_text(run.results, run.skipped)}
+{peers_text(run.results, run.lds, run.skipped)}
 
 EK-FAC against GradDot: the damping sweep (relative to the mean eigenvalue) and each layer \
 alone, mean Spearman [bootstrap 95% interval]. A large damping turns EK-FAC into GradDot \
@@ -662,6 +795,7 @@ def to_json(config: Config, loo: LeaveOneOut, run: AttributionRun) -> dict[str, 
         "full_losses": loo.full.tolist(),
         "effects": loo.effects.tolist(),
         "methods": {r.name: entry(r) for r in run.results},
+        "lds": {name: entry(r) for name, r in run.lds.items()},
         "could_not_run": run.skipped,
         "damping": {
             f"{d:g}": {"kfac": entry(k), "ekfac": entry(e)}
@@ -679,7 +813,9 @@ class AttributionRun:
     """What the attribution process found.
 
     Attributes:
-        results: one per attributor that ran.
+        results: one per attributor that ran (leave-one-out).
+        lds: attributor name -> its linear datamodeling score.
+        subset_seconds: wall seconds per LDS training run.
         skipped: attributor name -> why it could not run (version, reason).
         diagnostics: damping sweep and per-layer fidelity of our methods.
         reproduced: max |diff| of its reference run's validation losses to the cached ones.
@@ -688,6 +824,8 @@ class AttributionRun:
     """
 
     results: list[Fidelity]
+    lds: dict[str, Fidelity]
+    subset_seconds: float
     skipped: dict[str, str]
     diagnostics: Diagnostics
     reproduced: float
@@ -696,27 +834,37 @@ class AttributionRun:
 
 
 def run_attribution(
-    config: Config, blocks: Blocks, loo: LeaveOneOut, names: Sequence[str], work: Path
+    config: Config, blocks: Blocks, truth: GroundTruth, names: Sequence[str], work: Path
 ) -> AttributionRun:
     """The reference run, every named attributor, and the diagnostics."""
     with Stopwatch() as watch:
         task = make_task(config, blocks, work)
         losses = validation_losses(task.trained_model(), blocks.validation)
-        results, skipped = attribute(task, names, loo.effects, config)
-        found = diagnose(task, loo.effects, config)
-    reproduced = float((losses - loo.full).abs().max())
+        results, lds, skipped = attribute(task, names, truth)
+        found = diagnose(task, truth)
+    reproduced = float((losses - truth.loo.full).abs().max())
     params = parameter_count(task.trained_model())
-    return AttributionRun(results, skipped, found, reproduced, params, watch.sample.wall)
+    return AttributionRun(
+        results,
+        lds,
+        truth.subsets.seconds,
+        skipped,
+        found,
+        reproduced,
+        params,
+        watch.sample.wall,
+    )
 
 
 # -- command line ------------------------------------------------------------------------
 
 
 def main(argv: Sequence[str]) -> None:
-    """Leave-one-out (cached), every attributor, the table, JSON and RESULTS.md."""
+    """Leave-one-out and LDS runs (cached), every attributor, the table, JSON and
+    RESULTS.md."""
     p = base_parser(__doc__.split("\n\n")[0])
     p.add_argument("--methods", nargs="+", choices=sorted(ATTRIBUTORS), help="default: all")
-    p.add_argument("--cache", type=Path, default=CACHE, help="leave-one-out cache folder")
+    p.add_argument("--cache", type=Path, default=CACHE, help="leave-one-out and LDS cache")
     p.add_argument("--no-cache", action="store_true", help="retrain even if cached")
     p.add_argument("--json", type=Path, help=f"JSON output (default {JSON_OUT}; quick: none)")
     args = p.parse_args(argv)
@@ -726,11 +874,13 @@ def main(argv: Sequence[str]) -> None:
     transformers.logging.set_verbosity_error()
     loads = [load_average()]
     blocks = make_blocks(config)
-    loo = leave_one_out(config, blocks, None if args.no_cache else args.cache)
+    cache = None if args.no_cache else args.cache
+    loo = leave_one_out(config, blocks, cache)
+    truth = GroundTruth(loo, blocks.removed, subset_runs(config, blocks, cache), config.bootstrap)
     loads.append(load_average())
     names = args.methods or sorted(ATTRIBUTORS)
     with tempfile.TemporaryDirectory(prefix="tda-fidelity-") as work:
-        run = run_attribution(config, blocks, loo, names, Path(work))
+        run = run_attribution(config, blocks, truth, names, Path(work))
     loads.append(load_average())
     section = report(config, loo, run, argv, loads)
     json_path = args.json or (None if args.quick else JSON_OUT)

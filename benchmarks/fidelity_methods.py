@@ -1,9 +1,10 @@
 """The attributor interface of the fidelity benchmark, and our methods behind it.
 
 An **attributor** gets a :class:`FidelityTask` (how to build the model, the trained
-weights and optimizer state, the training and validation blocks, the removed blocks, and a
-way to replay the training run) and returns a ``(M, R)`` score matrix: validation block
-``v`` against removed training block ``j``. Sign convention: a positive score says that
+weights and optimizer state, the training and validation blocks, and a way to replay the
+training run) and returns a ``(M, N)`` score matrix: validation block ``v`` against
+training block ``j``, in dataset order (the benchmark reads the removed blocks' columns
+for leave-one-out and all of them for LDS). Sign convention: a positive score says that
 ``j`` helps ``v``, i.e. predicts that removing ``j`` *raises* ``v``'s loss (a positive
 leave-one-out effect ``loss_v(without j) - loss_v(full)``).
 
@@ -61,7 +62,6 @@ class FidelityTask:
         batch: examples per optimizer step.
         train: ``(N, T)`` int64 training blocks (byte ids), in dataset order.
         validation: ``(M, T)`` int64 validation blocks.
-        removed: ``(R,)`` int64 indices into ``train`` of the blocks to score.
         replay: reruns the training run exactly (same order, seeds and loss).
         work: a scratch directory for this run (stores and the like).
 
@@ -76,7 +76,6 @@ class FidelityTask:
     batch: int
     train: Tensor
     validation: Tensor
-    removed: Tensor
     replay: Replay
     work: Path
 
@@ -93,9 +92,9 @@ class FidelityTask:
         return optimizer
 
     def select(self, scores: Scores) -> Tensor:
-        """``(M, R)`` from library :class:`Scores` keyed by content hash: the rows of the
-        removed blocks, the columns of the validation blocks, transposed."""
-        rows = _positions(scores.train_ids, content_hash(self.train[self.removed]))
+        """``(M, N)`` from library :class:`Scores` keyed by content hash: the rows of the
+        training blocks in dataset order, the columns of the validation blocks, transposed."""
+        rows = _positions(scores.train_ids, content_hash(self.train))
         cols = _positions(scores.query_ids, content_hash(self.validation))
         return scores.values[rows][:, cols].T.double()
 
@@ -109,7 +108,7 @@ def _positions(ids: Tensor, wanted: Tensor) -> Tensor:
     return torch.tensor([where[int(x)] for x in wanted.tolist()])
 
 
-#: ``attributor(task) -> (M, R)`` scores.
+#: ``attributor(task) -> (M, N)`` scores.
 Attributor = Callable[[FidelityTask], Tensor]
 ATTRIBUTORS: dict[str, Attributor] = {}
 
@@ -156,14 +155,14 @@ def trained_stores(
 def store_method(
     method: str, projection: ProjectionConfig | None, task: FidelityTask, **options: Any
 ) -> Tensor:
-    """``(M, R)`` scores of a registered library method (``options``: its constructor's,
+    """``(M, N)`` scores of a registered library method (``options``: its constructor's,
     such as ``damping``) on the trained-weight stores."""
     store, queries = trained_stores(task, projection)
     return task.select(method_by_name(method, **options).score(store, queries))
 
 
 def per_layer_scores(task: FidelityTask, method: str) -> dict[str, Tensor]:
-    """Layer name -> ``(M, R)`` scores of a registered library method from that layer
+    """Layer name -> ``(M, N)`` scores of a registered library method from that layer
     alone (the method fitted on every layer, as in its full score; no cosine)."""
     store, queries = trained_stores(task, None)
     attributor = method_by_name(method)

@@ -140,7 +140,7 @@ class PeerAttributor:
     warned: list[str] = field(default_factory=list)
 
     def __call__(self, task: FidelityTask) -> Tensor:
-        """``(M, R)`` fp64 scores of the validation blocks against the removed blocks;
+        """``(M, N)`` fp64 scores of the validation blocks against every training block;
         raises :class:`Unsupported` with the library version and the reason when the
         library cannot run the method. Cost: the adapter's capture + score call over all
         ``N`` training blocks and ``M`` validation blocks."""
@@ -175,7 +175,7 @@ class PeerAttributor:
         except Exception as error:  # a peer's failure is a result: its row says why
             last = traceback.format_exception_only(error)[-1].strip()
             raise Unsupported(f"{peer.version_text()}: {last[:300]}") from error
-        return scores[:, task.removed].double()
+        return scores.double()
 
     def adapter(self) -> PeerAdapter:
         """The library's adapter (a local one first); :class:`Unsupported` when it has

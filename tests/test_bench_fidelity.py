@@ -32,6 +32,11 @@ def loo(blocks: fidelity.Blocks, cache: Path) -> fidelity.LeaveOneOut:
     return fidelity.leave_one_out(CONFIG, blocks, cache)
 
 
+@pytest.fixture(scope="module")
+def subsets(blocks: fidelity.Blocks, cache: Path) -> fidelity.SubsetRuns:
+    return fidelity.subset_runs(CONFIG, blocks, cache)
+
+
 def test_blocks_are_distinct_and_removed_are_training_indices(blocks: fidelity.Blocks) -> None:
     both = torch.cat([blocks.train, blocks.validation])
     assert both.shape == (CONFIG.train_blocks + CONFIG.val_blocks, CONFIG.block)
@@ -76,15 +81,18 @@ def test_script_scores_every_attributor_on_the_cached_runs(
 ) -> None:
     out = tmp_path / "fidelity.json"
     fidelity.main(["--quick", "--cache", str(cache), "--json", str(out), "--no-write"])
+    assert len(list(cache.glob("lds-*.safetensors"))) == 1
     found = json.loads(out.read_text())
     assert found["effects"] == loo.effects.tolist()  # read from the cache, not retrained
     assert found["reproduced_max_abs"] == 0.0  # the attribution process's run is the same
     assert {"graddot", "gradcos", "tracin", "kfac", "ekfac", "logra", "less"} == set(
         found["methods"]
     )
-    for name, result in found["methods"].items():
-        assert len(result["per_query"]) == CONFIG.val_blocks, name
-        assert all(math.isfinite(x) for x in result["per_query"]), name
+    assert set(found["lds"]) == set(found["methods"])
+    for name in found["methods"]:
+        for result in (found["methods"][name], found["lds"][name]):
+            assert len(result["per_query"]) == CONFIG.val_blocks, name
+            assert all(math.isfinite(x) for x in result["per_query"]), name
     assert len(found["layers"]) == 2 * CONFIG.n_layer * 2  # attention and MLP: 2 layers each
     assert fidelity.SECTION in capsys.readouterr().out
 
@@ -110,9 +118,51 @@ def test_our_best_is_compared_with_the_best_peer(monkeypatch: pytest.MonkeyPatch
     rho = torch.linspace(0.1, 0.3, 16, dtype=torch.float64)
     ours = fidelity.Fidelity("graddot", rho + 0.1, 200)
     peer = fidelity.Fidelity("opacus:graddot", rho, 200)
-    text = fidelity.peers_text([ours, peer], {"traker:trak": "traker 0.3.2: an error"})
-    assert "`graddot` 0.300 vs `opacus:graddot` 0.200, difference +0.100" in text
+    lds = {"graddot": fidelity.Fidelity("graddot", rho - 0.1, 200), "opacus:graddot": peer}
+    text = fidelity.peers_text([ours, peer], lds, {"traker:trak": "traker 0.3.2: an error"})
+    assert (
+        "peer, leave-one-out**: `graddot` 0.300 vs `opacus:graddot` 0.200, difference +0.100"
+        in text
+    )
     assert "ours is more faithful" in text
+    assert "peer, LDS**: `graddot` 0.100 vs `opacus:graddot` 0.200, difference -0.100" in text
+    assert "ours is less faithful" in text
     assert "- `traker:trak`: traker 0.3.2: an error" in text
-    worse = fidelity.Fidelity("graddot", rho - 0.1, 200)
-    assert "ours is less faithful" in fidelity.peers_text([worse, peer], {})
+
+
+def test_subsets_are_half_the_blocks_and_train_on_those_only(
+    blocks: fidelity.Blocks, subsets: fidelity.SubsetRuns
+) -> None:
+    """Each LDS run trains on its own half: an all-true mask is the reference run itself,
+    and a run on a subset is the run on those blocks alone (the order restricted)."""
+    masks = subsets.masks
+    assert masks.shape == (CONFIG.subsets, CONFIG.train_blocks)
+    assert bool((masks.sum(dim=1) == CONFIG.train_blocks // 2).all())
+    assert torch.unique(masks, dim=0).shape[0] == CONFIG.subsets
+    everything = torch.ones(CONFIG.train_blocks, dtype=torch.bool)
+    full = fidelity.run_losses(CONFIG, blocks)
+    assert torch.equal(fidelity.run_losses(CONFIG, blocks, subset=everything), full)
+    kept = masks[0].nonzero().squeeze(1)
+    in_order = blocks.order[masks[0][blocks.order]]  # the training order, kept blocks only
+    alone = replace(blocks, train=blocks.train[kept], order=torch.searchsorted(kept, in_order))
+    config = replace(CONFIG, train_blocks=kept.numel())
+    assert torch.equal(fidelity.run_losses(config, alone), subsets.losses[0])
+    assert not torch.equal(subsets.losses[0], full)
+
+
+def test_lds_is_one_for_an_exactly_linear_datamodel(
+    loo: fidelity.LeaveOneOut, blocks: fidelity.Blocks, subsets: fidelity.SubsetRuns
+) -> None:
+    """Losses that are exactly minus the summed scores of each run's blocks give LDS 1 for
+    those scores and -1 for their negation; only the removed columns count for LOO."""
+    gen = torch.Generator().manual_seed(0)
+    tau = torch.randn(CONFIG.val_blocks, CONFIG.train_blocks, generator=gen, dtype=torch.float64)
+    linear = replace(subsets, losses=-(subsets.masks.double() @ tau.T))
+    truth = fidelity.GroundTruth(loo, blocks.removed, linear, 200)
+    assert truth.lds("exact", tau).mean == pytest.approx(1.0)
+    assert truth.lds("negated", -tau).mean == pytest.approx(-1.0)
+    effects = torch.zeros_like(tau)
+    effects[:, blocks.removed] = loo.effects
+    assert truth.leave_one_out("effects", effects).mean == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="validation blocks x training blocks"):
+        truth.lds("removed only", tau[:, blocks.removed])
