@@ -166,3 +166,24 @@ def test_lds_is_one_for_an_exactly_linear_datamodel(
     assert truth.leave_one_out("effects", effects).mean == pytest.approx(1.0)
     with pytest.raises(ValueError, match="validation blocks x training blocks"):
         truth.lds("removed only", tau[:, blocks.removed])
+
+
+def test_subset_runs_are_read_back_from_the_cache_under_their_own_key(
+    blocks: fidelity.Blocks,
+    subsets: fidelity.SubsetRuns,
+    cache: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A second call trains nothing (the cached losses come back), and the LDS settings
+    stay out of the leave-one-out key, so adding LDS runs leaves cached LOO runs valid."""
+
+    def no_training(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("retrained although the runs are cached")
+
+    monkeypatch.setattr(fidelity, "run_losses", no_training)
+    again = fidelity.subset_runs(CONFIG, blocks, cache)
+    assert torch.equal(again.losses, subsets.losses) and torch.equal(again.masks, subsets.masks)
+    other = replace(CONFIG, subsets=CONFIG.subsets + 1, subset_fraction=0.25)
+    assert fidelity.cache_key(other, blocks) == fidelity.cache_key(CONFIG, blocks)
+    with pytest.raises(AssertionError, match="retrained"):
+        fidelity.subset_runs(other, blocks, cache)
