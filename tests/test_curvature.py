@@ -28,7 +28,6 @@ from transformers.modeling_outputs import CausalLMOutput
 from tda_plugins import CaptureEngine, LayerSelection, ProjectionConfig, RecordCollector
 from tda_plugins.capture import content_hash
 from tda_plugins.grads import Route, TokenFactors, choose_route
-from tda_plugins.grads.factors import even_spans
 from tda_plugins.grads.projection import Projector
 from tda_plugins.methods import method_by_name
 from tda_plugins.methods.base import QUERY_CACHE_BYTES, SCORE_GROUP_BYTES
@@ -370,21 +369,11 @@ def test_kfac_factors_equal_closed_form_covariances_over_real_tokens(
     assert_closed_form_factors(tmp_path, model, batches, {"fc1": 1, "fc2": 1})
 
 
-@pytest.mark.parametrize(("total", "most"), [(384, 256), (601, 256), (256, 256), (5, 256), (7, 1)])
-def test_even_spans_cut_into_the_fewest_near_equal_blocks(total: int, most: int) -> None:
-    """``even_spans`` covers ``[0, total)`` in order with the fewest blocks of at most
-    ``most``, whose sizes differ by at most one."""
-    blocks = even_spans(total, most)
-    sizes = [b.stop - b.start for b in blocks]
-    assert [i for b in blocks for i in range(b.start, b.stop)] == list(range(total))
-    assert len(blocks) == -(-total // most) and max(sizes) <= most
-    assert max(sizes) - min(sizes) <= 1
-
-
-@pytest.mark.parametrize("width", [5, 256, 601])
-def test_add_gram_adds_the_full_gram_from_its_upper_blocks(width: int) -> None:
+@pytest.mark.parametrize("width", [5, 200, 201, 601, 1537])
+def test_add_gram_adds_the_full_gram_from_its_halves(width: int) -> None:
     """``add_gram`` adds ``x^T x`` (every block, mirrored ones included) onto what ``out``
-    held, at widths of one block, exactly one, and several of unequal sizes."""
+    held: one product up to the widest, one halving just past it, and several levels of
+    unequal halves (an odd width too)."""
     torch.manual_seed(0)
     x = torch.randn(40, width, dtype=torch.float64)
     start = torch.randn(width, width, dtype=torch.float64)

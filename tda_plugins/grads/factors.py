@@ -22,7 +22,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from itertools import pairwise
 from typing import Self
 
 import torch
@@ -84,14 +83,6 @@ def summed(parts: Iterable[Tensor]) -> Tensor:
 def spans(total: int, step: int) -> list[slice]:
     """``[0, total)`` cut into consecutive slices of ``step`` (the last one shorter)."""
     return [slice(i, min(i + step, total)) for i in range(0, total, step)]
-
-
-def even_spans(total: int, most: int) -> list[slice]:
-    """``[0, total)`` cut into the fewest consecutive slices of at most ``most``, of sizes
-    differing by at most one (384 at most 256: two of 192, not 256 + 128)."""
-    count = -(-total // most)
-    bounds = [total * i // count for i in range(count + 1)]
-    return [slice(lo, hi) for lo, hi in pairwise(bounds)]
 
 
 #: Bytes of one block of materialized gradients in a blocked product on a CPU (about a
