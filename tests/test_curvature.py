@@ -38,7 +38,7 @@ from tda_plugins.precondition import (
     KroneckerFactors,
     load_curvature,
 )
-from tda_plugins.precondition.curvature import add_gram
+from tda_plugins.precondition.curvature import add_upper_gram, mirrored
 from tda_plugins.store import StoreError, StoreReader
 from tests.models import lm_batch, tiny_causal_lm
 from tests.stores import LossFn, capture_store, summed_loss
@@ -370,16 +370,18 @@ def test_kfac_factors_equal_closed_form_covariances_over_real_tokens(
 
 
 @pytest.mark.parametrize("width", [5, 200, 201, 601, 1537])
-def test_add_gram_adds_the_full_gram_from_its_halves(width: int) -> None:
-    """``add_gram`` adds ``x^T x`` (every block, mirrored ones included) onto what ``out``
-    held: one product up to the widest, one halving just past it, and several levels of
-    unequal halves (an odd width too)."""
+def test_add_upper_gram_adds_the_full_gram_from_its_halves(width: int) -> None:
+    """``add_upper_gram`` adds ``x^T x`` onto the symmetric sum that ``out`` held, read
+    through ``mirrored``: one product up to the widest, one halving just past it, and
+    several levels of unequal halves (an odd width too). ``mirrored`` reads the upper
+    triangle only: junk below the diagonal does not reach the sum."""
     torch.manual_seed(0)
     x = torch.randn(40, width, dtype=torch.float64)
     start = torch.randn(width, width, dtype=torch.float64)
-    out = start.clone()
-    add_gram(out, x)
-    assert rel_err(out, start + x.T @ x) < TOL
+    start = start + start.T
+    out = start + torch.randn(width, width, dtype=torch.float64).tril(-1)
+    add_upper_gram(out, x)
+    assert rel_err(mirrored(out), start + x.T @ x) < TOL
 
 
 @pytest.mark.parametrize(
