@@ -392,35 +392,49 @@ def results_table(results: list[CellResult]) -> str:
     return "\n".join(lines)
 
 
-def draw_chart(runs: list[Run], path: Path) -> None:
-    """Bar chart of time / floor per library, one panel per (run, model, query count)."""
+#: Chart panels: title -> (method, library) -> time over the floor.
+Panels = dict[str, dict[tuple[str, str], float]]
+
+
+def run_panels(runs: list[Run]) -> Panels:
+    """One panel per (run, model, query count) of the runs' measured cells."""
+    panels: Panels = {}
+    for run in runs:
+        for r in run.results:
+            if r.status == "ok":
+                c = r.cell
+                title = f"{c.model}, {run.shape.train} train x {c.queries} queries"
+                panels.setdefault(title, {})[(c.method, c.library)] = r.ratio()
+    return panels
+
+
+def draw_chart(panels: Panels, path: Path) -> None:
+    """Bar chart of time / floor: one panel each, a group of bars per method, a bar per
+    library (absent where the cell has no figure); log scale, so that a peer at 100x
+    leaves the others readable."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [
-        (run, model, queries)
-        for run in runs
-        for model, queries in dict.fromkeys((r.cell.model, r.cell.queries) for r in run.results)
-    ]
-    libraries = list(dict.fromkeys(r.cell.library for run in runs for r in run.results))
-    methods = list(dict.fromkeys(r.cell.method for run in runs for r in run.results))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    libraries = list(dict.fromkeys(lib for cells in panels.values() for _, lib in cells))
+    methods = list(dict.fromkeys(m for cells in panels.values() for m, _ in cells))
+    columns = min(4, len(panels))
+    rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 4 * rows), squeeze=False)
     width = 0.8 / len(libraries)
-    for ax, (run, model, queries) in zip(axes[0], panels, strict=True):
-        found = {r.cell: r for r in run.results}
+    for ax, (title, cells) in zip(axes.flat, panels.items(), strict=False):
         for i, lib in enumerate(libraries):
-            heights = []
-            for method in methods:
-                hit = found.get(Cell(model, lib, method, queries))
-                heights.append(hit.ratio() if hit is not None and hit.status == "ok" else 0.0)
+            heights = [cells.get((method, lib), float("nan")) for method in methods]
             xs = [m + i * width for m in range(len(methods))]
             ax.bar(xs, heights, width, label=lib)
+        ax.set_yscale("log")
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks([m + 0.4 - width / 2 for m in range(len(methods))], methods)
-        ax.set_title(f"{model}, {run.shape.train} train x {queries} queries")
+        ax.set_title(title)
         ax.set_ylabel("time / floor (forward + backward)")
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.set_visible(False)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -553,10 +567,12 @@ GradDot. A cell that could not run says why.
 """)
 
 
-def index_text(dumps: Sequence[tuple[str, Run]], settings: Settings, gaps: Sequence[Gap]) -> str:
-    """The cell index section: per workload size, every (model, queries, method) x
-    library cell with its latest figure (dumps in order, later ones replacing earlier
-    ones) or the reason it is missing."""
+def latest_cells(
+    dumps: Sequence[tuple[str, Run]],
+) -> tuple[dict[Shape, dict[CellKey, Found]], dict[tuple[str, str], Found]]:
+    """Per workload size (the shape without its model), what each cell's latest run
+    reported (dumps in order, later ones replacing earlier ones); and the latest
+    ``unsupported`` report of each (library, method), which holds at every size."""
     sizes: dict[Shape, dict[CellKey, Found]] = {}
     standing: dict[tuple[str, str], Found] = {}
     for name, run in dumps:
@@ -567,6 +583,33 @@ def index_text(dumps: Sequence[tuple[str, Run]], settings: Settings, gaps: Seque
             found[key] = Found(r.status, name, ratio, r.reason)
             if r.status == "unsupported":
                 standing[(r.cell.library, r.cell.method)] = found[key]
+    return sizes, standing
+
+
+def index_panels(dumps: Sequence[tuple[str, Run]]) -> Panels:
+    """The cell index's latest figures as chart panels, one per (training rows, model,
+    query count), larger workloads first."""
+    cells = [
+        (shape.train, key, found.ratio)
+        for shape, by_key in latest_cells(dumps)[0].items()
+        for key, found in by_key.items()
+        if found.ratio is not None
+    ]
+    panels: Panels = {}
+    for train, (model, library, method, queries), ratio in sorted(
+        cells, key=lambda c: (-c[0], c[1][0], c[1][3])
+    ):
+        panels.setdefault(f"{model}, {train} train x {queries} queries", {})[
+            (method, library)
+        ] = ratio
+    return panels
+
+
+def index_text(dumps: Sequence[tuple[str, Run]], settings: Settings, gaps: Sequence[Gap]) -> str:
+    """The cell index section: per workload size, every (model, queries, method) x
+    library cell with its latest figure (dumps in order, later ones replacing earlier
+    ones) or the reason it is missing; the chart of those figures under it."""
+    sizes, standing = latest_cells(dumps)
     axes = (settings.models, settings.query_counts, settings.methods, settings.libraries)
     parts = []
     for shape, found in sorted(sizes.items(), key=lambda item: -item[0].train):
@@ -575,6 +618,9 @@ def index_text(dumps: Sequence[tuple[str, Run]], settings: Settings, gaps: Seque
             f"### {shape.train} training rows of {shape.seq} tokens{tiny}\n\n"
             + coverage_table(shape.train, found, axes, standing, gaps)
         )
+    chart = ""
+    if settings.chart is not None:
+        chart = f"![time / floor: each cell's latest figure]({settings.chart.name})"
     body = "\n\n".join(parts)
     # the dumps' glob unquoted, for the shell to expand (in date order)
     command = command_line(SCRIPT, []) + f" --report {DUMPS}/peers-*.json --index {GAPS}"
@@ -589,6 +635,8 @@ The runs behind one row may come from different machines (each subsection names 
 machine): every ratio is to the floor of its own process, not to the other cells'.
 
 Command: `{command}`
+
+{chart}
 
 {body}
 """)
@@ -685,6 +733,8 @@ def main(argv: Sequence[str]) -> None:
         dumps = [(p.name, Run.from_json(json.loads(p.read_text()))) for p in args.report]
         index = index_text(dumps, settings, load_gaps(args.index))
         publish(index, INDEX_SECTION, settings.results, settings.write)
+        if settings.chart is not None and settings.write:
+            draw_chart(index_panels(dumps), settings.chart)
         return
     if args.report:
         runs = merged([Run.from_json(json.loads(path.read_text())) for path in args.report])
@@ -694,7 +744,7 @@ def main(argv: Sequence[str]) -> None:
         dump.write_text(json.dumps(runs[0].to_json(), indent=1))
         print(f"wrote {dump}")
     if settings.chart is not None and settings.write:
-        draw_chart(runs, settings.chart)
+        draw_chart(run_panels(runs), settings.chart)
     notes = args.notes.read_text().strip() if args.notes else ""
     publish(report(runs, settings, notes), SECTION, settings.results, settings.write)
 

@@ -81,6 +81,26 @@ def test_each_cell_has_its_figure_or_its_reason(settings: bench_peers.Settings) 
     assert table[(little, "kfac")] == ["not measured [1]", "unsupported [3]"]
     assert f"1. {UNEXPLAINED}" in text and "2. too slow here" in text
     assert "Figures from: `a.json`, `b.json`." in text
+    # the chart shows the same latest figures, one panel per size, model and query count
+    assert bench_peers.index_panels(dumps) == {
+        "gpt2, 256 train x 8 queries": {
+            ("graddot", "ours"): pytest.approx(1.5),
+            ("graddot", "kronfluence"): pytest.approx(1.3),
+        }
+    }
+
+
+def test_index_writes_its_section_and_the_chart_of_its_figures(tmp_path: Path) -> None:
+    Cell = bench_peers.Cell
+    run = run_of(256, measured(Cell("gpt2", "ours", "graddot", 8), 30.0, 20.0))
+    dump, gaps = tmp_path / "peers-a.json", tmp_path / "gaps.json"
+    dump.write_text(json.dumps(run.to_json()))
+    gaps.write_text("[]")
+    results, chart = tmp_path / "RESULTS.md", tmp_path / "chart.png"
+    argv = ["--report", str(dump), "--index", str(gaps), "--results", str(results)]
+    bench_peers.main([*argv, "--chart", str(chart), "--write", "--models", "gpt2"])
+    assert "![time / floor: each cell's latest figure](chart.png)" in results.read_text()
+    assert chart.read_bytes().startswith(b"\x89PNG")
 
 
 def test_gaps_file_lists_libraries_and_refuses_unknown_fields(tmp_path: Path) -> None:
