@@ -599,9 +599,9 @@ def index_panels(dumps: Sequence[tuple[str, Run]]) -> Panels:
     for train, (model, library, method, queries), ratio in sorted(
         cells, key=lambda c: (-c[0], c[1][0], c[1][3])
     ):
-        panels.setdefault(f"{model}, {train} train x {queries} queries", {})[
-            (method, library)
-        ] = ratio
+        panels.setdefault(f"{model}, {train} train x {queries} queries", {})[(method, library)] = (
+            ratio
+        )
     return panels
 
 
