@@ -396,6 +396,11 @@ def results_table(results: list[CellResult]) -> str:
 Panels = dict[str, dict[tuple[str, str], float]]
 
 
+def panel_title(model: str, train: int, queries: int) -> str:
+    """A chart panel's title: the model and the workload's size."""
+    return f"{model}, {train} train x {queries} queries"
+
+
 def run_panels(runs: list[Run]) -> Panels:
     """One panel per (run, model, query count) of the runs' measured cells."""
     panels: Panels = {}
@@ -403,7 +408,7 @@ def run_panels(runs: list[Run]) -> Panels:
         for r in run.results:
             if r.status == "ok":
                 c = r.cell
-                title = f"{c.model}, {run.shape.train} train x {c.queries} queries"
+                title = panel_title(c.model, run.shape.train, c.queries)
                 panels.setdefault(title, {})[(c.method, c.library)] = r.ratio()
     return panels
 
@@ -599,16 +604,14 @@ def index_panels(dumps: Sequence[tuple[str, Run]]) -> Panels:
     for train, (model, library, method, queries), ratio in sorted(
         cells, key=lambda c: (-c[0], c[1][0], c[1][3])
     ):
-        panels.setdefault(f"{model}, {train} train x {queries} queries", {})[(method, library)] = (
-            ratio
-        )
+        panels.setdefault(panel_title(model, train, queries), {})[(method, library)] = ratio
     return panels
 
 
 def index_text(dumps: Sequence[tuple[str, Run]], settings: Settings, gaps: Sequence[Gap]) -> str:
     """The cell index section: per workload size, every (model, queries, method) x
     library cell with its latest figure (dumps in order, later ones replacing earlier
-    ones) or the reason it is missing; the chart of those figures under it."""
+    ones) or the reason it is missing, below a link to the chart of those figures."""
     sizes, standing = latest_cells(dumps)
     axes = (settings.models, settings.query_counts, settings.methods, settings.libraries)
     parts = []

@@ -12,11 +12,11 @@ sync). Each micro-batch's products are taken in the gradients' accumulation dtyp
 for fp32/bf16 models: the K-FAC products are as large as the backward's own, and fp64
 ones cost twice as much) and summed across micro-batches in fp64, on the capture device;
 layers fed by one input (q/k/v, gate/up) share one ``A`` product per micro-batch, and each
-product adds to the upper triangle of the symmetric sum only (mirrored when read). The statistics
-are written to the
-store directory (``rank-<r>/curvature.safetensors``, atomically) at the end of capture
-and whenever :meth:`CurvatureAccumulator.save` is called, so K-FAC, EK-FAC and LoGra need
-no second pass over the model. Embedding and norm layers get no K-FAC factors.
+product adds to the upper triangle of the symmetric sum only (mirrored when read). The
+statistics are written to the store directory (``rank-<r>/curvature.safetensors``,
+atomically) at the end of capture and whenever :meth:`CurvatureAccumulator.save` is
+called, so K-FAC, EK-FAC and LoGra need no second pass over the model. Embedding and norm
+layers get no K-FAC factors.
 """
 
 from __future__ import annotations
