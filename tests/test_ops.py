@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from unittest import mock
 
 import pytest
@@ -88,6 +90,16 @@ def test_every_gram_route_equals_materialized_dot(kind: str) -> None:
         torch.testing.assert_close(cross_gram(train, query, route=route), reference)
 
 
+@contextmanager
+def _blocks_of_32_rows() -> Iterator[None]:
+    """Blocked products take 32 output rows at a time, whatever a row's bytes."""
+    with (
+        mock.patch("tda_plugins.grads.factors._CPU_BLOCK_BYTES", 1),
+        mock.patch("tda_plugins.grads.factors._MIN_BLOCK_ROWS", 32),
+    ):
+        yield
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("query_kind", ["dense-fp32", "factors"])
 def test_blocked_materialized_gram_spans_every_output_row(bias: bool, query_kind: str) -> None:
@@ -101,10 +113,29 @@ def test_blocked_materialized_gram_spans_every_output_row(bias: bool, query_kind
         else TokenFactors(_randn(2, 4, 6), _randn(2, 4, 70), bias=bias)
     )
     reference = _explicit_materialize(train) @ _explicit_materialize(query).double().T
-    with mock.patch("tda_plugins.grads.factors._CPU_BLOCK_BYTES", 1):
+    with _blocks_of_32_rows():
         scores = cross_gram(train, query, route=Route.MATERIALIZED)
     assert scores.dtype == torch.float64
     torch.testing.assert_close(scores, reference)
+
+
+@pytest.mark.parametrize("kind", ["factors", "factors-bias", "dense"])
+def test_squared_entries_add_every_examples_square_in_blocks_of_rows(kind: str) -> None:
+    """EK-FAC's correction sum ``total += sum_i dW_i * dW_i``, built 32 output rows at a
+    time over 70 (the last block partial), equals the squares of the explicit gradients,
+    adds to what ``total`` held, and leaves a dense side's own values unsquared."""
+    # N_i = 6 in every case: 6 inputs, or 5 and the bias column
+    grads: PerExampleGrad = {
+        "factors": TokenFactors(_randn(3, 5, 6), _randn(3, 5, 70)),
+        "factors-bias": TokenFactors(_randn(3, 5, 5), _randn(3, 5, 70), bias=True),
+        "dense": DenseGrad(_randn(3, 70 * 6)),
+    }[kind]
+    explicit = _explicit_materialize(grads).clone()
+    start = _randn(70, 6)
+    with _blocks_of_32_rows():
+        total = grads.add_squared_entries(start.clone())
+    torch.testing.assert_close(total, start + explicit.square().sum(0).view(70, 6))
+    torch.testing.assert_close(_explicit_materialize(grads), explicit)
 
 
 def test_factor_row_blocks_refuse_another_row_width() -> None:

@@ -268,6 +268,24 @@ class PerExampleGrad(ABC):
         values = self.materialize().to(dtype)
         return lambda rows: values[:, rows.start * width : rows.stop * width]
 
+    def add_squared_entries(self, total: Tensor) -> Tensor:
+        """``total += sum_i dW_i * dW_i`` (entrywise) for an ``(N_o, N_i)`` total, usually
+        fp64 (EK-FAC's eigenvalue correction); returns ``total``.
+
+        Built a block of output rows at a time (:meth:`row_blocks`) and squared while the
+        block is in cache: no ``(B, D)`` materialized copy, fp64 copy or square of it
+        travels through memory. Each square and its sum over the ``B`` examples are in
+        the accumulation dtype; only the running total is in ``total``'s dtype.
+        """
+        n_o, width = total.shape
+        dtype = values_dtype(self)
+        blocks = self.row_blocks(width, dtype)
+        row_bytes = self.batch_size * width * dtype.itemsize
+        for rows in _output_blocks(n_o, row_bytes, total):
+            # out of place: a block may be a view of the representation's own values
+            total[rows] += blocks(rows).view(self.batch_size, -1, width).square().sum(dim=0)
+        return total
+
     def sq_norm_costs(self) -> dict[Route, float]:
         """FLOP estimate of the ``(B,)`` squared norms per route."""
         return {Route.MATERIALIZED: self._materialize_flops() + self.batch_size * self.dim}

@@ -16,7 +16,9 @@ EK-FAC, with eigenbases ``U_A``, ``U_S`` and corrected eigenvalues
 are rotated into it, ``U_S^T dW U_A``: the same dot products).
 
 Factorizations (Cholesky, eigendecompositions) are computed in fp64, and so are the
-squares and sums of the correction and the division by ``Lambda + l``. The rotations
+correction's sums across micro-batches and the division by ``Lambda + l`` (each entry's
+square and its sum over one micro-batch's examples are in the gradients' accumulation
+dtype, built a block of rows at a time while in cache). The rotations
 themselves (:func:`~tda_plugins.grads.ops.rotated`: of the per-token factors where that is
 cheaper, ``U_S^T g_t`` and ``U_A^T a_t``) run in the gradients' accumulation dtype: a
 rotation keeps norms, so fp32 adds only fp32 rounding to what fp32 gradients carry. K-FAC's
@@ -45,8 +47,6 @@ from tda_plugins.precondition.curvature import KroneckerFactors, load_curvature
 from tda_plugins.store.layout import StoreError
 from tda_plugins.store.reader import StoreReader
 
-#: Examples squared at a time in the EK-FAC fit (bounds the fp64 copy of a chunk's rows).
-_SQUARE_BLOCK = 16
 #: Examples read at a time in the EK-FAC fit: a chunk of several stored micro-batches is
 #: a concatenated copy of them, so stored micro-batches of 8 or more are read one by one.
 _FIT_CHUNK = 8
@@ -185,9 +185,7 @@ class EKFAC(Preconditioner):
                 grads = chunk.layers[name]
                 _check_shape(grads, e.shape, name)
                 self._train_rotation[name] += min(grads.rotation_costs(*e.shape).values())
-                rotation = rotated(grads, e.u_s, e.u_a)
-                for block in rotation.split(_SQUARE_BLOCK):  # bounds the fp64 copy
-                    totals[name] += block.double().square_().sum(dim=0).view(e.shape)
+                rotated_grads(grads, e.u_s, e.u_a).add_squared_entries(totals[name])
             count += chunk.size
         self.eigenvalues = {n: t / count for n, t in totals.items()}
 
