@@ -4,7 +4,10 @@ reference, per library, method and model, on one workload (issue 6).
 Workload (``benchmarks/peers/workload.py``): a GPT-2 and a Llama causal LM from configs
 (about 10M parameters, seed 0, fp32, dropout off, tied embeddings), ``--train`` training
 rows and 8 or 256 query rows of ``--seq`` random tokens, the attention and MLP linear
-layers (no embedding, no head), each example's own summed token loss.
+layers (no embedding, no head), each example's own summed token loss. On a CUDA GPU,
+``--device cuda --dtype bf16 --models qwen2 --seq 512`` runs the larger configuration
+(Qwen2-0.5B's shape from its config); times are then taken after a device synchronize,
+and peaks are torch's allocated GPU memory instead of RSS.
 
 Rows, per model and query count:
 
@@ -33,6 +36,8 @@ Usage (the peers' venv, ``make bench``; our library alone runs in ``.venv``)::
     HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false \\
         benchmarks/.venv-peers/bin/python benchmarks/bench_peers.py
     .venv/bin/python benchmarks/bench_peers.py --quick --libraries ours   # smoke
+    benchmarks/.venv-peers/bin/python benchmarks/bench_peers.py --device cuda --dtype bf16 \
+        --models qwen2 --seq 512 --methods graddot_proj                   # on a GPU
     benchmarks/.venv-peers/bin/python benchmarks/bench_peers.py \\
         --report benchmarks/out/peers-A.json benchmarks/out/peers-B.json --notes notes.md
 """
@@ -45,7 +50,8 @@ import statistics
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -71,7 +77,15 @@ from common import (
 from peers.base import LIBRARIES, Unsupported, adapter, library_version
 from peers.coverage import CellKey, Found, Gap, coverage_table, load_gaps
 from peers.reference import reference_scores
-from peers.workload import METHODS, Shape, floor_backward, floor_forward, make_problem
+from peers.workload import (
+    DTYPES,
+    METHODS,
+    MODELS,
+    Shape,
+    floor_backward,
+    floor_forward,
+    make_problem,
+)
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -146,6 +160,29 @@ def agreement(scores: Tensor, reference: Tensor) -> tuple[tuple[float, float], f
     return (float(rho.mean()), float(rho.min())), float(err)
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously; a timer stopped
+    without this would time the launches)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextmanager
+def device_peak(peaks: dict[str, float], phase: str, device: torch.device) -> Iterator[None]:
+    """:func:`phase_peak` of the process's RSS on the CPU; on a CUDA device, the peak of
+    the memory torch allocated there (MB), the memory a GPU run is bounded by."""
+    if device.type != "cuda":
+        with phase_peak(peaks, phase):
+            yield
+        return
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        yield
+    finally:
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+        peaks[phase] = max(peaks.get(phase, 0.0), peak)
+
+
 def run_cell(cell: Cell, shape: Shape, rounds: int, reference: Path) -> CellResult:
     """Body of ``--child``: warm-up, ``rounds`` rotated rounds, agreement."""
     try:
@@ -173,11 +210,12 @@ def run_cell(cell: Cell, shape: Shape, rounds: int, reference: Path) -> CellResu
             }
             for round_ in range(rounds):
                 for phase in rotated(list(phases), round_):
-                    with phase_peak(result.peaks, phase), Stopwatch() as watch:
+                    with device_peak(result.peaks, phase, problem.device), Stopwatch() as watch:
                         out = phases[phase]()
+                        synchronize(problem.device)
                     result.samples.setdefault(phase, []).append(watch.sample.to_json())
                     if phase == RUN:
-                        scores = out
+                        scores = out.detach().cpu()
                         peer.cleanup(problem)
         except Unsupported as why:
             return replace(result, status="unsupported", reason=str(why))
@@ -225,12 +263,15 @@ class Settings:
         """The workload sizes as command-line flags for a child."""
         s = self.shape
         flags = ["--train", str(s.train), "--seq", str(s.seq), "--batch", str(s.batch)]
-        return flags + ["--k", str(s.k)] + (["--tiny"] if s.tiny else [])
+        flags += ["--k", str(s.k), "--device", s.device, "--dtype", s.dtype]
+        return flags + (["--tiny"] if s.tiny else [])
 
     def reference_path(self, model: str) -> Path:
-        """Cache file of a model's reference scores (keyed by the sizes that change it)."""
+        """Cache file of a model's reference scores (keyed by the sizes and the model
+        dtype that change it)."""
         s = self.shape
         tag = f"{model}-{'tiny' if s.tiny else 'full'}-n{s.train}-t{s.seq}"
+        tag += "" if s.dtype == "fp32" else f"-{s.dtype}"
         return self.out / f"peers-reference-{tag}.safetensors"
 
 
@@ -304,9 +345,9 @@ def collect(settings: Settings, argv: Sequence[str]) -> Run:
     date = utc_now()
     settings.out.mkdir(parents=True, exist_ok=True)
     for model in settings.models:
-        params[model] = parameter_count(
-            make_problem(replace(settings.shape, model=model), settings.out).model
-        )
+        # counted on the CPU: the children's GPU memory is not shared with a parent's copy
+        counted = replace(settings.shape, model=model, device="cpu")
+        params[model] = parameter_count(make_problem(counted, settings.out).model)
         ref = settings.reference_path(model)
         if not ref.exists():
             print(f"  {model}: reference ...", flush=True)
@@ -365,11 +406,26 @@ def cell_text(r: CellResult, ours: CellResult | None) -> tuple[str, str, str, st
     )
 
 
-def results_table(results: list[CellResult]) -> str:
-    """One markdown row per cell, with the floor of the cell's own process."""
+def where(shape: Shape) -> str:
+    """`` on cuda, bf16``: where a run ran, unless the CPU reference setting (fp32)."""
+    return (
+        ""
+        if (shape.device, shape.dtype) == ("cpu", "fp32")
+        else f" on {shape.device}, {shape.dtype}"
+    )
+
+
+def memory_name(shape: Shape) -> str:
+    """What a run's peaks measure: the process's RSS, or on a GPU its allocated memory."""
+    return "GPU memory" if shape.device == "cuda" else "RSS"
+
+
+def results_table(results: list[CellResult], memory: str = "RSS") -> str:
+    """One markdown row per cell, with the floor of the cell's own process; ``memory``
+    names what the peaks measure (:func:`memory_name`)."""
     lines = [
         "| model | queries | method | library | note | time s (wall) | / floor "
-        "| / ours (floor-normalized) | peak RSS MB (/ floor's) "
+        f"| / ours (floor-normalized) | peak {memory} MB (/ floor's) "
         "| Spearman mean [min] / max rel. err. | floor fwd+bwd s / fwd s (timed rounds) |",
         "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
@@ -467,13 +523,13 @@ def met(ok: bool) -> str:
     return "met" if ok else "**missed**"
 
 
-def targets_table(results: list[CellResult]) -> str:
+def targets_table(results: list[CellResult], memory: str = "RSS") -> str:
     """Per model, query count, method and each of our ways: ours against the floor and
-    the fastest peer (floor-normalized times), and our peak RSS against the lowest
-    peer's."""
+    the fastest peer (floor-normalized times), and our peak ``memory`` against the
+    lowest peer's."""
     lines = [
         "| model | queries | method | ours | ours / floor (target) | fastest peer (its / floor) "
-        "| fastest peer / ours (target) | time targets | ours RSS / lowest peer's (6) |",
+        f"| fastest peer / ours (target) | time targets | ours {memory} / lowest peer's (6) |",
         "|---|---:|---|---|---:|---|---:|---|---:|",
     ]
     ok = [r for r in results if r.status == "ok"]
@@ -518,8 +574,9 @@ def run_text(run: Run) -> str:
     models = ", ".join(f"{m} {p / 1e6:.2f}M parameters" for m, p in run.params.items())
     commands = "\n".join(f"    {command_line(SCRIPT, argv)}" for argv in run.commands)
     ordered = sorted(run.results, key=lambda r: order_key(r.cell))
+    memory = memory_name(s)
     return f"""### {", ".join(run.params)}: {s.train} training rows x \
-{" / ".join(map(str, run.query_counts))} queries
+{" / ".join(map(str, run.query_counts))} queries{where(s)}
 
 Commands:
 
@@ -527,14 +584,14 @@ Commands:
 
 Dates: {", ".join(run.dates)}; {load_text(run.loads)}. Workload: {models}, {s.train} \
 training rows and {" / ".join(map(str, run.query_counts))} query rows of {s.seq} random \
-tokens, micro-batches of {s.batch}, projection k = {s.k} per side; timed rounds per cell \
-in the last column.
+tokens, micro-batches of {s.batch}, projection k = {s.k} per side, {s.dtype} models on \
+{s.device} (peaks: {memory}); timed rounds per cell in the last column.
 
 Against the issue's targets (times normalized by each process's own floor):
 
-{targets_table(ordered)}
+{targets_table(ordered, memory)}
 
-{results_table(ordered)}
+{results_table(ordered, memory)}
 """
 
 
@@ -550,7 +607,8 @@ def report(runs: list[Run], settings: Settings, notes: str) -> str:
 Machine: {machine_info()}. Versions: {versions(libraries)}.
 
 Workload (`benchmarks/peers/workload.py`): GPT-2 / Llama causal LMs from configs (seed 0, \
-fp32, dropout off, tied embeddings), random token rows, attention and MLP linear layers \
+fp32 on the CPU unless a run says otherwise, dropout off, tied embeddings), random token \
+rows, attention and MLP linear layers \
 only, each example's own summed token loss. Each cell is a fresh process: warm-up on one \
 micro-batch, then rotated rounds of [floor forward + backward, forward only, the \
 library's whole capture + score call]; medians. "/ floor" = the call over the floor \
@@ -558,7 +616,8 @@ library's whole capture + score call]; medians. "/ floor" = the call over the fl
 = that ratio over ours for the same model, method and query count (each normalized by \
 its own floor, so that load drift between processes cancels). Peak RSS = `VmHWM` over \
 the library's calls (reset before them), model and data included, and its ratio to the \
-floor pass's. Agreement = the first {REF_QUERIES} query columns against the exact fp64 \
+floor pass's (on a CUDA device: torch's peak allocated GPU memory). Agreement = the \
+first {REF_QUERIES} query columns against the exact fp64 \
 reference (`benchmarks/peers/reference.py`: one backward per example, streamed; damping \
 0.1 x mean eigenvalue per factor, biases included): Spearman per query, mean [min], and \
 max |s - r| / max |r|; projected rows are compared with the exact full-dimensional \
@@ -613,12 +672,15 @@ def index_text(dumps: Sequence[tuple[str, Run]], settings: Settings, gaps: Seque
     library cell with its latest figure (dumps in order, later ones replacing earlier
     ones) or the reason it is missing, below a link to the chart of those figures."""
     sizes, standing = latest_cells(dumps)
-    axes = (settings.models, settings.query_counts, settings.methods, settings.libraries)
     parts = []
     for shape, found in sorted(sizes.items(), key=lambda item: -item[0].train):
+        # the asked models, and any other a run measured at this size (qwen2 on a GPU)
+        ran = {model for model, *_ in found}
+        models = [m for m in MODELS if m in settings.models or m in ran]
+        axes = (models, settings.query_counts, settings.methods, settings.libraries)
         tiny = " (tiny models)" if shape.tiny else ""
         parts.append(
-            f"### {shape.train} training rows of {shape.seq} tokens{tiny}\n\n"
+            f"### {shape.train} training rows of {shape.seq} tokens{tiny}{where(shape)}\n\n"
             + coverage_table(shape.train, found, axes, standing, gaps)
         )
     chart = ""
@@ -651,7 +713,9 @@ Command: `{command}`
 def parse_args(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
     """Parse the command line."""
     p = base_parser(__doc__.split("\n\n")[0])
-    p.add_argument("--models", nargs="+", choices=["gpt2", "llama"], help="default both")
+    p.add_argument(
+        "--models", nargs="+", choices=list(MODELS), help="default gpt2 and llama (the CPU pair)"
+    )
     p.add_argument("--libraries", nargs="+", choices=list(LIBRARIES), help="default all")
     p.add_argument("--methods", nargs="+", choices=METHODS, help="default all four")
     p.add_argument("--queries", nargs="+", type=int, help="query counts (default 8 256)")
@@ -661,6 +725,8 @@ def parse_args(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
     p.add_argument("--k", type=int, default=16, help="factor projection per side")
     p.add_argument("--rounds", type=int, help="timed rounds per cell (default 3; quick 1)")
     p.add_argument("--tiny", action="store_true", help="tiny models (implied by --quick)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where it all runs")
+    p.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="the models' dtype")
     p.add_argument("--out", type=Path, default=OUT, help="JSON and reference cache folder")
     p.add_argument("--chart", default=str(CHART), help="PNG of the ratios ('' = none)")
     p.add_argument(
@@ -688,7 +754,14 @@ def parse_args(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
         seq=a.seq or (16 if quick else 128),
         batch=a.batch,
         k=a.k,
+        device=a.device,
+        dtype=a.dtype,
     )
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(
+            f"--device cuda, but this torch {torch.__version__} sees no CUDA device; run on a "
+            "GPU machine with a CUDA build of torch, or leave --device at cpu"
+        )
     settings = Settings(
         models=tuple(a.models or (["gpt2"] if quick else ["gpt2", "llama"])),
         libraries=tuple(a.libraries or (["ours"] if quick else list(LIBRARIES))),

@@ -90,6 +90,33 @@ def test_each_cell_has_its_figure_or_its_reason(settings: bench_peers.Settings) 
     }
 
 
+def test_a_gpu_run_gets_its_own_table_with_its_models(settings: bench_peers.Settings) -> None:
+    """A bf16 run on a GPU is a size of its own, headed by where it ran, and its model
+    (qwen2, not among the asked ones) gets rows; the CPU size keeps the asked models."""
+    Cell = bench_peers.Cell
+    cpu = run_of(256, measured(Cell("gpt2", "ours", "graddot", 8), 30.0, 20.0))
+    gpu_shape = Shape(model="qwen2", train=256, seq=512, device="cuda", dtype="bf16")
+    gpu = bench_peers.Run(
+        [[]],
+        ["now"],
+        gpu_shape,
+        (8,),
+        1,
+        {"qwen2": 1},
+        [],
+        [measured(Cell("qwen2", "ours", "graddot", 8), 12.0, 10.0)],
+    )
+    text = bench_peers.index_text([("a.json", cpu), ("b.json", gpu)], settings, [])
+    headings = [line for line in text.splitlines() if line.startswith("### ")]
+    assert headings == [
+        "### 256 training rows of 128 tokens",
+        "### 256 training rows of 512 tokens on cuda, bf16",
+    ]
+    cpu_part, gpu_part = text.split(headings[1])
+    assert "| qwen2 | 8 | graddot | 1.20x |" in gpu_part and "| gpt2 |" in gpu_part
+    assert "qwen2" not in cpu_part
+
+
 def test_index_writes_its_section_and_the_chart_of_its_figures(tmp_path: Path) -> None:
     Cell = bench_peers.Cell
     run = run_of(256, measured(Cell("gpt2", "ours", "graddot", 8), 30.0, 20.0))

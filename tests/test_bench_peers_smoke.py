@@ -6,12 +6,14 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import bench_peers
+from peers.workload import Shape
 
 METHODS = ("graddot", "kfac")
 
@@ -84,3 +86,48 @@ def test_runs_ending_in_the_same_minute_keep_both_dumps(tmp_path: Path) -> None:
     second = bench_peers.fresh_dump_path(tmp_path, date)
     assert first.name == "peers-2026-12-01_1752_UTC.json"
     assert second.name == "peers-2026-12-01_1752_UTC-2.json"
+
+
+def test_bf16_cells_agree_with_the_fp64_reference_of_their_own_weights(tmp_path: Path) -> None:
+    """``--dtype bf16`` builds the models in bf16 (here the tiny Qwen2 of the GPU table):
+    our cells run, agree with the fp64 reference of the bf16 weights to bf16's precision,
+    and that precision shows that the model did run in bf16 (fp32 agrees to < 1e-4)."""
+    argv = ["--quick", "--out", str(tmp_path), "--chart", "", "--dtype", "bf16"]
+    settings, _ = bench_peers.parse_args([*argv, "--models", "qwen2"])
+    shape = replace(settings.shape, model="qwen2")
+    reference = settings.reference_path("qwen2")
+    assert reference.name.endswith("-bf16.safetensors")  # not the fp32 model's reference
+    bench_peers.run_reference(shape, reference)
+    for method in METHODS:
+        found = bench_peers.run_cell(
+            bench_peers.Cell("qwen2", "ours", method, 4), shape, 1, reference
+        )
+        assert found.status == "ok", found.reason
+        assert found.spearman is not None and found.spearman[1] > 0.95
+        assert found.max_rel_err is not None and 1e-4 < found.max_rel_err < 0.05
+
+
+def test_a_child_gets_the_parents_device_and_dtype(tmp_path: Path) -> None:
+    """Each cell runs in a child process from :meth:`Settings.shape_flags`: parsed again,
+    they give the parent's workload, device and dtype included."""
+    settings, _ = bench_peers.parse_args(["--quick", "--out", str(tmp_path), "--dtype", "bf16"])
+    child, _ = bench_peers.parse_args(["--out", str(tmp_path), *settings.shape_flags()])
+    assert child.shape == settings.shape and child.shape.dtype == "bf16"
+
+
+def test_cuda_is_refused_where_torch_sees_no_gpu(tmp_path: Path) -> None:
+    with (
+        mock.patch("torch.cuda.is_available", return_value=False),
+        pytest.raises(SystemExit, match="no CUDA device"),
+    ):
+        bench_peers.parse_args(["--quick", "--out", str(tmp_path), "--device", "cuda"])
+
+
+def test_a_gpu_run_says_where_it_ran_and_that_its_peaks_are_gpu_memory(
+    results: list[bench_peers.CellResult],
+) -> None:
+    shape = Shape(model="gpt2", tiny=True, device="cuda", dtype="bf16")
+    run = bench_peers.Run([["--quick"]], ["now"], shape, (4,), 1, {"gpt2": 1}, [], results)
+    text = bench_peers.run_text(run)
+    assert text.splitlines()[0].endswith("queries on cuda, bf16")
+    assert "peak GPU memory MB" in text and "RSS" not in text

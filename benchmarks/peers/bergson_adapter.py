@@ -72,6 +72,6 @@ class Bergson(PeerAdapter):
     def scores(self, problem: Problem, method: str) -> Tensor:
         queries = self._collect(problem, problem.queries, method).gradients
         writer = InMemorySequenceScoreWriter(problem.train.shape[0], problem.queries.shape[0])
-        scorer = Scorer(queries, list(queries), writer, torch.device("cpu"), torch.float32)
+        scorer = Scorer(queries, list(queries), writer, problem.device, torch.float32)
         self._collect(problem, problem.train, method, scorer)
         return writer.scores.T

@@ -89,7 +89,7 @@ class Dattri(PeerAdapter):
             task,
             weight_list=torch.ones(1),
             normalized_grad=False,
-            projector_kwargs={"proj_type": "identity", "device": "cpu"},
+            projector_kwargs={"proj_type": "identity", "device": str(problem.device)},
             layer_name=parameter_names(model, problem.layers),
         )
         train = DataLoader(TensorDataset(problem.train), batch_size=problem.batch)

@@ -67,7 +67,7 @@ class DattriLLM(PeerAdapter):
             per_device_train_batch_size=problem.batch,
             per_device_eval_batch_size=problem.batch,
             dataloader_pin_memory=False,
-            use_cpu=True,
+            use_cpu=problem.device.type == "cpu",
         )
         task = AttributionTask(loss_func=_summed_loss, model=problem.model)
         options: dict[str, Any] = {}

@@ -66,7 +66,7 @@ class Kronfluence(PeerAdapter):
             analysis_name="bench",
             model=self.model,
             task=self.task,
-            cpu=True,
+            cpu=problem.device.type == "cpu",
             disable_tqdm=True,
             log_level=logging.WARNING,
             output_dir=str(problem.work / "kronfluence"),

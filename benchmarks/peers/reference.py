@@ -86,7 +86,7 @@ class Reference:
 
     def __init__(self, problem: Problem):
         self.problem = problem
-        self.model = copy.deepcopy(problem.model).double()
+        self.model = copy.deepcopy(problem.model).double()  # a bf16 model's weights, cast up
         self.model.requires_grad_(False)
         self.modules = {n: self.model.get_submodule(n) for n in problem.layers}
         self.blocks: list[_Block] = []
@@ -103,7 +103,7 @@ class Reference:
 
     def gradient(self, ids: Tensor) -> Tensor:
         """``(D,)`` exact gradient of one ``(T,)`` row's summed loss: one backward."""
-        out = torch.empty(self.dim, dtype=torch.float64)
+        out = torch.empty(self.dim, dtype=torch.float64, device=self.problem.device)
         params = [p for m in self.modules.values() for p in m.parameters(recurse=False)]
         grads = iter(torch.autograd.grad(example_losses(self.model, ids[None]).sum(), params))
         for block in self.blocks:
@@ -176,15 +176,18 @@ def _precondition(
 
 def reference_scores(problem: Problem, queries: int) -> dict[str, Tensor]:
     """``{"graddot", "kfac", "ekfac"}`` -> ``(N, queries)`` fp64 exact scores of the
-    training rows against the first ``queries`` query rows."""
+    training rows against the first ``queries`` query rows (computed on the problem's
+    device, returned on the CPU)."""
     ref = Reference(problem)
     q = torch.stack(list(ref.gradients(problem.queries[:queries])))
     eigen = ref.factors()
     q_kfac = _precondition(ref.blocks, eigen, q, lambda n: eigen[n].kfac_scale())
     count = problem.train.shape[0]
-    dot = torch.empty(count, queries, dtype=torch.float64)
+    dot = torch.empty(count, queries, dtype=torch.float64, device=problem.device)
     kfac = torch.empty_like(dot)
-    lam = {b.name: torch.zeros(b.shape, dtype=torch.float64) for b in ref.blocks}
+    lam = {
+        b.name: torch.zeros(b.shape, dtype=torch.float64, device=problem.device) for b in ref.blocks
+    }
     for i, z in enumerate(ref.gradients(problem.train)):
         dot[i] = q @ z
         kfac[i] = q_kfac @ z
@@ -198,4 +201,4 @@ def reference_scores(problem: Problem, queries: int) -> dict[str, Tensor]:
 
     q_ekfac = _precondition(ref.blocks, eigen, q, ekfac_scale)
     ekfac = torch.stack([q_ekfac @ z for z in ref.gradients(problem.train)])
-    return {"graddot": dot, "kfac": kfac, "ekfac": ekfac}
+    return {"graddot": dot.cpu(), "kfac": kfac.cpu(), "ekfac": ekfac.cpu()}

@@ -110,13 +110,13 @@ class Traker(PeerAdapter):
         projector: AbstractProjector | None = None
         proj_dim = gain = problem.k * problem.k
         if method == "graddot":
-            projector, proj_dim, gain = NoOpProjector(device="cpu"), 0, 1
+            projector, proj_dim, gain = NoOpProjector(device=str(problem.device)), 0, 1
         traker = TRAKer(
             model=model,
             task=_SummedLoss(),
             train_set_size=problem.train.shape[0],
             save_dir=str(work),
-            device="cpu",
+            device=str(problem.device),
             projector=projector,
             score_computer=_PlainDot,
             proj_dim=proj_dim,

@@ -1,10 +1,12 @@
 """The workload every library runs: models from configs, token rows, captured layers, the
 floor passes, and the score conventions.
 
-Models are transformers causal LMs built from configs (random init, seed 0, fp32, dropout
-off, tied input/output embeddings), so the captured layers are exactly the attention and
-MLP linear layers: no embedding, no head. Each example's loss is its own *summed*
-next-token cross-entropy; a score is ``<g_query, P g_train>`` with higher = more helpful.
+Models are transformers causal LMs built from configs (random init, seed 0, dropout off,
+tied input/output embeddings), so the captured layers are exactly the attention and MLP
+linear layers: no embedding, no head. On the CPU, fp32 ~10M-parameter GPT-2 and Llama
+models; on a CUDA GPU also bf16 and the ~0.5B-parameter ``qwen2`` (Qwen2-0.5B's shape).
+Each example's loss is its own *summed* next-token cross-entropy; a score is
+``<g_query, P g_train>`` with higher = more helpful.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from tda_plugins import LayerSelection, causal_lm_example_losses
 
 #: The four measured configurations; ``"graddot_proj"`` is factor projection k per side.
 METHODS = ("graddot", "graddot_proj", "kfac", "ekfac")
+#: The model's floating dtype, by command-line name.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -61,12 +65,36 @@ MODELS: dict[str, ModelSpec] = {
             num_key_value_heads=2,
         ),
     ),
+    # Qwen2-0.5B's shape (about 494M parameters, 358M of them in the captured layers), for
+    # the CUDA table: bf16, sequences of 512 tokens
+    "qwen2": ModelSpec(
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        full=dict(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+        ),
+        tiny=dict(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        ),
+    ),
 }
 
 
 @dataclass(frozen=True)
 class Shape:
-    """Sizes of one run: model size, sequences, tokens, micro-batch, projection k."""
+    """Sizes of one run: model size, sequences, tokens, micro-batch, projection k, and
+    where it runs: ``device`` (``"cpu"``, ``"cuda"``) and the model's ``dtype`` (a key of
+    :data:`DTYPES`)."""
 
     model: str
     tiny: bool = False
@@ -75,6 +103,8 @@ class Shape:
     seq: int = 128
     batch: int = 8
     k: int = 16
+    device: str = "cpu"
+    dtype: str = "fp32"
 
     def config(self) -> dict[str, Any]:
         """The model's config keyword arguments."""
@@ -83,7 +113,8 @@ class Shape:
 
 
 def build_model(shape: Shape) -> nn.Module:
-    """The shape's model: fp32, seed 0, dropout off, tied embeddings, eval mode."""
+    """The shape's model on its device, in its dtype: seed 0 (initialized in fp32 on the
+    CPU, so the same on every device), dropout off, tied embeddings, eval mode."""
     spec = MODELS[shape.model]
     kwargs = shape.config()
     if shape.model == "gpt2":
@@ -92,7 +123,7 @@ def build_model(shape: Shape) -> nn.Module:
     else:
         kwargs |= dict(max_position_embeddings=shape.seq, tie_word_embeddings=True)
     model = causal_lm(spec.config_cls, spec.model_cls, attn_implementation="sdpa", **kwargs)
-    return model.eval()
+    return model.to(device=shape.device, dtype=DTYPES[shape.dtype]).eval()
 
 
 @dataclass(frozen=True)
@@ -100,8 +131,9 @@ class Problem:
     """What an adapter gets: the model, the token rows and the layers to attribute.
 
     Attributes:
-        model: fp32 causal LM in eval mode (the adapter may wrap or hook it).
-        train: ``(N, T)`` int64 training token rows (no padding).
+        model: causal LM in eval mode, in the shape's dtype on its device (the adapter
+            may wrap or hook it).
+        train: ``(N, T)`` int64 training token rows (no padding), on the model's device.
         queries: ``(M, T)`` int64 query token rows.
         layers: module names of the captured linear layers, in model order.
         batch: micro-batch size for every pass.
@@ -116,6 +148,11 @@ class Problem:
     batch: int
     k: int
     work: Path
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model and the rows are."""
+        return self.train.device
 
     def head(self, train: int, queries: int) -> Problem:
         """The same problem on the first rows only (warm-up)."""
@@ -135,8 +172,8 @@ def make_problem(shape: Shape, work: Path) -> Problem:
     same rows) and the linear layers our engine captures (no embedding, no tied head)."""
     model = build_model(shape)
     vocab = int(shape.config()["vocab_size"])
-    train = token_rows(shape.train, shape.seq, vocab, seed=1)
-    queries = token_rows(shape.queries, shape.seq, vocab, seed=2)
+    train = token_rows(shape.train, shape.seq, vocab, seed=1).to(shape.device)
+    queries = token_rows(shape.queries, shape.seq, vocab, seed=2).to(shape.device)
     layers = tuple(LayerSelection(kind="linear").resolve(model))
     return Problem(model, train, queries, layers, shape.batch, shape.k, work)
 
