@@ -36,7 +36,7 @@ Usage (the peers' venv, ``make bench``; our library alone runs in ``.venv``)::
     HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false \\
         benchmarks/.venv-peers/bin/python benchmarks/bench_peers.py
     .venv/bin/python benchmarks/bench_peers.py --quick --libraries ours   # smoke
-    benchmarks/.venv-peers/bin/python benchmarks/bench_peers.py --device cuda --dtype bf16 \
+    benchmarks/.venv-peers/bin/python benchmarks/bench_peers.py --device cuda --dtype bf16 \\
         --models qwen2 --seq 512 --methods graddot_proj                   # on a GPU
     benchmarks/.venv-peers/bin/python benchmarks/bench_peers.py \\
         --report benchmarks/out/peers-A.json benchmarks/out/peers-B.json --notes notes.md

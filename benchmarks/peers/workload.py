@@ -38,6 +38,20 @@ class ModelSpec:
     tiny: dict[str, Any]
 
 
+def _decoder(
+    vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int
+) -> dict[str, Any]:
+    """Config keyword arguments of a Llama-style decoder (Llama, Qwen2)."""
+    return dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+    )
+
+
 MODELS: dict[str, ModelSpec] = {
     "gpt2": ModelSpec(
         "GPT2Config",
@@ -48,44 +62,16 @@ MODELS: dict[str, ModelSpec] = {
     "llama": ModelSpec(
         "LlamaConfig",
         "LlamaForCausalLM",
-        full=dict(
-            vocab_size=2048,
-            hidden_size=384,
-            intermediate_size=1024,
-            num_hidden_layers=5,
-            num_attention_heads=6,
-            num_key_value_heads=6,
-        ),
-        tiny=dict(
-            vocab_size=64,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-        ),
+        full=_decoder(2048, 384, 1024, layers=5, heads=6, kv_heads=6),
+        tiny=_decoder(64, 16, 32, layers=1, heads=2, kv_heads=2),
     ),
     # Qwen2-0.5B's shape (about 494M parameters, 358M of them in the captured layers), for
     # the CUDA table: bf16, sequences of 512 tokens
     "qwen2": ModelSpec(
         "Qwen2Config",
         "Qwen2ForCausalLM",
-        full=dict(
-            vocab_size=151936,
-            hidden_size=896,
-            intermediate_size=4864,
-            num_hidden_layers=24,
-            num_attention_heads=14,
-            num_key_value_heads=2,
-        ),
-        tiny=dict(
-            vocab_size=64,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-        ),
+        full=_decoder(151936, 896, 4864, layers=24, heads=14, kv_heads=2),
+        tiny=_decoder(64, 16, 32, layers=1, heads=2, kv_heads=1),
     ),
 }
 
