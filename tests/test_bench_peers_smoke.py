@@ -9,6 +9,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
@@ -131,3 +132,26 @@ def test_a_gpu_run_says_where_it_ran_and_that_its_peaks_are_gpu_memory(
     text = bench_peers.run_text(run)
     assert text.splitlines()[0].endswith("queries on cuda, bf16")
     assert "peak GPU memory MB" in text and "RSS" not in text
+
+
+def test_on_a_gpu_a_phase_peak_is_torchs_allocated_memory_after_a_synchronize() -> None:
+    """The CUDA branch of the timing (no GPU here: torch.cuda's calls are mocked): the
+    peak is reset before the phase and read after it, in MB, and the timer's synchronize
+    waits for the device; on the CPU neither touches torch.cuda."""
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    peaks: dict[str, float] = {"run": 1.0}
+    with (
+        mock.patch("torch.cuda.reset_peak_memory_stats") as reset,
+        mock.patch("torch.cuda.max_memory_allocated", return_value=3 * 2**20) as allocated,
+        mock.patch("torch.cuda.synchronize") as synchronize,
+    ):
+        with bench_peers.device_peak(peaks, "run", gpu):
+            reset.assert_called_once_with(gpu)
+            allocated.assert_not_called()
+        bench_peers.synchronize(gpu)
+        synchronize.assert_called_once_with(gpu)
+        assert peaks["run"] == 3.0
+        with bench_peers.device_peak(peaks, "floor", cpu):
+            bench_peers.synchronize(cpu)
+        assert reset.call_count == 1 and synchronize.call_count == 1
+        assert peaks["floor"] > 0  # the process's RSS
