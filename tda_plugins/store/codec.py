@@ -1,19 +1,19 @@
 """How each gradient representation is written to and read from a safetensors shard.
 
 Keys are ``"<layer>::<field>"``; the shard's metadata names each layer's representation.
-One encoder/decoder pair per representation, registered here (no pickle anywhere).
+One encoder and one read-back format per representation, registered here (no pickle
+anywhere).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import singledispatch
 
 from torch import Tensor
 
 from tda_plugins.grads.factors import DenseGrad, EmbeddingFactors, PerExampleGrad, TokenFactors
-
-_DECODERS: dict[str, Callable[[dict[str, Tensor], dict[str, str]], PerExampleGrad]] = {}
 
 
 @singledispatch
@@ -41,18 +41,59 @@ def _(grads: DenseGrad) -> tuple[str, dict[str, Tensor], dict[str, str]]:
     return "dense", {"values": grads.values}, {}
 
 
+@dataclass(frozen=True)
+class _Format:
+    """How one stored representation is read back.
+
+    Attributes:
+        decode: its stored tensors and string attributes -> the representation.
+        token_fields: its fields with a token axis (axis 1): micro-batches of different
+            lengths stack with zero tokens appended to the shorter ones (zero tokens add
+            nothing to any product); every other axis must agree.
+    """
+
+    decode: Callable[[dict[str, Tensor], dict[str, str]], PerExampleGrad]
+    token_fields: frozenset[str]
+
+
+_FORMATS = {
+    "token_factors": _Format(
+        lambda t, a: TokenFactors(t["a"], t["g"], bias=a["bias"] == "1"),
+        frozenset({"a", "g"}),
+    ),
+    "embedding_factors": _Format(
+        lambda t, a: EmbeddingFactors(t["ids"], t["g"], int(a["num_embeddings"])),
+        frozenset({"ids", "g"}),
+    ),
+    "dense": _Format(lambda t, a: DenseGrad(t["values"]), frozenset()),
+}
+
+
+def _format(kind: str) -> _Format:
+    if kind not in _FORMATS:
+        raise ValueError(f"unknown gradient representation {kind!r} in store shard")
+    return _FORMATS[kind]
+
+
 def decode(kind: str, tensors: dict[str, Tensor], attrs: dict[str, str]) -> PerExampleGrad:
     """Inverse of :func:`encode`."""
-    if kind not in _DECODERS:
-        raise ValueError(f"unknown gradient representation {kind!r} in store shard")
-    return _DECODERS[kind](tensors, attrs)
+    return _format(kind).decode(tensors, attrs)
 
 
-_DECODERS["token_factors"] = lambda t, a: TokenFactors(t["a"], t["g"], bias=a["bias"] == "1")
-_DECODERS["embedding_factors"] = lambda t, a: EmbeddingFactors(
-    t["ids"], t["g"], int(a["num_embeddings"])
-)
-_DECODERS["dense"] = lambda t, a: DenseGrad(t["values"])
+def stacked_shape(kind: str, field: str, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The shape of field ``field`` of representation ``kind`` for several micro-batches
+    stacked along the example axis (axis 0), from each one's stored shape (as
+    :func:`~tda_plugins.grads.factors.stack_examples` stacks them): a token field's
+    axis 1 is the longest one's."""
+    token = field in _format(kind).token_fields
+    tails = {shape[2:] if token else shape[1:] for shape in shapes}
+    if len(tails) != 1:
+        raise ValueError(
+            f"the micro-batches' {field!r} tensors of a {kind} layer have shapes {shapes}, "
+            "which do not stack: the store mixes captures of different layer shapes"
+        )
+    head = (max(shape[1] for shape in shapes),) if token else ()
+    return (sum(shape[0] for shape in shapes), *head, *tails.pop())
 
 
 def compact(grads: PerExampleGrad, keep_tokens: bool) -> PerExampleGrad:

@@ -6,14 +6,12 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import Tensor
 
-from tda_plugins.grads.factors import PerExampleGrad, stack_examples
-from tda_plugins.store.codec import decode
+from tda_plugins.grads.factors import PerExampleGrad
+from tda_plugins.store.chunks import ShardContents, read_chunk
 from tda_plugins.store.io import read_json
 from tda_plugins.store.layout import (
     EXAMPLES_FILE,
@@ -115,24 +113,6 @@ class StoreReader:
         rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
         return {int(r["id"]): r["text"] for r in rows}
 
-    def _load(self, shard: _Shard, layers: list[str]) -> tuple[Tensor, dict[str, PerExampleGrad]]:
-        with safe_open(shard.path, framework="pt") as f:
-            header = f.metadata()
-            meta: dict[str, Any] = json.loads(header["layers"])
-            aliases: dict[str, str] = json.loads(header["aliases"])
-            grads = {}
-            for name in layers:
-                if name not in meta:
-                    raise StoreError(
-                        f"{shard.path.name} holds no gradient for layer {name!r}: it received "
-                        "none through its module call (unused, or its weight used directly, "
-                        "as a fused loss head does); recapture without that layer"
-                    )
-                keys = {field: f"{name}::{field}" for field in meta[name]["fields"]}
-                tensors = {field: f.get_tensor(aliases.get(k, k)) for field, k in keys.items()}
-                grads[name] = decode(meta[name]["kind"], tensors, meta[name]["attrs"])
-            return f.get_tensor("example_ids"), grads
-
     def iter_chunks(
         self, max_examples: int = 256, layers: list[str] | None = None
     ) -> Iterator[StoreChunk]:
@@ -149,20 +129,9 @@ class StoreReader:
         yield self._chunk(group, layers)
 
     def _chunk(self, shards: list[_Shard], layers: list[str]) -> StoreChunk:
-        ids: list[Tensor] = []
-        steps: list[Tensor] = []
-        per_layer: dict[str, list[PerExampleGrad]] = {name: [] for name in layers}
-        for shard in shards:
-            shard_ids, grads = self._load(shard, layers)
-            ids.append(shard_ids)
-            steps.append(torch.full_like(shard_ids, shard.step))
-            for name in layers:
-                per_layer[name].append(grads[name])
-        return StoreChunk(
-            torch.cat(ids),
-            torch.cat(steps),
-            {name: stack_examples(parts) for name, parts in per_layer.items()},
-        )
+        ids, grads = read_chunk([shard.path for shard in shards], layers)
+        steps = torch.cat([torch.full((shard.size,), shard.step) for shard in shards])
+        return StoreChunk(ids, steps, grads)
 
     def load_all(self, layers: list[str] | None = None) -> StoreChunk:
         """Every stored example in one chunk (for query sets), of ``layers`` (default
@@ -170,36 +139,18 @@ class StoreReader:
         return next(self.iter_chunks(max_examples=max(self.num_examples, 1), layers=layers))
 
     def layer_nbytes(self) -> dict[str, int]:
-        """Layer name -> stored bytes per example (each tensor of the first shard counted
-        once, a shared input with its first layer), read from the shard's header only."""
-        shard = self._committed()[0]
-        with safe_open(shard.path, framework="pt") as f:
-            meta: dict[str, Any] = json.loads(f.metadata()["layers"])
-            aliases: dict[str, str] = json.loads(f.metadata()["aliases"])
-            out = {}
-            for name in self.layer_names:
-                fields = meta.get(name, {"fields": []})["fields"]  # a missing layer: _load says
-                keys = [f"{name}::{field}" for field in fields]
-                stored = [f.get_slice(k) for k in keys if k not in aliases]
-                out[name] = sum(_nbytes(t.get_shape(), t.get_dtype()) for t in stored)
-        return {name: -(-n // shard.size) for name, n in out.items()}
+        """Layer name -> stored bytes per example (a tensor shared by several layers
+        counted with the first), read from the first shard's header only."""
+        contents = ShardContents.read(self._committed()[0].path, self.layer_names)
+        return {
+            name: -(-sum(t.nbytes for t in entry.fields.values() if not t.shared) // contents.rows)
+            for name, entry in contents.layers.items()
+        }
 
     def values_dtype(self) -> torch.dtype:
         """The accumulation dtype of the stored gradients (as :func:`values_dtype` of a
-        loaded one): fp64 when any stored floating tensor is fp64, else fp32; read from
+        loaded one): fp64 when any stored gradient tensor is fp64, else fp32; read from
         the first shard's header only."""
-        with safe_open(self._committed()[0].path, framework="pt") as f:
-            # a safe_open handle is not iterable: its keys() is the way
-            dtypes = {f.get_slice(key).get_dtype() for key in f.keys()}  # noqa: SIM118
-        return torch.float64 if "F64" in dtypes else torch.float32
-
-
-#: Bytes per element of each safetensors dtype name.
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4}
-
-
-def _nbytes(shape: list[int], dtype: str) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count * _DTYPE_BYTES[dtype]
+        contents = ShardContents.read(self._committed()[0].path, self.layer_names)
+        dtypes = {t.dtype for layer in contents.layers.values() for t in layer.fields.values()}
+        return torch.float64 if torch.float64 in dtypes else torch.float32

@@ -1,0 +1,111 @@
+"""Reading a safetensors shard with plain file reads, straight into tensors we allocate.
+
+The safetensors layout is an 8-byte little-endian header length, a JSON header (each
+tensor's dtype, shape and byte offsets, plus ``__metadata__``) and the tensors' bytes.
+Reading a tensor's bytes with ``readinto`` into its place in a destination tensor makes
+one copy from the page cache, where ``safe_open(...).get_tensor`` memory-maps the file
+(its pages count towards the process's resident memory while mapped) and returns a new
+tensor that has to be copied again into a chunk. The writer keeps using safetensors.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from tda_plugins.store.layout import StoreError
+
+#: torch dtype of each safetensors dtype name a store holds.
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+}
+
+
+class ShardFile:
+    """An open shard: its header on construction, any tensor's bytes on demand.
+
+    Use as a context manager (the file is closed on exit)."""
+
+    def __init__(self, path: Path):
+        if sys.byteorder != "little":
+            raise StoreError("gradient stores are little-endian; this machine is not")
+        self.path = path
+        self._file = io.FileIO(path, "rb")  # closed in __exit__
+        try:
+            size = int.from_bytes(self._read_exactly(8), "little")
+            if size > os.fstat(self._file.fileno()).st_size - 8:
+                raise ValueError(f"its header length {size} runs past the end of the file")
+            header: dict[str, Any] = json.loads(self._read_exactly(size))
+        except (ValueError, OSError) as error:
+            self._file.close()
+            raise StoreError(
+                f"{path} is not a readable gradient shard ({error}); the store is damaged: "
+                "recapture it"
+            ) from error
+        self._data_start = 8 + size
+        self.metadata: dict[str, str] = header.pop("__metadata__", {})
+        self._entries: dict[str, dict[str, Any]] = header
+
+    def __enter__(self) -> ShardFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._file.close()
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._entry(key)["shape"])
+
+    def dtype(self, key: str) -> torch.dtype:
+        return DTYPES[self._entry(key)["dtype"]]
+
+    def read(self, key: str) -> Tensor:
+        """The tensor stored under ``key``, in a new tensor."""
+        out = torch.empty(self.shape(key), dtype=self.dtype(key))
+        self.read_into(key, out)
+        return out
+
+    def read_into(self, key: str, out: Tensor) -> None:
+        """Copy the tensor stored under ``key`` into ``out``, a CPU tensor of its shape
+        (a view into a larger tensor may be strided, or of another dtype: then the bytes
+        pass through one temporary of the stored tensor's size)."""
+        if tuple(out.shape) != self.shape(key):
+            raise StoreError(
+                f"{self.path.name}: {key} has shape {self.shape(key)}, not {out.shape}"
+            )
+        if not out.is_contiguous() or out.dtype != self.dtype(key):
+            out.copy_(self.read(key))
+            return
+        begin, end = self._entry(key)["data_offsets"]
+        self._file.seek(self._data_start + begin)
+        view = out.view(-1).view(torch.uint8).numpy().data  # a memoryview of out
+        if len(view) != end - begin:
+            raise StoreError(f"{self.path.name}: {key} holds {end - begin} bytes, not {len(view)}")
+        filled = 0
+        while filled < len(view):
+            count = self._file.readinto(view[filled:])
+            if not count:
+                raise StoreError(f"{self.path} ends inside {key}: the store is damaged")
+            filled += count
+
+    def _entry(self, key: str) -> dict[str, Any]:
+        if key not in self._entries:
+            raise StoreError(f"{self.path.name} holds no tensor {key!r}")
+        return self._entries[key]
+
+    def _read_exactly(self, count: int) -> bytes:
+        data = self._file.read(count)
+        if len(data) != count:
+            raise ValueError(f"the file ends after {len(data)} of {count} header bytes")
+        return data
