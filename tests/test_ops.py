@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from unittest import mock
@@ -19,12 +20,14 @@ from tda_plugins.grads import (
     choose_route,
     cross_gram,
     dots_with,
+    factors,
     per_token_scores,
     rotated,
     rows_sums,
     sq_norms,
 )
 from tda_plugins.grads.factors import row_runs
+from tests.memory import peak_growth
 
 gen = torch.Generator().manual_seed(0)
 
@@ -136,6 +139,51 @@ def test_squared_entries_add_every_examples_square_in_blocks_of_rows(kind: str) 
         total = grads.add_squared_entries(start.clone())
     torch.testing.assert_close(total, start + explicit.square().sum(0).view(70, 6))
     torch.testing.assert_close(_explicit_materialize(grads), explicit)
+
+
+@pytest.mark.parametrize("row_bytes", [1 << 10, 100 << 10, 1 << 20, 4 << 20])
+def test_output_blocks_take_at_least_the_minimum_rows_unless_past_the_byte_cap(
+    row_bytes: int,
+) -> None:
+    """Blocks of output rows cover every row once. They hold a cache's worth of rows,
+    and at least ``_MIN_BLOCK_ROWS``, as long as that stays within ``_MAX_BLOCK_BYTES``;
+    wider rows take fewer, down to ``_FEWEST_BLOCK_ROWS``."""
+    out_dim = 5000
+    blocks = factors._output_blocks(out_dim, row_bytes, torch.empty(0))
+    assert [b.start for b in blocks] == [0, *[b.stop for b in blocks[:-1]]]
+    assert blocks[-1].stop == out_dim
+    rows = blocks[0].stop
+    assert rows >= min(factors._CPU_BLOCK_BYTES // row_bytes, out_dim)
+    if factors._MIN_BLOCK_ROWS * row_bytes <= factors._MAX_BLOCK_BYTES:
+        assert rows >= factors._MIN_BLOCK_ROWS
+    else:
+        assert rows * row_bytes <= factors._MAX_BLOCK_BYTES or rows == factors._FEWEST_BLOCK_ROWS
+        assert rows >= factors._FEWEST_BLOCK_ROWS
+        assert (rows + 1) * row_bytes > factors._MAX_BLOCK_BYTES  # as many as fit
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="reads peak memory from /proc")
+def test_a_blocked_gram_of_wide_factors_holds_capped_blocks_and_no_input_copy() -> None:
+    """The cross-Gram of two 64-example captures of a 1536-input layer with a bias (50 MB
+    of inputs a side), with blocks capped at 16 MB, raises the peak memory by less than
+    the two ``(B, T, N_i + 1)`` input copies with the bias column appended would take
+    (100 MB): it builds its blocks from the inputs as they are. (With those copies and
+    128-row blocks it rose by 198 MB; the blocks, their temporaries and the allocator's
+    slack measure 40-70 MB.)"""
+    setup = """
+        import torch
+        import tda_plugins.grads.factors as F
+        F._MAX_BLOCK_BYTES = 16 << 20
+        g = torch.Generator().manual_seed(0)
+        def side():
+            a, g_ = torch.randn(64, 128, 1536, generator=g), torch.randn(64, 128, 384, generator=g)
+            return F.TokenFactors(a, g_, bias=True)
+        train, query = side(), side()
+    """
+    inputs = 2 * 64 * 128 * 1536 * 4
+    growth = peak_growth(setup, "out = train.gram_materialized(query)")
+    assert 16 << 20 < growth < inputs, growth
 
 
 def test_factor_row_blocks_refuse_another_row_width() -> None:

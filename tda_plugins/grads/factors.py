@@ -89,8 +89,13 @@ def spans(total: int, step: int) -> list[slice]:
 #: core's share of the last-level cache); other devices take one block.
 _CPU_BLOCK_BYTES = 1 << 21
 #: Fewest output rows in a block: narrower products run far below peak (on the peer
-#: benchmark's layer shapes, 128 rows made the blocked cross-Gram 10-45% faster than 32).
+#: benchmark's layer shapes, 128 rows made the blocked cross-Gram 10-45% faster than 32)...
 _MIN_BLOCK_ROWS = 128
+#: ... unless that block would pass this many bytes (wide rows of large batches: 128 rows
+#: of a 1536-input layer for 256 + 256 examples are 400 MB); then fewer rows, down to
+_MAX_BLOCK_BYTES = 1 << 26
+#: rows (below them the per-example products that build a block slow down).
+_FEWEST_BLOCK_ROWS = 32
 
 
 def _tensors_of(grads: PerExampleGrad) -> list[Tensor]:
@@ -124,7 +129,9 @@ def _output_blocks(out_dim: int, row_bytes: int, like: Tensor) -> list[slice]:
     materialized, sized to stay in cache on a CPU; one slice on other devices."""
     if like.device.type != "cpu":
         return [slice(0, out_dim)]
-    step = max(_MIN_BLOCK_ROWS, _CPU_BLOCK_BYTES // max(row_bytes, 1))
+    row_bytes = max(row_bytes, 1)
+    step = max(_MIN_BLOCK_ROWS, _CPU_BLOCK_BYTES // row_bytes)
+    step = min(step, max(_FEWEST_BLOCK_ROWS, _MAX_BLOCK_BYTES // row_bytes))
     return spans(out_dim, step)
 
 
@@ -446,9 +453,11 @@ class TokenFactors(PerTokenGrad):
     def dim(self) -> int:
         return self.in_dim * self.out_dim
 
-    def augmented_a(self) -> Tensor:
-        """``(B, T, N_i [+1])`` inputs in the accumulation dtype, bias column appended."""
-        a = self.a.to(accumulation_dtype(self.a))
+    def augmented_a(self, rows: slice | None = None) -> Tensor:
+        """``(B, T, N_i [+1])`` inputs in the accumulation dtype, bias column appended (a
+        copy when there is one); of the examples ``rows`` only, when given."""
+        a = self.a if rows is None else self.a[rows]
+        a = a.to(accumulation_dtype(a))
         if not self.bias:
             return a
         return torch.cat([a, a.new_ones(*a.shape[:2], 1)], dim=2)
@@ -489,8 +498,21 @@ class TokenFactors(PerTokenGrad):
                 f"row blocks of width {width} asked of factors whose rows are {self.in_dim} "
                 "wide: both sides of a product must be captured with the same layer shape"
             )
-        a, g = self.augmented_a().to(dtype), self.g.to(dtype)
-        return lambda rows: torch.bmm(g[:, :, rows].transpose(1, 2), a).view(self.batch_size, -1)
+        # The bias column of a block is its rows' sum over tokens, written beside the
+        # product: no (B, T, N_i + 1) augmented copy of the inputs is made.
+        a, g = self.a.to(dtype), self.g.to(dtype)
+        n_i = a.shape[2]
+
+        def block(rows: slice) -> Tensor:
+            g_rows = g[:, :, rows].transpose(1, 2)  # (B, r, T)
+            if not self.bias:
+                return torch.bmm(g_rows, a).view(self.batch_size, -1)
+            out = a.new_empty(self.batch_size, g_rows.shape[1], n_i + 1)
+            torch.bmm(g_rows, a, out=out[:, :, :n_i])
+            torch.sum(g_rows, dim=2, out=out[:, :, n_i])
+            return out.view(self.batch_size, -1)
+
+        return block
 
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> TokenFactors:
         return TokenFactors(fn(self.a), fn(self.g), self.bias)
@@ -555,7 +577,7 @@ class TokenFactors(PerTokenGrad):
 
     def _token_pair_products(self, other: TokenFactors, rows: slice) -> Tensor:
         """``(b1, T1, B2, T2)`` products ``(a_it . a_js)(g_it . g_js)`` for examples ``rows``."""
-        a1, g1 = self.augmented_a()[rows], self.g[rows].to(accumulation_dtype(self.g))
+        a1, g1 = self.augmented_a(rows), self.g[rows].to(accumulation_dtype(self.g))
         a2, g2 = other.augmented_a(), other.g.to(accumulation_dtype(other.g))
         ka = a1.reshape(-1, a1.shape[2]) @ a2.reshape(-1, a2.shape[2]).T
         kg = g1.reshape(-1, g1.shape[2]) @ g2.reshape(-1, g2.shape[2]).T
