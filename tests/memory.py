@@ -52,6 +52,24 @@ def peak_growth(setup: str, measured: str, timeout: float = 120) -> int:
     The peak is the larger of ``VmHWM`` and ``VmRSS`` sampled every millisecond: the
     kernel's high-water mark can miss mapped file pages that are unmapped again."""
     script = _STATUS + textwrap.dedent(setup) + _RESET + textwrap.dedent(measured) + _REPORT
+    return int(_run(script, timeout).splitlines()[-1])
+
+
+def resident_after(setup: str, steps: list[str], timeout: float = 120) -> list[int]:
+    """Resident bytes (``VmRSS``) of a fresh process after ``setup`` and then after each
+    of ``steps``, run in turn."""
+    report = 'print(_status("VmRSS"))\n'
+    script = (
+        _STATUS
+        + textwrap.dedent(setup)
+        + "".join(textwrap.dedent(step) + "\n" + report for step in steps)
+    )
+    return [int(line) for line in _run(script, timeout).splitlines()[-len(steps) :]]
+
+
+def _run(script: str, timeout: float) -> str:
+    """Standard output of ``script`` in a fresh Python process (torch on one thread, this
+    checkout first on the path)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         [sys.executable, "-c", script],
@@ -64,4 +82,4 @@ def peak_growth(setup: str, measured: str, timeout: float = 120) -> int:
     )
     if done.returncode != 0:
         raise AssertionError(f"the measured process failed:\n{done.stderr[-3000:]}")
-    return int(done.stdout.strip().splitlines()[-1])
+    return done.stdout.strip()

@@ -212,6 +212,24 @@ def test_a_chunk_of_one_stored_micro_batch_is_not_copied(captured: Captured) -> 
     assert [c.size for c in chunks] == [3, 3]
 
 
+def test_scoring_gives_the_freed_heap_back_before_it_reads(captured: Captured) -> None:
+    """Scoring returns the heap a capture freed before it fits or reads anything, so that
+    its buffers do not come on top of it (``tests/test_heap.py``: what that returns)."""
+    order: list[str] = []
+    method = method_by_name("graddot")
+    prepare = method.prepare
+    with (
+        mock.patch(
+            "tda_plugins.methods.base.release_free_heap", side_effect=lambda: order.append("heap")
+        ),
+        mock.patch.object(
+            method, "prepare", side_effect=lambda *a: (order.append("prepare"), prepare(*a))
+        ),
+    ):
+        method.score(captured.store, captured.queries)
+    assert order == ["heap", "prepare"]
+
+
 @pytest.mark.parametrize("budget", [None, 1], ids=["layers-together", "layer-by-layer"])
 def test_gradcos_equals_oracle_cosine(captured: Captured, budget: int | None) -> None:
     """GradCos is the cosine of the oracle gradients over all captured layers together,

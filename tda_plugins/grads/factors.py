@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from tda_plugins.grads.routing import Route
+from tda_plugins.grads.workspace import Workspace
 
 #: Largest intermediate (elements) a factorized Gram builds at once; bigger ones are chunked.
 _GRAM_CHUNK_ELEMENTS = 1 << 24
@@ -271,7 +272,8 @@ class PerExampleGrad(ABC):
     def row_blocks(self, width: int, dtype: torch.dtype) -> Callable[[slice], Tensor]:
         """``rows -> (B, r width)``: the output rows ``rows`` of the materialized gradients
         seen as ``(B, D / width, width)``, in ``dtype``. Here they are materialized once and
-        sliced; factor representations build each block on demand instead."""
+        sliced; factor representations build each block on demand instead, into memory
+        that the next block reuses: use a block before asking for the next."""
         values = self.materialize().to(dtype)
         return lambda rows: values[:, rows.start * width : rows.stop * width]
 
@@ -484,9 +486,22 @@ class TokenFactors(PerTokenGrad):
         # a factor side travel through memory, or are held at all (on a CPU, the plain
         # product of two (B, D) matrices costs as much as materializing one of them).
         dtype = torch.promote_types(values_dtype(self), values_dtype(other))
-        width = self.in_dim
-        mine, theirs = self.row_blocks(width, dtype), other.row_blocks(width, dtype)
         out = self.g.new_zeros(self.batch_size, other.batch_size, dtype=dtype)
+        if isinstance(other, TokenFactors) and self.bias and other.bias:
+            # Two factor sides: the bias columns' products are one (B1, N_o) x (N_o, B2)
+            # product of the token sums of g, and the blocks leave them out (a block with
+            # its bias column is not one contiguous product and needs a second buffer).
+            bias_grads = [f.g.to(dtype).sum(dim=1) for f in (self, other)]
+            torch.mm(bias_grads[0], bias_grads[1].T, out=out)
+            return TokenFactors(self.a, self.g)._add_blocked_gram(
+                TokenFactors(other.a, other.g), out
+            )
+        return self._add_blocked_gram(other, out)
+
+    def _add_blocked_gram(self, other: PerExampleGrad, out: Tensor) -> Tensor:
+        """``out += `` the ``(B1, B2)`` cross-Gram, a block of output rows at a time."""
+        width = self.in_dim
+        mine, theirs = self.row_blocks(width, out.dtype), other.row_blocks(width, out.dtype)
         row_bytes = (self.batch_size + other.batch_size) * width * out.element_size()
         for rows in _output_blocks(self.out_dim, row_bytes, out):
             out.addmm_(mine(rows), theirs(rows).T)
@@ -499,18 +514,24 @@ class TokenFactors(PerTokenGrad):
                 "wide: both sides of a product must be captured with the same layer shape"
             )
         # The bias column of a block is its rows' sum over tokens, written beside the
-        # product: no (B, T, N_i + 1) augmented copy of the inputs is made.
+        # product: no (B, T, N_i + 1) augmented copy of the inputs is made. Every block is
+        # written into the same kept buffers (the first block is the largest): blocks of
+        # tens of MB allocated afresh each time would leave the allocator's heap holding
+        # several of them.
         a, g = self.a.to(dtype), self.g.to(dtype)
-        n_i = a.shape[2]
+        n_i, batch = a.shape[2], self.batch_size
+        kept = Workspace()
 
         def block(rows: slice) -> Tensor:
             g_rows = g[:, :, rows].transpose(1, 2)  # (B, r, T)
+            r = g_rows.shape[1]
             if not self.bias:
-                return torch.bmm(g_rows, a).view(self.batch_size, -1)
-            out = a.new_empty(self.batch_size, g_rows.shape[1], n_i + 1)
-            torch.bmm(g_rows, a, out=out[:, :, :n_i])
+                (out,) = kept.carve([(batch, r, n_i)], dtype, a.device)
+                return torch.bmm(g_rows, a, out=out).view(batch, -1)
+            out, product = kept.carve([(batch, r, n_i + 1), (batch, r, n_i)], dtype, a.device)
+            out[:, :, :n_i] = torch.bmm(g_rows, a, out=product)
             torch.sum(g_rows, dim=2, out=out[:, :, n_i])
-            return out.view(self.batch_size, -1)
+            return out.view(batch, -1)
 
         return block
 

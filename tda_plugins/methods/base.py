@@ -28,6 +28,7 @@ from tda_plugins.grads.ops import (
     per_token_scores,
     safe_norms,
 )
+from tda_plugins.heap import release_free_heap
 from tda_plugins.methods.scores import Scores
 from tda_plugins.precondition.base import Identity, Preconditioner
 from tda_plugins.registry import Registry
@@ -77,7 +78,12 @@ class AttributionMethod(ABC):
         """``(N, M)`` scores of every stored training example against every query.
 
         ``chunk_examples``: training examples read and scored at once (whole
-        micro-batches); ``None`` (default): :func:`default_chunk` of the query count."""
+        micro-batches); ``None`` (default): :func:`default_chunk` of the query count.
+
+        The heap a training or capture pass freed is given back first
+        (:func:`~tda_plugins.heap.release_free_heap`), so that scoring's buffers do not
+        come on top of it."""
+        release_free_heap()
         self.prepare(store, queries, progress)
         _require_queries(queries)
         chunk = chunk_examples or default_chunk(queries.num_examples)
