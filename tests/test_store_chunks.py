@@ -53,6 +53,23 @@ def test_the_shard_reader_reads_what_safetensors_wrote(tmp_path: Path) -> None:
         assert torch.equal(as_fp64, tensors["float-torch.float32"].double())
 
 
+def test_a_mapped_tensor_reads_the_file_without_writing_to_it(tmp_path: Path) -> None:
+    """Memory-mapped tensors equal safetensors' own reads, stay valid after the shard is
+    closed, and writing to one changes neither the file nor a later read."""
+    path = tmp_path / "shard.safetensors"
+    tensors = _tensors()
+    save_file(tensors, path, metadata={"layers": "{}"})
+    with ShardFile(path) as shard:
+        mapped = {key: shard.mapped(key) for key in tensors}
+    for key, expected in tensors.items():
+        assert mapped[key].dtype == expected.dtype and torch.equal(mapped[key], expected), key
+    before = path.read_bytes()
+    mapped["int64"].fill_(7)
+    assert path.read_bytes() == before
+    with ShardFile(path) as shard:
+        assert torch.equal(shard.read("int64"), tensors["int64"])
+
+
 def test_a_damaged_shard_is_refused_with_its_name(tmp_path: Path) -> None:
     path = tmp_path / "shard.safetensors"
     save_file({"x": torch.arange(100.0)}, path, metadata={"layers": "{}"})

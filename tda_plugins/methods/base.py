@@ -270,8 +270,8 @@ QUERY_CACHE_BYTES = 1 << 29
 def default_chunk(queries: int) -> int:
     """Training examples scored at once against ``queries`` queries: as many as there are
     queries, between 8 and 256. Each chunk reads the whole prepared query side once, so
-    that reading costs no more than the chunk's own gradients; a chunk of several stored
-    micro-batches is a concatenated copy of them, so no larger chunk is taken."""
+    that reading costs no more than the chunk's own gradients; a chunk is held in memory
+    whole (one buffer per stored tensor), so no larger chunk is taken."""
     return min(256, max(8, queries))
 
 

@@ -47,8 +47,8 @@ from tda_plugins.precondition.curvature import KroneckerFactors, load_curvature
 from tda_plugins.store.layout import StoreError
 from tda_plugins.store.reader import StoreReader
 
-#: Examples read at a time in the EK-FAC fit: a chunk of several stored micro-batches is
-#: a concatenated copy of them, so stored micro-batches of 8 or more are read one by one.
+#: Examples read at a time in the EK-FAC fit: a chunk is held in memory whole, and the fit
+#: gains nothing from larger ones, so stored micro-batches of 8 or more are read one by one.
 _FIT_CHUNK = 8
 
 

@@ -116,11 +116,15 @@ def read_chunk(paths: list[Path], layers: list[str]) -> tuple[Tensor, dict[str, 
     """``(N,)`` example ids and the gradients of ``layers`` (``N`` examples each) of the
     shards ``paths``, in order, as one chunk.
 
-    A layer stored in the same representation by every shard is read into chunk buffers.
+    One shard's tensors are memory-mapped as they are (no copy; their pages count as
+    resident once touched). Of several, a layer stored in the same representation by
+    every shard is read into chunk buffers.
     One whose representation changes between its shards (a store keeps the smaller form
     per micro-batch) is read a shard at a time and stacked as
     :func:`~tda_plugins.grads.factors.stack_examples` does."""
     shards = [ShardContents.read(path, layers) for path in paths]
+    if len(shards) == 1:
+        return _mapped_shard(shards[0], layers)
     buffers: dict[tuple[str, ...], _Buffer] = {}
     uniform: dict[str, dict[str, tuple[str, ...]]] = {}  # layer -> field -> buffer
     mixed: dict[str, list[PerExampleGrad]] = {}
@@ -159,6 +163,24 @@ def read_chunk(paths: list[Path], layers: list[str]) -> tuple[Tensor, dict[str, 
             tensors = {field: buffers[keys].tensor for field, keys in uniform[name].items()}
             grads[name] = decode(entry.kind, tensors, entry.attrs)
     return torch.cat(ids), grads
+
+
+def _mapped_shard(
+    shard: ShardContents, layers: list[str]
+) -> tuple[Tensor, dict[str, PerExampleGrad]]:
+    """A chunk of one shard: its tensors memory-mapped, not copied (a tensor shared by
+    several layers mapped once)."""
+    with ShardFile(shard.path) as f:
+        tensors: dict[str, Tensor] = {}
+        grads = {}
+        for name in layers:
+            entry = shard.layers[name]
+            for t in entry.fields.values():
+                if t.key not in tensors:
+                    tensors[t.key] = f.mapped(t.key)
+            fields = {field: tensors[t.key] for field, t in entry.fields.items()}
+            grads[name] = decode(entry.kind, fields, entry.attrs)
+        return f.read("example_ids"), grads
 
 
 def _promoted(dtypes: list[torch.dtype]) -> torch.dtype:

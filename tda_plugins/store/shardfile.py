@@ -2,16 +2,19 @@
 
 The safetensors layout is an 8-byte little-endian header length, a JSON header (each
 tensor's dtype, shape and byte offsets, plus ``__metadata__``) and the tensors' bytes.
-Reading a tensor's bytes with ``readinto`` into its place in a destination tensor makes
-one copy from the page cache, where ``safe_open(...).get_tensor`` memory-maps the file
-(its pages count towards the process's resident memory while mapped) and returns a new
-tensor that has to be copied again into a chunk. The writer keeps using safetensors.
+Reading a tensor's bytes with ``readinto`` into its place in a destination tensor (a
+chunk of several shards) makes one copy from the page cache, where a memory-mapped
+tensor (``safe_open(...).get_tensor``) would be copied into the chunk while its pages
+count towards the process's resident memory too. A tensor used as it is stored (a chunk
+of one shard) is memory-mapped instead (:meth:`ShardFile.mapped`). The writer keeps
+using safetensors.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import mmap
 import os
 import sys
 from pathlib import Path
@@ -55,6 +58,7 @@ class ShardFile:
                 "recapture it"
             ) from error
         self._data_start = 8 + size
+        self._map: mmap.mmap | None = None
         self.metadata: dict[str, str] = header.pop("__metadata__", {})
         self._entries: dict[str, dict[str, Any]] = header
 
@@ -75,6 +79,22 @@ class ShardFile:
         out = torch.empty(self.shape(key), dtype=self.dtype(key))
         self.read_into(key, out)
         return out
+
+    def mapped(self, key: str) -> Tensor:
+        """The tensor stored under ``key`` as a copy-on-write memory map of the file: no
+        copy is made, its pages are read when first touched, and writes to it stay in
+        this process. It stays valid after the file is closed."""
+        shape, dtype = self.shape(key), self.dtype(key)
+        begin, end = self._entry(key)["data_offsets"]
+        if begin == end:
+            return torch.empty(shape, dtype=dtype)
+        if self._map is None:
+            self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
+        count = (end - begin) // dtype.itemsize
+        flat = torch.frombuffer(
+            self._map, dtype=dtype, count=count, offset=self._data_start + begin
+        )
+        return flat.view(shape)
 
     def read_into(self, key: str, out: Tensor) -> None:
         """Copy the tensor stored under ``key`` into ``out``, a CPU tensor of its shape
