@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE := 1
 export OMP_NUM_THREADS := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test lint typecheck pytest bench-capture bench demo demo-seeds clean
+.PHONY: install test lint typecheck pytest bench-capture bench bench-fidelity demo demo-seeds clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -77,6 +77,11 @@ bench: $(PEERS_STAMP)
 	$(PEERS_PY) benchmarks/bench_peers.py
 	$(PEERS_PY) benchmarks/peer_capture.py
 	$(PEERS_PY) benchmarks/peer_selection.py
+
+# `make bench-fidelity`: the leave-one-out and LDS table, ours and the peers' (the
+# retraining runs are cached in benchmarks/out/fidelity/, so reruns only attribute).
+bench-fidelity: $(PEERS_STAMP)
+	$(PEERS_PY) benchmarks/fidelity.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache demo_out
