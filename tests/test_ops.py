@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from unittest import mock
 
@@ -454,6 +454,41 @@ def test_query_gradients_beyond_their_cache_budget_are_built_per_batch() -> None
     prepared = QueryGradients(queries, cache_bytes=one_layer)
     calls = _score_counting_materializations(prepared, queries, trains)
     assert calls == {"first": 1, "second": 0}
+
+
+@pytest.mark.parametrize("query_kind", ["factors", "dense"])
+def test_query_gradients_keep_the_bias_column_apart_against_bias_factors(
+    query_kind: str,
+) -> None:
+    """Against training factors of a layer with a bias, materialized queries (factors
+    materialized once, or dense ones as preconditioned) keep their bias column apart: no
+    training block is built beside its bias column. Every batch's scores, a dense
+    training batch between them included, and the query norms equal the explicit
+    gradients'."""
+    factors = TokenFactors(_randn(2, 64, 3), _randn(2, 64, 2), bias=True)
+    query: PerExampleGrad = (
+        factors if query_kind == "factors" else DenseGrad(_explicit_materialize(factors))
+    )
+    trains = [TokenFactors(_randn(3, 64, 3), _randn(3, 64, 2), bias=True) for _ in range(3)]
+    trains.insert(2, DenseGrad(_explicit_materialize(trains[1])))
+    assert choose_route(trains[0].gram_costs(query)) is Route.MATERIALIZED
+    prepared = QueryGradients({"layer": query})
+    beside_bias = []
+    original = TokenFactors.row_blocks
+
+    def recorded(
+        self: TokenFactors, width: int, dtype: torch.dtype
+    ) -> Callable[[slice], torch.Tensor]:
+        beside_bias.append(self.bias)
+        return original(self, width, dtype)
+
+    with mock.patch.object(TokenFactors, "row_blocks", recorded):
+        scored = [prepared.scores({"layer": train}) for train in trains]
+    assert beside_bias and not any(beside_bias)
+    explicit_query = _explicit_materialize(factors)
+    for train, scores in zip(trains, scored, strict=True):
+        torch.testing.assert_close(scores, _explicit_materialize(train) @ explicit_query.T)
+    torch.testing.assert_close(prepared.norms(), explicit_query.norm(dim=1))
 
 
 def test_query_gradients_refuse_other_layers() -> None:

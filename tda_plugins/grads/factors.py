@@ -263,6 +263,12 @@ class PerExampleGrad(ABC):
         """``(B1, B2)`` inner products without materializing; only where costs list it."""
         raise NotImplementedError(f"{type(self).__name__} has no factorized Gram")
 
+    def split_bias(self) -> tuple[PerExampleGrad, Tensor] | None:
+        """``(weight part, (B, N_o) bias gradients)`` where a layer's bias column can be
+        taken apart without copying the weight part, else ``None`` (then the gradients
+        are used whole, bias column interleaved)."""
+        return None
+
     def gram_materialized(self, other: PerExampleGrad) -> Tensor:
         """``(B1, B2)`` inner products of the materialized gradients."""
         mine, theirs = self.materialize(), other.materialize()
@@ -479,6 +485,11 @@ class TokenFactors(PerTokenGrad):
             torch.cat([self.a, other.a], dim=1), torch.cat([self.g, other.g], dim=1), self.bias
         )
 
+    def split_bias(self) -> tuple[TokenFactors, Tensor] | None:
+        if not self.bias:
+            return None
+        return TokenFactors(self.a, self.g), self.g.to(accumulation_dtype(self.g)).sum(dim=1)
+
     def gram_materialized(self, other: PerExampleGrad) -> Tensor:
         # The same products as materializing both sides, but each side is built a block of
         # output rows at a time (a factor side as dW_i[rows] = g_i[:, rows]^T a_i) and the
@@ -487,15 +498,13 @@ class TokenFactors(PerTokenGrad):
         # product of two (B, D) matrices costs as much as materializing one of them).
         dtype = torch.promote_types(values_dtype(self), values_dtype(other))
         out = self.g.new_zeros(self.batch_size, other.batch_size, dtype=dtype)
-        if isinstance(other, TokenFactors) and self.bias and other.bias:
+        mine, theirs = self.split_bias(), other.split_bias()
+        if mine is not None and theirs is not None:
             # Two factor sides: the bias columns' products are one (B1, N_o) x (N_o, B2)
             # product of the token sums of g, and the blocks leave them out (a block with
             # its bias column is not one contiguous product and needs a second buffer).
-            bias_grads = [f.g.to(dtype).sum(dim=1) for f in (self, other)]
-            torch.mm(bias_grads[0], bias_grads[1].T, out=out)
-            return TokenFactors(self.a, self.g)._add_blocked_gram(
-                TokenFactors(other.a, other.g), out
-            )
+            torch.mm(mine[1].to(dtype), theirs[1].to(dtype).T, out=out)
+            return mine[0]._add_blocked_gram(theirs[0], out)
         return self._add_blocked_gram(other, out)
 
     def _add_blocked_gram(self, other: PerExampleGrad, out: Tensor) -> Tensor:

@@ -8,6 +8,7 @@ use it); by default :func:`~tda_plugins.grads.routing.choose_route` picks the ch
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -71,6 +72,52 @@ def example_norms(layers: Mapping[str, PerExampleGrad]) -> Tensor:
     return safe_norms(example_sq_norms(layers))
 
 
+@dataclass
+class _BiasApart:
+    """A layer's materialized queries kept with their bias column apart.
+
+    Training sides that give their own bias apart (:meth:`PerExampleGrad.split_bias`:
+    per-token factors) are then scored as the Gram of their weight parts plus one
+    ``(B1, N_o) x (N_o, B2)`` product of the bias gradients: no block of their
+    materialized gradients is copied beside its bias column.
+
+    Attributes:
+        weights: ``(B2, N_o N_i)`` weight gradients of the queries.
+        bias: ``(B2, N_o)`` bias gradients of the queries.
+    """
+
+    weights: DenseGrad
+    bias: Tensor
+
+    @classmethod
+    def of(cls, query: PerExampleGrad, out_dim: int) -> _BiasApart:
+        """``query`` materialized with its bias apart, for a layer of ``out_dim`` outputs
+        (a dense query, as preconditioned, is copied once into the two parts)."""
+        split = query.split_bias()
+        if split is not None:
+            weights, bias = split
+            return cls(DenseGrad(weights.materialize()), bias)
+        values = query.materialize().view(query.batch_size, out_dim, -1)
+        return cls(DenseGrad(values[:, :, :-1].flatten(1)), values[:, :, -1].clone())
+
+    def whole(self) -> DenseGrad:
+        """The ``(B2, N_o (N_i + 1))`` gradients with the bias column interleaved."""
+        batch, out_dim = self.bias.shape
+        weights = self.weights.values.view(batch, out_dim, -1)
+        bias = self.bias.to(weights.dtype).unsqueeze(2)
+        return DenseGrad(torch.cat([weights, bias], dim=2).flatten(1))
+
+    def gram(self, train_weights: PerExampleGrad, train_bias: Tensor) -> Tensor:
+        """``(B1, B2)`` inner products with a training side given apart the same way."""
+        out = cross_gram(train_weights, self.weights)
+        return out.addmm_(train_bias.to(out.dtype), self.bias.to(out.dtype).T)
+
+    def sq_norms(self) -> Tensor:
+        """``(B2,)`` squared norms, bias included."""
+        weights = self.weights.materialize()
+        return weights.square().sum(dim=1) + self.bias.to(weights.dtype).square().sum(dim=1)
+
+
 class QueryGradients:
     """Fixed query gradients of several layers, scored against many training batches.
 
@@ -78,7 +125,9 @@ class QueryGradients:
     the cost model routes through materialized gradients materializes that layer's
     queries, and every later batch reuses them: the same route and the same numbers as
     :func:`cross_gram`, without materializing the ``(B2, D)`` queries again per batch
-    (which costs as much as materializing a training batch of the same size).
+    (which costs as much as materializing a training batch of the same size). Against
+    training factors of a layer with a bias, the materialized queries keep their bias
+    column apart (:class:`_BiasApart`; dense queries, as preconditioned, are split once).
 
     Materialized queries are kept only within ``cache_bytes``; a layer whose queries do
     not fit stays as it is, and each training batch then builds its query blocks again
@@ -92,7 +141,7 @@ class QueryGradients:
     """
 
     def __init__(self, layers: Mapping[str, PerExampleGrad], cache_bytes: int | None = None):
-        self._layers = dict(layers)
+        self._layers: dict[str, PerExampleGrad | _BiasApart] = dict(layers)
         self._sq_norms: Tensor | None = None
         self._cache_left = cache_bytes
 
@@ -109,7 +158,12 @@ class QueryGradients:
     def sq_norms(self) -> Tensor:
         """``(B2,)`` squared query norms over all layers, computed once."""
         if self._sq_norms is None:
-            self._sq_norms = example_sq_norms(self._layers)
+            self._sq_norms = layer_sum(
+                [
+                    q.sq_norms() if isinstance(q, _BiasApart) else sq_norms(q)
+                    for q in self._layers.values()
+                ]
+            )
         return self._sq_norms
 
     def norms(self) -> Tensor:
@@ -118,11 +172,24 @@ class QueryGradients:
 
     def _gram(self, name: str, train: PerExampleGrad) -> Tensor:
         query = self._layers[name]
+        apart = train.split_bias()
+        if isinstance(query, _BiasApart):
+            if apart is not None:
+                return query.gram(*apart)
+            # a training side held whole (a dense chunk of a mixed store)
+            query = self._layers[name] = query.whole()
+        dense = isinstance(query, DenseGrad)
         if (
-            not isinstance(query, DenseGrad)
-            and choose_route(train.gram_costs(query)) is Route.MATERIALIZED
-            and self._reserve(query.batch_size * query.dim * values_dtype(query).itemsize)
+            choose_route(train.gram_costs(query)) is Route.MATERIALIZED
+            and (apart is not None or not dense)
+            # a dense query is split in place of itself: nothing more is kept
+            and (
+                dense or self._reserve(query.batch_size * query.dim * values_dtype(query).itemsize)
+            )
         ):
+            if apart is not None:
+                prepared = self._layers[name] = _BiasApart.of(query, apart[1].shape[1])
+                return prepared.gram(*apart)
             query = self._layers[name] = DenseGrad(query.materialize())
         return cross_gram(train, query)
 
