@@ -498,7 +498,8 @@ class TokenFactors(PerTokenGrad):
         # product of two (B, D) matrices costs as much as materializing one of them).
         dtype = torch.promote_types(values_dtype(self), values_dtype(other))
         out = self.g.new_zeros(self.batch_size, other.batch_size, dtype=dtype)
-        mine, theirs = self.split_bias(), other.split_bias()
+        theirs = other.split_bias()
+        mine = None if theirs is None else self.split_bias()
         if mine is not None and theirs is not None:
             # Two factor sides: the bias columns' products are one (B1, N_o) x (N_o, B2)
             # product of the token sums of g, and the blocks leave them out (a block with

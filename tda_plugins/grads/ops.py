@@ -114,8 +114,8 @@ class _BiasApart:
 
     def sq_norms(self) -> Tensor:
         """``(B2,)`` squared norms, bias included."""
-        weights = self.weights.materialize()
-        return weights.square().sum(dim=1) + self.bias.to(weights.dtype).square().sum(dim=1)
+        weights = sq_norms(self.weights)
+        return weights + self.bias.to(weights.dtype).square().sum(dim=1)
 
 
 class QueryGradients:
@@ -172,24 +172,25 @@ class QueryGradients:
 
     def _gram(self, name: str, train: PerExampleGrad) -> Tensor:
         query = self._layers[name]
-        apart = train.split_bias()
         if isinstance(query, _BiasApart):
+            apart = train.split_bias()
             if apart is not None:
                 return query.gram(*apart)
             # a training side held whole (a dense chunk of a mixed store)
             query = self._layers[name] = query.whole()
+        if choose_route(train.gram_costs(query)) is not Route.MATERIALIZED:
+            return cross_gram(train, query)
         dense = isinstance(query, DenseGrad)
-        if (
-            choose_route(train.gram_costs(query)) is Route.MATERIALIZED
-            and (apart is not None or not dense)
-            # a dense query is split in place of itself: nothing more is kept
-            and (
-                dense or self._reserve(query.batch_size * query.dim * values_dtype(query).itemsize)
-            )
+        # a dense query is only ever split, in place of itself: nothing more is kept
+        if not dense and not self._reserve(
+            query.batch_size * query.dim * values_dtype(query).itemsize
         ):
-            if apart is not None:
-                prepared = self._layers[name] = _BiasApart.of(query, apart[1].shape[1])
-                return prepared.gram(*apart)
+            return cross_gram(train, query)
+        apart = train.split_bias()
+        if apart is not None:
+            prepared = self._layers[name] = _BiasApart.of(query, apart[1].shape[1])
+            return prepared.gram(*apart)
+        if not dense:
             query = self._layers[name] = DenseGrad(query.materialize())
         return cross_gram(train, query)
 
