@@ -35,8 +35,8 @@ demo-seeds: $(DEMO_STAMP)
 	$(PY) recipes/lora_data_selection.py --seeds 3 --out demo_out/seeds3
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check tda_plugins integrations tests benchmarks recipes
-	$(VENV)/bin/ruff format --check tda_plugins integrations tests benchmarks recipes
+	$(VENV)/bin/ruff check tda_plugins tests benchmarks recipes
+	$(VENV)/bin/ruff format --check tda_plugins tests benchmarks recipes
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

@@ -70,7 +70,7 @@ from torch import Tensor, nn
 from training_overhead import MODEL, QUICK_MODEL, build_base, lora_copy, training_rows
 from transformers import PrinterCallback, Trainer
 
-from tda_plugins.integrations.transformers.callbacks import GradientCaptureCallback
+from tda_plugins.integrations.transformers import GradientCaptureCallback
 from tda_plugins.store import StoreReader
 
 SECTION = "## Peer comparison: capture overhead in training (benchmarks/peer_capture.py)"

@@ -66,7 +66,7 @@ from selection_overhead import MODEL, MODES, QUICK_MODEL, Mode, build_base, copy
 from torch import Tensor, nn
 from transformers import TrainerCallback
 
-from tda_plugins.integrations.transformers.callbacks import DataSelectionCallback
+from tda_plugins.integrations.transformers import DataSelectionCallback
 
 SECTION = "## Peer comparison: online data selection (benchmarks/peer_selection.py)"
 SCRIPT = "benchmarks/peer_selection.py"

@@ -83,7 +83,7 @@ from common import (
 from torch import nn
 from transformers import TrainerCallback
 
-from tda_plugins.integrations.transformers.callbacks import DataSelectionCallback
+from tda_plugins.integrations.transformers import DataSelectionCallback
 
 SECTION = "## Data selection overhead (benchmarks/selection_overhead.py)"
 SCRIPT = "benchmarks/selection_overhead.py"
@@ -104,7 +104,7 @@ CONFIGS: dict[str, tuple[int | None, int | None, int | None]] = {
 }
 #: The configurations held to the target.
 TARGETED = (SELECT, ONE, PROJECTED)
-SELECTOR = "tda_plugins/selection/selector.py"
+SELECTOR = "tda_plugins/data_selection/selector.py"
 #: Code whose cumulative time splits the selection's cost.
 PROFILED = {
     "scoring": (

@@ -78,7 +78,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from tda_plugins import LayerSelection
-from tda_plugins.integrations.transformers.callbacks import GradientCaptureCallback
+from tda_plugins.integrations.transformers import GradientCaptureCallback
 from tda_plugins.store import StoreReader
 
 SECTION = "## Capture overhead in real training (benchmarks/training_overhead.py)"
@@ -126,7 +126,7 @@ PROFILED: dict[str, tuple[FuncRef, ...]] = {
         ("store/writer.py", "on_micro_batch"),
         ("store/writer.py", "on_optimizer_step"),
     ),
-    "curvature (inline K-FAC)": (("precondition/curvature.py", "on_micro_batch"),),
+    "curvature (inline K-FAC)": (("precondition/statistics.py", "on_micro_batch"),),
 }
 
 

@@ -39,7 +39,7 @@ from transformers import Trainer, TrainingArguments
 
 from tda_plugins import CaptureEngine, causal_lm_example_losses
 from tda_plugins.capture import content_hash
-from tda_plugins.integrations.transformers.callbacks import GradientCaptureCallback, pad_examples
+from tda_plugins.integrations.transformers import GradientCaptureCallback, pad_examples
 from tda_plugins.methods import METHODS, method_by_name
 from tda_plugins.precondition import CurvatureAccumulator
 from tda_plugins.report import write_html

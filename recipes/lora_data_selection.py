@@ -8,7 +8,7 @@ once into ``.cache/``) with LoRA and TRL's ``SFTTrainer`` on a mixture built off
 the Python documentation (see ``recipes/demo_data.py``): a target task with a held-out
 split, useful off-target text and planted corrupted examples. Each seed trains twice,
 with the same data order and number of optimizer steps: once plainly, once with
-:class:`~tda_plugins.integrations.transformers.callbacks.DataSelectionCallback`, which
+:class:`~tda_plugins.integrations.transformers.DataSelectionCallback`, which
 scores every example of a step against the target pool's gradient and removes the
 lowest-scoring ones' exact contributions from ``.grad`` before the optimizer step.
 
@@ -66,7 +66,7 @@ from transformers.utils import logging as hf_logging
 from trl import SFTConfig, SFTTrainer
 
 from tda_plugins.capture import content_hash
-from tda_plugins.integrations.transformers.callbacks import DataSelectionCallback
+from tda_plugins.integrations.transformers import DataSelectionCallback
 
 LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -527,7 +527,7 @@ def quiet() -> None:
     logging.getLogger("datasets").setLevel(logging.ERROR)
     # The LM head is frozen under LoRA, so the note that TRL's fused head is not captured
     # does not concern this run.
-    logging.getLogger("tda_plugins.integrations.transformers.callbacks").setLevel(logging.ERROR)
+    logging.getLogger("tda_plugins.integrations.transformers.setup").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
 

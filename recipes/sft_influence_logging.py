@@ -27,7 +27,7 @@ from peft import LoraConfig, get_peft_model
 from smollm2 import add_model_flags, load_pretrained, model_dir, tokenize_rows
 from trl import SFTConfig, SFTTrainer
 
-from tda_plugins.integrations.transformers.callbacks import InfluenceLoggingCallback
+from tda_plugins.integrations.transformers import InfluenceLoggingCallback
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

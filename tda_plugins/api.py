@@ -12,8 +12,8 @@ from torch import Tensor, nn
 
 from tda_plugins.capture.consumer import RecordCollector
 from tda_plugins.capture.engine import CaptureEngine
+from tda_plugins.capture.layers import LayerSelection
 from tda_plugins.capture.records import MicroBatchRecord
-from tda_plugins.capture.selection import LayerSelection
 from tda_plugins.grads.projection import ProjectionConfig
 
 LossFn = Callable[[nn.Module, Mapping[str, Any]], Tensor]

@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from tda_plugins.capture import CaptureConsumer, CaptureEngine, LayerSelection
+from tda_plugins.capture.layers import SelectionKind
 from tda_plugins.capture.normalization import LossNormalization
-from tda_plugins.capture.selection import SelectionKind
 from tda_plugins.grads.projection import MapKind, ProjectionConfig
 from tda_plugins.precondition.adam import save_adam_state
-from tda_plugins.precondition.curvature import CurvatureAccumulator
+from tda_plugins.precondition.statistics import CurvatureAccumulator
 from tda_plugins.store import GradientStore, StoreError
 from tda_plugins.store.layout import rank_dir
 

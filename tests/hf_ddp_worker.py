@@ -14,7 +14,7 @@ import torch
 from datasets import Dataset
 from transformers import Trainer, TrainingArguments
 
-from tda_plugins.integrations.transformers.callbacks import GradientCaptureCallback, pad_examples
+from tda_plugins.integrations.transformers import GradientCaptureCallback, pad_examples
 from tests.models import lm_batch, tiny_causal_lm
 
 EXAMPLES = 16

@@ -19,7 +19,7 @@ import torch
 from datasets import Dataset
 from transformers import Trainer
 
-from tda_plugins.integrations.transformers.callbacks import DataSelectionCallback
+from tda_plugins.integrations.transformers import DataSelectionCallback
 from tests.models import tiny_causal_lm
 from tests.selection_helpers import SelectionAudit
 from tests.trainers import pad_rows, token_rows, training_args

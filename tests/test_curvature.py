@@ -38,7 +38,7 @@ from tda_plugins.precondition import (
     KroneckerFactors,
     load_curvature,
 )
-from tda_plugins.precondition.curvature import add_upper_gram, mirrored
+from tda_plugins.precondition.statistics import add_upper_gram, mirrored
 from tda_plugins.store import StoreError, StoreReader
 from tests.models import lm_batch, tiny_causal_lm
 from tests.stores import LossFn, capture_store, summed_loss

@@ -40,13 +40,11 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from tda_plugins import LayerSelection, LayerSelectionError
 from tda_plugins.capture.adapters import DEFAULT_REGISTRY
-from tda_plugins.integrations.transformers.callbacks import (
-    GradientCaptureCallback,
-    UnsupportedTrainingSetup,
-    unwrap_optimizer,
-)
+from tda_plugins.integrations.transformers import GradientCaptureCallback
+from tda_plugins.integrations.transformers.setup import unwrap_optimizer
 from tda_plugins.methods import method_by_name
 from tda_plugins.precondition import load_curvature
+from tda_plugins.session import UnsupportedTrainingSetup
 from tda_plugins.store import StoreError, StoreReader
 from tests.models import tiny_causal_lm, with_lora
 from tests.stores import capture_store

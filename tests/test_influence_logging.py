@@ -12,7 +12,7 @@ from datasets import Dataset
 from transformers import Trainer
 
 from tda_plugins import LayerSelection
-from tda_plugins.integrations.transformers.callbacks import (
+from tda_plugins.integrations.transformers import (
     GradientCaptureCallback,
     InfluenceLoggingCallback,
 )

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tda_plugins import CaptureEngine, LayerSelection, LayerSelectionError
-from tda_plugins.selection.target import _token_rows
+from tda_plugins.data_selection.target import _token_rows
 from tests.models import tiny_causal_lm, with_lora
 
 

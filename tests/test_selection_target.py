@@ -7,7 +7,7 @@ import torch
 
 from tda_plugins import LayerSelection
 from tda_plugins.api import causal_lm_losses
-from tda_plugins.selection.target import TargetPool, target_gradient
+from tda_plugins.data_selection.target import TargetPool, target_gradient
 from tests.models import lm_batch, tiny_causal_lm
 
 

@@ -26,7 +26,7 @@ from transformers import PreTrainedTokenizerFast, TrainerCallback, TrainingArgum
 
 from tda_plugins.capture import content_hash
 from tda_plugins.capture.adapters import DEFAULT_REGISTRY
-from tda_plugins.integrations.transformers.callbacks import pad_examples
+from tda_plugins.integrations.transformers import pad_examples
 from tda_plugins.store import StoreReader
 from tests.models import VOCAB
 from tests.oracle import loop_oracle

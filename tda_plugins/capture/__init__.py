@@ -4,8 +4,8 @@ from tda_plugins.capture.adapters import AdapterRegistry, LayerAdapter, register
 from tda_plugins.capture.consumer import CaptureConsumer, RecordCollector
 from tda_plugins.capture.engine import CaptureEngine
 from tda_plugins.capture.identity import content_hash
+from tda_plugins.capture.layers import LayerSelection, LayerSelectionError
 from tda_plugins.capture.records import LayerRecord, MicroBatchRecord
-from tda_plugins.capture.selection import LayerSelection, LayerSelectionError
 
 __all__ = [
     "AdapterRegistry",

@@ -35,9 +35,9 @@ from tda_plugins.capture.adapters import LayerAdapter
 from tda_plugins.capture.config import CaptureConfig
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.identity import content_hash
+from tda_plugins.capture.layers import LayerSelection, shared_parameter_ids
 from tda_plugins.capture.normalization import LossNormalization, LossScale, SummedLoss
 from tda_plugins.capture.records import LayerRecord, MicroBatchRecord
-from tda_plugins.capture.selection import LayerSelection, shared_parameter_ids
 from tda_plugins.grads.factors import PerExampleGrad, unique_nbytes
 from tda_plugins.grads.projection import ProjectionConfig, Projector
 

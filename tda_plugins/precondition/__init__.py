@@ -1,12 +1,12 @@
 """Preconditioners (identity, K-FAC, EK-FAC) and the inline curvature statistics."""
 
 from tda_plugins.precondition.base import PRECONDITIONERS, Identity, Preconditioner
-from tda_plugins.precondition.curvature import (
+from tda_plugins.precondition.kfac import EKFAC, KFAC
+from tda_plugins.precondition.statistics import (
     CurvatureAccumulator,
     KroneckerFactors,
     load_curvature,
 )
-from tda_plugins.precondition.kfac import EKFAC, KFAC
 
 __all__ = [
     "EKFAC",

@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 from tda_plugins.grads.factors import DenseGrad, PerExampleGrad
 from tda_plugins.grads.ops import rotated, rotated_grads
 from tda_plugins.precondition.base import Preconditioner, register_preconditioner
-from tda_plugins.precondition.curvature import KroneckerFactors, load_curvature
+from tda_plugins.precondition.statistics import KroneckerFactors, load_curvature
 from tda_plugins.store.layout import StoreError
 from tda_plugins.store.reader import StoreReader
 

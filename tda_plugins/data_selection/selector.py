@@ -11,7 +11,7 @@ produced:
 
 with ``g_i`` the example's own summed-token-loss gradient; ``global`` granularity sums
 over layers, ``per_layer`` lets each layer keep its own best examples. A
-:class:`~tda_plugins.selection.rules.DropRule` picks the dropped examples, and their
+:class:`~tda_plugins.data_selection.rules.DropRule` picks the dropped examples, and their
 exact contributions are removed from every captured parameter's ``.grad``:
 
     G_new = (G - sum_{dropped} c_i) * N_all / N_kept    (= sum_{kept} c_i * N_all / N_kept)
@@ -46,13 +46,13 @@ from torch import Tensor, nn
 from tda_plugins.capture.adapters import LayerAdapter
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.records import MicroBatchRecord
+from tda_plugins.data_selection.rules import DropRule
+from tda_plugins.data_selection.target import Target
 from tda_plugins.grads.factors import DenseGrad, PerExampleGrad, values_dtype
 from tda_plugins.grads.ops import dots_with, rows_sums, sq_norms
 from tda_plugins.grads.projection import ProjectionConfig, Projector
 from tda_plugins.grads.routing import Route, choose_route
 from tda_plugins.grads.workspace import Workspace
-from tda_plugins.selection.rules import DropRule
-from tda_plugins.selection.target import Target
 
 ScoreMode = Literal["dot", "cosine", "adam"]
 Granularity = Literal["global", "per_layer"]
@@ -233,7 +233,7 @@ class DataSelector(CaptureConsumer):
 
     def set_target(self, target: Target) -> None:
         """The target gradient at the current weights, as
-        :func:`~tda_plugins.selection.target.target_gradient` returns it: per layer the
+        :func:`~tda_plugins.data_selection.target.target_gradient` returns it: per layer the
         ``(D,)`` summed loss gradient of the target examples in the layer's flattened
         layout, and where smaller its per-token factors (scored by the ghost dot)."""
         missing = set(self.layers) - set(target)

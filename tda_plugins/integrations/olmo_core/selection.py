@@ -5,7 +5,7 @@
     )
 
 The OLMo-core counterpart of the transformers ``DataSelectionCallback``: a
-:class:`~tda_plugins.selection.DataSelector` on a capture engine hooked like
+:class:`~tda_plugins.data_selection.DataSelector` on a capture engine hooked like
 :class:`~tda_plugins.integrations.olmo_core.GradientCaptureCallback` (at the first
 ``pre_step``, after OLMo-core's dry-run batch; example ids from the batch's ``index``; loss
 scale from :class:`~tda_plugins.integrations.olmo_core.OLMoCoreLossNormalization`).
@@ -36,13 +36,13 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from tda_plugins.capture import CaptureEngine, MicroBatchRecord
-from tda_plugins.capture.selection import SelectionKind, uncovered_trainable
+from tda_plugins.capture.layers import SelectionKind, uncovered_trainable
+from tda_plugins.data_selection import DataSelector, StepSelection, rule_by_name
+from tda_plugins.data_selection.selector import Granularity, ScoreMode
+from tda_plugins.data_selection.target import Target, TargetPool, target_gradient
 from tda_plugins.grads.projection import ProjectionConfig
 from tda_plugins.integrations.olmo_core.callbacks import check_train_module, give_example_ids
 from tda_plugins.integrations.olmo_core.normalization import OLMoCoreLossNormalization
-from tda_plugins.selection import DataSelector, StepSelection, rule_by_name
-from tda_plugins.selection.selector import Granularity, ScoreMode
-from tda_plugins.selection.target import Target, TargetPool, target_gradient
 from tda_plugins.session import CaptureSettings, UnsupportedTrainingSetup
 
 TargetTokens = Tensor | Sequence[Sequence[int]]

@@ -26,8 +26,8 @@ from tda_plugins.api import grads_set_aside
 from tda_plugins.capture.adapters import LayerAdapter
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.engine import CaptureEngine
+from tda_plugins.capture.layers import LayerSelection, shared_parameter_ids
 from tda_plugins.capture.records import MicroBatchRecord
-from tda_plugins.capture.selection import LayerSelection, shared_parameter_ids
 from tda_plugins.grads.factors import TensorKey, TokenFactors, tensor_key
 
 Batch = Mapping[str, Tensor]

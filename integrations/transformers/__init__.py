@@ -1,1 +1,0 @@
-"""Hugging Face transformers / TRL integration: data loading for the CLI, trainer callbacks."""

@@ -1,0 +1,89 @@
+"""``GradientCaptureCallback``: add it to ``Trainer``/``SFTTrainer`` and the run records.
+
+    trainer = Trainer(..., callbacks=[GradientCaptureCallback(store_dir="run/grads")])
+
+No trainer subclass, no patched optimizer, no extra dataset column: the callback hooks the
+model at ``on_train_begin``, commits each optimizer step's per-example gradients at
+``on_pre_optimizer_step`` (after every micro-batch's backward), saves what a resumed run
+needs at ``on_save``, and finishes at ``on_train_end``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
+from tda_plugins.integrations.transformers.setup import (
+    adapt_settings,
+    check_trainer_setup,
+    process_index,
+    settings_from,
+    unwrap_optimizer,
+)
+from tda_plugins.session import CaptureSession, CaptureSettings
+
+
+class GradientCaptureCallback(TrainerCallback):
+    """Writes every step's exact per-example gradients (and K-FAC statistics) to a store.
+
+    Configure with a :class:`~tda_plugins.session.CaptureSettings` or its fields as
+    keywords (``store_dir`` is required). Stored gradients follow the store convention:
+    each example's own summed token loss, whatever normalization the trainer uses
+    (``num_items_in_batch``, accumulation, world size). Works unchanged with TRL's
+    ``SFTTrainer`` and with PEFT LoRA models (default layers: the LoRA adapters).
+    Resuming with ``resume_from_checkpoint`` continues the store at the checkpoint's step.
+    """
+
+    def __init__(self, settings: CaptureSettings | None = None, **options: Any):
+        self.settings = settings_from(settings, options)
+        self.session: CaptureSession | None = None
+
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: nn.Module | None = None,
+        **kwargs: Any,
+    ) -> None:
+        model = check_trainer_setup(args, model)
+        self.session = CaptureSession(
+            adapt_settings(self.settings, args, model),
+            model,
+            CausalLMNormalization(),
+            rank=process_index(args),
+            start_step=state.global_step,
+        )
+
+    def on_pre_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self.session is not None:
+            self.session.step()
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self.session is not None:
+            self.session.finish_step()
+
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self.session is not None:
+            self.session.save_checkpoint(state.global_step)
+
+    def on_train_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if self.session is not None:
+            self.session.end(unwrap_optimizer(optimizer))
+            self.session = None

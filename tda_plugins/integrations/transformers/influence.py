@@ -1,0 +1,101 @@
+"""``InfluenceLoggingCallback``: live influence of each step's examples on fixed queries."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from torch import nn
+from transformers import TrainerControl, TrainerState, TrainingArguments
+
+from tda_plugins.capture import MicroBatchRecord, content_hash
+from tda_plugins.influence import InfluenceLogger
+from tda_plugins.integrations.transformers.pool import PoolCallback
+from tda_plugins.integrations.transformers.setup import check_trainer_setup
+
+
+class InfluenceLoggingCallback(PoolCallback):
+    """Logs, during SFT, how each step's examples influence a fixed set of query examples.
+
+    Every ``every_n_steps`` optimizer steps it computes the queries' gradients at the
+    current weights (no training engine records that pass), scores the step's
+    examples against them from the training backward itself, and adds
+    ``influence/q<j>_mean`` and ``influence/q<j>_max`` to the trainer's logs (console,
+    ``state.log_history``; for ``report_to`` integrations, add it with
+    :meth:`add_to` so it runs before them). At the end it writes ``influence.json``,
+    ``influence.html`` (running top-k helpful/harmful examples with their texts) and
+    ``influence.png`` to ``report_dir`` (default ``<output_dir>/influence``).
+
+    Args:
+        queries: rows with ``input_ids`` (and optional ``labels``, -100 = no loss).
+        method: ``"gradcos"`` or ``"graddot"``.
+        every_n_steps: score every n-th optimizer step.
+        top_k: examples per query in the report.
+        report_dir: where the report goes.
+        **options: layer/projection fields of :class:`CaptureSettings` (``layers``,
+            ``include``, ``projection``, ``k_a``, ...); ``store_dir`` is not used.
+    """
+
+    def __init__(
+        self,
+        queries: list[dict[str, Any]],
+        method: Literal["graddot", "gradcos"] = "gradcos",
+        every_n_steps: int = 1,
+        top_k: int = 5,
+        report_dir: str | None = None,
+        **options: Any,
+    ):
+        super().__init__(queries, every_n_steps, options)
+        self.logger = InfluenceLogger(method)
+        self.top_k = top_k
+        self.report_dir = report_dir
+        self.report: dict[str, Path] = {}
+
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: nn.Module | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.attach(args, check_trainer_setup(args, model), state).add_consumer(self.logger)
+
+    def use_pool(self, pooled: MicroBatchRecord | None, lr_scheduler: Any) -> None:
+        rate = float(lr_scheduler.get_last_lr()[0]) if lr_scheduler is not None else 1.0
+        self.logger.set_queries(pooled, rate)
+
+    def step_metrics(self) -> dict[str, float]:
+        return self.logger.metrics()
+
+    def on_train_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        processing_class: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if self.engine is None:
+            return
+        self.detach()
+        query_ids = content_hash(self.pool["input_ids"], self.pool["attention_mask"])
+        decode = getattr(processing_class, "decode", None)
+
+        def text(tokens: list[int] | None) -> str | None:
+            if tokens is None:
+                return None
+            return decode(tokens) if decode is not None else " ".join(map(str, tokens))
+
+        seen = self.logger.cumulative_scores(query_ids).train_ids.tolist()
+        train_texts = {i: t for i in seen if (t := text(self.logger.tokens_of(i))) is not None}
+        query_texts = {
+            int(q): str(text(ids[m.bool()].tolist()))
+            for q, ids, m in zip(
+                query_ids, self.pool["input_ids"], self.pool["attention_mask"], strict=True
+            )
+        }
+        directory = self.report_dir or str(Path(str(args.output_dir)) / "influence")
+        self.report = self.logger.write_report(
+            directory, query_ids, train_texts, query_texts, self.top_k
+        )

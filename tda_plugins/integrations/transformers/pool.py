@@ -1,0 +1,128 @@
+"""The base of the callbacks that score each step against a pool of examples (influence
+queries, or a selection target) whose gradients are taken at the weights of the step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from tda_plugins.api import capture_batch
+from tda_plugins.capture import CaptureEngine
+from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
+from tda_plugins.integrations.transformers.setup import adapt_settings, pad_examples, settings_from
+
+
+class PoolCallback(TrainerCallback):
+    """Base of the callbacks that score each step against a pool of examples (queries or a
+    target set) whose gradients are captured at the current weights before the step.
+
+    Subclasses give the consumer that scores the step and what to do with the pool's
+    gradients (:meth:`use_pool`); this class owns the engine, the pool capture (training
+    engines ignoring it, model in eval mode), the step signal and the log plumbing.
+    """
+
+    def __init__(self, pool: list[dict[str, Any]], every_n_steps: int, options: dict[str, Any]):
+        if not pool:
+            raise ValueError(f"{type(self).__name__} needs at least one example in its pool")
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        self.settings = settings_from(None, {"store_dir": "", **options})
+        self.pool = pad_examples(pool)
+        self.every_n_steps = every_n_steps
+        self.engine: CaptureEngine | None = None
+
+    def add_to(self, trainer: Any) -> PoolCallback:
+        """Put this callback first in ``trainer``'s list, so ``report_to`` sees its metrics."""
+        trainer.callback_handler.callbacks.insert(0, self)
+        return self
+
+    def attach(
+        self,
+        args: TrainingArguments,
+        model: nn.Module,
+        state: TrainerState,
+        parameter_grads: bool = True,
+    ) -> CaptureEngine:
+        """Hook ``model`` with this callback's layers and normalization (no consumer yet);
+        ``parameter_grads`` as :class:`~tda_plugins.capture.engine.CaptureEngine` takes it."""
+        self.settings = adapt_settings(self.settings, args, model)
+        engine = CaptureEngine(
+            model,
+            self.settings.selection(),
+            self.settings.projection_config(),
+            (),
+            CausalLMNormalization(),
+            parameter_grads,
+        ).attach()
+        engine.resume_at_step(state.global_step)
+        self.engine = engine
+        return engine
+
+    def pool_gradients(self, model: nn.Module, args: TrainingArguments) -> Any:
+        """The pool's gradients at the current weights, in the form :meth:`use_pool`
+        takes (default: per-example, through a temporary exclusive engine)."""
+        device = next(model.parameters()).device
+        batch = {k: v.to(device) for k, v in self.pool.items()}
+        return capture_batch(
+            model, batch, None, self.settings.selection(), self.settings.projection_config()
+        )
+
+    def use_pool(self, pooled: Any, lr_scheduler: Any) -> None:
+        """The pool's gradients at the coming step's weights (``None``: not due)."""
+        raise NotImplementedError
+
+    def on_step_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: nn.Module | None = None,
+        lr_scheduler: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if self.engine is None or model is None:
+            return
+        if state.global_step % self.every_n_steps:
+            self.use_pool(None, lr_scheduler)
+            return
+        was_training = model.training
+        model.eval()
+        try:
+            pooled = self.pool_gradients(model, args)
+        finally:
+            model.train(was_training)
+        self.use_pool(pooled, lr_scheduler)
+
+    def on_pre_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self.engine is not None:
+            self.engine.optimizer_step()
+
+    def step_metrics(self) -> dict[str, float]:
+        """Metrics of the latest step for the trainer's logs."""
+        return {}
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        metrics = self.step_metrics()
+        if logs is None or not metrics or "loss" not in logs:
+            return
+        logs.update(metrics)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(metrics)
+
+    def detach(self) -> None:
+        """Finish pending micro-batches and unhook."""
+        if self.engine is not None:
+            self.engine.end()
+            self.engine.detach()
+            self.engine = None

@@ -1,0 +1,102 @@
+"""What the transformers callbacks share: the refusals checked before step 0, the capture
+settings adapted to the trainer, and small helpers (the torch optimizer inside accelerate's
+wrapper, a padded causal-LM batch from rows)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import TrainingArguments
+
+from tda_plugins.session import CaptureSettings, UnsupportedTrainingSetup
+
+logger = logging.getLogger(__name__)
+
+
+def check_trainer_setup(args: TrainingArguments, model: nn.Module | None) -> nn.Module:
+    """Refuse, before any step runs, what would make per-example gradients wrong."""
+    if model is None:
+        raise UnsupportedTrainingSetup("the trainer passed no model to the callback")
+    if getattr(args, "packing", False):
+        raise UnsupportedTrainingSetup(
+            "packing=True concatenates several examples into one sequence, so gradients can no "
+            "longer be split per example; set packing=False in SFTConfig"
+        )
+    if getattr(args, "padding_free", False):
+        raise UnsupportedTrainingSetup(
+            "padding_free=True flattens the batch into one sequence; set padding_free=False"
+        )
+    if getattr(args, "deepspeed", None):
+        raise UnsupportedTrainingSetup(
+            "DeepSpeed partitions parameters outside module hooks; train without deepspeed"
+        )
+    if type(model).__name__ == "OptimizedModule":
+        raise UnsupportedTrainingSetup(
+            "the model is torch.compile'd, which bypasses module hooks; pass the uncompiled model"
+        )
+    return model
+
+
+def uses_fused_head(args: TrainingArguments) -> bool:
+    """TRL's ``SFTTrainer`` computes logits from ``lm_head.weight`` directly (its fused LM
+    head, the default without label smoothing), so no module hook sees the head."""
+    return type(args).__name__ == "SFTConfig" and not getattr(args, "label_smoothing_factor", 0)
+
+
+def adapt_settings(
+    settings: CaptureSettings, args: TrainingArguments, model: nn.Module
+) -> CaptureSettings:
+    """Leave out the output head where the trainer bypasses its module call (logged)."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if head is None or not uses_fused_head(args):
+        return settings
+    name = next(n for n, m in model.named_modules() if m is head)
+    logger.warning(
+        "tda-plugins: TRL's fused LM head bypasses %s's forward, so its per-example gradient "
+        "cannot be captured; it is left out of the captured layers",
+        name,
+    )
+    pattern = rf"^{re.escape(name)}$"
+    exclude = pattern if settings.exclude is None else rf"(?:{settings.exclude})|{pattern}"
+    return dataclasses.replace(settings, exclude=exclude)
+
+
+def process_index(args: TrainingArguments) -> int:
+    return int(getattr(args, "process_index", 0))
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside accelerate's wrapper."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def settings_from(settings: CaptureSettings | None, options: dict[str, Any]) -> CaptureSettings:
+    if settings is not None and options:
+        raise TypeError("pass either a CaptureSettings or keyword options, not both")
+    if settings is not None:
+        return settings
+    known = {f.name for f in dataclasses.fields(CaptureSettings)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"unknown capture options {unknown}; known: {sorted(known)}")
+    return CaptureSettings(**options)
+
+
+def pad_examples(examples: list[dict[str, Any]], pad_id: int = 0) -> dict[str, Tensor]:
+    """Right-padded causal-LM batch from rows with ``input_ids`` (and optional ``labels``)."""
+    length = max(len(e["input_ids"]) for e in examples)
+    ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
+    labels = torch.full_like(ids, -100)
+    mask = torch.zeros_like(ids)
+    for row, e in enumerate(examples):
+        n = len(e["input_ids"])
+        ids[row, :n] = torch.as_tensor(e["input_ids"])
+        labels[row, :n] = torch.as_tensor(e.get("labels", e["input_ids"]))
+        mask[row, :n] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
