@@ -41,8 +41,21 @@ from tda_plugins.capture.records import LayerRecord, MicroBatchRecord
 from tda_plugins.grads.factors import PerExampleGrad, unique_nbytes
 from tda_plugins.grads.projection import ProjectionConfig, Projector
 
-#: The engine that alone captures in the current context (see CaptureEngine.exclusive).
-_EXCLUSIVE: ContextVar[CaptureEngine | None] = ContextVar("tda_plugins_exclusive", default=None)
+#: The engine that alone captures in the current context (see CaptureEngine.exclusive), or
+#: :data:`_NO_ENGINE` inside :func:`capture_suspended`.
+_EXCLUSIVE: ContextVar[object | None] = ContextVar("tda_plugins_exclusive", default=None)
+_NO_ENGINE = object()
+
+
+@contextmanager
+def capture_suspended() -> Iterator[None]:
+    """Inside this block (in this thread or task), no engine captures: passes made between
+    training steps that no engine should record (a selection target's plain backward)."""
+    token = _EXCLUSIVE.set(_NO_ENGINE)
+    try:
+        yield
+    finally:
+        _EXCLUSIVE.reset(token)
 
 
 class _PendingBatch:

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from tda_plugins.api import grads_set_aside
 from tda_plugins.capture.adapters import LayerAdapter
 from tda_plugins.capture.consumer import CaptureConsumer
-from tda_plugins.capture.engine import CaptureEngine
+from tda_plugins.capture.engine import CaptureEngine, capture_suspended
 from tda_plugins.capture.layers import LayerSelection, shared_parameter_ids
 from tda_plugins.capture.records import MicroBatchRecord
 from tda_plugins.grads.factors import TensorKey, TokenFactors, tensor_key
@@ -162,6 +162,8 @@ def target_gradient(
             engine = CaptureEngine(model, selection, None, [keeper], parameter_grads=False)
             stack.enter_context(engine)
             stack.enter_context(engine.exclusive())
+        else:
+            stack.enter_context(capture_suspended())
         with torch.enable_grad():
             for start in range(0, size, step):
                 chunk = {k: v[start : start + step] for k, v in batch.items()}

@@ -1,0 +1,68 @@
+"""The three transformers callbacks in one ``Trainer``: each sees only the training passes.
+
+The selection target and the influence queries are backward passes of their own between
+training steps; the capture callback's engine must not record them (it would fail on the
+target's label-free call, or store the pool as training examples)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from transformers import Trainer
+
+from tda_plugins.integrations.transformers import (
+    DataSelectionCallback,
+    GradientCaptureCallback,
+    InfluenceLoggingCallback,
+)
+from tda_plugins.store import StoreReader
+from tests.models import tiny_causal_lm
+from tests.trainers import (
+    RecordingCollator,
+    WeightSnapshots,
+    assert_steps_hold_their_micro_batches,
+    assert_store_matches_oracle,
+    token_rows,
+    training_args,
+)
+
+STEPS = 3
+
+
+def test_capture_selection_and_influence_share_a_trainer(tmp_path: Path) -> None:
+    """The store holds exactly each step's training examples (every one, dropped or kept),
+    each with its oracle gradient; selection and influence ran at every step."""
+    collator, snapshots = RecordingCollator(), WeightSnapshots()
+    selection = DataSelectionCallback(
+        target=[{"input_ids": r} for r in token_rows(2, seed=7)], fraction=0.5, layers="all"
+    )
+    influence = InfluenceLoggingCallback(
+        queries=[{"input_ids": r} for r in token_rows(2, seed=9)], layers="all"
+    )
+    trainer = Trainer(
+        model=tiny_causal_lm("llama", torch.float32),
+        args=training_args(tmp_path / "out", max_steps=STEPS, per_device_train_batch_size=4),
+        train_dataset=Dataset.from_list([{"input_ids": r} for r in token_rows(16)]),
+        data_collator=collator,
+        callbacks=[
+            snapshots,
+            influence,
+            selection,
+            GradientCaptureCallback(store_dir=str(tmp_path / "store"), layers="all"),
+        ],
+    )
+    trainer.train()
+
+    store = StoreReader(tmp_path / "store")
+    assert_steps_hold_their_micro_batches(store, collator, accumulation=1, steps=STEPS)
+    assert_store_matches_oracle(
+        tmp_path / "store",
+        snapshots,
+        collator.examples(),
+        lambda: tiny_causal_lm("llama", torch.float64),
+    )
+    assert [h.step for h in selection.history] == list(range(STEPS))
+    assert all(int(h.dropped.sum()) == 2 for h in selection.history)
+    assert len(influence.logger.history) == STEPS
