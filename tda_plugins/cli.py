@@ -10,12 +10,15 @@ Bad input ends with exit code 2 and a one-line reason on stderr.
 from __future__ import annotations
 
 import argparse
+import math
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from tqdm.auto import tqdm
 
 from tda_plugins.api import causal_lm_example_losses
@@ -25,8 +28,69 @@ from tda_plugins.methods import METHODS, Checkpoint, Scores, method_by_name
 from tda_plugins.precondition import CurvatureAccumulator
 from tda_plugins.report import write_html
 from tda_plugins.store import GradientStore, StoreError, StoreReader
+from tda_plugins.store.io import refuse_existing, staged_directory
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+# -- argument types: a bad value is a usage error (exit 2) naming the option -----------------
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """A finite float."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be finite, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite float >= 0."""
+    value = finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def regex(text: str) -> str:
+    """A valid Python regular expression."""
+    try:
+        re.compile(text)
+    except re.error as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a valid regex ({error})") from None
+    return text
+
+
+def device(text: str) -> str:
+    """A torch device this machine has."""
+    try:
+        parsed = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device") from None
+    available = {
+        "cpu": lambda: True,
+        "cuda": lambda: (
+            torch.cuda.is_available() and (parsed.index or 0) < torch.cuda.device_count()
+        ),
+        "mps": lambda: torch.backends.mps.is_available(),
+    }
+    if not available.get(parsed.type, lambda: False)():
+        raise argparse.ArgumentTypeError(f"device {text!r} is not available on this machine")
+    return text
 
 
 def _add_capture(sub: Any) -> None:
@@ -43,25 +107,32 @@ def _add_capture(sub: Any) -> None:
         help="JSONL: text | prompt+completion | "
         "messages | input_ids per line, optional integer 'id'",
     )
-    p.add_argument("--out", required=True, help="gradient store directory to create/append")
+    p.add_argument("--out", required=True, type=Path, help="gradient store directory to create")
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="add to an existing store of the same model and options (new steps after its own)",
+    )
     p.add_argument(
         "--layers",
         default="auto",
         choices=["auto", "linear", "lora", "all"],
         help="layer family (auto: LoRA adapters if present, else linear)",
     )
-    p.add_argument("--include", help="regex: keep only layers whose name matches")
-    p.add_argument("--exclude", help="regex: drop layers whose name matches")
-    p.add_argument("--last-n-blocks", type=int, help="keep only the last N transformer blocks")
+    p.add_argument("--include", type=regex, help="regex: keep only layers whose name matches")
+    p.add_argument("--exclude", type=regex, help="regex: drop layers whose name matches")
+    p.add_argument(
+        "--last-n-blocks", type=positive_int, help="keep only the last N transformer blocks"
+    )
     p.add_argument(
         "--projection",
         default="none",
         choices=["none", "factor", "dense"],
         help="project gradients in the hook (factor = LoGra)",
     )
-    p.add_argument("--k-a", type=int, default=16, help="factor projection: rows of P_a")
-    p.add_argument("--k-g", type=int, default=16, help="factor projection: rows of P_g")
-    p.add_argument("--k", type=int, default=256, help="dense projection: output dimension")
+    p.add_argument("--k-a", type=positive_int, default=16, help="factor projection: rows of P_a")
+    p.add_argument("--k-g", type=positive_int, default=16, help="factor projection: rows of P_g")
+    p.add_argument("--k", type=positive_int, default=256, help="dense projection: output dimension")
     p.add_argument(
         "--map",
         default="gaussian",
@@ -69,10 +140,17 @@ def _add_capture(sub: Any) -> None:
         help="random map of the projection",
     )
     p.add_argument("--seed", type=int, default=0, help="projection seed")
-    p.add_argument("--batch-size", type=int, default=8, help="examples per forward/backward")
-    p.add_argument("--max-length", type=int, default=512, help="truncate examples to this")
+    p.add_argument(
+        "--batch-size", type=positive_int, default=8, help="examples per forward/backward"
+    )
+    p.add_argument(
+        "--max-length",
+        type=positive_int,
+        help="truncate examples to this many tokens (default and most: the model's positions; "
+        "512 for a model without a positions limit)",
+    )
     p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="model dtype")
-    p.add_argument("--device", default="cpu", help="torch device")
+    p.add_argument("--device", type=device, default="cpu", help="torch device")
     p.add_argument("--no-curvature", action="store_true", help="skip inline K-FAC statistics")
     p.add_argument(
         "--keep-tokens",
@@ -101,12 +179,15 @@ def _add_attribute(sub: Any) -> None:
     )
     p.add_argument(
         "--damping",
-        type=float,
+        type=non_negative_float,
         default=0.1,
         help="damping relative to the mean eigenvalue (kfac/ekfac/logra)",
     )
     p.add_argument(
-        "--learning-rate", type=float, default=1.0, help="tracin: weight of --store/--queries"
+        "--learning-rate",
+        type=finite_float,
+        default=1.0,
+        help="tracin: weight of --store/--queries",
     )
     p.add_argument(
         "--checkpoint",
@@ -116,14 +197,22 @@ def _add_attribute(sub: Any) -> None:
         metavar=("STORE", "QUERIES", "LR"),
         help="tracin: another checkpoint",
     )
-    p.add_argument("--top-k", type=int, default=10, help="examples per query in the top-k")
+    p.add_argument("--top-k", type=positive_int, default=10, help="examples per query in the top-k")
     p.add_argument(
         "--chunk",
-        type=int,
+        type=positive_int,
         default=None,
         help="training examples scored at once (default: the query count, between 8 and 256)",
     )
-    p.add_argument("--out", required=True, help="output directory (scores, top-k, report)")
+    p.add_argument(
+        "--out", required=True, type=Path, help="output directory (scores, top-k, report)"
+    )
+    p.add_argument(
+        "--allow-mismatch",
+        action="store_true",
+        help="score queries although they come from another model than the store's",
+    )
+    p.add_argument("--force", action="store_true", help="replace an existing --out")
     p.set_defaults(run=_attribute)
 
 
@@ -136,8 +225,9 @@ def _add_report(sub: Any) -> None:
     p.add_argument("--scores", required=True, help="directory written by `tda attribute`")
     p.add_argument("--store", required=True, help="training store (for texts)")
     p.add_argument("--queries", required=True, help="query store (for texts)")
-    p.add_argument("--top-k", type=int, default=10, help="examples per query")
-    p.add_argument("--out", help="HTML file (default: SCORES/report.html)")
+    p.add_argument("--top-k", type=positive_int, default=10, help="examples per query")
+    p.add_argument("--out", type=Path, help="HTML file (default: SCORES/report.html)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out")
     p.set_defaults(run=_report)
 
 
@@ -171,10 +261,12 @@ def _projection(args: argparse.Namespace) -> ProjectionConfig | None:
 
 def _load_model(directory: str, dtype: torch.dtype, device: str) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     path = Path(directory)
-    if not (path / "config.json").exists():
+    if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no transformers model at {path} (missing config.json)")
+    hf_logging.disable_progress_bar()  # the command has its own progress bar
     model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model = model.to(torch.device(device)).eval()
     has_tokenizer = any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
@@ -182,20 +274,49 @@ def _load_model(directory: str, dtype: torch.dtype, device: str) -> tuple[Any, A
     return model, tokenizer
 
 
+def model_positions(model: Any) -> int | None:
+    """How many positions the model embeds (``None``: not bounded by its config)."""
+    config = getattr(model, "config", None)
+    for key in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def _capture(args: argparse.Namespace) -> None:
     from tda_plugins.integrations.transformers.data import batches, read_examples
 
+    out: Path = args.out
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file; give a store directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / "store.json").exists():
+        raise FileExistsError(f"--out {out} is a non-empty folder that holds no gradient store")
     model, tokenizer = _load_model(args.model, _DTYPES[args.dtype], args.device)
-    examples = read_examples(args.data, tokenizer, args.max_length)
+    positions = model_positions(model)
+    max_length = args.max_length or positions or 512
+    if positions is not None and max_length > positions:
+        print(
+            f"tda capture: warning: --max-length {max_length} is more than the model's "
+            f"{positions} positions; examples are truncated to {positions} tokens",
+            file=sys.stderr,
+        )
+        max_length = positions
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    examples = read_examples(args.data, tokenizer, max_length, vocab)
     pad_id = getattr(tokenizer, "pad_token_id", None) or 0
     store = GradientStore(
-        args.out,
+        out,
         keep_tokens=args.keep_tokens,
         metadata={"model": str(args.model), "data": str(args.data)},
+        append=args.append,
+        unique_ids=True,
+        model=model,
+        tokenizer=tokenizer,
     )
     consumers: list[Any] = [store]
     if not args.no_curvature:
-        consumers.append(CurvatureAccumulator(args.out))
+        consumers.append(CurvatureAccumulator(out))
     # capture only attributes: autograd need not build the model's own weight gradients
     engine = CaptureEngine(
         model, _selection(args), _projection(args), consumers, parameter_grads=False
@@ -220,42 +341,66 @@ def _capture(args: argparse.Namespace) -> None:
             bar.update(len(group))
         engine.end()
     store.write_examples(texts)
-    print(f"wrote {len(examples)} examples to {args.out}")
+    print(f"wrote {len(examples)} examples to {out}")
 
 
 def _attribute(args: argparse.Namespace) -> None:
+    refuse_existing(args.out, args.force)
     store, queries = StoreReader(args.store), StoreReader(args.queries)
     options: dict[str, Any] = {"damping": args.damping}
     if args.method == "tracin":
         options["learning_rate"] = args.learning_rate
         options["extra"] = tuple(
-            Checkpoint(StoreReader(s), StoreReader(q), float(lr)) for s, q, lr in args.checkpoint
+            Checkpoint(StoreReader(s), StoreReader(q), finite_float(lr))
+            for s, q, lr in args.checkpoint
         )
     elif args.checkpoint:
         raise ValueError("--checkpoint applies to --method tracin only")
     method = method_by_name(args.method, **options)
-    scores = method.score(store, queries, chunk_examples=args.chunk, progress=True)
-    out = Path(args.out)
-    scores.save(out, k=args.top_k)
-    write_html(out / "report.html", scores, store.texts(), queries.texts(), args.top_k)
-    print(f"scored {scores.values.shape[0]} x {scores.values.shape[1]} with {args.method}: {out}")
+    scores = method.score(
+        store,
+        queries,
+        chunk_examples=args.chunk,
+        progress=True,
+        allow_mismatch=args.allow_mismatch,
+    )
+    with staged_directory(args.out) as stage:
+        scores.save(stage, k=args.top_k)
+        write_html(stage / "report.html", scores, store.texts(), queries.texts(), args.top_k)
+    print(
+        f"scored {scores.values.shape[0]} x {scores.values.shape[1]} with {args.method}: {args.out}"
+    )
 
 
 def _report(args: argparse.Namespace) -> None:
+    path = args.out if args.out is not None else Path(args.scores) / "report.html"
+    if args.out is not None:
+        refuse_existing(path, args.force)
     scores = Scores.load(args.scores)
-    path = Path(args.out) if args.out else Path(args.scores) / "report.html"
     store, queries = StoreReader(args.store), StoreReader(args.queries)
     write_html(path, scores, store.texts(), queries.texts(), args.top_k)
     print(f"wrote {path}")
 
 
+#: What a user's input can cause; each ends the command with exit code 2 and one line.
+USER_ERRORS = (
+    StoreError,
+    LayerSelectionError,
+    ValueError,
+    OSError,  # missing, unreadable or unwritable files and folders
+    SafetensorError,
+)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``tda`` console script; returns the exit code."""
+    """Entry point of the ``tda`` console script; returns the exit code (2: bad input,
+    with one line on stderr naming it)."""
     args = build_parser().parse_args(argv)
     try:
         args.run(args)
-    except (StoreError, LayerSelectionError, ValueError, FileNotFoundError) as exc:
-        print(f"tda {args.command}: error: {exc}", file=sys.stderr)
+    except USER_ERRORS as exc:
+        reason = " ".join(str(exc).split())  # one line, whatever the message held
+        print(f"tda {args.command}: error: {reason}", file=sys.stderr)
         return 2
     return 0
 

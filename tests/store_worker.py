@@ -59,7 +59,7 @@ def train(store: Path, checkpoints: Path, pause: tuple[int, int] | None = None) 
     if start:
         model.load_state_dict(load_file(checkpoint_path(checkpoints, start)))
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-    gradients = GradientStore(store)
+    gradients = GradientStore(store, append=start > 0)
     with CaptureEngine(model, consumers=[gradients]) as engine:
         gradients.truncate(start)
         engine.resume_at_step(start)

@@ -57,14 +57,16 @@ def capture_store(
     loss_fn: LossFn = summed_loss,
     mean_loss: bool = False,
     rank: int = 0,
+    append: bool = False,
 ) -> StoreReader:
     """One committed step per batch, K-FAC statistics included; ``.grad`` is cleared.
 
     ``loss_fn(model, batch)`` is the batch's summed loss. With ``mean_loss`` each batch's
     loss is divided by its :func:`label_tokens` (a trainer's mean loss) and the engine is
-    told that count as the loss scale. ``rank`` writes the capture as that rank's part.
+    told that count as the loss scale. ``rank`` writes the capture as that rank's part;
+    ``append`` adds it to the steps a store already holds.
     """
-    store = GradientStore(path, rank=rank, keep_tokens=keep_tokens)
+    store = GradientStore(path, rank=rank, keep_tokens=keep_tokens, append=append)
     consumers: list[CaptureConsumer] = [store]
     if curvature:
         consumers.append(CurvatureAccumulator(path, rank=rank))

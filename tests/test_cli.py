@@ -400,10 +400,10 @@ def file_digests(store: Path) -> dict[str, str]:
 def test_capture_into_an_existing_store_appends(
     capsys: pytest.CaptureFixture[str], runs: dict[str, CliRun], tmp_path: Path
 ) -> None:
-    """A second ``tda capture`` into the same store adds its examples with step numbers
-    after the existing ones (none reused), leaves the existing shards byte for byte, and
-    merges the texts; a capture with another projection into it is refused (exit 2) and
-    changes nothing."""
+    """A second ``tda capture`` into the same store is refused without ``--append`` (exit 2,
+    nothing changed); with it, it adds its examples with step numbers after the existing
+    ones (none reused), leaves the existing shards byte for byte, and merges the texts; a
+    capture with another projection into it is refused (exit 2) and changes nothing."""
     run = runs["llama"]
     store = tmp_path / "store"
     shutil.copytree(run.store, store)
@@ -412,6 +412,11 @@ def test_capture_into_an_existing_store_appends(
     more = random_sequences(range(200, 205), 3)
     data = write_examples(tmp_path / "more.jsonl", more)
     code, _, err = run_main(capsys, *capture_args(run.model_dir, data, store, "--batch-size", 2))
+    assert_one_line_error(code, err, "capture", "already holds steps 0..2", "--append")
+    assert shard_entries(store) == before
+    code, _, err = run_main(
+        capsys, *capture_args(run.model_dir, data, store, "--batch-size", 2, "--append")
+    )
     assert code == 0, err
 
     after = shard_entries(store)
@@ -423,7 +428,7 @@ def test_capture_into_an_existing_store_appends(
     assert len(file_digests(store)) == len(after)
 
     factor = ("--projection", "factor", "--k-a", 4, "--k-g", 4)
-    code, _, err = run_main(capsys, *capture_args(run.model_dir, data, store, *factor))
+    code, _, err = run_main(capsys, *capture_args(run.model_dir, data, store, *factor, "--append"))
     assert_one_line_error(code, err, "capture", "another config")
     assert shard_entries(store) == after
 

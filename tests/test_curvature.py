@@ -352,7 +352,7 @@ CAPTURE_PLANS = {
     "one run": [(slice(None), {})],
     "trainer mean loss": [(slice(None), {"mean_loss": True})],
     "two ranks": [(slice(0, 1), {"rank": 0}), (slice(1, None), {"rank": 1})],
-    "resumed run": [(slice(0, 1), {}), (slice(1, None), {})],
+    "resumed run": [(slice(0, 1), {}), (slice(1, None), {"append": True})],
 }
 
 

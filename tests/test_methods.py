@@ -223,7 +223,9 @@ def test_scoring_gives_the_freed_heap_back_before_it_reads(captured: Captured) -
             "tda_plugins.methods.base.release_free_heap", side_effect=lambda: order.append("heap")
         ),
         mock.patch.object(
-            method, "prepare", side_effect=lambda *a: (order.append("prepare"), prepare(*a))
+            method,
+            "prepare",
+            side_effect=lambda *a, **k: (order.append("prepare"), prepare(*a, **k)),
         ),
     ):
         method.score(captured.store, captured.queries)

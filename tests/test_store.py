@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, cast
 
 import pytest
 import torch
@@ -46,6 +46,7 @@ from tda_plugins.grads.factors import DenseGrad, EmbeddingFactors, PerExampleGra
 from tda_plugins.methods import Scores, method_by_name
 from tda_plugins.session import CaptureSession, CaptureSettings
 from tda_plugins.store import FORMAT_VERSION, GradientStore, StoreError, StoreReader, writer
+from tda_plugins.store.index import ShardEntry
 from tda_plugins.store.io import atomic_write
 from tda_plugins.store.layout import rank_dir, shard_name
 from tda_plugins.store.sync import BackgroundSync
@@ -410,7 +411,7 @@ def test_sigkill_between_micro_batches_loses_only_that_step_and_resume_is_exact(
     half_written = rank_dir(killed, 0) / f".{shard_name(2, 8)}.tmp-4242"
     half_written.write_bytes(b"a write cut short by the kill")
     committed = {f: (rank_dir(killed, 0) / f).read_bytes() for f in indexed_files(killed)}
-    with CaptureEngine(tiny_causal_lm("llama"), consumers=[GradientStore(killed)]):
+    with CaptureEngine(tiny_causal_lm("llama"), consumers=[GradientStore(killed, append=True)]):
         pass
     assert shard_files(killed) == set(committed) and not half_written.exists()
     assert {f: (rank_dir(killed, 0) / f).read_bytes() for f in committed} == committed
@@ -444,7 +445,7 @@ class DiskLog:
         self.events: list[tuple[str, str]] = []
         self.release = threading.Event()
         self.release.set()
-        real_write, real_json = writer.write_renamed, writer.atomic_write_json
+        real_write, real_index = writer.write_renamed, writer.write_index
 
         def fsync(path: Path) -> None:
             self.release.wait(timeout=10)
@@ -458,14 +459,13 @@ class DiskLog:
             real_write(path, fill)
             self.events.append(("write", path.name))
 
-        def publish(path: Path, value: Any) -> None:
-            if path.name == "index.json":
-                self.events.append(("index", ",".join(s["file"] for s in value["shards"])))
-            real_json(path, value)
+        def publish(path: Path, entries: list[ShardEntry]) -> None:
+            self.events.append(("index", ",".join(e.file for e in entries)))
+            real_index(path, entries)
 
         monkeypatch.setattr(writer, "fsync_path", fsync)
         monkeypatch.setattr(writer, "write_renamed", write)
-        monkeypatch.setattr(writer, "atomic_write_json", publish)
+        monkeypatch.setattr(writer, "write_index", publish)
 
     def position(self, event: tuple[str, str]) -> int:
         return self.events.index(event)
@@ -607,7 +607,7 @@ def test_a_finished_trainer_step_is_on_disk_before_the_next_one_begins(
     session = CaptureSession(CaptureSettings(str(tmp_path), curvature=False), model, SummedLoss())
     summed_loss(model, lm_batch(2, 8, seed=0)).backward()
     session.step()
-    session.finish_step()
+    session.finish_step(1)
     assert StoreReader(tmp_path).steps == [0]
     assert disk.events[-1] == ("index", shard_name(0, 0))
     session.end()
@@ -630,7 +630,7 @@ def test_reopening_with_another_capture_config_is_refused(mismatch: str, tmp_pat
     model = tiny_causal_lm("llama")
     capture(model, micro_batches(1, (10, 7)), tmp_path)
     before = snapshot(tmp_path)
-    with pytest.raises(StoreError, match=f"another config: {cause}"):
+    with pytest.raises(StoreError, match=f"another config or model: {cause}"):
         capture(model, micro_batches(1, (10, 7), seed=5), tmp_path, layers, projection)
     assert snapshot(tmp_path) == before
 
@@ -774,7 +774,7 @@ def test_truncate_drops_later_steps_and_their_files(tmp_path: Path) -> None:
     kept = {n for n in shard_files(tmp_path) if n.startswith(("s00000000", "s00000001"))}
     assert len(kept) == 4 and len(shard_files(tmp_path)) == 8
     before = {n: b for n, b in snapshot(tmp_path).items() if Path(n).name in kept}
-    store = GradientStore(tmp_path)
+    store = GradientStore(tmp_path, append=True)
     with CaptureEngine(model, ALL, consumers=[store]):
         store.truncate(2)
         assert store.committed_steps == [0, 1]

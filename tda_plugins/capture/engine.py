@@ -193,8 +193,13 @@ class CaptureEngine:
             raise RuntimeError("this CaptureEngine is already attached; detach it first")
         self._layers = self.selection.resolve(self.model)
         self._shared = shared_parameter_ids(self._layers)
-        for consumer in self._consumers:
-            consumer.on_attach(self.config)
+        try:
+            for consumer in self._consumers:
+                consumer.on_attach(self.config)
+        except BaseException:
+            for consumer in self._consumers:  # e.g. a store gives its writer lock back
+                consumer.on_detach()
+            raise
         self._handles.append(
             self.model.register_forward_pre_hook(self._on_root_forward, with_kwargs=True)
         )

@@ -55,9 +55,19 @@ class AttributionMethod(ABC):
     def __init__(self, damping: float = 0.1):
         self.preconditioner: Preconditioner = Identity(damping)
 
-    def prepare(self, store: StoreReader, queries: StoreReader, progress: bool = False) -> None:
-        """Validate the pair of stores and fit what the method needs."""
-        store.require_compatible(queries)
+    def prepare(
+        self,
+        store: StoreReader,
+        queries: StoreReader,
+        progress: bool = False,
+        *,
+        allow_mismatch: bool = False,
+    ) -> None:
+        """Validate the pair of stores (``allow_mismatch``: queries of another model than
+        the store's are scored all the same, see
+        :meth:`~tda_plugins.store.StoreReader.require_compatible`) and fit what the method
+        needs."""
+        store.require_compatible(queries, allow_mismatch)
         self.preconditioner.fit(store, progress)
 
     def train_side(self, layer: str, grads: PerExampleGrad) -> PerExampleGrad:
@@ -74,6 +84,8 @@ class AttributionMethod(ABC):
         queries: StoreReader,
         chunk_examples: int | None = None,
         progress: bool = False,
+        *,
+        allow_mismatch: bool = False,
     ) -> Scores:
         """``(N, M)`` scores of every stored training example against every query.
 
@@ -84,7 +96,7 @@ class AttributionMethod(ABC):
         (:func:`~tda_plugins.heap.release_free_heap`), so that scoring's buffers do not
         come on top of it."""
         release_free_heap()
-        self.prepare(store, queries, progress)
+        self.prepare(store, queries, progress, allow_mismatch=allow_mismatch)
         _require_queries(queries)
         chunk = chunk_examples or default_chunk(queries.num_examples)
         groups = layer_groups(store, queries, chunk)
@@ -100,7 +112,9 @@ class AttributionMethod(ABC):
                 for i, rows in enumerate(query_groups):
                     last = i == len(query_groups) - 1
                     totals.add(rows, self._score_pass(store, query, rows, chunk, bar, last))
-        return Scores(totals.train_ids(), query_ids, totals.values(), self.name)
+        scores = Scores(totals.train_ids(), query_ids, totals.values(), self.name)
+        scores.require_finite()
+        return scores
 
     def _query_groups(self, query: StoreChunk) -> list[slice]:
         """Query rows preconditioned and scored together: all of them, unless the

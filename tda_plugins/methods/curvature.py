@@ -31,11 +31,18 @@ class EKFAC(AttributionMethod):
 class LoGra(KFAC):
     """LoGra: factor projection in the hook, then K-FAC on the projected factors."""
 
-    def prepare(self, store: StoreReader, queries: StoreReader, progress: bool = False) -> None:
+    def prepare(
+        self,
+        store: StoreReader,
+        queries: StoreReader,
+        progress: bool = False,
+        *,
+        allow_mismatch: bool = False,
+    ) -> None:
         projection = store.config.projection
         if projection is None or projection.kind != "factor":
             raise StoreError(
                 f"LoGra needs a store captured with factor projection, but {store.root} has "
                 f"projection={projection}; recapture with --projection factor, or use kfac"
             )
-        super().prepare(store, queries, progress)
+        super().prepare(store, queries, progress, allow_mismatch=allow_mismatch)

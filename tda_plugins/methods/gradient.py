@@ -55,10 +55,15 @@ class TracIn(AttributionMethod):
         queries: StoreReader,
         chunk_examples: int | None = None,
         progress: bool = False,
+        *,
+        allow_mismatch: bool = False,
     ) -> Scores:
         checkpoints = (Checkpoint(store, queries, self.learning_rate), *self.extra)
         per_checkpoint = [
-            GradDot().score(c.store, c.queries, chunk_examples, progress) for c in checkpoints
+            GradDot().score(
+                c.store, c.queries, chunk_examples, progress, allow_mismatch=allow_mismatch
+            )
+            for c in checkpoints
         ]
         first = per_checkpoint[0]
         for other in per_checkpoint[1:]:

@@ -14,8 +14,15 @@ class LESS(AttributionMethod):
 
     normalize = True
 
-    def prepare(self, store: StoreReader, queries: StoreReader, progress: bool = False) -> None:
-        super().prepare(store, queries, progress)
+    def prepare(
+        self,
+        store: StoreReader,
+        queries: StoreReader,
+        progress: bool = False,
+        *,
+        allow_mismatch: bool = False,
+    ) -> None:
+        super().prepare(store, queries, progress, allow_mismatch=allow_mismatch)
         self.adam = AdamPreconditioner(store.root)
 
     def train_side(self, layer: str, grads: PerExampleGrad) -> PerExampleGrad:

@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save
 from torch import Tensor
 
 from tda_plugins.store.io import atomic_write_bytes, atomic_write_json
+from tda_plugins.store.layout import StoreError
 
 SCORES_FILE = "scores.safetensors"
 TOPK_FILE = "topk.json"
@@ -34,6 +35,19 @@ class Scores:
     values: Tensor
     method: str
 
+    def require_finite(self) -> None:
+        """Refuse NaN/inf scores, naming the first pair (a score is never written as a
+        bare ``NaN``, which is not JSON)."""
+        bad = ~torch.isfinite(self.values)
+        if bool(bad.any()):
+            row, col = (int(i) for i in bad.nonzero()[0])
+            raise StoreError(
+                f"the score of training example {int(self.train_ids[row])} on query "
+                f"{int(self.query_ids[col])} is {float(self.values[row, col])} ({int(bad.sum())} "
+                "scores are not finite): the gradients overflow in this dtype, or a store is "
+                "damaged; recapture in float32/float64"
+            )
+
     def top_k(self, k: int) -> list[dict[str, Any]]:
         """Per query: the ``k`` most helpful (highest) and most harmful (lowest) examples."""
         if k < 1:
@@ -54,7 +68,9 @@ class Scores:
         return out
 
     def save(self, directory: str | Path, k: int = 10) -> None:
-        """Write ``scores.safetensors`` (ids and matrix) and ``topk.json``."""
+        """Write ``scores.safetensors`` (ids and matrix) and ``topk.json`` (refusing
+        non-finite scores)."""
+        self.require_finite()
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         tensors = {

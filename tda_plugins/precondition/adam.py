@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from tda_plugins.capture.engine import CaptureEngine
 from tda_plugins.grads.factors import DenseGrad, PerExampleGrad
@@ -29,9 +30,16 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 
 
 def save_adam_state(
-    root: str | Path, engine: CaptureEngine, optimizer: torch.optim.Optimizer
+    root: str | Path,
+    engine: CaptureEngine,
+    optimizer: torch.optim.Optimizer,
+    write: bool = True,
 ) -> None:
-    """Save an Adam/AdamW optimizer's moments for the engine's captured layers."""
+    """Save an Adam/AdamW optimizer's moments for the engine's captured layers.
+
+    Moments sharded as DTensors (FSDP) are gathered first, a collective: under FSDP every
+    rank calls this, in the same order, and only the rank with ``write`` saves the file.
+    """
     groups = optimizer.param_groups
     if not groups or any("betas" not in g or "eps" not in g for g in groups):
         raise TypeError(f"LESS needs an Adam-family optimizer, got {type(optimizer).__name__}")
@@ -45,10 +53,17 @@ def save_adam_state(
             raise StoreError(f"the optimizer has no Adam state for {name}; save after a step")
         step = max(step, *(int(s["step"]) for s in states))
         for moment in ("exp_avg", "exp_avg_sq"):
-            values = {local: s[moment] for local, s in zip(params, states, strict=True)}
+            values = {local: _full(s[moment]) for local, s in zip(params, states, strict=True)}
             tensors[f"{name}::{moment}"] = adapter.flatten(module, values).float().cpu()
+    if not write:
+        return
     meta = {"betas": json.dumps(list(group["betas"])), "eps": str(group["eps"]), "step": str(step)}
     atomic_write_bytes(Path(root) / OPTIMIZER_FILE, save(tensors, metadata=meta))
+
+
+def _full(moment: Tensor) -> Tensor:
+    """A moment as one plain tensor (a DTensor gathered from its shards: a collective)."""
+    return moment.full_tensor() if isinstance(moment, DTensor) else moment
 
 
 class AdamPreconditioner:

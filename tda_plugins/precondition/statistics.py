@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -213,7 +214,10 @@ class CurvatureAccumulator(CaptureConsumer):
 
 
 def _read(path: Path) -> dict[str, KroneckerFactors]:
-    tensors = load_file(path)
+    try:
+        tensors = load_file(path)
+    except (SafetensorError, OSError) as error:
+        raise StoreError(f"cannot read the K-FAC statistics {path} ({error}); recapture") from error
     names = {key.rsplit("::", 1)[0] for key in tensors}
     return {
         n: KroneckerFactors(tensors[f"{n}::A"], tensors[f"{n}::S"], tensors[f"{n}::tokens"][0])

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +61,10 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 
 def atomic_write_json(path: Path, value: Any) -> None:
-    """:func:`atomic_write_bytes` of ``value`` as indented JSON."""
-    atomic_write_bytes(path, (json.dumps(value, indent=1, sort_keys=True) + "\n").encode())
+    """:func:`atomic_write_bytes` of ``value`` as indented JSON (strict: NaN/inf are an
+    error, not the non-JSON tokens ``json`` would write)."""
+    text = json.dumps(value, indent=1, sort_keys=True, allow_nan=False)
+    atomic_write_bytes(path, (text + "\n").encode())
 
 
 def read_json(path: Path) -> Any:
@@ -68,3 +73,32 @@ def read_json(path: Path) -> Any:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"cannot read {path}: {exc}") from exc
+
+
+def refuse_existing(target: Path, force: bool) -> None:
+    """Refuse to replace an existing non-empty ``target`` unless ``force``; check that its
+    folder can be written. Run before any work, so a bad ``--out`` costs nothing."""
+    if target.exists() and not force and (target.is_file() or any(target.iterdir())):
+        raise FileExistsError(f"{target} exists; choose another output or pass --force")
+    parent = target.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"cannot write into {parent} (for {target}): no such writable folder")
+
+
+@contextmanager
+def staged_directory(target: Path) -> Iterator[Path]:
+    """A fresh temporary folder beside ``target`` to fill; on success it replaces
+    ``target`` (an existing one is removed first), on failure it is removed, so ``target``
+    is never left half-written."""
+    stage = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        yield stage
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    if target.is_dir():
+        shutil.rmtree(target)
+    elif target.exists():
+        target.unlink()
+    os.replace(stage, target)
+    fsync_path(target.parent)

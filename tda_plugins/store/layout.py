@@ -7,6 +7,8 @@ STORE/
   rank-<r>/index.json        committed shards of rank r, in order
   rank-<r>/s<step>-m<mb>.safetensors   one micro-batch: example ids + each layer's grads
   rank-<r>/curvature.safetensors       optional: inline K-FAC statistics of rank r
+  rank-<r>/end.json          written when rank r's capture ended: its weights' digest
+  rank-<r>/.writer.lock      the writer's lock (holder pid and host)
 ```
 
 Only shards listed in an index are part of the store; a shard file without an index
@@ -15,17 +17,23 @@ entry is a step that never completed and is removed when the store is reopened.
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tda_plugins.capture.config import CaptureConfig
 from tda_plugins.store.io import read_json
 
-FORMAT_VERSION = 1
+#: 2: shard checksums in the index, the fingerprint in store.json, end.json per rank.
+FORMAT_VERSION = 2
 STORE_FILE = "store.json"
 INDEX_FILE = "index.json"
 EXAMPLES_FILE = "examples.jsonl"
 CURVATURE_FILE = "curvature.safetensors"
+END_FILE = "end.json"
+#: The only names a shard file may have (``shard_name``).
+SHARD_PATTERN = re.compile(r"s\d{8}-m\d{6}\.safetensors")
 
 
 class StoreError(ValueError):
@@ -40,19 +48,36 @@ def shard_name(step: int, micro_batch: int) -> str:
     return f"s{step:08d}-m{micro_batch:06d}.safetensors"
 
 
-def read_header(root: Path) -> tuple[CaptureConfig, dict[str, Any]]:
-    """The store's capture config and its free-form metadata; refuses other formats."""
+@dataclass(frozen=True)
+class StoreHeader:
+    """``store.json``: the capture config, the model fingerprint (``None`` when the
+    capture knew no model) and free-form metadata."""
+
+    config: CaptureConfig
+    fingerprint: dict[str, Any] | None
+    metadata: dict[str, Any]
+
+
+def read_store_header(root: Path) -> StoreHeader:
+    """The store's header; refuses other formats and damaged headers."""
     path = root / STORE_FILE
     if not path.exists():
         raise StoreError(
             f"no gradient store at {root} (missing {STORE_FILE}); write one with "
             "`tda capture` or a GradientStore consumer"
         )
-    header = read_json(path)
-    version = header.get("format_version")
+    try:
+        header = read_json(path)
+    except ValueError as error:
+        raise StoreError(f"{error}; the store header is damaged: recapture") from error
+    version = header.get("format_version") if isinstance(header, dict) else None
     if version != FORMAT_VERSION:
         raise StoreError(
             f"{root} was written with store format {version}, this tda-plugins reads format "
             f"{FORMAT_VERSION}; recapture it with this version"
         )
-    return CaptureConfig.from_json(header["config"]), header.get("metadata", {})
+    try:
+        config = CaptureConfig.from_json(header["config"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise StoreError(f"{path} has a damaged capture config ({error!r}); recapture") from error
+    return StoreHeader(config, header.get("fingerprint"), header.get("metadata", {}))

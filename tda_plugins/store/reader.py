@@ -1,4 +1,10 @@
-"""Reading a gradient store: a merged view over every rank, streamed in bounded chunks."""
+"""Reading a gradient store: a merged view over every rank, streamed in bounded chunks.
+
+Everything read from disk is checked before it is used: each rank's index entries
+(:mod:`~tda_plugins.store.index`), each shard's checksum (once per reader, on first read),
+its example ids against its index entry, and its gradients for NaN/inf (named by example
+id). A damaged or crafted store is a :class:`StoreError`, never a wrong score.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +18,15 @@ from torch import Tensor
 
 from tda_plugins.grads.factors import PerExampleGrad
 from tda_plugins.store.chunks import ShardContents, read_chunk
+from tda_plugins.store.fingerprint import fingerprint_differences
+from tda_plugins.store.index import file_digest, read_index
 from tda_plugins.store.io import read_json
 from tda_plugins.store.layout import (
+    END_FILE,
     EXAMPLES_FILE,
     INDEX_FILE,
     StoreError,
-    read_header,
+    read_store_header,
 )
 
 
@@ -46,7 +55,12 @@ class _Shard:
     step: int
     rank: int
     micro_batch: int
-    size: int
+    example_ids: tuple[int, ...]
+    blake2b: str
+
+    @property
+    def size(self) -> int:
+        return len(self.example_ids)
 
 
 class StoreReader:
@@ -58,8 +72,12 @@ class StoreReader:
 
     def __init__(self, path: str | Path):
         self.root = Path(path)
-        self.config, self.metadata = read_header(self.root)
+        header = read_store_header(self.root)
+        self.config, self.metadata = header.config, header.metadata
+        #: What produced the store (see :mod:`~tda_plugins.store.fingerprint`), if known.
+        self.fingerprint = header.fingerprint
         self._shards = self._list_shards()
+        self._verified: set[Path] = set()
 
     def _committed(self) -> list[_Shard]:
         """The committed shards, refusing a store that has none."""
@@ -69,19 +87,32 @@ class StoreReader:
 
     def _list_shards(self) -> list[_Shard]:
         shards = []
-        for index in sorted(self.root.glob(f"rank-*/{INDEX_FILE}")):
-            rank = int(index.parent.name.split("-", 1)[1])
-            for entry in read_json(index)["shards"]:
-                shards.append(
-                    _Shard(
-                        index.parent / entry["file"],
-                        int(entry["step"]),
-                        rank,
-                        int(entry["micro_batch"]),
-                        len(entry["example_ids"]),
-                    )
-                )
+        for folder in sorted(self.root.glob("rank-*")):
+            suffix = folder.name.split("-", 1)[1]
+            if not folder.is_dir() or not suffix.isdigit():
+                continue
+            shards += [
+                _Shard(e.path(folder), e.step, int(suffix), e.micro_batch, e.example_ids, e.blake2b)
+                for e in read_index(folder / INDEX_FILE)
+            ]
         return sorted(shards, key=lambda s: (s.step, s.rank, s.micro_batch))
+
+    def end_weights(self) -> str | None:
+        """The digest of the captured weights when the capture ended (every rank's must
+        agree), or ``None`` if a rank's capture did not end (a crashed run)."""
+        folders = {self.root / f"rank-{s.rank}" for s in self._shards}
+        digests = set()
+        for folder in sorted(folders):
+            path = folder / END_FILE
+            if not path.exists():
+                return None
+            try:
+                digests.add(str(read_json(path)["weights_blake2b"]))
+            except (ValueError, KeyError, TypeError) as error:
+                raise StoreError(f"{path} is damaged ({error!r}); recapture") from error
+        if len(digests) > 1:
+            raise StoreError(f"the ranks of {self.root} ended at different weights; recapture")
+        return digests.pop() if digests else None
 
     @property
     def layer_names(self) -> list[str]:
@@ -96,13 +127,37 @@ class StoreReader:
         """Distinct committed optimizer steps, ascending."""
         return sorted({s.step for s in self._shards})
 
-    def require_compatible(self, other: StoreReader) -> None:
-        """Raise unless ``other`` was captured with the same layers, projection and loss."""
+    def require_compatible(self, other: StoreReader, allow_mismatch: bool = False) -> None:
+        """Raise unless ``other`` (queries) was captured with the same layers, projection
+        and loss (always required: the gradients could not be paired otherwise) and, when
+        both stores know their model, from the same one: configuration, tokenizer, and the
+        weights this store's capture ended at. ``allow_mismatch`` accepts another model
+        (scores are then computed, but they attribute a model the run did not end with)."""
         differences = self.config.differences(other.config)
         if differences:
             raise StoreError(
                 f"queries in {other.root} do not match the store {self.root}: "
                 f"{'; '.join(differences)}. Capture the queries with the store's options"
+            )
+        if allow_mismatch or self.fingerprint is None or other.fingerprint is None:
+            return  # a store written without its model (GradientStore(model=None)) says nothing
+        differences = fingerprint_differences(self.fingerprint, other.fingerprint)
+        ours, theirs = self.end_weights(), other.end_weights()
+        if ours is None or theirs is None:
+            unfinished = self.root if ours is None else other.root
+            differences.append(
+                f"{unfinished} has no end-of-capture weights (its capture did not finish), so "
+                "the queries' weights cannot be checked against the training run's"
+            )
+        elif ours != theirs:
+            differences.append(
+                "the queries were captured at other weights than the training run ended with"
+            )
+        if differences:
+            raise StoreError(
+                f"queries in {other.root} come from another model than the store {self.root}: "
+                f"{'; '.join(differences)}. Capture the queries with the trained model, or "
+                "pass --allow-mismatch (allow_mismatch=True) to score them anyway"
             )
 
     def texts(self) -> dict[int, str]:
@@ -129,9 +184,34 @@ class StoreReader:
         yield self._chunk(group, layers)
 
     def _chunk(self, shards: list[_Shard], layers: list[str]) -> StoreChunk:
+        for shard in shards:
+            self._verify(shard)
         ids, grads = read_chunk([shard.path for shard in shards], layers)
+        expected = [i for shard in shards for i in shard.example_ids]
+        if ids.tolist() != expected:
+            raise StoreError(
+                f"the shards {shards[0].path.name}..{shards[-1].path.name} hold other "
+                "examples than their index lists; the store is damaged: recapture"
+            )
         steps = torch.cat([torch.full((shard.size,), shard.step) for shard in shards])
-        return StoreChunk(ids, steps, grads)
+        chunk = StoreChunk(ids, steps, grads)
+        _require_finite(chunk)
+        return chunk
+
+    def _verify(self, shard: _Shard) -> None:
+        """Check a shard file against its checksum, once per reader."""
+        if shard.path in self._verified:
+            return
+        try:
+            digest = file_digest(shard.path)
+        except OSError as error:
+            raise StoreError(f"cannot read the shard {shard.path} ({error}); recapture") from error
+        if digest != shard.blake2b:
+            raise StoreError(
+                f"{shard.path} does not match its checksum (its bytes changed after it was "
+                "written: disk damage or an edit); the store is damaged: recapture"
+            )
+        self._verified.add(shard.path)
 
     def load_all(self, layers: list[str] | None = None) -> StoreChunk:
         """Every stored example in one chunk (for query sets), of ``layers`` (default
@@ -154,3 +234,32 @@ class StoreReader:
         contents = ShardContents.read(self._committed()[0].path, self.layer_names)
         dtypes = {t.dtype for layer in contents.layers.values() for t in layer.fields.values()}
         return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def _require_finite(chunk: StoreChunk) -> None:
+    """Refuse a chunk holding NaN/inf, naming the first example that does (one pass over
+    each tensor and one host sync per tensor when all is finite)."""
+    for name, grads in chunk.layers.items():
+        bad = _non_finite_tensor(grads)
+        if bad is not None:
+            rows = (~bad.isfinite()).reshape(bad.shape[0], -1).any(dim=1)
+            example = int(chunk.example_ids[int(rows.nonzero()[0])])
+            raise StoreError(
+                f"the stored gradient of example {example} in layer {name!r} holds NaN/inf; "
+                "the store is damaged: recapture it (capture refuses non-finite gradients)"
+            )
+
+
+def _non_finite_tensor(grads: PerExampleGrad) -> Tensor | None:
+    """The first floating tensor of ``grads`` (examples first) with a NaN/inf, if any."""
+    bad: list[Tensor] = []
+
+    def check(t: Tensor) -> Tensor:
+        if not bad and t.is_floating_point() and t.numel():
+            low, high = torch.aminmax(t)  # NaN propagates; reads t once, no bool copy
+            if not bool(torch.isfinite(torch.stack([low, high])).all()):
+                bad.append(t)
+        return t
+
+    grads.map_tensors(check)
+    return bad[0] if bad else None

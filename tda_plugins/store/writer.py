@@ -20,6 +20,14 @@ it; the trainer callbacks also wait at the end of each step
 A crash can therefore lose the last committed step along with the one in progress; a
 reader opened while the writer is attached may not see the latest commit yet.
 
+Integrity: each writer holds an exclusive lock on its rank directory for its lifetime
+(:class:`~tda_plugins.store.lock.WriterLock`), each shard's BLAKE2b checksum is listed in
+the index (computed on the background thread after the shard's write) and verified by the
+reader, and non-finite gradients are refused before anything is written. A store that
+already holds steps is only added to with ``append=True``, and only by a capture with the
+same layers, projection and model (:mod:`~tda_plugins.store.fingerprint`); every check
+runs before anything on disk changes.
+
 Loss convention: stored gradients are each example's own gradient of its *summed*
 token loss (``record.loss_scale`` converts the trainer's mean loss).
 """
@@ -27,98 +35,167 @@ token loss (``record.loss_scale`` converts the trainer's mean loss).
 from __future__ import annotations
 
 import json
+import threading
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
 from tda_plugins.capture.config import CaptureConfig
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.records import MicroBatchRecord
 from tda_plugins.store.codec import compact, encode
+from tda_plugins.store.fingerprint import (
+    fingerprint_differences,
+    model_fingerprint,
+    weights_digest,
+)
+from tda_plugins.store.index import ShardEntry, file_digest, read_index, write_index
 from tda_plugins.store.io import (
     atomic_write_bytes,
     atomic_write_json,
     fsync_path,
-    read_json,
     write_renamed,
 )
 from tda_plugins.store.layout import (
+    END_FILE,
     EXAMPLES_FILE,
     FORMAT_VERSION,
     INDEX_FILE,
+    SHARD_PATTERN,
     STORE_FILE,
     StoreError,
     rank_dir,
-    read_header,
+    read_store_header,
     shard_name,
 )
+from tda_plugins.store.lock import WriterLock
 from tda_plugins.store.sync import BackgroundSync
+
+
+@dataclass
+class _Written:
+    """A micro-batch whose shard is being written; ``digest`` is set by the write job."""
+
+    file: str
+    step: int
+    micro_batch: int
+    example_ids: tuple[int, ...]
+    digest: str | None = None
+
+    def entry(self) -> ShardEntry:
+        if self.digest is None:
+            raise StoreError(f"{self.file} was committed before its write finished")
+        return ShardEntry(self.file, self.step, self.micro_batch, self.example_ids, self.digest)
 
 
 class GradientStore(CaptureConsumer):
     """Writes captured per-example gradients to ``path`` (one directory per rank).
 
     Args:
-        path: store directory; created if missing, appended to if it holds a store with
-            the same format and capture config (a resumed run), refused otherwise.
-        rank: this process's rank; each rank writes its own ``rank-<r>/`` directory.
+        path: store directory; created if missing.
+        rank: this process's rank; each rank writes its own ``rank-<r>/`` directory, and
+            holds its writer lock (:mod:`~tda_plugins.store.lock`) from construction until
+            the engine detaches it (or :meth:`close`).
         keep_tokens: keep per-token factors even where materialized gradients are
             smaller (needed for token-level scores); default stores the smaller form.
         metadata: free-form JSON facts saved with the store (model name, data file...).
+        append: add to a rank directory that already holds committed steps (a resumed
+            training run, ``tda capture --append``); without it such a directory is
+            refused. Either way, a store captured with other layers, projection or model
+            is refused.
+        unique_ids: refuse an example id already in the store (one-pass captures, where a
+            repeated id is a duplicated example); a training store (the default) accepts
+            an id again at a later step (the next epoch), never twice in one step.
+        model: the captured model, for the store's fingerprint (its configuration at the
+            start, its captured weights at the end); ``None``: nothing to compare later.
+        tokenizer: the tokenizer, for the fingerprint (optional).
     """
 
     def __init__(
         self,
         path: str | Path,
         rank: int = 0,
+        *,
         keep_tokens: bool = False,
         metadata: dict[str, Any] | None = None,
+        append: bool = False,
+        unique_ids: bool = False,
+        model: nn.Module | None = None,
+        tokenizer: Any = None,
     ):
         self.root = Path(path)
         self.rank = rank
         self.keep_tokens = keep_tokens
         self.metadata = dict(metadata or {})
+        self.append = append
+        self.unique_ids = unique_ids
+        self.model = model
+        self.fingerprint = None if model is None else model_fingerprint(model, tokenizer)
         self._dir = rank_dir(self.root, rank)
-        self._shards: list[dict[str, Any]] = self._read_index()
-        self._pending: list[dict[str, Any]] = []
+        self._dir.mkdir(parents=True, exist_ok=True)
+        self._lock = WriterLock(self._dir)
+        self._shards: list[ShardEntry] = read_index(self._dir / INDEX_FILE)
+        self._steps = {s.step for s in self._shards}
+        self._ids = {i for s in self._shards for i in s.example_ids} if unique_ids else set()
+        self._step_ids: tuple[int, set[int]] = (-1, set())
+        self._pending: list[_Written] = []
         self._sync = BackgroundSync(f"the gradient store {self.root}")
         self._writing: Future[None] | None = None  # the last shard's background write
+        self._shards_lock = threading.Lock()  # _shards grows on the background thread
         self.config: CaptureConfig | None = None
+        self._layers: dict[str, Any] = {}
 
     # -- consumer events ---------------------------------------------------------------
 
-    def on_attach(self, config: CaptureConfig) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
+    def check_compatible(self, config: CaptureConfig) -> None:
+        """Refuse, before anything on disk changes, a capture that may not write here:
+        another config or model than the store's, or a rank directory with committed
+        steps without ``append``."""
         if (self.root / STORE_FILE).exists():
-            existing, _ = read_header(self.root)
-            differences = existing.differences(config)
+            header = read_store_header(self.root)
+            differences = header.config.differences(config)
+            if self.fingerprint is not None and header.fingerprint is not None:
+                differences += fingerprint_differences(header.fingerprint, self.fingerprint)
             if differences:
                 raise StoreError(
-                    f"{self.root} holds a store captured with another config: "
+                    f"{self.root} holds a store captured with another config or model: "
                     f"{'; '.join(differences)}; write to a new directory"
                 )
-        else:
+        if self._shards and not self.append:
+            steps = sorted(self._steps)
+            raise StoreError(
+                f"{self._dir} already holds steps {steps[0]}..{steps[-1]}; pass append=True "
+                "(`tda capture --append`) to add to it, or write to a new directory"
+            )
+
+    def on_attach(self, config: CaptureConfig) -> None:
+        self.check_compatible(config)
+        if not (self.root / STORE_FILE).exists():
             header = {
                 "format_version": FORMAT_VERSION,
                 "config": config.to_json(),
+                "fingerprint": self.fingerprint,
                 "metadata": {**self.metadata, "keep_tokens": self.keep_tokens},
             }
             atomic_write_json(self.root / STORE_FILE, header)
         self.config = config
-        self._dir.mkdir(exist_ok=True)
-        self._shards = self._read_index()
         self._remove_uncommitted()
 
     def on_micro_batch(self, record: MicroBatchRecord) -> None:
-        if self.committed_steps and record.step <= self.committed_steps[-1]:
+        if self._steps and record.step <= max(self._steps):
             raise StoreError(
                 f"step {record.step} is already committed in {self.root} (last committed step: "
-                f"{self.committed_steps[-1]}); continue with engine.resume_at_step("
-                f"{self.next_step}), or truncate(from_step={record.step}) to redo it"
+                f"{max(self._steps)}); continue with engine.resume_at_step({self.next_step}), "
+                f"or truncate(from_step={record.step}) to redo it"
             )
+        self._lock.check()
+        ids = record.example_ids.tolist()
+        self._check_ids(record.step, ids)
         # hold at most one earlier micro-batch's tensors (the jobs run in order: once that
         # shard is written, every earlier commit is on disk too)
         self._sync.wait_for(self._writing)
@@ -155,47 +232,57 @@ class GradientStore(CaptureConsumer):
         metadata = {"layers": json.dumps(layers), "aliases": json.dumps(aliases)}
         # safetensors writes the tensors straight into the file (no serialized copy),
         # releasing the GIL. The shard is unlisted until its step's index write, which
-        # runs after its fsync; the closure holds the tensors until then.
+        # runs after its fsync and checksum; the closure holds the tensors until then.
         path = self._dir / name
+        shard = _Written(name, record.step, record.index, tuple(ids))
 
         def write() -> None:
             write_renamed(path, lambda tmp: save_file(tensors, tmp, metadata))
             fsync_path(path)
+            shard.digest = file_digest(path)
 
         self._writing = self._sync.submit(write)
-        self._pending.append(
-            {
-                "file": name,
-                "step": record.step,
-                "micro_batch": record.index,
-                "example_ids": cpu.example_ids.tolist(),
-            }
-        )
+        self._pending.append(shard)
 
     def on_optimizer_step(self, step: int, records: list[MicroBatchRecord]) -> None:
         self.commit()
 
     def on_end(self) -> None:
         self.commit()
+        if self.model is not None and self.config is not None:
+            digest = weights_digest(self.model, self.config.layers)
+            end = {"weights_blake2b": digest, "last_step": max(self._steps, default=None)}
+            self._sync.submit(lambda: atomic_write_json(self._dir / END_FILE, end))
         self._sync.close()
 
     def on_detach(self) -> None:
-        self._sync.close()
+        try:
+            self._sync.close()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Release the writer lock (after an end or a detach; idempotent)."""
+        self._lock.release()
 
     # -- store operations --------------------------------------------------------------
 
     def commit(self) -> None:
         """Make every written micro-batch part of the store: one atomic index write, in
-        the background once their shards are on disk (:meth:`flush` waits for it)."""
+        the background once their shards are on disk with their checksums (:meth:`flush`
+        waits for it)."""
         if not self._pending:
             return
-        self._shards.extend(self._pending)
-        self._pending = []
-        shards, folder = list(self._shards), self._dir
+        self._lock.check()
+        pending, self._pending = self._pending, []
+        self._steps.update(w.step for w in pending)
 
-        def publish() -> None:  # the shards' fsyncs ran before this job
-            fsync_path(folder)
-            self._write_index(shards)
+        def publish() -> None:  # the shards' writes, fsyncs and checksums ran before this
+            with self._shards_lock:
+                self._shards.extend(w.entry() for w in pending)
+                shards = list(self._shards)
+            fsync_path(self._dir)
+            write_index(self._dir / INDEX_FILE, shards)
 
         self._sync.submit(publish)
 
@@ -204,28 +291,33 @@ class GradientStore(CaptureConsumer):
         self._sync.wait()
 
     def truncate(self, from_step: int) -> None:
-        """Drop every committed step ``>= from_step`` (resuming from an earlier checkpoint).
+        """Drop every committed step ``>= from_step`` (resuming from an earlier checkpoint):
+        the index first, then the dropped shards' files (names checked when the index was
+        read, so only this rank's shard files are ever removed).
 
         K-FAC statistics saved beside the store are sums and are not rolled back.
         """
         self.flush()
-        kept = [s for s in self._shards if s["step"] < from_step]
-        dropped = [s for s in self._shards if s["step"] >= from_step]
-        self._shards = kept
-        self._write_index(kept)
+        self._lock.check()
+        with self._shards_lock:
+            kept = [s for s in self._shards if s.step < from_step]
+            dropped = [s for s in self._shards if s.step >= from_step]
+            self._shards = kept
+        write_index(self._dir / INDEX_FILE, kept)
+        self._steps = {s.step for s in kept}
         for shard in dropped:
-            (self._dir / shard["file"]).unlink(missing_ok=True)
+            shard.path(self._dir).unlink(missing_ok=True)
 
     @property
     def committed_steps(self) -> list[int]:
-        """Distinct optimizer steps whose shards are committed, ascending."""
-        return sorted({s["step"] for s in self._shards})
+        """Distinct optimizer steps committed (their index write may still be running in
+        the background: :meth:`flush` waits for it), ascending."""
+        return sorted(self._steps)
 
     @property
     def next_step(self) -> int:
         """The first step number a run appending to this store may use."""
-        steps = self.committed_steps
-        return steps[-1] + 1 if steps else 0
+        return max(self._steps) + 1 if self._steps else 0
 
     def write_examples(self, texts: dict[int, str]) -> None:
         """Save example texts (id -> text) for reports, merged with any already saved."""
@@ -239,21 +331,35 @@ class GradientStore(CaptureConsumer):
         lines = [json.dumps({"id": i, "text": t}) for i, t in sorted(known.items())]
         atomic_write_bytes(path, ("\n".join(lines) + "\n").encode())
 
-    # -- index -----------------------------------------------------------------------
+    # -- checks and clean-up -----------------------------------------------------------
 
-    def _read_index(self) -> list[dict[str, Any]]:
-        path = self._dir / INDEX_FILE
-        return list(read_json(path)["shards"]) if path.exists() else []
-
-    def _write_index(self, shards: list[dict[str, Any]]) -> None:
-        atomic_write_json(self._dir / INDEX_FILE, {"shards": shards})
+    def _check_ids(self, step: int, ids: list[int]) -> None:
+        """Refuse an id twice in one step, and with ``unique_ids`` an id already stored."""
+        if self._step_ids[0] != step:
+            self._step_ids = (step, set())
+        seen = self._step_ids[1]
+        repeated = [i for i in ids if i in seen or (self.unique_ids and i in self._ids)]
+        if len(set(ids)) != len(ids):
+            repeated += [i for i in ids if ids.count(i) > 1]
+        if repeated:
+            where = "this capture" if self.unique_ids else f"step {step}"
+            raise StoreError(
+                f"example id {repeated[0]} occurs twice in {where} of {self.root}: two "
+                "examples under one id would be scored as one. Give each example its own id "
+                "(a content hash collides for duplicated texts: add an explicit 'id')"
+            )
+        seen.update(ids)
+        if self.unique_ids:
+            self._ids.update(ids)
 
     def _remove_uncommitted(self) -> None:
-        listed = {s["file"] for s in self._shards}
+        """Remove what a crashed writer left: shard files no index entry lists, and
+        half-written temporary files (this rank's own names only; under the lock)."""
+        listed = {s.file for s in self._shards} | {w.file for w in self._pending}
         for path in self._dir.iterdir():
-            unlisted_shard = path.name.startswith("s") and path.suffix == ".safetensors"
+            unlisted_shard = SHARD_PATTERN.fullmatch(path.name) and path.name not in listed
             half_written = path.name.startswith(".") and ".tmp-" in path.name
-            if (unlisted_shard and path.name not in listed) or half_written:
+            if unlisted_shard or half_written:
                 path.unlink()
 
 

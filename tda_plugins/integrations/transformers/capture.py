@@ -5,7 +5,8 @@
 No trainer subclass, no patched optimizer, no extra dataset column: the callback hooks the
 model at ``on_train_begin``, commits each optimizer step's per-example gradients at
 ``on_pre_optimizer_step`` (after every micro-batch's backward), saves what a resumed run
-needs at ``on_save``, and finishes at ``on_train_end``.
+needs before each checkpoint is written (``on_step_end`` when ``should_save``), and
+finishes at ``on_train_end``.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class GradientCaptureCallback(TrainerCallback):
         state: TrainerState,
         control: TrainerControl,
         model: nn.Module | None = None,
+        processing_class: Any = None,
         **kwargs: Any,
     ) -> None:
         model = check_trainer_setup(args, model)
@@ -56,6 +58,7 @@ class GradientCaptureCallback(TrainerCallback):
             CausalLMNormalization(),
             rank=process_index(args),
             start_step=state.global_step,
+            tokenizer=processing_class,
         )
 
     def on_pre_optimizer_step(
@@ -67,13 +70,19 @@ class GradientCaptureCallback(TrainerCallback):
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self.session is not None:
-            self.session.finish_step()
+        if self.session is None:
+            return
+        self.session.finish_step(state.global_step)
+        # The trainer writes a due checkpoint after this event (DefaultFlowCallback, first in
+        # the list, has set should_save): the statistics go first, so a crash between the
+        # two never leaves a checkpoint that cannot be resumed.
+        if control.should_save:
+            self.session.save_checkpoint(state.global_step)
 
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self.session is not None:
+        if self.session is not None:  # a checkpoint saved without should_save
             self.session.save_checkpoint(state.global_step)
 
     def on_train_end(

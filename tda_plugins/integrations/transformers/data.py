@@ -32,11 +32,45 @@ class Example:
     example_id: int | None
 
 
-def _tokenize(row: dict[str, Any], tokenizer: Any, max_length: int, line: int) -> Example:
-    example_id = int(row["id"]) if "id" in row else None
+def _token_list(value: Any, name: str, line: int, vocab: int | None, ignore: bool) -> list[int]:
+    """A list of token ids in ``[0, vocab)`` (``ignore``: -100 allowed too)."""
+    if not isinstance(value, list) or not all(type(t) is int for t in value):
+        raise ValueError(f"line {line}: {name!r} must be a list of integer token ids")
+    top = vocab if vocab is not None else None
+    for t in value:
+        if (t < 0 and not (ignore and t == -100)) or (top is not None and t >= top):
+            allowed = f"0..{top - 1}" if top is not None else "0 or more"
+            raise ValueError(
+                f"line {line}: {name!r} holds the token id {t}, outside the model's "
+                f"vocabulary ({allowed}{', or -100' if ignore else ''})"
+            )
+    return value
+
+
+def _text(row: dict[str, Any], key: str, line: int) -> str:
+    value = row[key]
+    if not isinstance(value, str):
+        raise ValueError(f"line {line}: {key!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _tokenize(
+    row: dict[str, Any], tokenizer: Any, max_length: int, line: int, vocab: int | None
+) -> Example:
+    if not isinstance(row, dict):
+        raise ValueError(f"line {line}: an example must be a JSON object")
+    example_id = row.get("id")
+    if example_id is not None and type(example_id) is not int:
+        raise ValueError(f"line {line}: 'id' must be an integer, got {example_id!r}")
     if "input_ids" in row:
-        ids = [int(t) for t in row["input_ids"]][:max_length]
-        labels = [int(t) for t in row.get("labels", ids)][:max_length]
+        ids = _token_list(row["input_ids"], "input_ids", line, vocab, ignore=False)
+        labels = _token_list(row.get("labels", ids), "labels", line, vocab, ignore=True)
+        if len(labels) != len(ids):
+            raise ValueError(
+                f"line {line}: 'labels' has {len(labels)} entries for {len(ids)} input_ids; "
+                "give one label per token (-100 for no loss)"
+            )
+        ids, labels = ids[:max_length], labels[:max_length]
         text = tokenizer.decode(ids) if tokenizer is not None else " ".join(map(str, ids))
         return Example(ids, labels, text, example_id)
     if not ({"text", "messages"} & set(row) or {"prompt", "completion"} <= set(row)):
@@ -50,24 +84,37 @@ def _tokenize(row: dict[str, Any], tokenizer: Any, max_length: int, line: int) -
             "or give pre-tokenized input_ids"
         )
     if "text" in row:
-        ids = tokenizer(row["text"], truncation=True, max_length=max_length)["input_ids"]
-        return Example(ids, list(ids), row["text"], example_id)
+        text = _text(row, "text", line)
+        ids = tokenizer(text, truncation=True, max_length=max_length)["input_ids"]
+        return Example(ids, list(ids), text, example_id)
     if "prompt" in row and "completion" in row:
-        prompt = tokenizer(row["prompt"])["input_ids"]
-        completion = tokenizer(row["completion"], add_special_tokens=False)["input_ids"]
+        prompt_text, completion_text = _text(row, "prompt", line), _text(row, "completion", line)
+        prompt = tokenizer(prompt_text)["input_ids"]
+        completion = tokenizer(completion_text, add_special_tokens=False)["input_ids"]
         ids = (prompt + completion)[:max_length]
         labels = ([-100] * len(prompt) + completion)[:max_length]
-        return Example(ids, labels, row["prompt"] + row["completion"], example_id)
-    ids = tokenizer.apply_chat_template(row["messages"], tokenize=True)[:max_length]
-    text = "\n".join(f"{m['role']}: {m['content']}" for m in row["messages"])
+        return Example(ids, labels, prompt_text + completion_text, example_id)
+    messages = row["messages"]
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages
+    ):
+        raise ValueError(f"line {line}: 'messages' must be a list of {{role, content}} strings")
+    ids = tokenizer.apply_chat_template(messages, tokenize=True)[:max_length]
+    text = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
     return Example(list(ids), list(ids), text, example_id)
 
 
-def read_examples(path: str | Path, tokenizer: Any, max_length: int) -> list[Example]:
-    """Parse and tokenize a JSONL file; errors name the line."""
+def read_examples(
+    path: str | Path, tokenizer: Any, max_length: int, vocab_size: int | None = None
+) -> list[Example]:
+    """Parse and tokenize a JSONL file (token ids checked against ``vocab_size`` when
+    given); errors name the line."""
     source = Path(path)
     if not source.exists():
         raise FileNotFoundError(f"no data file at {source}")
+    if not source.is_file():
+        raise ValueError(f"--data {source} is not a file (give a JSONL file)")
     examples = []
     for number, raw in enumerate(source.read_text().splitlines(), start=1):
         if not raw.strip():
@@ -76,7 +123,10 @@ def read_examples(path: str | Path, tokenizer: Any, max_length: int) -> list[Exa
             row = json.loads(raw)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{source}:{number}: not valid JSON ({exc.msg})") from exc
-        example = _tokenize(row, tokenizer, max_length, number)
+        try:
+            example = _tokenize(row, tokenizer, max_length, number, vocab_size)
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from exc
         if len(example.input_ids) < 2:
             raise ValueError(f"{source}:{number}: needs at least 2 tokens to have a loss")
         examples.append(example)

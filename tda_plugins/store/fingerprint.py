@@ -1,0 +1,115 @@
+"""What produced a store: the model, its tokenizer, and the captured weights at the end.
+
+Scores are only meaningful when the training store and the queries come from the same
+model: the same architecture and configuration, the same tokenizer, and queries taken at
+the weights the training run ended with. Shapes alone cannot tell (a fine-tune and its
+base model have the same shapes), so each store records:
+
+* ``model``: the model's class and its configuration (a transformers ``config.to_dict()``
+  without the keys that describe how it was loaded, not what it computes);
+* ``tokenizer``: the tokenizer's class and a digest of its vocabulary, when one is known;
+* per rank, at the end of capture (``rank-<r>/end.json``): a digest of the captured
+  modules' parameters (BLAKE2b over every parameter's bytes, in layer order, a tied
+  parameter once; a LoRA layer's frozen base weight included). For a training store
+  these are the final weights, the ones its queries must be captured at; for a query
+  store, the weights it was captured at.
+
+Cost: the weight digest copies each captured parameter to the host once and hashes it
+(about 1 GB/s on one core): nothing for LoRA adapters, about 30 s for 7B weights. A
+parameter sharded as a DTensor is gathered first (a collective: every rank computes the
+digest at the end of capture).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+#: Configuration keys that say how a model was loaded or run, not what it computes.
+_VOLATILE = {
+    "transformers_version",
+    "architectures",
+    "dtype",
+    "torch_dtype",
+    "use_cache",
+    "return_dict",
+    "output_attentions",
+    "output_hidden_states",
+}
+
+
+def _config_of(model: nn.Module) -> dict[str, Any] | None:
+    config = getattr(model, "config", None)
+    to_dict = getattr(config, "to_dict", None)
+    if not callable(to_dict):
+        return None
+    values = {k: v for k, v in to_dict().items() if not k.startswith("_") and k not in _VOLATILE}
+    # through JSON, so that a fingerprint read back from disk compares equal
+    return json.loads(json.dumps(values, sort_keys=True, default=str))
+
+
+def _base(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PEFT wrapper (whose own class says nothing)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def model_fingerprint(model: nn.Module, tokenizer: Any = None) -> dict[str, Any]:
+    """The model's class and configuration, and the tokenizer's class and vocabulary
+    digest (``None`` without a tokenizer), as JSON values."""
+    base = _base(model)
+    token_digest = None
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if callable(get_vocab):
+        vocab = json.dumps(sorted(get_vocab().items())).encode()
+        token_digest = f"{type(tokenizer).__name__}:{hashlib.blake2b(vocab).hexdigest()[:32]}"
+    return {
+        "model": {"class": type(base).__name__, "config": _config_of(base)},
+        "tokenizer": token_digest,
+    }
+
+
+def weights_digest(model: nn.Module, layers: Iterable[str]) -> str:
+    """BLAKE2b-256 hex digest of the parameters of the captured modules ``layers`` of
+    ``model`` (name, dtype, shape and bytes of each, in layer order; a parameter shared
+    by several modules once)."""
+    from torch.distributed.tensor import DTensor
+
+    digest = hashlib.blake2b(digest_size=32)
+    seen: set[int] = set()
+    for layer in layers:
+        for local, param in model.get_submodule(layer).named_parameters():
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            value = param.detach()
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
+            value = value.cpu().contiguous()
+            digest.update(f"{layer}.{local}:{value.dtype}:{tuple(value.shape)};".encode())
+            digest.update(value.view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def fingerprint_differences(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[str]:
+    """What differs between two :func:`model_fingerprint` values (empty when they agree;
+    an unknown tokenizer on either side is not a difference)."""
+    out = []
+    a, b = ours.get("model", {}), theirs.get("model", {})
+    if a.get("class") != b.get("class"):
+        out.append(f"model class {a.get('class')} vs {b.get('class')}")
+    config_a, config_b = a.get("config") or {}, b.get("config") or {}
+    keys = sorted(k for k in set(config_a) | set(config_b) if config_a.get(k) != config_b.get(k))
+    if keys:
+        shown = ", ".join(f"{k}={config_a.get(k)!r} vs {config_b.get(k)!r}" for k in keys[:3])
+        more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+        out.append(f"model config {shown}{more}")
+    tok_a, tok_b = ours.get("tokenizer"), theirs.get("tokenizer")
+    if tok_a is not None and tok_b is not None and tok_a != tok_b:
+        out.append(f"tokenizer {tok_a} vs {tok_b}")
+    return out

@@ -1,0 +1,122 @@
+"""A rank's index: the committed shards, validated before anything reads or removes a file.
+
+``rank-<r>/index.json`` is ``{"shards": [entry, ...]}``, one entry per committed
+micro-batch::
+
+    {"file": "s00000003-m000012.safetensors", "step": 3, "micro_batch": 12,
+     "example_ids": [...], "blake2b": "<hex digest of the shard file>"}
+
+An index is data from disk, so it is checked as untrusted input: every key present with
+its type, the file name exactly the one its step and micro-batch give (so an entry can
+only ever name a file inside its own rank directory: no separator, no ``..``, no absolute
+path), no shard listed twice, and a checksum of the right form. Reading and removing
+shards goes through :class:`ShardEntry`, so no path comes from an index unchecked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tda_plugins.store.io import atomic_write_json, read_json
+from tda_plugins.store.layout import SHARD_PATTERN, StoreError, shard_name
+
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+#: Bytes hashed at once when checksumming a shard file.
+_READ_BLOCK = 1 << 22
+
+
+def file_digest(path: Path) -> str:
+    """BLAKE2b-256 hex digest of a file's bytes (read in 4 MiB blocks; hashlib releases
+    the GIL while hashing them)."""
+    digest = hashlib.blake2b(digest_size=32)
+    with path.open("rb") as f:
+        while block := f.read(_READ_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    """One committed micro-batch of a rank.
+
+    Attributes:
+        file: the shard's file name inside the rank directory (``s<step>-m<mb>``).
+        step: optimizer step.
+        micro_batch: micro-batch counter of the capture that wrote it.
+        example_ids: ids of its examples, in row order.
+        blake2b: hex digest of the shard file's bytes.
+    """
+
+    file: str
+    step: int
+    micro_batch: int
+    example_ids: tuple[int, ...]
+    blake2b: str
+
+    def path(self, folder: Path) -> Path:
+        """The shard file in the rank directory ``folder``."""
+        return folder / self.file
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "file": self.file,
+            "step": self.step,
+            "micro_batch": self.micro_batch,
+            "example_ids": list(self.example_ids),
+            "blake2b": self.blake2b,
+        }
+
+    @classmethod
+    def from_json(cls, value: Any, where: str) -> ShardEntry:
+        """Validate one index entry; ``where`` names it in errors."""
+        if not isinstance(value, dict):
+            raise StoreError(f"{where} is not an object; the index is damaged: recapture")
+        missing = sorted({"file", "step", "micro_batch", "example_ids", "blake2b"} - set(value))
+        if missing:
+            raise StoreError(f"{where} lacks {missing}; the index is damaged: recapture")
+        step, micro_batch = value["step"], value["micro_batch"]
+        if not all(type(v) is int and v >= 0 for v in (step, micro_batch)):
+            raise StoreError(f"{where}: step and micro_batch must be integers >= 0")
+        name = value["file"]
+        if not isinstance(name, str) or not SHARD_PATTERN.fullmatch(name):
+            raise StoreError(
+                f"{where} names the file {name!r}, which is not a shard name of this store "
+                "(a path outside the store, or a damaged index); nothing was read or removed"
+            )
+        if name != shard_name(step, micro_batch):
+            raise StoreError(f"{where}: file {name} does not match its step and micro-batch")
+        ids = value["example_ids"]
+        if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+            raise StoreError(f"{where}: example_ids must be a list of integers")
+        digest = value["blake2b"]
+        if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+            raise StoreError(f"{where}: blake2b must be a 64-digit hex checksum")
+        return cls(name, step, micro_batch, tuple(ids), digest)
+
+
+def read_index(path: Path) -> list[ShardEntry]:
+    """The validated entries of an index file, in order (``[]`` when it does not exist)."""
+    if not path.exists():
+        return []
+    try:
+        value = read_json(path)
+    except ValueError as error:
+        raise StoreError(f"{error}; the index is damaged: recapture") from error
+    if not isinstance(value, dict) or not isinstance(value.get("shards"), list):
+        raise StoreError(f"{path} is not a shard index (no 'shards' list); recapture")
+    entries = [ShardEntry.from_json(v, f"{path} entry {i}") for i, v in enumerate(value["shards"])]
+    seen: set[str] = set()
+    for i, entry in enumerate(entries):
+        if entry.file in seen:
+            raise StoreError(f"{path} entry {i} lists {entry.file} a second time; recapture")
+        seen.add(entry.file)
+    return entries
+
+
+def write_index(path: Path, entries: list[ShardEntry]) -> None:
+    """Replace the index atomically (a reader sees the old or the new one, never a mix)."""
+    atomic_write_json(path, {"shards": [e.to_json() for e in entries]})
