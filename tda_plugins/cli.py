@@ -13,6 +13,7 @@ import argparse
 import math
 import re
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -305,6 +306,18 @@ def _capture(args: argparse.Namespace) -> None:
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     examples = read_examples(args.data, tokenizer, max_length, vocab)
     pad_id = getattr(tokenizer, "pad_token_id", None) or 0
+    planned = []  # every batch and its ids first: bad ids are refused before any write
+    for inputs, given, group in batches(examples, args.batch_size, pad_id):
+        mask = inputs["attention_mask"]
+        ids = content_hash(inputs["input_ids"], mask) if given is None else given
+        planned.append((inputs, ids, group))
+    all_ids = [i for _, ids, _ in planned for i in ids.tolist()]
+    repeated = next((i for i, n in Counter(all_ids).items() if n > 1), None)
+    if repeated is not None:
+        raise ValueError(
+            f"example id {repeated} occurs twice in {args.data}: give each example its own "
+            "'id' (without ids, duplicated examples get the same content hash)"
+        )
     store = GradientStore(
         out,
         keep_tokens=args.keep_tokens,
@@ -323,13 +336,9 @@ def _capture(args: argparse.Namespace) -> None:
     )
     texts: dict[int, str] = {}
     with engine, tqdm(total=len(examples), desc="capture", unit="ex") as bar:
+        store.check_new_ids(all_ids)  # against the examples an appended store holds
         engine.resume_at_step(store.next_step)  # appending to a store continues its numbering
-        for inputs, given, group in batches(examples, args.batch_size, pad_id):
-            ids = (
-                content_hash(inputs["input_ids"], inputs["attention_mask"])
-                if given is None
-                else given
-            )
+        for inputs, ids, group in planned:
             texts.update(zip(ids.tolist(), (e.text for e in group), strict=True))
             inputs = {k: v.to(args.device) for k, v in inputs.items()}
             engine.set_example_ids(ids.to(args.device))

@@ -34,8 +34,9 @@ rank's ``.grad`` stays identical.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -53,6 +54,8 @@ from tda_plugins.grads.ops import dots_with, rows_sums, sq_norms
 from tda_plugins.grads.projection import ProjectionConfig, Projector
 from tda_plugins.grads.routing import Route, choose_route
 from tda_plugins.grads.workspace import Workspace
+
+logger = logging.getLogger(__name__)
 
 ScoreMode = Literal["dot", "cosine", "adam"]
 Granularity = Literal["global", "per_layer"]
@@ -79,22 +82,29 @@ class StepSelection:
         example_ids: ``(N,)`` ids of the step's examples (this rank).
         scores: ``(N,)`` global scores (per-layer mode: summed over layers).
         dropped: ``(N,)`` bool, dropped in at least one layer.
+        non_finite: ``(N,)`` bool, a NaN/inf score (in some layer): always dropped.
+        skipped: the corrected gradient was not finite, so the step was skipped (every
+            captured parameter's ``.grad`` set to ``None``: the optimizer leaves it alone).
     """
 
     step: int
     example_ids: Tensor
     scores: Tensor
     dropped: Tensor
-    extra: dict[str, Any] = field(default_factory=dict)
+    non_finite: Tensor
+    skipped: bool = False
 
     def summary(self) -> dict[str, Any]:
+        finite = self.scores[~self.non_finite]
         return {
             "step": self.step,
             "rank": dist.get_rank() if dist.is_available() and dist.is_initialized() else 0,
             "kept": int((~self.dropped).sum()),
             "dropped": int(self.dropped.sum()),
-            "mean_score": float(self.scores.mean()),
+            "mean_score": float(finite.mean()) if finite.numel() else None,
             "dropped_ids": self.example_ids[self.dropped].tolist(),
+            "non_finite_ids": self.example_ids[self.non_finite].tolist(),
+            "skipped": self.skipped,
         }
 
 
@@ -194,6 +204,9 @@ class DataSelector(CaptureConsumer):
         self.workspace = Workspace()
         #: Share of a step's rows the last surgery summed (before the first step: half).
         self._summed_share = 0.5
+        #: Norm of the last corrected gradient over the captured parameters (before any
+        #: clipping; 0-dim tensor), ``None`` before the first step or when it had no grad.
+        self.grad_norm: Tensor | None = None
         self._check_tied_parameters()
 
     def _check_tied_parameters(self) -> None:
@@ -239,6 +252,15 @@ class DataSelector(CaptureConsumer):
         missing = set(self.layers) - set(target)
         if missing:
             raise ValueError(f"the target has no gradient for layers {sorted(missing)[:3]}")
+        parts = {**target.vectors, **{n: f.g for n, f in target.factors.items()}}
+        for name, tensor in parts.items():
+            low, high = torch.aminmax(tensor)
+            if name in self.layers and not bool(torch.isfinite(torch.stack([low, high])).all()):
+                raise ValueError(
+                    f"the target gradient holds NaN/inf in layer {name!r} at these weights, so "
+                    "every score would be NaN; check the target examples (their loss overflows) "
+                    "or lower the learning rate"
+                )
         self.target = Target(
             {name: v for name, v in target.vectors.items() if name in self.layers},
             {name: f for name, f in target.factors.items() if name in self.layers},
@@ -400,23 +422,31 @@ class DataSelector(CaptureConsumer):
                 distinct.setdefault(id(params[local]), value.flatten())
         return torch.cat(list(distinct.values()))
 
+    def _keep(self, scores: Tensor) -> Tensor:
+        """The rule's keep mask, with every NaN/inf score dropped whatever the rule says (a
+        NaN would otherwise sort as any value at all); empty only if no score is finite."""
+        finite = torch.isfinite(scores)
+        return self.rule.keep(scores.where(finite, -torch.inf)) & finite
+
     def _keep_masks(
         self, dots: dict[str, Tensor], squares: dict[str, Tensor], target_sq: dict[str, Tensor]
-    ) -> tuple[dict[str, Tensor], Tensor]:
-        """Keep masks per layer, and the ``(N,)`` scores recorded for the step."""
+    ) -> tuple[dict[str, Tensor], Tensor, Tensor]:
+        """Keep masks per layer, the ``(N,)`` scores recorded for the step, and the ``(N,)``
+        mask of examples with a non-finite score (in any layer)."""
         cosine = self.score == "cosine"
         if self.granularity == "global":
             scores = torch.stack(list(dots.values())).sum(0)
             if cosine:
                 norm = torch.stack(list(squares.values())).sum(0).sqrt()
                 scores = scores / (norm * torch.stack(list(target_sq.values())).sum().sqrt())
-            keep = self.rule.keep(scores)
-            return dict.fromkeys(self.layers, keep), scores
-        masks = {}
+            keep = self._keep(scores)
+            return dict.fromkeys(self.layers, keep), scores, ~torch.isfinite(scores)
+        masks, bad = {}, []
         for name, dot in dots.items():
             layer_scores = dot / (squares[name].sqrt() * target_sq[name].sqrt()) if cosine else dot
-            masks[name] = self.rule.keep(layer_scores)
-        return masks, torch.stack(list(dots.values())).sum(0)
+            masks[name] = self._keep(layer_scores)
+            bad.append(~torch.isfinite(layer_scores))
+        return masks, torch.stack(list(dots.values())).sum(0), torch.stack(bad).any(0)
 
     # -- surgery -----------------------------------------------------------------------
 
@@ -445,14 +475,20 @@ class DataSelector(CaptureConsumer):
         counts: Tensor,
         total: Tensor,
         rebuild: bool | None = None,
+        non_finite: Tensor | None = None,
     ) -> _Plan:
         """For one keep mask: rebuild ``.grad`` from the kept rows when they are fewer
-        than the dropped ones (over all ranks), else subtract the dropped ones; a given
-        ``rebuild`` decides instead."""
+        than the dropped ones (over all ranks) or when any rank has an example of
+        non-finite score (``non_finite``: its NaN is in autograd's ``.grad``, which no
+        subtraction removes), else subtract the dropped ones; a given ``rebuild`` decides
+        instead."""
         kept_tokens = _all_reduce((counts * keep.double()).sum().clone())
         if rebuild is None:
-            kept_rows = _all_reduce(torch.stack([keep.sum(), (~keep).sum()]))
-            rebuild = bool(kept_rows[0] < kept_rows[1])
+            dirty = (
+                non_finite.sum() if non_finite is not None else keep.new_zeros((), dtype=torch.long)
+            )
+            counted = _all_reduce(torch.stack([keep.sum(), (~keep).sum(), dirty]))
+            rebuild = bool(counted[0] < counted[1] or counted[2] > 0)
         summed = keep if rebuild else ~keep
         rows: list[Tensor | None] = []
         start = 0
@@ -487,16 +523,25 @@ class DataSelector(CaptureConsumer):
             return
         records = self._built_once(records)
         dots, squares, target_sq = self._unit_scores(records, self.target)
-        masks, scores = self._keep_masks(dots, squares, target_sq)
-        self._apply(records, masks, missing)
+        masks, scores, non_finite = self._keep_masks(dots, squares, target_sq)
+        skipped = self._apply(records, masks, missing, non_finite)
         dropped = torch.stack([~m for m in masks.values()]).any(0)
-        self._record(step, records, scores, dropped)
+        self._record(step, records, scores, dropped, non_finite, skipped)
 
     def _apply(
-        self, records: list[MicroBatchRecord], masks: dict[str, Tensor], missing: set[int]
-    ) -> None:
+        self,
+        records: list[MicroBatchRecord],
+        masks: dict[str, Tensor],
+        missing: set[int],
+        non_finite: Tensor | None = None,
+    ) -> bool:
         """Make every captured parameter's ``.grad`` the normalized sum of its layers' kept
-        rows: corrected in place where autograd wrote it, built where it is ``missing``."""
+        rows: corrected in place where autograd wrote it, built where it is ``missing``.
+
+        If the result is not finite (an example's NaN kept by no score, or no example
+        left), the step is skipped instead: every captured parameter's ``.grad`` becomes
+        ``None``, which optimizers skip (no update, no moment or weight-decay change).
+        Sets :attr:`grad_norm`; returns whether the step was skipped."""
         counts = torch.cat([self.token_counts(r) for r in records]).double()
         total = _all_reduce(counts.sum().clone())
         world = _world_size()
@@ -509,7 +554,7 @@ class DataSelector(CaptureConsumer):
             for group, rebuild in (([n for n in names if n not in built], None), (built, True)):
                 if not group:
                     continue
-                plan = self._plan(records, masks[group[0]], counts, total, rebuild)
+                plan = self._plan(records, masks[group[0]], counts, total, rebuild, non_finite)
                 summed_rows = sum(len(rows) for rows in plan.rows if rows is not None)
                 self._summed_share = summed_rows / len(counts)
                 for name, part in self._rows_sums(records, group, plan).items():
@@ -531,18 +576,48 @@ class DataSelector(CaptureConsumer):
                 param.grad.copy_(value.to(param.grad.dtype)).mul_(factor.to(param.grad.dtype))
             else:  # G_new = (G - sum_dropped c_i) * N_all / N_kept
                 param.grad.sub_(value.to(param.grad.dtype)).mul_(factor.to(param.grad.dtype))
+        corrected = [param for param, _, _ in corrections.values()]
+        grads = [p.grad for p in corrected if p.grad is not None]
+        self.grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
+        if self.grad_norm is None or bool(torch.isfinite(self.grad_norm)):
+            return False
+        for param in corrected:
+            param.grad = None
+        return True
 
     def _param_ids(self, name: str) -> set[int]:
         module, adapter = self.layers[name]
         return {id(p) for p in adapter.captured_parameters(module).values()}
 
     def _record(
-        self, step: int, records: list[MicroBatchRecord], scores: Tensor, dropped: Tensor
+        self,
+        step: int,
+        records: list[MicroBatchRecord],
+        scores: Tensor,
+        dropped: Tensor,
+        non_finite: Tensor,
+        skipped: bool,
     ) -> None:
         """The step's outcome into :attr:`history` and the JSONL log."""
         ids = torch.cat([r.example_ids for r in records])
-        outcome = StepSelection(step, ids.cpu(), scores.detach().float().cpu(), dropped.cpu())
+        outcome = StepSelection(
+            step,
+            ids.cpu(),
+            scores.detach().float().cpu(),
+            dropped.cpu(),
+            non_finite.cpu(),
+            skipped,
+        )
         self.history.append(outcome)
+        if bool(outcome.non_finite.any()) or skipped:
+            logger.warning(
+                "tda-plugins: step %d: examples %s have NaN/inf gradients and were dropped%s",
+                step,
+                outcome.example_ids[outcome.non_finite].tolist(),
+                "; the corrected gradient was not finite, so the step was skipped"
+                if skipped
+                else "",
+            )
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             with self.log_path.open("a") as f:

@@ -333,6 +333,15 @@ class GradientStore(CaptureConsumer):
 
     # -- checks and clean-up -----------------------------------------------------------
 
+    def check_new_ids(self, ids: list[int]) -> None:
+        """Refuse, before a one-pass capture writes anything, ids that repeat among
+        ``ids`` or (with ``unique_ids``) are already stored."""
+        seen: set[int] = set()
+        for i in ids:
+            if i in seen or (self.unique_ids and i in self._ids):
+                raise StoreError(_repeated_id(i, "this capture", self.root))
+            seen.add(i)
+
     def _check_ids(self, step: int, ids: list[int]) -> None:
         """Refuse an id twice in one step, and with ``unique_ids`` an id already stored."""
         if self._step_ids[0] != step:
@@ -343,11 +352,7 @@ class GradientStore(CaptureConsumer):
             repeated += [i for i in ids if ids.count(i) > 1]
         if repeated:
             where = "this capture" if self.unique_ids else f"step {step}"
-            raise StoreError(
-                f"example id {repeated[0]} occurs twice in {where} of {self.root}: two "
-                "examples under one id would be scored as one. Give each example its own id "
-                "(a content hash collides for duplicated texts: add an explicit 'id')"
-            )
+            raise StoreError(_repeated_id(repeated[0], where, self.root))
         seen.update(ids)
         if self.unique_ids:
             self._ids.update(ids)
@@ -361,6 +366,14 @@ class GradientStore(CaptureConsumer):
             half_written = path.name.startswith(".") and ".tmp-" in path.name
             if unlisted_shard or half_written:
                 path.unlink()
+
+
+def _repeated_id(example_id: int, where: str, root: Path) -> str:
+    return (
+        f"example id {example_id} occurs twice in {where} of {root}: two examples under one "
+        "id would be scored as one. Give each example its own id (a content hash collides "
+        "for duplicated texts: add an explicit 'id')"
+    )
 
 
 def _require_finite(tensors: dict[str, torch.Tensor], step: int) -> None:

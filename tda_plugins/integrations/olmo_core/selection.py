@@ -237,7 +237,12 @@ class DataSelectionCallback(Callback):
             self.trainer.record_metric(
                 "selection/dropped", last.dropped.sum().float(), ReduceType.sum
             )
-            self.trainer.record_metric("selection/mean_score", last.scores.mean(), ReduceType.mean)
+            finite = last.scores[~last.non_finite]
+            self.trainer.record_metric(
+                "selection/non_finite", last.non_finite.sum().float(), ReduceType.sum
+            )
+            if finite.numel():
+                self.trainer.record_metric("selection/mean_score", finite.mean(), ReduceType.mean)
 
     def post_train(self) -> None:
         if self._engine is not None:

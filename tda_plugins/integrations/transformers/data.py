@@ -78,6 +78,9 @@ def _tokenize(
             f"line {line}: an example needs 'text', 'prompt'+'completion', 'messages' or "
             f"'input_ids'; got keys {sorted(row)}"
         )
+    for key in ("text", "prompt", "completion"):
+        if key in row:
+            _text(row, key, line)
     if tokenizer is None:
         raise ValueError(
             f"line {line}: text examples need a tokenizer; save one in the model directory "

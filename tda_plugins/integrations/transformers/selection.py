@@ -89,6 +89,13 @@ class DataSelectionCallback(PoolCallback):
         if options.get("projection", "none") != "none":
             raise ValueError("data selection removes exact contributions: use projection='none'")
         super().__init__(target, refresh_every, options)
+        lossless = ((self.pool["labels"][:, 1:] != -100).sum(dim=1) == 0).nonzero().flatten()
+        if lossless.numel():
+            raise ValueError(
+                f"target examples {lossless.tolist()} have no token with a loss (all labels "
+                "-100, or a single token): their gradient is zero and every score would be 0; "
+                "give each target example at least one predicted label"
+            )
         self.target_pool = TargetPool(self.pool, target_examples)
         self.score_projection = (
             None
@@ -180,13 +187,13 @@ class DataSelectionCallback(PoolCallback):
         **kwargs: Any,
     ) -> None:
         super().on_pre_optimizer_step(args, state, control)
-        if model is None:
+        if model is None or self.selector is None or self.selector.grad_norm is None:
             return
         # The trainer's own grad_norm is taken before this event, so before selection:
-        # the corrected gradient's norm (before clipping) is logged as selection/grad_norm.
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads)
-        if self._max_grad_norm > 0:
+        # the corrected gradient's norm (before clipping; every trainable parameter is a
+        # captured one) is logged as selection/grad_norm. A skipped step has no .grad.
+        norm = self.selector.grad_norm
+        if self._max_grad_norm > 0 and bool(torch.isfinite(norm)):
             torch.nn.utils.clip_grads_with_norm_(model.parameters(), self._max_grad_norm, norm)
         self._grad_norm = norm.detach()
 
@@ -197,8 +204,11 @@ class DataSelectionCallback(PoolCallback):
         metrics = {
             "selection/kept": float(last["kept"]),
             "selection/dropped": float(last["dropped"]),
-            "selection/mean_score": last["mean_score"],
+            "selection/non_finite": float(len(last["non_finite_ids"])),
+            "selection/skipped": float(last["skipped"]),
         }
+        if last["mean_score"] is not None:
+            metrics["selection/mean_score"] = last["mean_score"]
         if self._grad_norm is not None:
             metrics["selection/grad_norm"] = float(self._grad_norm)
         return metrics

@@ -1,0 +1,469 @@
+"""The gradient store under crafted, damaged and concurrent use: it refuses, names the
+input, touches nothing outside its own files, and never hands out a wrong value.
+
+Each test builds a small real store (tiny Llama, ``tests.stores.capture_store``), breaks
+one thing the way an attacker or a careless user would, and asserts the exact outcome: the
+error and what it names, that a sentinel file outside the store keeps its bytes, and that
+a refused operation leaves the store byte for byte as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tda_plugins import CaptureEngine, LayerSelection, ProjectionConfig
+from tda_plugins.capture.normalization import SummedLoss
+from tda_plugins.methods import Scores, method_by_name
+from tda_plugins.precondition import load_curvature
+from tda_plugins.session import CaptureSession, CaptureSettings
+from tda_plugins.store import GradientStore, StoreError, StoreReader
+from tda_plugins.store.index import file_digest
+from tda_plugins.store.io import atomic_write_json
+from tda_plugins.store.layout import CURVATURE_FILE, rank_dir, shard_name
+from tda_plugins.store.lock import LOCK_FILE
+from tests.models import lm_batch, tiny_causal_lm
+from tests.stores import capture_store, summed_loss
+
+REPO = Path(__file__).resolve().parents[2]
+ALL = LayerSelection("linear")
+
+
+def model(seed: int = 0) -> torch.nn.Module:
+    return tiny_causal_lm("llama", seed=seed)
+
+
+def batches(steps: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    return [lm_batch(2, 8, seed=seed + s) for s in range(steps)]
+
+
+def store_of(path: Path, steps: int = 3, net: torch.nn.Module | None = None) -> Path:
+    """A committed store of ``steps`` steps of 2 examples, written with its model (so it
+    has a fingerprint and end-of-capture weights) through a session's store."""
+    net = net if net is not None else model()
+    store = GradientStore(path, model=net)
+    with CaptureEngine(net, ALL, consumers=[store]) as engine:
+        for batch in batches(steps):
+            summed_loss(net, batch).backward()
+            net.zero_grad(set_to_none=True)
+            engine.optimizer_step()
+        engine.end()
+    return path
+
+
+def snapshot(root: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under ``root``: its bytes and modification time (the writer lock file
+    aside: each writer that takes the lock writes its pid there, and it holds no data)."""
+    return {
+        str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != LOCK_FILE
+    }
+
+
+def index_path(store: Path) -> Path:
+    return rank_dir(store, 0) / "index.json"
+
+
+def edit_index(store: Path, change: Callable[[list[dict[str, Any]]], None]) -> None:
+    index = json.loads(index_path(store).read_text())
+    change(index["shards"])
+    index_path(store).write_text(json.dumps(index))
+
+
+@pytest.fixture
+def sentinel(tmp_path: Path) -> Path:
+    """A file beside the store that nothing may touch."""
+    path = tmp_path / "victim.txt"
+    path.write_text("not the store's\n")
+    return path
+
+
+def assert_untouched(path: Path, before: tuple[bytes, int]) -> None:
+    assert path.exists(), f"{path} was removed"
+    assert (path.read_bytes(), path.stat().st_mtime_ns) == before
+
+
+def unchanged(path: Path) -> tuple[bytes, int]:
+    return path.read_bytes(), path.stat().st_mtime_ns
+
+
+# -- index entries are names inside the store -------------------------------------------------
+
+CRAFTED_FILES = {
+    "traversal": "../../victim.txt",
+    "absolute": "/tmp/victim.txt",
+    "separator": "rank-0/s00000000-m000000.safetensors",
+    "other step's name": "s00000009-m000000.safetensors",
+}
+
+
+@pytest.mark.parametrize("case", sorted(CRAFTED_FILES))
+def test_a_crafted_file_name_in_the_index_is_refused_on_read(
+    case: str, tmp_path: Path, sentinel: Path
+) -> None:
+    """An entry naming anything but its own shard file is refused before any read."""
+    store = store_of(tmp_path / "store")
+    edit_index(store, lambda shards: shards[0].update(file=CRAFTED_FILES[case]))
+    before = unchanged(sentinel)
+    with pytest.raises(StoreError, match="entry 0"):
+        StoreReader(store)
+    assert_untouched(sentinel, before)
+
+
+def test_a_traversal_entry_is_refused_on_resume_and_nothing_is_removed(
+    tmp_path: Path, sentinel: Path
+) -> None:
+    """A resumed run (which truncates later steps) refuses a store whose index names a file
+    outside it, before removing anything: the issue's ``../../victim.txt`` case."""
+    store = store_of(tmp_path / "store")
+    edit_index(store, lambda shards: shards[-1].update(file="../../victim.txt"))
+    before, files = unchanged(sentinel), snapshot(store)
+    settings = CaptureSettings(str(store), layers="linear", curvature=False)
+    with pytest.raises(StoreError, match=r"victim\.txt"):
+        CaptureSession(settings, model(), SummedLoss(), start_step=1)
+    assert_untouched(sentinel, before)
+    assert snapshot(store) == files
+
+
+@pytest.mark.parametrize("key", ["file", "step", "micro_batch", "example_ids", "blake2b"])
+def test_an_index_entry_missing_a_key_is_refused_naming_it(key: str, tmp_path: Path) -> None:
+    store = store_of(tmp_path / "store")
+    edit_index(store, lambda shards: shards[1].pop(key))
+    with pytest.raises(StoreError, match=rf"entry 1 lacks \['{key}'\]"):
+        StoreReader(store)
+
+
+def test_an_index_entry_of_the_wrong_type_is_refused(tmp_path: Path) -> None:
+    store = store_of(tmp_path / "store")
+    edit_index(store, lambda shards: shards[0].update(step="0"))
+    with pytest.raises(StoreError, match="step and micro_batch must be integers"):
+        StoreReader(store)
+
+
+def test_a_shard_listed_twice_is_refused(tmp_path: Path) -> None:
+    store = store_of(tmp_path / "store")
+    edit_index(store, lambda shards: shards.append(dict(shards[0])))
+    with pytest.raises(StoreError, match=f"lists {shard_name(0, 0)} a second time"):
+        StoreReader(store)
+
+
+def test_an_index_listing_other_examples_than_its_shard_is_refused(tmp_path: Path) -> None:
+    """Counts and ids are checked against the shard's own rows when it is read."""
+    store = store_of(tmp_path / "store")
+    edit_index(store, lambda shards: shards[0].update(example_ids=shards[0]["example_ids"][:1]))
+    with pytest.raises(StoreError, match="other examples than their index lists"):
+        StoreReader(store).load_all()
+
+
+def test_a_damaged_index_file_is_refused(tmp_path: Path) -> None:
+    store = store_of(tmp_path / "store")
+    index_path(store).write_text('{"shards": [')
+    with pytest.raises(StoreError, match="index is damaged"):
+        StoreReader(store)
+
+
+def test_a_damaged_store_header_is_refused(tmp_path: Path) -> None:
+    store = store_of(tmp_path / "store")
+    (store / "store.json").write_text("{not json")
+    with pytest.raises(StoreError, match="store header is damaged"):
+        StoreReader(store)
+
+
+# -- values: checksums and finiteness ----------------------------------------------------------
+
+
+def test_a_flipped_byte_in_shard_data_is_detected_naming_the_shard(tmp_path: Path) -> None:
+    store = store_of(tmp_path / "store")
+    shard = rank_dir(store, 0) / shard_name(1, 1)
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x40  # inside the last tensor's bytes
+    shard.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match=f"{shard.name} does not match its checksum"):
+        StoreReader(store).load_all()
+
+
+def test_a_truncated_shard_is_detected(tmp_path: Path) -> None:
+    store = store_of(tmp_path / "store")
+    shard = rank_dir(store, 0) / shard_name(2, 2)
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(StoreError, match="does not match its checksum"):
+        StoreReader(store).load_all()
+
+
+def test_nan_in_a_shard_with_a_matching_checksum_is_reported_with_the_example_id(
+    tmp_path: Path,
+) -> None:
+    """A crafted shard (NaN written and its checksum recomputed) is caught by the value
+    check, which names the example."""
+    store = store_of(tmp_path / "store")
+    shard = rank_dir(store, 0) / shard_name(0, 0)
+    tensors = load_file(shard)
+    from safetensors import safe_open
+
+    with safe_open(shard, "pt") as f:
+        metadata = f.metadata()
+    key = next(k for k, t in tensors.items() if t.is_floating_point())
+    tensors[key][1].view(-1)[0] = float("nan")
+    save_file(tensors, shard, metadata)
+    edit_index(store, lambda shards: shards[0].update(blake2b=file_digest(shard)))
+    victim = int(tensors["example_ids"][1])
+    with pytest.raises(StoreError, match=f"example {victim} in layer"):
+        StoreReader(store).load_all()
+
+
+def test_non_finite_scores_never_reach_json(tmp_path: Path) -> None:
+    """``Scores.save`` refuses a NaN score naming both ids, and writes nothing."""
+    values = torch.tensor([[1.0, float("nan")], [0.5, 2.0]])
+    scores = Scores(torch.tensor([10, 11]), torch.tensor([20, 21]), values, "graddot")
+    with pytest.raises(StoreError, match="training example 10 on query 21"):
+        scores.save(tmp_path / "out")
+    assert not (tmp_path / "out" / "topk.json").exists()
+
+
+def test_json_written_by_the_store_is_strict(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="JSON compliant"):
+        atomic_write_json(tmp_path / "x.json", {"score": float("inf")})
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_a_damaged_curvature_file_is_a_store_error(tmp_path: Path) -> None:
+    net = model()
+    capture_store(net, batches(2), tmp_path / "store", ALL)
+    path = rank_dir(tmp_path / "store", 0) / CURVATURE_FILE
+    path.write_bytes(path.read_bytes()[:50])
+    with pytest.raises(StoreError, match=f"cannot read the K-FAC statistics {path}"):
+        load_curvature(tmp_path / "store")
+
+
+# -- one writer --------------------------------------------------------------------------------
+
+HOLDER = """
+import sys
+from tda_plugins.store import GradientStore
+store = GradientStore(sys.argv[1])
+print("holding", flush=True)
+sys.stdin.readline()
+"""
+
+
+def hold(store: Path) -> subprocess.Popen[str]:
+    """Another process holding the store's rank-0 writer lock until its stdin closes."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(store)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert process.stdout is not None and process.stdout.readline().strip() == "holding"
+    return process
+
+
+def test_a_second_writer_process_is_refused_naming_the_holder(tmp_path: Path) -> None:
+    store = store_of(tmp_path / "store")
+    holder = hold(store)
+    try:
+        files = snapshot(store)
+        with pytest.raises(StoreError, match=f"another process \\(pid {holder.pid} on "):
+            GradientStore(store, append=True)
+        assert snapshot(store) == files
+    finally:
+        holder.communicate("\n", timeout=30)
+
+
+def test_the_lock_of_a_killed_writer_does_not_block_the_next_one(tmp_path: Path) -> None:
+    store = store_of(tmp_path / "store")
+    holder = hold(store)
+    holder.send_signal(signal.SIGKILL)
+    holder.wait(timeout=30)
+    GradientStore(store, append=True).close()
+
+
+def test_a_later_writer_in_the_same_process_takes_over_and_the_first_stops(
+    tmp_path: Path,
+) -> None:
+    """In one interpreter (a run resumed after an exception, its objects still alive) the
+    new writer takes the directory and the earlier one refuses to write any more."""
+    store = store_of(tmp_path / "store")
+    first = GradientStore(store, append=True)
+    second = GradientStore(store, append=True)
+    with pytest.raises(StoreError, match="took over"):
+        first.truncate(1)
+    assert StoreReader(store).steps == [0, 1, 2]
+    second.close()
+
+
+# -- destructive steps only after every check -------------------------------------------------
+
+
+def test_a_resume_refused_for_a_missing_curvature_snapshot_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    """The issue's case: the refused resume used to truncate steps first."""
+    store = tmp_path / "store"
+    net = model()
+    settings = CaptureSettings(str(store), layers="linear", curvature=True)
+    session = CaptureSession(settings, net, SummedLoss())
+    for batch in batches(4):
+        summed_loss(net, batch).backward()
+        net.zero_grad(set_to_none=True)
+        session.step()
+    session.end()
+    files = snapshot(store)
+    with pytest.raises(StoreError, match=r"no K-FAC statistics saved at step 2.*Nothing"):
+        CaptureSession(settings, net, SummedLoss(), start_step=2)
+    assert snapshot(store) == files
+
+
+def test_a_resume_past_the_stores_end_changes_nothing(tmp_path: Path) -> None:
+    store = store_of(tmp_path / "store")
+    files = snapshot(store)
+    settings = CaptureSettings(str(store), layers="linear", curvature=False)
+    with pytest.raises(StoreError, match="steps would be missing"):
+        CaptureSession(settings, model(), SummedLoss(), start_step=7)
+    assert snapshot(store) == files
+
+
+def test_a_fresh_run_on_a_store_with_steps_changes_nothing(tmp_path: Path) -> None:
+    store = store_of(tmp_path / "store")
+    files = snapshot(store)
+    settings = CaptureSettings(str(store), layers="linear", curvature=False)
+    with pytest.raises(StoreError, match="of another run"):
+        CaptureSession(settings, model(), SummedLoss())
+    assert snapshot(store) == files
+
+
+def test_a_resume_with_another_layer_selection_changes_nothing(tmp_path: Path) -> None:
+    store = store_of(tmp_path / "store")
+    files = snapshot(store)
+    settings = CaptureSettings(str(store), layers="all", curvature=False)
+    with pytest.raises(StoreError, match="layers differ"):
+        CaptureSession(settings, model(), SummedLoss(), start_step=1)
+    assert snapshot(store) == files
+
+
+def test_reopening_removes_only_its_own_leftovers(tmp_path: Path) -> None:
+    """A crashed writer's unlisted shard and half-written temp file go; anything else in
+    the rank directory (a user's note, a curvature file) stays."""
+    store = store_of(tmp_path / "store")
+    folder = rank_dir(store, 0)
+    orphan = folder / shard_name(5, 9)
+    orphan.write_bytes(b"cut short")
+    temp = folder / f".{shard_name(5, 10)}.tmp-123"
+    temp.write_bytes(b"cut short")
+    note = folder / "notes.txt"
+    note.write_text("mine")
+    before = unchanged(note)
+    with CaptureEngine(model(), ALL, consumers=[GradientStore(store, append=True)]):
+        pass
+    assert not orphan.exists() and not temp.exists()
+    assert_untouched(note, before)
+
+
+# -- appending and ids ----------------------------------------------------------------------
+
+
+def test_capturing_into_a_store_with_steps_needs_append(tmp_path: Path) -> None:
+    store = store_of(tmp_path / "store")
+    files = snapshot(store)
+    with (
+        pytest.raises(StoreError, match=r"already holds steps 0\.\.2; pass append=True"),
+        CaptureEngine(model(), ALL, consumers=[GradientStore(store)]),
+    ):
+        pass
+    assert snapshot(store) == files
+
+
+def test_appending_with_another_model_is_refused(tmp_path: Path) -> None:
+    store = store_of(tmp_path / "store")
+    files = snapshot(store)
+    other = tiny_causal_lm("gpt2")
+    with (
+        pytest.raises(StoreError, match="another config or model"),
+        CaptureEngine(other, ALL, consumers=[GradientStore(store, append=True, model=other)]),
+    ):
+        pass
+    assert snapshot(store) == files
+
+
+def capture_with_ids(store: GradientStore, net: torch.nn.Module, ids: list[list[int]]) -> None:
+    """One step per id list (2 examples each), with those explicit ids."""
+    with CaptureEngine(net, ALL, consumers=[store]) as engine:
+        for step, step_ids in enumerate(ids):
+            engine.set_example_ids(torch.tensor(step_ids))
+            summed_loss(net, lm_batch(2, 8, seed=step)).backward()
+            net.zero_grad(set_to_none=True)
+            engine.optimizer_step()
+        engine.end()
+
+
+def test_the_same_id_twice_in_one_step_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(StoreError, match="example id 7 occurs twice in step 0"):
+        capture_with_ids(GradientStore(tmp_path / "s"), model(), [[7, 7]])
+
+
+def test_a_one_pass_capture_refuses_an_id_seen_in_an_earlier_step(tmp_path: Path) -> None:
+    with pytest.raises(StoreError, match="example id 2 occurs twice in this capture"):
+        capture_with_ids(GradientStore(tmp_path / "s", unique_ids=True), model(), [[1, 2], [2, 3]])
+    assert StoreReader(tmp_path / "s").steps == [0]
+
+
+def test_a_training_store_accepts_an_id_again_at_a_later_step(tmp_path: Path) -> None:
+    """The next epoch sees the same example: legitimate in a training store."""
+    capture_with_ids(GradientStore(tmp_path / "s"), model(), [[1, 2], [2, 1]])
+    chunk = StoreReader(tmp_path / "s").load_all()
+    assert chunk.example_ids.tolist() == [1, 2, 2, 1] and chunk.steps.tolist() == [0, 0, 1, 1]
+
+
+# -- the queries' model -----------------------------------------------------------------------
+
+
+def test_queries_of_other_weights_with_the_same_shapes_are_refused(tmp_path: Path) -> None:
+    store = store_of(tmp_path / "store")
+    queries = store_of(tmp_path / "queries", steps=1, net=model(seed=1))
+    graddot = method_by_name("graddot")
+    with pytest.raises(StoreError, match="other weights than the training run ended with"):
+        graddot.score(StoreReader(store), StoreReader(queries))
+    scores = graddot.score(StoreReader(store), StoreReader(queries), allow_mismatch=True)
+    assert scores.values.shape == (6, 2)
+
+
+def test_queries_of_another_model_config_are_refused_naming_the_key(tmp_path: Path) -> None:
+    store = store_of(tmp_path / "store")
+    other = model()
+    other.config.rms_norm_eps = 1e-3
+    queries = store_of(tmp_path / "queries", steps=1, net=other)
+    with pytest.raises(StoreError, match=r"model config rms_norm_eps=1e-06 vs 0\.001"):
+        StoreReader(store).require_compatible(StoreReader(queries))
+
+
+def test_queries_of_another_projection_are_refused_even_when_mismatch_is_allowed(
+    tmp_path: Path,
+) -> None:
+    store = store_of(tmp_path / "store")
+    capture_store(
+        model(), batches(1), tmp_path / "q", ALL, ProjectionConfig("factor", k_a=4, k_g=4)
+    )
+    with pytest.raises(StoreError, match="projection differs"):
+        StoreReader(store).require_compatible(StoreReader(tmp_path / "q"), allow_mismatch=True)
+
+
+def test_queries_against_an_unfinished_capture_are_refused_unless_allowed(tmp_path: Path) -> None:
+    """A store whose capture never ended has no final weights to check queries against."""
+    store = store_of(tmp_path / "store")
+    (rank_dir(store, 0) / "end.json").unlink()
+    queries = store_of(tmp_path / "queries", steps=1)
+    with pytest.raises(StoreError, match="its capture did not finish"):
+        StoreReader(store).require_compatible(StoreReader(queries))
+    StoreReader(store).require_compatible(StoreReader(queries), allow_mismatch=True)
