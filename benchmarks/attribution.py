@@ -1,6 +1,6 @@
 """Attribution throughput: capture and scoring time per method, peak RSS, and agreement.
 
-What is measured (DESIGN.md section 6), per model (tiny GPT-2 and Llama from configs,
+What is measured (docs/design.md section 12), per model (tiny GPT-2 and Llama from configs,
 random init, seed 0, fp32) and per method, on 256 training sequences scored against 8
 query sequences of 128 tokens:
 

@@ -1,6 +1,6 @@
 """Capture overhead: training-step time and peak RSS with the capture engine / without.
 
-Protocol (DESIGN.md section 6): one process builds the model, then runs interleaved
+Protocol (docs/design.md section 12): one process builds the model, then runs interleaved
 rounds of single training steps -- baseline, (a), (b), with the order rotated every round
 -- where a step is forward + backward + AdamW step + ``zero_grad`` on the same batch. The
 engine of a configuration is attached right before its step and detached right after
@@ -807,7 +807,9 @@ def parse_args(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
     if settings.warmup < 0:
         p.error("--warmup must be >= 0")
     if settings.repeats < MIN_REPEATS and not quick:
-        p.error(f"--repeats must be >= {MIN_REPEATS} (DESIGN.md section 6); use --quick to smoke")
+        p.error(
+            f"--repeats must be >= {MIN_REPEATS} (docs/design.md section 12); use --quick to smoke"
+        )
     return settings, a
 
 

@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "RESULTS.md"
 RESULTS_TITLE = "# Benchmark results"
 ENV_VARS = ("HF_HUB_OFFLINE", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")
-#: DESIGN.md section 6: median of at least this many repeats after warm-up.
+#: docs/design.md section 12: median of at least this many repeats after warm-up.
 MIN_REPEATS = 10
 #: A baseline whose wall time exceeds this multiple of its CPU time waited for a core.
 CONTENDED = 1.15
