@@ -615,7 +615,7 @@ def models_table(found: Collected, settings: Settings) -> str:
 
 
 def report(found: Collected, settings: Settings, argv: Sequence[str]) -> str:
-    """The full markdown section for RESULTS.md."""
+    """The full markdown section for the results file."""
     return tidy(f"""{SECTION}
 
 Command: `{command_line(SCRIPT, argv)}`
@@ -695,7 +695,7 @@ def models_of(choice: str | None, quick: bool) -> tuple[str, ...]:
 
 
 def main(argv: Sequence[str]) -> None:
-    """Run the benchmark, print the table and the command, update RESULTS.md."""
+    """Run the benchmark, print the table and the command, update the results file."""
     settings, args = parse_args(argv)
     if args.child:
         model, group = args.child

@@ -726,7 +726,7 @@ def contention_warning(rows: list[Row]) -> str:
 def report(
     rows: list[Row], timings: list[Timings], settings: Settings, runs: RssRuns, argv: Sequence[str]
 ) -> str:
-    """The full markdown section for RESULTS.md."""
+    """The full markdown section for the results file."""
     loads = [x for t in timings for x in t.loads]
     return f"""{SECTION}
 
@@ -776,7 +776,7 @@ def parse_args(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
     p.add_argument("--rss-repeats", type=int, help="children per configuration (default 3)")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (no RSS, profile or write)")
     p.add_argument("--rss", action=argparse.BooleanOptionalAction, help="measure peak RSS")
-    p.add_argument("--write", action=argparse.BooleanOptionalAction, help="update RESULTS.md")
+    p.add_argument("--write", action=argparse.BooleanOptionalAction, help="update the results file")
     p.add_argument("--results", type=Path, default=RESULTS, help="markdown file to update")
     p.add_argument(
         "--profile",
@@ -814,7 +814,7 @@ def parse_args(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
 
 
 def main(argv: Sequence[str]) -> None:
-    """Run the benchmark, print the table and the command, update RESULTS.md."""
+    """Run the benchmark, print the table and the command, update the results file."""
     settings, args = parse_args(argv)
     if args.rss_child:
         model_name, config_name = args.rss_child

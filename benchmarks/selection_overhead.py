@@ -480,7 +480,7 @@ def models_text(results: list[ModeResult], settings: Settings) -> str:
 def report(
     results: list[ModeResult], loads: list[float], settings: Settings, argv: Sequence[str]
 ) -> str:
-    """The full markdown section for RESULTS.md."""
+    """The full markdown section for the results file."""
     warnings = "\n\n".join(
         note for r in results if (note := contention_note(r.mode.name, r.samples[PLAIN]))
     )
@@ -575,7 +575,7 @@ def check(p: argparse.ArgumentParser, settings: Settings) -> None:
 
 
 def main(argv: Sequence[str]) -> None:
-    """Run the benchmark, print the tables and the command, update RESULTS.md."""
+    """Run the benchmark, print the tables and the command, update the results file."""
     settings = parse_args(argv)
     quiet_transformers()
     base = build_base(settings)

@@ -359,7 +359,7 @@ class Measured:
 
 
 def report(m: Measured, settings: Settings, argv: Sequence[str]) -> str:
-    """The full markdown section for RESULTS.md."""
+    """The full markdown section for the results file."""
     config = QUICK_MODEL if settings.quick else MODEL
     shape = ", ".join(f"{k}={v}" for k, v in config.items())
     rss = (
@@ -474,7 +474,7 @@ def run(settings: Settings) -> Measured:
 
 
 def main(argv: Sequence[str]) -> None:
-    """Run the benchmark, print the tables and the command, update RESULTS.md."""
+    """Run the benchmark, print the tables and the command, update the results file."""
     settings, args = parse_args(argv)
     if args.rss_child:
         print(json.dumps(rss_child(args.rss_child, settings)))
