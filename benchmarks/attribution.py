@@ -1,6 +1,6 @@
 """Attribution throughput: capture and scoring time per method, peak RSS, and agreement.
 
-What is measured (DESIGN.md section 6), per model (tiny GPT-2 and Llama from configs,
+What is measured (docs/design.md section 12), per model (tiny GPT-2 and Llama from configs,
 random init, seed 0, fp32) and per method, on 256 training sequences scored against 8
 query sequences of 128 tokens:
 
@@ -615,7 +615,7 @@ def models_table(found: Collected, settings: Settings) -> str:
 
 
 def report(found: Collected, settings: Settings, argv: Sequence[str]) -> str:
-    """The full markdown section for RESULTS.md."""
+    """The full markdown section for the results file."""
     return tidy(f"""{SECTION}
 
 Command: `{command_line(SCRIPT, argv)}`
@@ -695,7 +695,7 @@ def models_of(choice: str | None, quick: bool) -> tuple[str, ...]:
 
 
 def main(argv: Sequence[str]) -> None:
-    """Run the benchmark, print the table and the command, update RESULTS.md."""
+    """Run the benchmark, print the table and the command, update the results file."""
     settings, args = parse_args(argv)
     if args.child:
         model, group = args.child

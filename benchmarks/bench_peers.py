@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -596,11 +597,11 @@ Against the issue's targets (times normalized by each process's own floor):
 
 
 def report(runs: list[Run], settings: Settings, notes: str) -> str:
-    """The RESULTS.md section: the protocol once, then each run's tables."""
+    """The results section: the protocol once, then each run's tables."""
     libraries = list(dict.fromkeys(r.cell.library for run in runs for r in run.results))
     chart = ""
     if settings.chart is not None:
-        chart = f"![time / floor per library]({settings.chart.name})"
+        chart = f"![time / floor per library]({link(settings.chart, settings.results)})"
     parts = "\n".join(run_text(run) for run in runs)
     return tidy(f"""{SECTION}
 
@@ -650,6 +651,12 @@ def latest_cells(
     return sizes, standing
 
 
+def link(target: Path, page: Path) -> str:
+    """``target`` as a markdown link written in the file ``page`` (relative to its folder:
+    the results file may live in another folder than the chart)."""
+    return Path(os.path.relpath(target.resolve(), page.resolve().parent)).as_posix()
+
+
 def index_panels(dumps: Sequence[tuple[str, Run]]) -> Panels:
     """The cell index's latest figures as chart panels, one per (training rows, model,
     query count), larger workloads first."""
@@ -685,19 +692,22 @@ def index_text(dumps: Sequence[tuple[str, Run]], settings: Settings, gaps: Seque
         )
     chart = ""
     if settings.chart is not None:
-        chart = f"![time / floor: each cell's latest figure]({settings.chart.name})"
+        chart = (
+            f"![time / floor: each cell's latest figure]({link(settings.chart, settings.results)})"
+        )
     body = "\n\n".join(parts)
     # the dumps' glob unquoted, for the shell to expand (in date order)
     command = command_line(SCRIPT, []) + f" --report {DUMPS}/peers-*.json --index {GAPS}"
     return tidy(f"""{INDEX_SECTION}
 
-Every workload x library cell of the comparison above, one table per training-set size: \
+Every workload x library cell of the peer comparison, one table per training-set size: \
 the latest measured time over the floor of its own process (the full rows, with peak \
-RSS and agreement, are in the subsections above), or the reason the cell is missing. \
-(0) the floor is measured inside every cell; (6) peak RSS comes with every measured \
-cell; (4) capture in training and (5) selection have their own sections below. \
-The runs behind one row may come from different machines (each subsection names its \
-machine): every ratio is to the floor of its own process, not to the other cells'.
+RSS and agreement, are in each run's section and in the JSON dumps named below), or the \
+reason the cell is missing. (0) the floor is measured inside every cell; (6) peak RSS \
+comes with every measured cell; (4) capture in training and (5) selection have their own \
+scripts (`peer_capture.py`, `peer_selection.py`). \
+The runs behind one row may come from different machines: every ratio is to the floor \
+of its own process, not to the other cells'.
 
 Command: `{command}`
 
@@ -789,7 +799,7 @@ def fresh_dump_path(folder: Path, date: str) -> Path:
 
 
 def main(argv: Sequence[str]) -> None:
-    """Run the comparison, write JSON, the RESULTS.md section and the chart."""
+    """Run the comparison, write JSON, the results section and the chart."""
     settings, args = parse_args(argv)
     torch.set_num_threads(1)
     if args.reference:

@@ -1,6 +1,6 @@
 """Capture overhead: training-step time and peak RSS with the capture engine / without.
 
-Protocol (DESIGN.md section 6): one process builds the model, then runs interleaved
+Protocol (docs/design.md section 12): one process builds the model, then runs interleaved
 rounds of single training steps -- baseline, (a), (b), with the order rotated every round
 -- where a step is forward + backward + AdamW step + ``zero_grad`` on the same batch. The
 engine of a configuration is attached right before its step and detached right after
@@ -726,7 +726,7 @@ def contention_warning(rows: list[Row]) -> str:
 def report(
     rows: list[Row], timings: list[Timings], settings: Settings, runs: RssRuns, argv: Sequence[str]
 ) -> str:
-    """The full markdown section for RESULTS.md."""
+    """The full markdown section for the results file."""
     loads = [x for t in timings for x in t.loads]
     return f"""{SECTION}
 
@@ -776,7 +776,7 @@ def parse_args(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
     p.add_argument("--rss-repeats", type=int, help="children per configuration (default 3)")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (no RSS, profile or write)")
     p.add_argument("--rss", action=argparse.BooleanOptionalAction, help="measure peak RSS")
-    p.add_argument("--write", action=argparse.BooleanOptionalAction, help="update RESULTS.md")
+    p.add_argument("--write", action=argparse.BooleanOptionalAction, help="update the results file")
     p.add_argument("--results", type=Path, default=RESULTS, help="markdown file to update")
     p.add_argument(
         "--profile",
@@ -807,12 +807,14 @@ def parse_args(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
     if settings.warmup < 0:
         p.error("--warmup must be >= 0")
     if settings.repeats < MIN_REPEATS and not quick:
-        p.error(f"--repeats must be >= {MIN_REPEATS} (DESIGN.md section 6); use --quick to smoke")
+        p.error(
+            f"--repeats must be >= {MIN_REPEATS} (docs/design.md section 12); use --quick to smoke"
+        )
     return settings, a
 
 
 def main(argv: Sequence[str]) -> None:
-    """Run the benchmark, print the table and the command, update RESULTS.md."""
+    """Run the benchmark, print the table and the command, update the results file."""
     settings, args = parse_args(argv)
     if args.rss_child:
         model_name, config_name = args.rss_child

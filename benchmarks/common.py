@@ -1,5 +1,5 @@
 """Helpers shared by the benchmark scripts: timing, interleaving, peak RSS, models from
-configs, ``Trainer`` plumbing, profiling, and writing a script's own RESULTS.md section.
+configs, ``Trainer`` plumbing, profiling, and writing a script's own results section.
 
 The scripts import it as ``common`` (``python benchmarks/<script>.py`` puts this folder
 first on ``sys.path``). ``benchmarks/capture_overhead.py`` predates this module and keeps
@@ -38,10 +38,15 @@ from transformers.trainer_callback import PrinterCallback
 from transformers.utils import logging as hf_logging
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "benchmarks" / "RESULTS.md"
+#: One detail file per script: ``benchmarks/RESULTS.md`` is the hand-kept summary of
+#: current figures that links to them, and no script writes it.
+RESULTS_DIR = REPO / "benchmarks" / "results"
+#: The default ``--results`` of the script being run (``python benchmarks/<script>.py``):
+#: ``benchmarks/results/<script>.md``, where its reruns replace its own sections.
+RESULTS = RESULTS_DIR / f"{Path(sys.argv[0]).stem}.md"
 RESULTS_TITLE = "# Benchmark results"
 ENV_VARS = ("HF_HUB_OFFLINE", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")
-#: DESIGN.md section 6: median of at least this many repeats after warm-up.
+#: docs/design.md section 12: median of at least this many repeats after warm-up.
 MIN_REPEATS = 10
 #: A baseline whose wall time exceeds this multiple of its CPU time waited for a core.
 CONTENDED = 1.15

@@ -697,7 +697,7 @@ def report(
     argv: Sequence[str],
     loads: Sequence[float],
 ) -> str:
-    """The RESULTS.md section."""
+    """The results section."""
     effects = loo.effects.abs()
     return tidy(f"""{SECTION}
 
@@ -860,8 +860,8 @@ def run_attribution(
 
 
 def main(argv: Sequence[str]) -> None:
-    """Leave-one-out and LDS runs (cached), every attributor, the table, JSON and
-    RESULTS.md."""
+    """Leave-one-out and LDS runs (cached), every attributor, the table, JSON and the
+    results file."""
     p = base_parser(__doc__.split("\n\n")[0])
     p.add_argument("--methods", nargs="+", choices=sorted(ATTRIBUTORS), help="default: all")
     p.add_argument("--cache", type=Path, default=CACHE, help="leave-one-out and LDS cache")

@@ -271,7 +271,7 @@ def measure(settings: Settings, work: Path) -> tuple[ModeResult, list[float]]:
 
 
 def report(result: ModeResult, loads: list[float], settings: Settings, argv: Sequence[str]) -> str:
-    """The markdown section for RESULTS.md."""
+    """The markdown section for the results file."""
     run = settings.run
     shape = ", ".join(f"{k}={v}" for k, v in settings.model_config.items())
     steps = min(len(v) for v in result.samples.values())
@@ -308,7 +308,7 @@ def parse_args(argv: Sequence[str]) -> Settings:
 
 
 def main(argv: Sequence[str]) -> ModeResult:
-    """Run the comparison, print the table and the command, update RESULTS.md."""
+    """Run the comparison, print the table and the command, update the results file."""
     settings = parse_args(argv)
     quiet_transformers()
     with tempfile.TemporaryDirectory(prefix="tda-peer-capture-") as work:

@@ -220,7 +220,7 @@ def measure(
 def report(
     results: list[ModeResult], loads: list[float], settings: Settings, argv: Sequence[str]
 ) -> str:
-    """The markdown section for RESULTS.md."""
+    """The markdown section for the results file."""
     run = settings.run
     shape = ", ".join(f"{k}={v}" for k, v in settings.model_config.items())
     steps = min(len(v) for r in results for v in r.samples.values())
@@ -258,7 +258,7 @@ def parse_args(argv: Sequence[str]) -> Settings:
 
 
 def main(argv: Sequence[str]) -> list[ModeResult]:
-    """Run the comparison, print the table and the command, update RESULTS.md."""
+    """Run the comparison, print the table and the command, update the results file."""
     settings = parse_args(argv)
     quiet_transformers()
     base = build_base(settings.run)  # type: ignore[arg-type]  # duck-typed: quick, seq

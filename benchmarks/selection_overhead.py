@@ -1,6 +1,6 @@
 """Data selection overhead: HF ``Trainer`` step time with ``DataSelectionCallback`` / plain.
 
-Protocol (DESIGN.md section 6): one process builds a Llama-architecture model from its
+Protocol (docs/design.md section 12): one process builds a Llama-architecture model from its
 config (random init, seed 0, fp32) and, per mode -- PEFT LoRA (r=8 on every linear layer
 but the head; selection over the adapters, the default) and full fine-tuning (selection
 over every trainable parameter, ``layers="all"``) -- one identical copy of it per
@@ -480,7 +480,7 @@ def models_text(results: list[ModeResult], settings: Settings) -> str:
 def report(
     results: list[ModeResult], loads: list[float], settings: Settings, argv: Sequence[str]
 ) -> str:
-    """The full markdown section for RESULTS.md."""
+    """The full markdown section for the results file."""
     warnings = "\n\n".join(
         note for r in results if (note := contention_note(r.mode.name, r.samples[PLAIN]))
     )
@@ -569,11 +569,13 @@ def check(p: argparse.ArgumentParser, settings: Settings) -> None:
     if not 0 <= settings.warmup_steps < settings.steps_per_run:
         p.error("--warmup-steps must be in [0, --steps-per-run)")
     if settings.repeats < MIN_REPEATS and not settings.quick:
-        p.error(f"--repeats must be >= {MIN_REPEATS} (DESIGN.md section 6); use --quick to smoke")
+        p.error(
+            f"--repeats must be >= {MIN_REPEATS} (docs/design.md section 12); use --quick to smoke"
+        )
 
 
 def main(argv: Sequence[str]) -> None:
-    """Run the benchmark, print the tables and the command, update RESULTS.md."""
+    """Run the benchmark, print the tables and the command, update the results file."""
     settings = parse_args(argv)
     quiet_transformers()
     base = build_base(settings)

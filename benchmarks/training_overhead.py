@@ -1,7 +1,7 @@
 """Capture overhead in real training: HF ``Trainer`` step time with
 ``GradientCaptureCallback`` / without, on a PEFT LoRA model, and peak RSS.
 
-Protocol (DESIGN.md section 6): one process builds a Llama-architecture model from its
+Protocol (docs/design.md section 12): one process builds a Llama-architecture model from its
 config (random init, seed 0, fp32), wraps two identical copies in PEFT LoRA (r=8 on every
 linear layer but the head), and alternates short ``trainer.train()`` runs of
 
@@ -359,7 +359,7 @@ class Measured:
 
 
 def report(m: Measured, settings: Settings, argv: Sequence[str]) -> str:
-    """The full markdown section for RESULTS.md."""
+    """The full markdown section for the results file."""
     config = QUICK_MODEL if settings.quick else MODEL
     shape = ", ".join(f"{k}={v}" for k, v in config.items())
     rss = (
@@ -444,7 +444,9 @@ def check(p: argparse.ArgumentParser, settings: Settings) -> None:
     if not 0 <= settings.warmup_steps < settings.steps_per_run:
         p.error("--warmup-steps must be in [0, --steps-per-run)")
     if settings.repeats < MIN_REPEATS and not settings.quick:
-        p.error(f"--repeats must be >= {MIN_REPEATS} (DESIGN.md section 6); use --quick to smoke")
+        p.error(
+            f"--repeats must be >= {MIN_REPEATS} (docs/design.md section 12); use --quick to smoke"
+        )
 
 
 def run(settings: Settings) -> Measured:
@@ -472,7 +474,7 @@ def run(settings: Settings) -> Measured:
 
 
 def main(argv: Sequence[str]) -> None:
-    """Run the benchmark, print the tables and the command, update RESULTS.md."""
+    """Run the benchmark, print the tables and the command, update the results file."""
     settings, args = parse_args(argv)
     if args.rss_child:
         print(json.dumps(rss_child(args.rss_child, settings)))

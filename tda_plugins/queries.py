@@ -17,9 +17,10 @@ linear layer at ordinary sequence lengths, projected or not), the micro-batch's
 no per-token factors outlive their micro-batch and no stacked copy is made. Besides the
 memory of the factors themselves, this avoids the C heap growth of many mid-sized
 long-lived tensors allocated between each micro-batch's transient buffers (glibc cannot
-reuse or return the freed space around them; measured in ``benchmarks/RESULTS.md``,
-"Peer comparison", rerun (14)). Otherwise (few tokens, wide layers) the layer's factors
-are kept and stacked once at the end.
+reuse or return the freed space around them; measured in
+``benchmarks/history/RESULTS-2026-11-30_to_2026-12-04.md``, "Peer comparison", rerun
+(14)). Otherwise (few tokens, wide layers) the layer's factors are kept and stacked once
+at the end.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Every reference here is built without the code under test: Kronecker factors from the
 layer inputs and output gradients of an ordinary autograd pass, per-example gradients
 from one backward per unpadded example, and preconditioning as a dense solve against the
-full damped Kronecker (or eigen-corrected) curvature matrix (DESIGN.md section 3).
+full damped Kronecker (or eigen-corrected) curvature matrix (docs/design.md section 7).
 
 Row-major ``vec`` throughout: a layer's ``(N_o, N_i')`` gradient ``G`` flattens to
 ``vec(G)``, and then ``vec(S G A) = (S kron A) vec(G)`` for symmetric ``A``, and

@@ -261,7 +261,7 @@ def test_mismatched_captures_are_refused() -> None:
 
 
 def _design_costs(b1: int, b2: int, t: int, n_i: int, n_o: int) -> dict[Route, float]:
-    """DESIGN.md section 3, written out independently of the library."""
+    """docs/design.md section 3.1, written out independently of the library."""
     return {
         Route.FACTORIZED: b1 * b2 * t * t * (n_i + n_o),
         Route.MATERIALIZED: (b1 + b2) * t * n_i * n_o + b1 * b2 * n_i * n_o,
@@ -270,7 +270,8 @@ def _design_costs(b1: int, b2: int, t: int, n_i: int, n_o: int) -> dict[Route, f
 
 @pytest.mark.parametrize("tokens", [1, 2, 4, 8, 16, 32, 64, 128, 256])
 def test_gram_routing_follows_the_design_cost_model(tokens: int) -> None:
-    """The chosen route is the argmin of DESIGN.md's formulas, on both sides of the crossover."""
+    """The chosen route is the argmin of the formulas of docs/design.md section 3.1, on both
+    sides of the crossover."""
     b, n_i, n_o = 4, 48, 40
     train = TokenFactors(torch.zeros(b, tokens, n_i), torch.zeros(b, tokens, n_o))
     query = TokenFactors(torch.zeros(b, tokens, n_i), torch.zeros(b, tokens, n_o))

@@ -141,7 +141,7 @@ def stored_kinds(root: Path, record: MicroBatchRecord, rank: int = 0) -> dict[st
 
 
 def allowed_kinds(grads: PerExampleGrad, keep_tokens: bool) -> set[str]:
-    """DESIGN.md section 3: factors are smaller when ``T < N_i N_o / (N_i + N_o)``; at
+    """docs/design.md section 3.5: factors are smaller when ``T < N_i N_o / (N_i + N_o)``; at
     equality both forms take the same bytes, so either is right."""
     if isinstance(grads, EmbeddingFactors):
         return {"embedding_factors"}

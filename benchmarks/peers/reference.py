@@ -1,5 +1,5 @@
 """The exact reference every row is compared with: per-example gradients in fp64 by one
-backward per example (the oracle of DESIGN.md section 5), independent of the capture
+backward per example (the oracle of docs/design.md section 11), independent of the capture
 engine, streamed so that memory does not grow with the number of training rows.
 
 Per captured layer the gradient is the ``(N_o, N_i + 1)`` matrix ``[dW, db]`` (the bias

@@ -89,7 +89,9 @@ class RunOptions:
         if options.steps_per_run < 2:
             p.error("--steps-per-run must be >= 2 (the first step of each run is discarded)")
         if options.repeats < MIN_REPEATS and not options.quick:
-            p.error(f"--repeats must be >= {MIN_REPEATS} (DESIGN.md section 6); --quick smokes")
+            p.error(
+                f"--repeats must be >= {MIN_REPEATS} (docs/design.md section 12); --quick smokes"
+            )
         return options
 
     def protocol(self, steps: int) -> str:

@@ -66,7 +66,8 @@ TokenCounter = Callable[[MicroBatchRecord], Tensor]
 #: cache and the factors are faster: scoring and summing 6 of 8 examples of 128 tokens
 #: took 0.70x the factors' time built once for a 256 x 256 layer (0.25 MiB an example),
 #: 0.84x for 256 x 688 (0.67 MiB), 0.99x for 576 x 576 (1.27 MiB), 1.15x for 576 x 1536
-#: and 1.28x for 1024 x 1024 (benchmarks/RESULTS.md, data selection overhead).
+#: and 1.28x for 1024 x 1024 (benchmarks/history/RESULTS-2026-11-30_to_2026-12-04.md,
+#: data selection overhead).
 DENSE_EXAMPLE_BYTES = 1 << 20
 #: Most bytes of per-example gradients built once per step; the selector's workspace keeps
 #: that much between steps (a fresh allocation each step costs its page faults again).

@@ -11,7 +11,7 @@ Three representations cover every layer type the engine captures:
 
 Each representation answers the operations consumers need (materialize, squared norms,
 train x query cross-Gram, per-token scores) with a cost estimate per route (multiply-adds,
-the formulas of DESIGN.md section 3); the functions
+the formulas of docs/design.md section 3); the functions
 in :mod:`tda_plugins.grads.ops` let :func:`~tda_plugins.grads.routing.choose_route` pick
 the cheaper one. Products are accumulated in fp32 (fp64 when the factors are fp64),
 whatever dtype the factors were captured in.

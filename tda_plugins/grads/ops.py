@@ -31,7 +31,7 @@ def cross_gram(train: PerExampleGrad, query: PerExampleGrad, route: Route | None
     """``(B1, B2)`` matrix of inner products ``<dW_i, dW_j>`` (the "ghost dot").
 
     Cost: factorized ``~ B1 B2 T1 T2 (N_i + N_o)``; materialized
-    ``~ (B1 T1 + B2 T2) N_i N_o + B1 B2 N_i N_o`` (DESIGN.md section 3).
+    ``~ (B1 T1 + B2 T2) N_i N_o + B1 B2 N_i N_o`` (docs/design.md section 3.1).
     """
     chosen = choose_route(train.gram_costs(query), route)
     if chosen is Route.FACTORIZED:

@@ -1,6 +1,6 @@
 """Cost routing: pick the cheaper of the factorized and materialized computations.
 
-Every route gives the same number up to rounding (DESIGN.md section 3); the router only
+Every route gives the same number up to rounding (docs/design.md section 3); the router only
 chooses by a FLOP model, per layer and per operation. The cost formulas live with each
 gradient representation (``grads/factors.py``); this module holds the decision rule so a
 test can pin it.

@@ -97,7 +97,7 @@ def stacked_shape(kind: str, field: str, shapes: list[tuple[int, ...]]) -> tuple
 
 
 def compact(grads: PerExampleGrad, keep_tokens: bool) -> PerExampleGrad:
-    """The smaller of factorized and materialized storage (DESIGN.md section 3), unless
+    """The smaller of factorized and materialized storage (docs/design.md section 3.5), unless
     ``keep_tokens`` asks for per-token factors (needed for token-level scores)."""
     if keep_tokens or not isinstance(grads, TokenFactors):
         return grads
