@@ -11,6 +11,13 @@ with ``g`` each example's own summed-token-loss gradient (the record's ``loss_sc
 applied). Per step it keeps the per-query mean and max; over the run it keeps each
 training example's cumulative, learning-rate-weighted influence (TracIn over the steps
 it was trained in), whose extremes are the running top-k helpful and harmful examples.
+
+Under DDP or FSDP each rank scores its own examples, and every step's scores (a few
+floats per example) and tokens are gathered, so that every rank holds the whole global
+step's: the logged metrics equal a one-process run's on the same global batch and agree
+on every rank, and the report (written by rank 0) covers every example. Every rank
+computes the query gradients itself: it needs them to score its examples, and one
+forward and backward of a few queries costs less than gathering them.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from tda_plugins.capture.consumer import CaptureConsumer
@@ -86,18 +94,21 @@ class InfluenceLogger(CaptureConsumer):
         cosine = self.method == "gradcos"
         scores = torch.cat([score_record(r, self.queries, cosine) for r in records]).float().cpu()
         ids = torch.cat([r.example_ids for r in records]).cpu()
+        tokens = {}
+        for r in records:
+            if r.input_ids is not None:
+                mask = r.token_mask if r.token_mask is not None else torch.ones_like(r.input_ids)
+                for example, row, keep in zip(
+                    r.example_ids.tolist(), r.input_ids.cpu(), mask.cpu().bool(), strict=True
+                ):
+                    tokens[example] = row[keep].tolist()
+        ids, scores, tokens = _whole_step(ids, scores, tokens)
         self.history.append(StepInfluence(step, scores.mean(0), scores.amax(0), ids, scores))
         for row, example in zip(scores, ids.tolist(), strict=True):
             previous = self._cumulative.get(example)
             weighted = self.learning_rate * row
             self._cumulative[example] = weighted if previous is None else previous + weighted
-        for r in records:
-            if r.input_ids is not None:
-                mask = r.token_mask if r.token_mask is not None else torch.ones_like(r.input_ids)
-                for example, tokens, keep in zip(
-                    r.example_ids.tolist(), r.input_ids.cpu(), mask.cpu().bool(), strict=True
-                ):
-                    self._tokens[example] = tokens[keep].tolist()
+        self._tokens.update(tokens)
 
     def cumulative_scores(self, query_ids: Tensor) -> Scores:
         """Every example seen so far, with its cumulative influence, as :class:`Scores`."""
@@ -172,3 +183,22 @@ def _plot(path: Path, history: list[StepInfluence], query_ids: Tensor) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def _whole_step(
+    ids: Tensor, scores: Tensor, tokens: dict[int, list[int]]
+) -> tuple[Tensor, Tensor, dict[int, list[int]]]:
+    """This rank's ``(n,)`` ids, ``(n, M)`` scores and tokens -> the whole global step's,
+    in rank order (the order one process would see the global batch in); unchanged
+    without ``torch.distributed``. A few floats and token ids per example, so an object
+    gather (every rank gets the same, so the logged metrics agree on every rank)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return ids, scores, tokens
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, (ids.tolist(), scores.tolist(), tokens))
+    merged: dict[int, list[int]] = {}
+    for _, _, part_tokens in parts:
+        merged.update(part_tokens)
+    all_ids = torch.tensor([i for part_ids, _, _ in parts for i in part_ids], dtype=torch.long)
+    rows = [row for _, part_scores, _ in parts for row in part_scores]
+    return all_ids, torch.tensor(rows, dtype=scores.dtype).reshape(-1, scores.shape[1]), merged

@@ -1,20 +1,29 @@
-"""Run by ``torchrun`` (or plainly, as one process): HF Trainer + GradientCaptureCallback.
+"""Run by ``torchrun`` (or plainly, as one process): HF Trainer + GradientCaptureCallback
++ InfluenceLoggingCallback.
 
 Usage: python -m torch.distributed.run --nproc-per-node=2 tests/hf_ddp_worker.py STORE OUT
 The learning rate is 0, so every per-example gradient is taken at the initial weights and
-does not depend on which rank or step saw the example.
+does not depend on which rank or step saw the example. Each rank writes what its
+influence logger logged to ``OUT/influence-rank<r>.json`` (the report itself goes to
+``OUT/influence/``, from rank 0 alone).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 from datasets import Dataset
 from transformers import Trainer, TrainingArguments
 
-from tda_plugins.integrations.transformers import GradientCaptureCallback, pad_examples
+from tda_plugins.integrations.transformers import (
+    GradientCaptureCallback,
+    InfluenceLoggingCallback,
+    pad_examples,
+)
 from tests.models import lm_batch, tiny_causal_lm
 
 EXAMPLES = 16
@@ -44,13 +53,31 @@ def main(store: str, out: str) -> None:
         **distributed,
     )
     model = tiny_causal_lm("llama", torch.float32)
+    influence = InfluenceLoggingCallback(
+        queries=queries(), method="graddot", top_k=EXAMPLES, layers="all"
+    )
     Trainer(
         model=model,
         args=args,
         train_dataset=Dataset.from_list(rows()),
         data_collator=pad_examples,
-        callbacks=[GradientCaptureCallback(store_dir=store, layers="all")],
+        callbacks=[influence, GradientCaptureCallback(store_dir=store, layers="all")],
     ).train()
+    logged = [
+        {
+            "step": h.step,
+            "mean": h.mean.tolist(),
+            "max": h.max.tolist(),
+            "ids": h.example_ids.tolist(),
+        }
+        for h in influence.logger.history
+    ]
+    Path(out, f"influence-rank{args.process_index}.json").write_text(json.dumps(logged))
+
+
+def queries() -> list[dict[str, list[int]]]:
+    batch = lm_batch(2, 10, seed=11)
+    return [{"input_ids": row.tolist()} for row in batch["input_ids"]]
 
 
 if __name__ == "__main__":

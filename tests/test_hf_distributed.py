@@ -1,8 +1,10 @@
 """HF Trainer under ``torchrun --nproc-per-node=2`` (DDP, gloo): one store directory per
-rank, and the merged view equals the single-process store on the same data."""
+rank, and the merged view equals the single-process store on the same data; the influence
+logged on each rank equals the single-process run's, and one report covers every example."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -59,3 +61,21 @@ def test_ddp_ranks_write_shards_whose_merge_equals_one_process(tmp_path: Path) -
         for n in single[i]
     )
     assert worst <= 1e-4
+
+    # Influence: every rank logs the whole global step (equal to one process), and the one
+    # report (rank 0's) covers all 16 examples.
+    one = json.loads((tmp_path / "single-out" / "influence-rank0.json").read_text())
+    for rank in range(2):
+        logged = json.loads((tmp_path / "ddp-out" / f"influence-rank{rank}.json").read_text())
+        assert [h["step"] for h in logged] == [h["step"] for h in one] == [0, 1, 2, 3]
+        for got, want in zip(logged, one, strict=True):
+            assert sorted(got["ids"]) == sorted(want["ids"]) and len(got["ids"]) == 4
+            # fp32 sums in another order: within 1e-4 of the step's largest score
+            scale = 1e-4 * max(abs(v) for v in want["max"] + want["mean"])
+            for key in ("mean", "max"):
+                diff = (torch.tensor(got[key]) - torch.tensor(want[key])).abs().max()
+                assert diff <= scale, (key, got[key], want[key])
+    report = json.loads((tmp_path / "ddp-out" / "influence" / "influence.json").read_text())
+    for query in report["top_k"]:  # top_k = all 16: every rank's examples, once each
+        assert sorted(e["id"] for e in query["helpful"]) == sorted(single)
+    assert len(report["top_k"]) == 2 and len(report["history"]) == 4

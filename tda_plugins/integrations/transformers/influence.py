@@ -24,7 +24,10 @@ class InfluenceLoggingCallback(PoolCallback):
     ``state.log_history``; for ``report_to`` integrations, add it with
     :meth:`add_to` so it runs before them). At the end it writes ``influence.json``,
     ``influence.html`` (running top-k helpful/harmful examples with their texts) and
-    ``influence.png`` to ``report_dir`` (default ``<output_dir>/influence``).
+    ``influence.png`` to ``report_dir`` (default ``<output_dir>/influence``). Under DDP or
+    FSDP2 every step's scores are gathered from all ranks: the logged metrics are those of
+    the whole global batch (equal on every rank, and to a one-process run's), and rank 0
+    alone writes the report, covering every example.
 
     Args:
         queries: rows with ``input_ids`` (and optional ``labels``, -100 = no loss).
@@ -79,6 +82,8 @@ class InfluenceLoggingCallback(PoolCallback):
         if self.engine is None:
             return
         self.detach()
+        if not state.is_world_process_zero:  # every rank holds every example's scores
+            return
         query_ids = content_hash(self.pool["input_ids"], self.pool["attention_mask"])
         decode = getattr(processing_class, "decode", None)
 
