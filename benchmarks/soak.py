@@ -280,7 +280,8 @@ def main(argv: list[str]) -> int:
         f"({result['rss_mb_first_last'][0]:.0f} -> {result['rss_mb_first_last'][1]:.0f} MB) |",
         f"| soak wall time / uninterrupted | {result['wall_ratio']:.2f}x |",
     ]
-    publish("\n".join(lines), HEADING, args.results, bool(args.write and not args.quick))
+    write = args.write if args.write is not None else not args.quick
+    publish("\n".join(lines), HEADING, args.results, write)
     if result["failures"]:
         print("FAILED: " + "; ".join(result["failures"]), file=sys.stderr)
         return 1

@@ -19,7 +19,7 @@ from torch import Tensor
 from tda_plugins.grads.factors import PerExampleGrad
 from tda_plugins.store.chunks import ShardContents, read_chunk
 from tda_plugins.store.fingerprint import fingerprint_differences
-from tda_plugins.store.index import file_digest, read_index
+from tda_plugins.store.index import file_checksum, read_index
 from tda_plugins.store.io import read_json
 from tda_plugins.store.layout import (
     END_FILE,
@@ -56,7 +56,7 @@ class _Shard:
     rank: int
     micro_batch: int
     example_ids: tuple[int, ...]
-    blake2b: str
+    crc32: str
 
     @property
     def size(self) -> int:
@@ -92,7 +92,7 @@ class StoreReader:
             if not folder.is_dir() or not suffix.isdigit():
                 continue
             shards += [
-                _Shard(e.path(folder), e.step, int(suffix), e.micro_batch, e.example_ids, e.blake2b)
+                _Shard(e.path(folder), e.step, int(suffix), e.micro_batch, e.example_ids, e.crc32)
                 for e in read_index(folder / INDEX_FILE)
             ]
         return sorted(shards, key=lambda s: (s.step, s.rank, s.micro_batch))
@@ -107,7 +107,7 @@ class StoreReader:
             if not path.exists():
                 return None
             try:
-                digests.add(str(read_json(path)["weights_blake2b"]))
+                digests.add(str(read_json(path)["weights_sha256"]))
             except (ValueError, KeyError, TypeError) as error:
                 raise StoreError(f"{path} is damaged ({error!r}); recapture") from error
         if len(digests) > 1:
@@ -203,10 +203,10 @@ class StoreReader:
         if shard.path in self._verified:
             return
         try:
-            digest = file_digest(shard.path)
+            digest = file_checksum(shard.path)
         except OSError as error:
             raise StoreError(f"cannot read the shard {shard.path} ({error}); recapture") from error
-        if digest != shard.blake2b:
+        if digest != shard.crc32:
             raise StoreError(
                 f"{shard.path} does not match its checksum (its bytes changed after it was "
                 "written: disk damage or an edit); the store is damaged: recapture"

@@ -21,7 +21,7 @@ A crash can therefore lose the last committed step along with the one in progres
 reader opened while the writer is attached may not see the latest commit yet.
 
 Integrity: each writer holds an exclusive lock on its rank directory for its lifetime
-(:class:`~tda_plugins.store.lock.WriterLock`), each shard's BLAKE2b checksum is listed in
+(:class:`~tda_plugins.store.lock.WriterLock`), each shard's CRC-32 checksum is listed in
 the index (computed on the background thread after the shard's write) and verified by the
 reader, and non-finite gradients are refused before anything is written. A store that
 already holds steps is only added to with ``append=True``, and only by a capture with the
@@ -54,7 +54,7 @@ from tda_plugins.store.fingerprint import (
     model_fingerprint,
     weights_digest,
 )
-from tda_plugins.store.index import ShardEntry, file_digest, read_index, write_index
+from tda_plugins.store.index import ShardEntry, file_checksum, read_index, write_index
 from tda_plugins.store.io import (
     atomic_write_bytes,
     atomic_write_json,
@@ -239,7 +239,7 @@ class GradientStore(CaptureConsumer):
         def write() -> None:
             write_renamed(path, lambda tmp: save_file(tensors, tmp, metadata))
             fsync_path(path)
-            shard.digest = file_digest(path)
+            shard.digest = file_checksum(path)
 
         self._writing = self._sync.submit(write)
         self._pending.append(shard)
@@ -251,7 +251,7 @@ class GradientStore(CaptureConsumer):
         self.commit()
         if self.model is not None and self.config is not None:
             digest = weights_digest(self.model, self.config.layers)
-            end = {"weights_blake2b": digest, "last_step": max(self._steps, default=None)}
+            end = {"weights_sha256": digest, "last_step": max(self._steps, default=None)}
             self._sync.submit(lambda: atomic_write_json(self._dir / END_FILE, end))
         self._sync.close()
 

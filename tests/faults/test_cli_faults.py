@@ -206,7 +206,7 @@ BAD_INPUT: dict[str, tuple[Case, tuple[str, ...]]] = {
     ),
     "index entry missing a key": (
         lambda s, tmp: attribute()(damaged(s, tmp, "index"), tmp),
-        ("lacks ['blake2b']",),
+        ("lacks ['crc32']",),
     ),
     "truncated curvature file": (
         lambda s, tmp: attribute(method="kfac")(damaged(s, tmp, "curvature"), tmp),
@@ -262,7 +262,7 @@ def damaged(s: Setup, tmp: Path, what: str) -> Setup:
     if what == "index":
         path = rank_dir(store, 0) / "index.json"
         index = json.loads(path.read_text())
-        index["shards"][0].pop("blake2b")
+        index["shards"][0].pop("crc32")
         path.write_text(json.dumps(index))
     else:
         path = rank_dir(store, 0) / CURVATURE_FILE

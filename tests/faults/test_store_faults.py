@@ -28,7 +28,7 @@ from tda_plugins.methods import Scores, method_by_name
 from tda_plugins.precondition import load_curvature
 from tda_plugins.session import CaptureSession, CaptureSettings
 from tda_plugins.store import GradientStore, StoreError, StoreReader
-from tda_plugins.store.index import file_digest
+from tda_plugins.store.index import file_checksum
 from tda_plugins.store.io import atomic_write_json
 from tda_plugins.store.layout import CURVATURE_FILE, rank_dir, shard_name
 from tda_plugins.store.lock import LOCK_FILE
@@ -136,7 +136,7 @@ def test_a_traversal_entry_is_refused_on_resume_and_nothing_is_removed(
     assert snapshot(store) == files
 
 
-@pytest.mark.parametrize("key", ["file", "step", "micro_batch", "example_ids", "blake2b"])
+@pytest.mark.parametrize("key", ["file", "step", "micro_batch", "example_ids", "crc32"])
 def test_an_index_entry_missing_a_key_is_refused_naming_it(key: str, tmp_path: Path) -> None:
     store = store_of(tmp_path / "store")
     edit_index(store, lambda shards: shards[1].pop(key))
@@ -216,7 +216,7 @@ def test_nan_in_a_shard_with_a_matching_checksum_is_reported_with_the_example_id
     key = next(k for k, t in tensors.items() if t.is_floating_point())
     tensors[key][1].view(-1)[0] = float("nan")
     save_file(tensors, shard, metadata)
-    edit_index(store, lambda shards: shards[0].update(blake2b=file_digest(shard)))
+    edit_index(store, lambda shards: shards[0].update(crc32=file_checksum(shard)))
     victim = int(tensors["example_ids"][1])
     with pytest.raises(StoreError, match=f"example {victim} in layer"):
         StoreReader(store).load_all()
