@@ -14,6 +14,7 @@ from tda_plugins.capture import (
     RecordCollector,
 )
 from tda_plugins.grads import ProjectionConfig, Route, cross_gram, per_token_scores, sq_norms
+from tda_plugins.methods import Scores, attribute
 from tda_plugins.queries import QueryCollector, score_record
 
 __version__ = "0.1.0"
@@ -28,7 +29,9 @@ __all__ = [
     "QueryCollector",
     "RecordCollector",
     "Route",
+    "Scores",
     "__version__",
+    "attribute",
     "causal_lm_example_losses",
     "cross_gram",
     "per_example_gradients",

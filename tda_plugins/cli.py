@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from tda_plugins.api import causal_lm_example_losses
 from tda_plugins.capture import CaptureEngine, LayerSelection, LayerSelectionError, content_hash
 from tda_plugins.grads import ProjectionConfig
-from tda_plugins.methods import METHODS, Checkpoint, Scores, method_by_name
+from tda_plugins.methods import METHODS, Checkpoint, Scores, attribute
 from tda_plugins.precondition import CurvatureAccumulator
 from tda_plugins.report import write_html
 from tda_plugins.store import GradientStore, StoreError, StoreReader
@@ -365,17 +365,20 @@ def _attribute(args: argparse.Namespace) -> None:
         )
     elif args.checkpoint:
         raise ValueError("--checkpoint applies to --method tracin only")
-    method = method_by_name(args.method, **options)
-    scores = method.score(
+    scores = attribute(
         store,
         queries,
+        args.method,
+        allow_mismatch=args.allow_mismatch,
         chunk_examples=args.chunk,
         progress=True,
-        allow_mismatch=args.allow_mismatch,
+        **options,
     )
     with staged_directory(args.out) as stage:
         scores.save(stage, k=args.top_k)
-        write_html(stage / "report.html", scores, store.texts(), queries.texts(), args.top_k)
+        write_html(
+            stage / "report.html", scores, scores.train_texts, scores.query_texts, args.top_k
+        )
     print(
         f"scored {scores.values.shape[0]} x {scores.values.shape[1]} with {args.method}: {args.out}"
     )

@@ -139,7 +139,8 @@ class InfluenceLogger(CaptureConsumer):
         query_texts: dict[int, str],
         top_k: int = 5,
     ) -> dict[str, Path]:
-        """``influence.json`` (history and top-k), ``influence.html`` and ``influence.png``."""
+        """``influence.json`` (the per-step history, every example's cumulative score per
+        query, and the top-k), ``influence.html`` and ``influence.png``."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         scores = self.cumulative_scores(query_ids)
@@ -153,6 +154,10 @@ class InfluenceLogger(CaptureConsumer):
             "query_ids": query_ids.tolist(),
             "history": history,
             "top_k": scores.top_k(top_k) if scores.values.numel() else [],
+            "cumulative": [
+                {"id": i, "scores": row}
+                for i, row in zip(scores.train_ids.tolist(), scores.values.tolist(), strict=True)
+            ],
         }
         atomic_write_json(out / "influence.json", summary)
         paths = {"json": out / "influence.json"}

@@ -77,7 +77,11 @@ def test_report_files_exist_and_name_stored_example_ids(run: dict) -> None:
     assert set(report) == {"json", "html", "png"} and all(Path(p).exists() for p in report.values())
     summary = json.loads(Path(report["json"]).read_text())
     stored = set(run["scores"].train_ids.tolist())
-    named = {e["id"] for q in summary["top_k"] for kind in ("helpful", "harmful") for e in q[kind]}
-    assert named and named <= stored
+    assert {e["id"] for e in summary["cumulative"]} == stored
+    # learning rate 0: every cumulative (learning-rate-weighted) influence is 0, neither
+    # helpful nor harmful
+    assert all(score == 0 for e in summary["cumulative"] for score in e["scores"])
+    assert all(q["helpful"] == q["harmful"] == [] for q in summary["top_k"])
+    assert len(summary["top_k"]) == len(summary["query_ids"])
     assert len(summary["history"]) == STEPS
-    assert str(next(iter(named))) in Path(report["html"]).read_text()
+    assert str(summary["query_ids"][0]) in Path(report["html"]).read_text()

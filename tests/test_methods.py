@@ -465,19 +465,19 @@ def random_scores(n: int = 20, m: int = 3) -> Scores:
 
 
 def test_top_k_returns_highest_as_helpful_and_lowest_as_harmful() -> None:
-    """Per query, ``top_k`` lists the k highest scores (descending) as helpful and the k
-    lowest (ascending) as harmful, with their train ids; k beyond N gives all N."""
+    """Per query, ``top_k`` lists the k highest positive scores (descending) as helpful
+    and the k lowest negative ones (ascending) as harmful, with their train ids; k beyond
+    the count of one sign gives all of them."""
     scores = random_scores()
     for k in (1, 5, 50):
         entries = scores.top_k(k)
         assert [e["query_id"] for e in entries] == scores.query_ids.tolist()
         for j, entry in enumerate(entries):
-            order = torch.sort(scores.values[:, j], descending=True).indices
-            n = min(k, len(order))
-            for rows, expected in (
-                (entry["helpful"], order[:n]),
-                (entry["harmful"], order.flip(0)[:n]),
-            ):
+            column = scores.values[:, j]
+            order = torch.sort(column, descending=True).indices
+            positive = order[column[order] > 0][:k]
+            negative = order.flip(0)[column[order.flip(0)] < 0][:k]
+            for rows, expected in ((entry["helpful"], positive), (entry["harmful"], negative)):
                 assert [r["id"] for r in rows] == scores.train_ids[expected].tolist()
                 assert [r["score"] for r in rows] == scores.values[expected, j].tolist()
     with pytest.raises(ValueError, match="k >= 1"):

@@ -1,6 +1,7 @@
 """Attribution methods behind one interface, registered by name."""
 
 from tda_plugins.methods import curvature, gradient, less
+from tda_plugins.methods.attribute import attribute
 from tda_plugins.methods.base import METHODS, AttributionMethod, method_by_name, register_method
 from tda_plugins.methods.gradient import Checkpoint
 from tda_plugins.methods.scores import Scores
@@ -10,6 +11,7 @@ __all__ = [
     "AttributionMethod",
     "Checkpoint",
     "Scores",
+    "attribute",
     "curvature",
     "gradient",
     "less",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +28,16 @@ class Scores:
         values: ``(N, M)`` fp32; positive = the training example pushes the query's loss
             down (helpful), negative = up (harmful), under the method's convention.
         method: the method's registered name.
+        train_texts: training example id -> text, where the store holds texts.
+        query_texts: query id -> text, likewise.
     """
 
     train_ids: Tensor
     query_ids: Tensor
     values: Tensor
     method: str
+    train_texts: dict[int, str] = field(default_factory=dict)
+    query_texts: dict[int, str] = field(default_factory=dict)
 
     def require_finite(self) -> None:
         """Refuse NaN/inf scores, naming the first pair (a score is never written as a
@@ -49,15 +53,16 @@ class Scores:
             )
 
     def top_k(self, k: int) -> list[dict[str, Any]]:
-        """Per query: the ``k`` most helpful (highest) and most harmful (lowest) examples."""
+        """Per query: the ``k`` most helpful examples (highest positive scores) and the
+        ``k`` most harmful (lowest negative scores); a list holds fewer when fewer
+        examples score on that side (a zero score is neither)."""
         if k < 1:
             raise ValueError(f"top-k needs k >= 1, got {k}")
-        k = min(k, self.values.shape[0])
         out = []
         for j, query_id in enumerate(self.query_ids.tolist()):
             column = self.values[:, j]
-            high = torch.topk(column, k)
-            low = torch.topk(-column, k)
+            high = torch.topk(column, min(k, int((column > 0).sum())))
+            low = torch.topk(-column, min(k, int((column < 0).sum())))
             out.append(
                 {
                     "query_id": query_id,
@@ -66,6 +71,40 @@ class Scores:
                 }
             )
         return out
+
+    def rows(self) -> dict[str, list[Any]]:
+        """The scores as columns of one row per (training example, query) pair:
+        ``train_id``, ``query_id``, ``score``, and ``train_text``/``query_text`` where
+        texts are known (``None`` for an example without one)."""
+        n, m = self.values.shape
+        train = self.train_ids.repeat_interleave(m).tolist()
+        query = self.query_ids.repeat(n).tolist()
+        columns: dict[str, list[Any]] = {
+            "train_id": train,
+            "query_id": query,
+            "score": self.values.reshape(-1).tolist(),
+        }
+        if self.train_texts:
+            columns["train_text"] = [self.train_texts.get(i) for i in train]
+        if self.query_texts:
+            columns["query_text"] = [self.query_texts.get(i) for i in query]
+        return columns
+
+    def to_pandas(self) -> Any:
+        """:meth:`rows` as a ``pandas.DataFrame`` (needs pandas, installed with ``[hf]``)."""
+        try:
+            import pandas as pd
+        except ImportError as error:
+            raise ImportError("Scores.to_pandas needs pandas: pip install pandas") from error
+        return pd.DataFrame(self.rows())
+
+    def to_dataset(self) -> Any:
+        """:meth:`rows` as a ``datasets.Dataset`` (needs the ``[hf]`` extra)."""
+        try:
+            from datasets import Dataset
+        except ImportError as error:
+            raise ImportError("Scores.to_dataset needs datasets: pip install datasets") from error
+        return Dataset.from_dict(self.rows())
 
     def save(self, directory: str | Path, k: int = 10) -> None:
         """Write ``scores.safetensors`` (ids and matrix) and ``topk.json`` (refusing

@@ -1,0 +1,47 @@
+"""``tda_plugins.attribute``: the Python form of ``tda attribute``."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from tda_plugins.methods.base import method_by_name
+from tda_plugins.methods.scores import Scores
+from tda_plugins.store.reader import StoreReader
+
+
+def attribute(
+    store: str | Path | StoreReader,
+    queries: str | Path | StoreReader,
+    method: str = "graddot",
+    *,
+    allow_mismatch: bool = False,
+    chunk_examples: int | None = None,
+    progress: bool = False,
+    **options: Any,
+) -> Scores:
+    """Score every training example of ``store`` against every query of ``queries``.
+
+    Args:
+        store: the training gradient store (a path, or an open :class:`StoreReader`).
+        queries: the query store, captured with the same layers and projection.
+        method: a registered method (``graddot``, ``gradcos``, ``tracin``, ``kfac``,
+            ``ekfac``, ``logra``, ``less``).
+        allow_mismatch: score queries of another model than the store's anyway.
+        chunk_examples: training examples scored at once (default: from the query count).
+        progress: show a progress bar.
+        **options: the method's own options (``damping=0.1``, TracIn's
+            ``learning_rate`` and ``extra`` checkpoints).
+
+    Returns:
+        :class:`Scores` (``(N, M)``, higher = more helpful; each example's gradient is that
+        of its own summed token loss), with the stores' texts where they hold them:
+        ``scores.top_k(10)``, ``scores.to_pandas()``, ``scores.to_dataset()``.
+    """
+    train = store if isinstance(store, StoreReader) else StoreReader(store)
+    query = queries if isinstance(queries, StoreReader) else StoreReader(queries)
+    scores = method_by_name(method, **options).score(
+        train, query, chunk_examples, progress, allow_mismatch=allow_mismatch
+    )
+    return replace(scores, train_texts=train.texts(), query_texts=query.texts())
