@@ -12,13 +12,22 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from tda_plugins.capture import CaptureConsumer, CaptureEngine, LayerSelection
 from tda_plugins.capture.layers import SelectionKind
 from tda_plugins.capture.normalization import LossNormalization
 from tda_plugins.grads.projection import MapKind, ProjectionConfig
 from tda_plugins.precondition.adam import save_adam_state
+from tda_plugins.precondition.plan import (
+    CapturePlan,
+    PlanInputs,
+    plan_capture,
+    require_within_budget,
+)
+from tda_plugins.precondition.snapshots import discard_after
 from tda_plugins.precondition.statistics import CurvatureAccumulator
 from tda_plugins.store import GradientStore, StoreError
 from tda_plugins.store.layout import rank_dir
@@ -43,6 +52,15 @@ class CaptureSettings:
         projection_map: ``"gaussian"``, ``"rademacher"`` or ``"sparse_jl"``.
         seed: projection seed (maps are deterministic from seed and layer name).
         curvature: accumulate K-FAC statistics in the same pass (K-FAC, EK-FAC, LoGra).
+        curvature_head: accumulate them for vocabulary-wide output layers too (an untied
+            ``lm_head``: its output factor is ``vocab x vocab``); left out by default, and
+            K-FAC then refuses a store that holds the head's gradients.
+        curvature_budget_gb: most GiB of K-FAC statistics per rank; a capture whose plan
+            (:mod:`tda_plugins.precondition.plan`) needs more is refused before the first
+            step, with the settings that would fit. ``None``: no limit.
+        curvature_save_steps: also commit the statistics every this many optimizer steps
+            (besides each trainer checkpoint and the end), so that a crashed run keeps
+            them up to there; 0: only at checkpoints and the end.
         keep_tokens: keep per-token factors in the store (token-level scores).
         save_optimizer_state: at the end, save Adam moments of the captured layers (LESS).
     """
@@ -59,6 +77,9 @@ class CaptureSettings:
     projection_map: MapKind = "gaussian"
     seed: int = 0
     curvature: bool = True
+    curvature_head: bool = False
+    curvature_budget_gb: float | None = 8.0
+    curvature_save_steps: int = 50
     keep_tokens: bool = False
     save_optimizer_state: bool = True
 
@@ -95,9 +116,21 @@ def has_adam_moments(optimizer: torch.optim.Optimizer | None) -> bool:
     return all("betas" in g and "eps" in g for g in optimizer.param_groups)
 
 
-def _curvature_snapshot(store_dir: str | Path, rank: int, next_step: int) -> Path:
-    """The K-FAC statistics of the steps before ``next_step``, kept in the store."""
-    return rank_dir(Path(store_dir), rank) / f"curvature-before-step{next_step}.safetensors"
+def capture_plan(settings: CaptureSettings, model: nn.Module, rank: int = 0) -> CapturePlan:
+    """The memory plan of ``settings`` on ``model`` in this process's data-parallel world
+    (sharded when the parameters are DTensors, as under FSDP2)."""
+    initialized = dist.is_available() and dist.is_initialized()
+    inputs = PlanInputs(
+        selection=settings.selection(),
+        projection=settings.projection_config(),
+        curvature=settings.curvature,
+        curvature_head=settings.curvature_head,
+        budget_gb=settings.curvature_budget_gb,
+        world_size=dist.get_world_size() if initialized else 1,
+        rank=rank,
+        sharded=any(isinstance(p, DTensor) for p in model.parameters()),
+    )
+    return plan_capture(model, inputs)
 
 
 class CaptureSession:
@@ -115,6 +148,10 @@ class CaptureSession:
     run drops the store's steps from ``start_step`` on, so the store continues with no
     duplicated or missing step, and restores the K-FAC statistics that
     :meth:`save_checkpoint` kept for that step, so no step is counted twice.
+
+    The memory plan (:attr:`plan`) is computed and logged first; K-FAC statistics over
+    ``settings.curvature_budget_gb`` per rank are refused there, before anything is read
+    or written.
     """
 
     def __init__(
@@ -128,6 +165,14 @@ class CaptureSession:
     ):
         self.settings = settings
         self.rank = rank
+        if settings.curvature_save_steps < 0:
+            raise ValueError(
+                f"curvature_save_steps must be >= 0, got {settings.curvature_save_steps}"
+            )
+        self.plan = capture_plan(settings, model, rank)
+        self.plan.log()
+        if settings.curvature:
+            require_within_budget(model, self.plan)
         self.store = GradientStore(settings.store_dir, rank=rank, keep_tokens=settings.keep_tokens)
         committed = self.store.committed_steps
         if start_step == 0 and committed:
@@ -143,17 +188,22 @@ class CaptureSession:
         if committed and committed[-1] >= start_step:
             self.store.truncate(from_step=start_step)
         self.curvature = (
-            CurvatureAccumulator(settings.store_dir, rank) if settings.curvature else None
+            CurvatureAccumulator(
+                settings.store_dir,
+                rank,
+                shapes=self.plan.curvature_shapes,
+                excluded=self.plan.excluded,
+                world_size=self.plan.inputs.world_size,
+                schedule=self.plan.schedule,
+            )
+            if settings.curvature
+            else None
         )
-        if self.curvature is not None and committed:
-            saved = _curvature_snapshot(settings.store_dir, rank, start_step)
-            if not saved.exists():
-                raise StoreError(
-                    f"{settings.store_dir} has no K-FAC statistics saved at step {start_step} "
-                    f"({saved.name}), so resuming there would count later steps twice; resume "
-                    "from a checkpoint saved while this capture ran, or use curvature=False"
-                )
-            self.curvature.restore(saved)
+        if self.curvature is not None:
+            if committed:
+                self.curvature.restore(start_step)
+            # the previous run's statistics of the steps this one (re)does
+            discard_after(rank_dir(Path(settings.store_dir), rank), start_step)
         own: tuple[CaptureConsumer, ...] = (self.store,)
         if self.curvature is not None:
             own = (*own, self.curvature)
@@ -174,16 +224,22 @@ class CaptureSession:
 
     def finish_step(self) -> None:
         """The step is over: wait until its commit is on disk, so that an exception later
-        in the run (which ends no capture) leaves every finished step readable."""
+        in the run (which ends no capture) leaves every finished step readable; every
+        ``curvature_save_steps`` steps, commit the K-FAC statistics too."""
         self.store.flush()
+        every, next_step = self.settings.curvature_save_steps, self.engine.step
+        if self.curvature is not None and every and next_step % every == 0:
+            self.curvature.commit(next_step)
 
     def save_checkpoint(self, next_step: int) -> None:
         """The trainer checkpoints after ``next_step`` optimizer steps: keep what a run
         resumed from that checkpoint needs (every committed step on disk, and the K-FAC
-        statistics so far, in the store)."""
+        statistics so far, in the store). Call it before the trainer writes its
+        checkpoint where the trainer allows (then a crash between the two leaves the
+        checkpoint resumable); calling it again for the same step writes nothing."""
         self.store.flush()
         if self.curvature is not None:
-            self.curvature.save(_curvature_snapshot(self.settings.store_dir, self.rank, next_step))
+            self.curvature.commit(next_step, "checkpoint")
 
     def end(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Finish: commit, save statistics and (for Adam) the optimizer moments; detach."""

@@ -5,7 +5,9 @@
 No trainer subclass, no patched optimizer, no extra dataset column: the callback hooks the
 model at ``on_train_begin``, commits each optimizer step's per-example gradients at
 ``on_pre_optimizer_step`` (after every micro-batch's backward), saves what a resumed run
-needs at ``on_save``, and finishes at ``on_train_end``.
+needs as soon as the trainer decides to checkpoint (``control.should_save`` at
+``on_step_end``/``on_epoch_end``, before it writes the checkpoint; again at ``on_save``,
+where that finds it done), and finishes at ``on_train_end``.
 """
 
 from __future__ import annotations
@@ -69,6 +71,14 @@ class GradientCaptureCallback(TrainerCallback):
     ) -> None:
         if self.session is not None:
             self.session.finish_step()
+            if control.should_save:  # before the trainer writes the checkpoint of this step
+                self.session.save_checkpoint(state.global_step)
+
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self.session is not None and control.should_save:
+            self.session.save_checkpoint(state.global_step)
 
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
