@@ -436,13 +436,19 @@ def require_within_budget(model: nn.Module, plan: CapturePlan) -> None:
         if without.statistics_bytes() < need:
             options.append(f"curvature_head=False ({_size(without.statistics_bytes())})")
     options.append("curvature=False (no K-FAC/EK-FAC/LoGra afterwards)")
-    options.append(f"curvature_budget_gb={math.ceil(10 * need / GIB) / 10:g}")
+    options.append(f"curvature_budget_gb={_round_up(need / GIB):g}")
     widest = max(plan.curvature_shapes.items(), key=lambda item: max(item[1]))
     raise CurvatureBudgetError(
         f"K-FAC statistics need {_size(need)} per rank ({len(plan.curvature_shapes)} layers "
         f"over {inputs.world_size} rank(s), widest {widest[0]}: {max(widest[1])}^2), over "
         f"curvature_budget_gb={inputs.budget_gb:g}; ways out: {'; '.join(options)}"
     )
+
+
+def _round_up(x: float) -> float:
+    """``x`` rounded up to two significant digits."""
+    scale = 10.0 ** (math.floor(math.log10(x)) - 1)
+    return float(f"{math.ceil(x / scale) * scale:.2g}")
 
 
 def _largest_fitting_blocks(
