@@ -7,7 +7,8 @@ Each rank trains on its half of every global batch, backpropagating ``world`` ti
 summed loss (DDP averages gradients, so every update is that of the global summed loss, as
 in one process), with the engine told the scale ``1 / world``. Two accumulators watch the
 same engine: ``OUT/local`` (sums reduced to the owners at each commit) and ``OUT/owner``
-(each micro-batch's products reduced to the owners). Both commit after step 2 and at the end.
+(each micro-batch's products reduced to the owners, in blocks of a few rows here, so that
+a product takes several reductions). Both commit after step 2 and at the end.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from tda_plugins import CaptureEngine, LayerSelection
-from tda_plugins.precondition import CurvatureAccumulator, PlanInputs, plan_capture
+from tda_plugins.precondition import CurvatureAccumulator, PlanInputs, plan, plan_capture
 from tests.models import lm_batch, tiny_causal_lm
 from tests.stores import ManualScale, summed_loss
 
@@ -32,10 +33,14 @@ SCHEDULES = ("local", "owner")
 def run(out: Path, rank: int = 0, world: int = 1) -> None:
     model = tiny_causal_lm("llama", torch.float32)
     selection = LayerSelection("linear")
-    plan = plan_capture(model, PlanInputs(selection, curvature_head=True, world_size=world))
+    planned = plan_capture(model, PlanInputs(selection, curvature_head=True, world_size=world))
     accumulators = [
         CurvatureAccumulator(
-            out / schedule, rank, shapes=plan.curvature_shapes, world_size=world, schedule=schedule
+            out / schedule,
+            rank,
+            shapes=planned.curvature_shapes,
+            world_size=world,
+            schedule=schedule,
         )
         for schedule in SCHEDULES
     ]
@@ -58,6 +63,7 @@ def run(out: Path, rank: int = 0, world: int = 1) -> None:
 
 
 if __name__ == "__main__":
+    plan.REDUCE_BLOCK_BYTES = 1024  # a few rows of each product per reduction
     dist.init_process_group("gloo")
     run(Path(sys.argv[1]), dist.get_rank(), dist.get_world_size())
     dist.destroy_process_group()

@@ -19,9 +19,10 @@ Reduction schedule (how the statistics of several ranks meet, see
   reduced to each layer's owner at every commit (every ``curvature_save_steps`` steps, each
   trainer checkpoint, the end). No communication during steps; each rank holds every
   layer's sums. Chosen when every layer's sums fit the budget (and always in one process).
-* ``"owner"``: each micro-batch's products are reduced, layer by layer, to the layer's
-  owner, which alone holds its sums: memory divided by the world size (balanced by size),
-  at the cost of sending every layer's Gram once per micro-batch.
+* ``"owner"``: each micro-batch's products are reduced, layer by layer and a block of
+  rows at a time, to the layer's owner, which alone holds its sums: memory divided by the
+  world size (balanced by size), plus one block (at most 64 MiB), at the cost of sending
+  every layer's Gram once per micro-batch.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ from tda_plugins.grads.projection import ProjectionConfig
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
+#: Owner schedule: most bytes of one product block taken and reduced at a time.
+REDUCE_BLOCK_BYTES = 64 << 20
 Schedule = Literal["local", "owner"]
 #: Why a layer holds no statistics: K-FAC factors exist for linear-family layers only.
 NOT_FACTORED = "no Kronecker factors (not a linear layer, or dense projection)"
@@ -163,14 +166,13 @@ class CapturePlan:
 
     @property
     def transient_bytes(self) -> int:
-        """Owner schedule: one layer's product (and a copy of a shared input's) while it
-        is reduced; the local schedule adds products straight into its sums."""
+        """Owner schedule: the largest block of a product reduced at once; the local
+        schedule adds products straight into its sums."""
         if self.schedule == "local":
             return 0
-        return (
-            2
-            * self.itemsize
-            * max((max(f) ** 2 for f in self.curvature_shapes.values()), default=0)
+        widths = [n for shape in self.curvature_shapes.values() for n in shape]
+        return max(
+            (self.itemsize * n * reduce_block_rows(n, self.itemsize) for n in widths), default=0
         )
 
     def statistics_bytes(self, rank: int | None = None) -> int:
@@ -282,6 +284,11 @@ def _size(n: int) -> str:
 
 
 # -- shapes ----------------------------------------------------------------------------------
+
+
+def reduce_block_rows(n: int, itemsize: int) -> int:
+    """Rows of an ``(n, n)`` product taken and reduced at a time (owner schedule)."""
+    return max(1, min(n, REDUCE_BLOCK_BYTES // (n * itemsize)))
 
 
 def vocabulary_size(model: nn.Module) -> int | None:

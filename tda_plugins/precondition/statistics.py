@@ -44,7 +44,7 @@ from tda_plugins.capture.config import CaptureConfig
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.records import MicroBatchRecord
 from tda_plugins.grads.factors import TensorKey, TokenFactors, accumulation_dtype, tensor_key
-from tda_plugins.precondition.plan import Schedule, assign_owners
+from tda_plugins.precondition.plan import Schedule, assign_owners, reduce_block_rows
 from tda_plugins.precondition.snapshots import (
     Kind,
     KroneckerFactors,
@@ -209,10 +209,10 @@ class CurvatureAccumulator(CaptureConsumer):
         if running is None and base is None:  # a planned layer no micro-batch reached
             n_a, n_s = self._shape(name)
             return _zeros(n_a, n_s, torch.float64, torch.device("cpu"))
-        if running is not None:
+        if running is not None:  # mirrored in host memory, not beside the device's sums
             running = KroneckerFactors(
-                mirrored(running.a_sum).double().cpu(),
-                mirrored(running.g_sum).double().cpu(),
+                _mirrored_on_host(running.a_sum),
+                _mirrored_on_host(running.g_sum),
                 running.tokens.double().cpu(),
             )
         if base is None:
@@ -309,41 +309,56 @@ class CurvatureAccumulator(CaptureConsumer):
     def _reduce_products(self, record: MicroBatchRecord) -> None:
         """Owner schedule: each layer's products of this micro-batch, in the planned
         order on every rank, reduced to its owner (zeros for a layer this rank did not
-        see), which adds them to its running sums."""
+        see), which adds them to its running sums. Each product is taken and reduced a
+        block of rows at a time (at most
+        :data:`~tda_plugins.precondition.plan.REDUCE_BLOCK_BYTES`; the upper triangle's
+        rows only), so no rank holds a whole ``(n, n)`` product beside its sums; an input
+        shared by several layers (q/k/v) is multiplied again for each of them."""
         assert self.shapes is not None
         factored = self._factored(record)
-        any_grads = next(iter(factored.values()), None)
+        some = next(iter(factored.values()), None)
         dtype = self.product_dtype or (
-            accumulation_dtype(any_grads.g) if any_grads is not None else torch.float32
+            accumulation_dtype(some.g) if some is not None else torch.float32
         )
-        device = any_grads.g.device if any_grads is not None else torch.device("cpu")
+        device = some.g.device if some is not None else torch.device("cpu")
         counts = torch.zeros(len(self.shapes), dtype=torch.float64, device=device)
-        shared: tuple[tuple[TensorKey, bool], Tensor] | None = None
         for i, (name, (n_a, n_s)) in enumerate(self.shapes.items()):
             grads = factored.get(name)
-            a_product = torch.zeros(n_a, n_a, dtype=dtype, device=device)
-            g_product = torch.zeros(n_s, n_s, dtype=dtype, device=device)
+            if self.owns(name) and name not in self._sums:
+                self._sums[name] = _zeros(n_a, n_s, dtype, device)
+            a_rows = g_rows = None
             if grads is not None:
-                key = (tensor_key(grads.a), grads.bias)
-                if shared is None or shared[0] != key:  # q/k/v: one product, reduced per layer
-                    upper = torch.zeros(n_a, n_a, dtype=dtype, device=device)
-                    add_upper_gram(upper, self._rows(grads.augmented_a(), record)[0])
-                    shared = (key, upper)
-                counts[i] = _token_rows(grads.g[..., :1], record.token_mask)[1]
-                a_product.copy_(shared[1])
-                add_upper_gram(g_product, self._g_rows(grads, record))
-            owner = self.owners[name]
-            for product, field in ((a_product, "a_sum"), (g_product, "g_sum")):
-                dist.reduce(product, dst=owner)
-                if self.owns(name):
-                    if name not in self._sums:
-                        self._sums[name] = _zeros(n_a, n_s, dtype, device)
-                    getattr(self._sums[name], field).add_(product)
-            del a_product, g_product
+                a_rows, counts[i] = self._rows(grads.augmented_a(), record)
+                g_rows = self._g_rows(grads, record)
+            self._reduce_gram(name, "a_sum", a_rows, n_a, dtype, device)
+            del a_rows
+            self._reduce_gram(name, "g_sum", g_rows, n_s, dtype, device)
         dist.all_reduce(counts)
         for i, name in enumerate(self.shapes):
             if self.owns(name):
                 self._sums[name].tokens += counts[i]
+
+    def _reduce_gram(
+        self,
+        name: str,
+        field: str,
+        rows: Tensor | None,
+        n: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        """``rows^T rows`` (zeros for ``None``), upper block rows at a time, reduced to
+        the owner of ``name``, which adds each block to its running ``field``."""
+        owner, step = self.owners[name], reduce_block_rows(n, dtype.itemsize)
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            if rows is None:
+                block = torch.zeros(stop - start, n - start, dtype=dtype, device=device)
+            else:
+                block = rows[:, start:stop].T @ rows[:, start:]
+            dist.reduce(block, dst=owner)
+            if self.owns(name):
+                getattr(self._sums[name], field)[start:stop, start:] += block
 
     # -- commits -------------------------------------------------------------------------------
 
@@ -399,6 +414,12 @@ class CurvatureAccumulator(CaptureConsumer):
                 self._sums[name] = running
             else:
                 self._sums.pop(name, None)
+
+
+def _mirrored_on_host(upper: Tensor) -> Tensor:
+    """:func:`mirrored` of a running sum, in fp64 on the CPU (one temporary)."""
+    out = upper.to("cpu", torch.float64).triu_()
+    return out.add_(out.triu(1).T)
 
 
 def _zeros(n_a: int, n_s: int, dtype: torch.dtype, device: torch.device) -> KroneckerFactors:
