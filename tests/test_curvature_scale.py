@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from tda_plugins import CaptureEngine, LayerSelection, RecordCollector
@@ -326,3 +326,38 @@ def test_kfac_on_a_store_whose_head_has_no_statistics_is_refused(
     for way_out in ("curvature_head=True", "exclude='lm_head'", "graddot"):
         assert way_out in str(error.value)
     assert math.isfinite(method_by_name("graddot").score(store, queries).values.sum().item())
+
+
+def test_stores_written_before_ownership_still_read_as_the_sum_of_their_ranks(
+    tmp_path: Path,
+) -> None:
+    """A store of the earlier layout (every rank's file holds every layer's fp64 partial
+    sums, no metadata) reads as the sum over its ranks, as it did."""
+    gen = torch.Generator().manual_seed(0)
+    parts = []
+    for rank in (0, 1):
+        stats = {
+            "fc": KroneckerFactors(
+                torch.randn(3, 3, generator=gen, dtype=torch.float64),
+                torch.randn(2, 2, generator=gen, dtype=torch.float64),
+                torch.tensor(5.0 + rank, dtype=torch.float64),
+            )
+        }
+        parts.append(stats["fc"])
+        (tmp_path / f"rank-{rank}").mkdir()
+        (tmp_path / f"rank-{rank}" / "index.json").write_text('{"shards": []}')
+        save_file(
+            {
+                "fc::A": stats["fc"].a_sum,
+                "fc::S": stats["fc"].g_sum,
+                "fc::tokens": stats["fc"].tokens.reshape(1),
+            },
+            tmp_path / f"rank-{rank}" / "curvature.safetensors",
+        )
+    loaded = load_curvature(tmp_path)["fc"]
+    assert torch.equal(loaded.a_sum, parts[0].a_sum + parts[1].a_sum)
+    assert torch.equal(loaded.g_sum, parts[0].g_sum + parts[1].g_sum)
+    assert loaded.tokens.item() == 11.0
+    (tmp_path / "rank-1" / "curvature.safetensors").unlink()
+    with pytest.raises(StoreError, match="incomplete"):
+        load_curvature(tmp_path)

@@ -50,6 +50,7 @@ REDUCE_BLOCK_BYTES = 64 << 20
 Schedule = Literal["local", "owner"]
 #: Why a layer holds no statistics: K-FAC factors exist for linear-family layers only.
 NOT_FACTORED = "no Kronecker factors (not a linear layer, or dense projection)"
+CURVATURE_OFF = "curvature off"
 
 
 class CurvatureBudgetError(ValueError):
@@ -190,7 +191,8 @@ class CapturePlan:
 
     @property
     def records_bytes(self) -> int:
-        """Per-example records of one micro-batch (held until its shard is written)."""
+        """Per-example records of one micro-batch: on the capture device when its
+        backward ends (the store then keeps a host copy until the shard is written)."""
         examples = self.inputs.examples_per_micro_batch
         return sum(
             layer.token_bytes * self.tokens_per_micro_batch + layer.example_bytes * examples
@@ -253,13 +255,17 @@ class CapturePlan:
             label = f"{kind} ({len(layers)})"
             rows.append(f"{label:<{width}} {a:>7} {s:>7} {_size(stats):>11} {_size(records):>14}")
         training = "sharded over" if inputs.sharded else "whole on each of"
-        tokens = f"{self.tokens_per_micro_batch} tokens"
+        tokens = (
+            f"per micro-batch of {self.tokens_per_micro_batch} tokens"
+            if inputs.tokens_per_example is not None
+            else "per 1,024 tokens (sequence length unknown)"
+        )
         rows += [
             f"ranks: {inputs.world_size} (training state {training} them); statistics in "
             f"fp{8 * self.itemsize}, schedule '{self.schedule}'",
             f"per rank: statistics {_size(self.statistics_bytes())} (budget "
             f"{'none' if inputs.budget_gb is None else f'{inputs.budget_gb:g} GiB'}), records "
-            f"{_size(self.records_bytes)} per micro-batch of {tokens}, store "
+            f"{_size(self.records_bytes)} {tokens}, store "
             f"{_size(self.shard_bytes_per_step)} per step; training step "
             f"{_size(self.training_bytes)} (params, grads, Adam): extra "
             f"{100 * self.extra_bytes / max(self.training_bytes, 1):.0f}% of it",
@@ -267,8 +273,10 @@ class CapturePlan:
             f"{'micro-batch' if self.schedule == 'owner' else 'commit'}; attribution: "
             f"{_size(self.factorization_bytes)} for the largest factorization",
         ]
+        if not inputs.curvature:
+            rows.append("no K-FAC statistics: curvature off")
         for name, note in self.excluded.items():
-            if note != NOT_FACTORED:
+            if note not in (NOT_FACTORED, CURVATURE_OFF):
                 rows.append(f"no statistics for {name}: {note}")
         return "\n".join(rows)
 
@@ -319,7 +327,7 @@ def _linear_plan(
     dense = projection is not None and projection.kind == "dense"
     note = None
     if not inputs.curvature:
-        note = "curvature off"
+        note = CURVATURE_OFF
     elif dense:
         note = NOT_FACTORED
     elif vocab is not None and s_factor == vocab and not inputs.curvature_head:

@@ -243,7 +243,7 @@ class CurvatureAccumulator(CaptureConsumer):
         meta = found.metadata()[list(found.files).index(self.rank)] if own is not None else {}
         same_owners = meta.get("owners") == json.dumps(self.owners, sort_keys=True)
         self._base = [own] if own is not None and same_owners else list(found.files.values())
-        self._base_step, self._sums, self._resumed = step, {}, True
+        self._base_step, self._next_step, self._sums, self._resumed = step, step, {}, True
 
     def on_optimizer_step(self, step: int, records: list[MicroBatchRecord]) -> None:
         self._next_step = step + 1
