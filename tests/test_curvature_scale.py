@@ -88,7 +88,7 @@ def test_fp32_running_sums_keep_kfac_scores_within_1e_5_of_fp64_sums(tmp_path: P
     accumulator; measured 1.1e-6, the fp32 rounding of each micro-batch's products). The
     same sums kept in fp32 over the whole run are at least 4x further off (measured
     2.2e-5): fp32 rounding grows with the number of additions into one sum, which the
-    commits bound (see the README for 20,000 micro-batches)."""
+    commits bound (benchmarks/curvature_precision.py: 20,000 micro-batches)."""
     records = synthetic_records(0)
     reference = KroneckerFactors(
         torch.zeros(N_A, N_A, dtype=torch.float64),
