@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from tda_plugins.capture import CaptureConsumer, CaptureEngine, LayerSelection
 from tda_plugins.capture.config import CaptureConfig
@@ -20,6 +22,13 @@ from tda_plugins.capture.layers import SelectionKind
 from tda_plugins.capture.normalization import LossNormalization
 from tda_plugins.grads.projection import MapKind, ProjectionConfig
 from tda_plugins.precondition.adam import save_adam_state
+from tda_plugins.precondition.plan import (
+    CapturePlan,
+    PlanInputs,
+    plan_capture,
+    require_within_budget,
+)
+from tda_plugins.precondition.snapshots import discard_after, latest_set
 from tda_plugins.precondition.statistics import CurvatureAccumulator
 from tda_plugins.store import GradientStore, StoreError
 from tda_plugins.store.layout import rank_dir
@@ -44,11 +53,17 @@ class CaptureSettings:
         projection_map: ``"gaussian"``, ``"rademacher"`` or ``"sparse_jl"``.
         seed: projection seed (maps are deterministic from seed and layer name).
         curvature: accumulate K-FAC statistics in the same pass (K-FAC, EK-FAC, LoGra).
+        curvature_head: accumulate them for vocabulary-wide output layers too (an untied
+            ``lm_head``: its output factor is ``vocab x vocab``); left out by default, and
+            K-FAC then refuses a store that holds the head's gradients.
+        curvature_budget_gb: most GiB of K-FAC statistics per rank; a capture whose plan
+            (:mod:`tda_plugins.precondition.plan`) needs more is refused before the first
+            step, with the settings that would fit. ``None``: no limit.
+        curvature_save_steps: also commit the statistics every this many optimizer steps
+            (besides each trainer checkpoint and the end), so that a crashed run keeps
+            them up to there; 0: only at checkpoints and the end.
         keep_tokens: keep per-token factors in the store (token-level scores).
         save_optimizer_state: at the end, save Adam moments of the captured layers (LESS).
-        curvature_every: also write the K-FAC statistics so far every this many optimizer
-            steps (beside the snapshots kept for trainer checkpoints), so that a run that
-            crashes is attributable with the statistics of all but its last few steps.
     """
 
     store_dir: str
@@ -63,13 +78,11 @@ class CaptureSettings:
     projection_map: MapKind = "gaussian"
     seed: int = 0
     curvature: bool = True
+    curvature_head: bool = False
+    curvature_budget_gb: float | None = 8.0
+    curvature_save_steps: int = 50
     keep_tokens: bool = False
     save_optimizer_state: bool = True
-    curvature_every: int = 50
-
-    def __post_init__(self) -> None:
-        if self.curvature_every < 1:
-            raise ValueError(f"curvature_every must be >= 1, got {self.curvature_every}")
 
     def selection(self) -> LayerSelection:
         return LayerSelection(
@@ -104,9 +117,21 @@ def has_adam_moments(optimizer: torch.optim.Optimizer | None) -> bool:
     return all("betas" in g and "eps" in g for g in optimizer.param_groups)
 
 
-def _curvature_snapshot(store_dir: str | Path, rank: int, next_step: int) -> Path:
-    """The K-FAC statistics of the steps before ``next_step``, kept in the store."""
-    return rank_dir(Path(store_dir), rank) / f"curvature-before-step{next_step}.safetensors"
+def capture_plan(settings: CaptureSettings, model: nn.Module, rank: int = 0) -> CapturePlan:
+    """The memory plan of ``settings`` on ``model`` in this process's data-parallel world
+    (sharded when the parameters are DTensors, as under FSDP2)."""
+    initialized = dist.is_available() and dist.is_initialized()
+    inputs = PlanInputs(
+        selection=settings.selection(),
+        projection=settings.projection_config(),
+        curvature=settings.curvature,
+        curvature_head=settings.curvature_head,
+        budget_gb=settings.curvature_budget_gb,
+        world_size=dist.get_world_size() if initialized else 1,
+        rank=rank,
+        sharded=any(isinstance(p, DTensor) for p in model.parameters()),
+    )
+    return plan_capture(model, inputs)
 
 
 class CaptureSession:
@@ -127,6 +152,10 @@ class CaptureSession:
     :meth:`save_checkpoint` kept for that step, so no step is counted twice. Every check
     (the store's config and model, its steps, the saved statistics) runs before anything
     on disk changes: a refused resume leaves the store as it was.
+
+    The memory plan (:attr:`plan`) is computed and logged first; K-FAC statistics over
+    ``settings.curvature_budget_gb`` per rank are refused there, before anything is read
+    or written.
     """
 
     def __init__(
@@ -141,6 +170,14 @@ class CaptureSession:
     ):
         self.settings = settings
         self.rank = rank
+        if settings.curvature_save_steps < 0:
+            raise ValueError(
+                f"curvature_save_steps must be >= 0, got {settings.curvature_save_steps}"
+            )
+        self.plan = capture_plan(settings, model, rank)
+        self.plan.log()
+        if settings.curvature:
+            require_within_budget(model, self.plan)
         # a selection that matches nothing fails here, before anything is written
         layers = tuple(settings.selection().resolve(model))
         self.store = GradientStore(
@@ -152,19 +189,30 @@ class CaptureSession:
             tokenizer=tokenizer,
         )
         try:
-            snapshot = self._check_resume(
-                CaptureConfig(layers, settings.projection_config()), start_step
-            )
+            self._check_resume(CaptureConfig(layers, settings.projection_config()), start_step)
         except BaseException:
             self.store.close()
             raise
-        if self.store.committed_steps and self.store.committed_steps[-1] >= start_step:
+        committed = self.store.committed_steps
+        if committed and committed[-1] >= start_step:
             self.store.truncate(from_step=start_step)
         self.curvature = (
-            CurvatureAccumulator(settings.store_dir, rank) if settings.curvature else None
+            CurvatureAccumulator(
+                settings.store_dir,
+                rank,
+                shapes=self.plan.curvature_shapes,
+                excluded=self.plan.excluded,
+                world_size=self.plan.inputs.world_size,
+                schedule=self.plan.schedule,
+            )
+            if settings.curvature
+            else None
         )
-        if self.curvature is not None and snapshot is not None:
-            self.curvature.restore(snapshot)
+        if self.curvature is not None:
+            if committed:
+                self.curvature.restore(start_step)
+            # the previous run's statistics of the steps this one (re)does
+            discard_after(rank_dir(Path(settings.store_dir), rank), start_step)
         own: tuple[CaptureConsumer, ...] = (self.store,)
         if self.curvature is not None:
             own = (*own, self.curvature)
@@ -178,9 +226,8 @@ class CaptureSession:
         self.engine.attach()
         self.engine.resume_at_step(start_step)
 
-    def _check_resume(self, config: CaptureConfig, start_step: int) -> Path | None:
-        """Every check a start or resume needs, before anything is removed; the K-FAC
-        snapshot to restore (``None``: none needed)."""
+    def _check_resume(self, config: CaptureConfig, start_step: int) -> None:
+        """Every check a start or resume needs, before anything is removed."""
         settings, committed = self.settings, self.store.committed_steps
         if start_step == 0 and committed:
             raise StoreError(
@@ -194,44 +241,41 @@ class CaptureSession:
                 "store_dir"
             )
         self.store.check_compatible(config)
-        if not settings.curvature or not committed:
-            return None
-        saved = _curvature_snapshot(settings.store_dir, self.rank, start_step)
-        if not saved.exists():
+        if (
+            settings.curvature
+            and committed
+            and latest_set(self.store.root, at_step=start_step) is None
+        ):
             raise StoreError(
                 f"{settings.store_dir} has no K-FAC statistics saved at step {start_step} "
-                f"({saved.name}), so resuming there would count later steps twice; resume "
-                "from a checkpoint saved while this capture ran, or use curvature=False. "
-                "Nothing in the store was changed"
+                f"(curvature-before-step{start_step}.safetensors from every rank), so resuming "
+                "there would count later steps twice; resume from a checkpoint saved while this "
+                "capture ran, or use curvature=False. Nothing in the store was changed"
             )
-        return saved
 
     def step(self) -> None:
         """An optimizer step is about to happen: commit its micro-batches (the disk waits
         run in the background, beside the optimizer update)."""
         self.engine.optimizer_step()
 
-    def finish_step(self, next_step: int) -> None:
-        """Optimizer step ``next_step - 1`` is over: wait until its commit is on disk, so
-        that an exception later in the run (which ends no capture) leaves every finished
-        step readable; every ``curvature_every`` steps, write the statistics so far."""
+    def finish_step(self) -> None:
+        """The step is over: wait until its commit is on disk, so that an exception later
+        in the run (which ends no capture) leaves every finished step readable; every
+        ``curvature_save_steps`` steps, commit the K-FAC statistics too."""
         self.store.flush()
-        if self.curvature is not None and next_step % self.settings.curvature_every == 0:
-            self.curvature.save()
+        every, next_step = self.settings.curvature_save_steps, self.engine.step
+        if self.curvature is not None and every and next_step % every == 0:
+            self.curvature.commit(next_step)
 
     def save_checkpoint(self, next_step: int) -> None:
-        """The trainer is about to checkpoint after ``next_step`` optimizer steps (or has
-        just done so): keep what a run resumed from that checkpoint needs (every committed
-        step on disk, and the K-FAC statistics so far, in the store). Called before the
-        trainer writes its checkpoint, a crash between the two leaves the checkpoint
-        resumable. Idempotent for one step."""
+        """The trainer checkpoints after ``next_step`` optimizer steps: keep what a run
+        resumed from that checkpoint needs (every committed step on disk, and the K-FAC
+        statistics so far, in the store). Call it before the trainer writes its
+        checkpoint where the trainer allows (then a crash between the two leaves the
+        checkpoint resumable); calling it again for the same step writes nothing."""
         self.store.flush()
-        if self.curvature is None:
-            return
-        snapshot = _curvature_snapshot(self.settings.store_dir, self.rank, next_step)
-        if not snapshot.exists():
-            self.curvature.save(snapshot)
-            self.curvature.save()
+        if self.curvature is not None:
+            self.curvature.commit(next_step, "checkpoint")
 
     def end(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Finish: commit, save statistics and (for Adam) the optimizer moments; detach.

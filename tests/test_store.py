@@ -607,7 +607,7 @@ def test_a_finished_trainer_step_is_on_disk_before_the_next_one_begins(
     session = CaptureSession(CaptureSettings(str(tmp_path), curvature=False), model, SummedLoss())
     summed_loss(model, lm_batch(2, 8, seed=0)).backward()
     session.step()
-    session.finish_step(1)
+    session.finish_step()
     assert StoreReader(tmp_path).steps == [0]
     assert disk.events[-1] == ("index", shard_name(0, 0))
     session.end()

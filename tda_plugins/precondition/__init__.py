@@ -2,19 +2,28 @@
 
 from tda_plugins.precondition.base import PRECONDITIONERS, Identity, Preconditioner
 from tda_plugins.precondition.kfac import EKFAC, KFAC
-from tda_plugins.precondition.statistics import (
-    CurvatureAccumulator,
-    KroneckerFactors,
-    load_curvature,
+from tda_plugins.precondition.plan import (
+    CapturePlan,
+    CurvatureBudgetError,
+    PlanInputs,
+    plan_capture,
+    require_within_budget,
 )
+from tda_plugins.precondition.snapshots import KroneckerFactors
+from tda_plugins.precondition.statistics import CurvatureAccumulator, load_curvature
 
 __all__ = [
     "EKFAC",
     "KFAC",
     "PRECONDITIONERS",
+    "CapturePlan",
     "CurvatureAccumulator",
+    "CurvatureBudgetError",
     "Identity",
     "KroneckerFactors",
+    "PlanInputs",
     "Preconditioner",
     "load_curvature",
+    "plan_capture",
+    "require_within_budget",
 ]

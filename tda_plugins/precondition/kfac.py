@@ -43,7 +43,8 @@ from tqdm.auto import tqdm
 from tda_plugins.grads.factors import DenseGrad, PerExampleGrad
 from tda_plugins.grads.ops import rotated, rotated_grads
 from tda_plugins.precondition.base import Preconditioner, register_preconditioner
-from tda_plugins.precondition.statistics import KroneckerFactors, load_curvature
+from tda_plugins.precondition.plan import NOT_FACTORED
+from tda_plugins.precondition.snapshots import KroneckerFactors, StatisticsSet, read_set
 from tda_plugins.store.layout import StoreError
 from tda_plugins.store.reader import StoreReader
 
@@ -67,17 +68,28 @@ class _Eigen:
         return self.u_s.shape[0], self.u_a.shape[0]
 
 
-def _curvature(store: StoreReader) -> dict[str, KroneckerFactors]:
-    """The store's Kronecker statistics of every captured layer, refusing missing ones."""
-    curvature = load_curvature(store.root)
-    missing = [n for n in store.layer_names if n not in curvature]
+def _statistics_set(store: StoreReader) -> StatisticsSet:
+    """The store's K-FAC statistics, refusing a captured layer that has none: with the
+    capture's reason when it left the layer out (the vocabulary-wide head), else because
+    only linear/LoRA layers have Kronecker factors."""
+    found = read_set(store.root)
+    present = set(found.layer_names())
+    missing = [n for n in store.layer_names if n not in present]
+    left_out = {n: why for n, why in found.excluded.items() if n in missing and why != NOT_FACTORED}
+    if left_out:
+        name, why = next(iter(left_out.items()))
+        raise StoreError(
+            f"no K-FAC statistics for {name!r} ({why}); K-FAC, EK-FAC and LoGra need every "
+            f"stored layer's: recapture with curvature_head=True, or without that layer "
+            f"(exclude={name!r}), or score this store with graddot/gradcos/tracin"
+        )
     if missing:
         raise StoreError(
             f"no K-FAC statistics for {missing[:3]}{'...' if len(missing) > 3 else ''}: K-FAC "
             "factors exist only for linear/LoRA layers; capture without embedding and norm "
             "layers (LayerSelection kind='linear' or 'lora') to use K-FAC, EK-FAC or LoGra"
         )
-    return {name: curvature[name] for name in store.layer_names}
+    return found
 
 
 class _SharedInput:
@@ -99,11 +111,12 @@ class _SharedInput:
 
 
 def _layer_statistics(store: StoreReader) -> Iterator[tuple[str, KroneckerFactors]]:
-    """``(name, statistics)`` of every captured layer in store order, each released by
-    the iterator once it moves past it (the factors of all layers are not held twice)."""
-    curvature = _curvature(store)
-    for name in list(curvature):
-        yield name, curvature.pop(name)
+    """``(name, statistics)`` of every captured layer in store order, each read from disk
+    when reached and released once the iterator moves past it (one layer's fp64 factors
+    in memory at a time, beside the factorizations kept)."""
+    found = _statistics_set(store)
+    for name in store.layer_names:
+        yield name, found.load([name])[name]
 
 
 def _eigen(store: StoreReader) -> dict[str, _Eigen]:
@@ -113,8 +126,8 @@ def _eigen(store: StoreReader) -> dict[str, _Eigen]:
     dtype = store.values_dtype()
     out = {}
     for name, stats in _layer_statistics(store):
-        d_a, u_a = eigh_a(stats.a_cov.double())
-        d_s, u_s = torch.linalg.eigh(stats.g_cov.double())
+        d_a, u_a = eigh_a(stats.a_cov)
+        d_s, u_s = torch.linalg.eigh(stats.g_cov)
         out[name] = _Eigen(u_a.to(dtype), d_a.clamp_min(0), u_s.to(dtype), d_s.clamp_min(0))
     return out
 
@@ -140,8 +153,8 @@ class KFAC(Preconditioner):
         dtype = store.values_dtype()
         inverse_a = _SharedInput(lambda a: self._damped_inverse(a).to(dtype))
         for name, stats in _layer_statistics(store):
-            s_inv = self._damped_inverse(stats.g_cov.double()).to(dtype)
-            self.inverses[name] = (s_inv, inverse_a(stats.a_cov.double()))
+            s_inv = self._damped_inverse(stats.g_cov).to(dtype)
+            self.inverses[name] = (s_inv, inverse_a(stats.a_cov))
 
     def _damped_inverse(self, x: Tensor) -> Tensor:
         """``(X + l I)^{-1}`` for a ``(n, n)`` fp64 factor, ``l = damping * trace(X) / n``.

@@ -210,7 +210,7 @@ BAD_INPUT: dict[str, tuple[Case, tuple[str, ...]]] = {
     ),
     "truncated curvature file": (
         lambda s, tmp: attribute(method="kfac")(damaged(s, tmp, "curvature"), tmp),
-        ("cannot read the K-FAC statistics",),
+        ("cannot read K-FAC statistics",),
     ),
     "report over an existing page without --force": (
         lambda s, tmp: [

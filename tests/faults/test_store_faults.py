@@ -242,7 +242,7 @@ def test_a_damaged_curvature_file_is_a_store_error(tmp_path: Path) -> None:
     capture_store(net, batches(2), tmp_path / "store", ALL)
     path = rank_dir(tmp_path / "store", 0) / CURVATURE_FILE
     path.write_bytes(path.read_bytes()[:50])
-    with pytest.raises(StoreError, match=f"cannot read the K-FAC statistics {path}"):
+    with pytest.raises(StoreError, match=f"cannot read K-FAC statistics {path}"):
         load_curvature(tmp_path / "store")
 
 

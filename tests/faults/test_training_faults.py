@@ -197,10 +197,12 @@ def test_a_crafted_index_is_refused_by_a_trainer_resume_and_nothing_outside_is_r
 def test_a_crashed_unresumed_run_is_attributable_with_its_saved_curvature(
     tmp_path: Path,
 ) -> None:
-    """Statistics written every ``curvature_every`` steps: a run that dies at step 3 has
+    """Statistics committed every ``curvature_save_steps`` steps: a run that dies at step 3 has
     steps 0-2 in its store and K-FAC statistics to score them with."""
     with pytest.raises(RuntimeError, match="crash at step 3"):
-        capture_run(tmp_path, [CrashAtStep(3)], layers="linear", curvature_every=2)
+        capture_run(
+            tmp_path, [CrashAtStep(3)], layers="linear", curvature_save_steps=2, curvature_head=True
+        )
     store = StoreReader(tmp_path / "store")
     assert store.steps == [0, 1, 2]
     queries = capture_store(

@@ -158,9 +158,7 @@ class GradientCaptureCallback(Callback):
 
     def post_step(self) -> None:
         if self._session is not None:
-            # Store step k is OLMo-core step k + 1: after global_step steps, the next store
-            # step is global_step.
-            self._session.finish_step(self.trainer.global_step)
+            self._session.finish_step()
 
     def state_dict(self) -> dict[str, Any]:
         """Called as OLMo-core starts saving the checkpoint of the current step (also an

@@ -5,8 +5,9 @@
 No trainer subclass, no patched optimizer, no extra dataset column: the callback hooks the
 model at ``on_train_begin``, commits each optimizer step's per-example gradients at
 ``on_pre_optimizer_step`` (after every micro-batch's backward), saves what a resumed run
-needs before each checkpoint is written (``on_step_end`` when ``should_save``), and
-finishes at ``on_train_end``.
+needs as soon as the trainer decides to checkpoint (``control.should_save`` at
+``on_step_end``/``on_epoch_end``, before it writes the checkpoint; again at ``on_save``,
+where that finds it done), and finishes at ``on_train_end``.
 """
 
 from __future__ import annotations
@@ -70,19 +71,21 @@ class GradientCaptureCallback(TrainerCallback):
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self.session is None:
-            return
-        self.session.finish_step(state.global_step)
-        # The trainer writes a due checkpoint after this event (DefaultFlowCallback, first in
-        # the list, has set should_save): the statistics go first, so a crash between the
-        # two never leaves a checkpoint that cannot be resumed.
-        if control.should_save:
+        if self.session is not None:
+            self.session.finish_step()
+            if control.should_save:  # before the trainer writes the checkpoint of this step
+                self.session.save_checkpoint(state.global_step)
+
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self.session is not None and control.should_save:
             self.session.save_checkpoint(state.global_step)
 
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self.session is not None:  # a checkpoint saved without should_save
+        if self.session is not None:
             self.session.save_checkpoint(state.global_step)
 
     def on_train_end(

@@ -1,0 +1,69 @@
+"""Run by ``torchrun`` (or called in one process): K-FAC statistics of a hand-written DDP
+loop (gloo), into one store per reduction schedule.
+
+Usage: python -m torch.distributed.run --nproc-per-node=2 tests/curvature_dist_worker.py OUT
+
+Each rank trains on its half of every global batch, backpropagating ``world`` times its
+summed loss (DDP averages gradients, so every update is that of the global summed loss, as
+in one process), with the engine told the scale ``1 / world``. Two accumulators watch the
+same engine: ``OUT/local`` (sums reduced to the owners at each commit) and ``OUT/owner``
+(each micro-batch's products reduced to the owners, in blocks of a few rows here, so that
+a product takes several reductions). Both commit after step 2 and at the end.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from tda_plugins import CaptureEngine, LayerSelection
+from tda_plugins.precondition import CurvatureAccumulator, PlanInputs, plan, plan_capture
+from tests.models import lm_batch, tiny_causal_lm
+from tests.stores import ManualScale, summed_loss
+
+STEPS = 3
+GLOBAL_BATCH = 4
+SCHEDULES = ("local", "owner")
+
+
+def run(out: Path, rank: int = 0, world: int = 1) -> None:
+    model = tiny_causal_lm("llama", torch.float32)
+    selection = LayerSelection("linear")
+    planned = plan_capture(model, PlanInputs(selection, curvature_head=True, world_size=world))
+    accumulators = [
+        CurvatureAccumulator(
+            out / schedule,
+            rank,
+            shapes=planned.curvature_shapes,
+            world_size=world,
+            schedule=schedule,
+        )
+        for schedule in SCHEDULES
+    ]
+    trained = DistributedDataParallel(model) if world > 1 else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scale = ManualScale()
+    scale.value = 1 / world
+    share = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+    with CaptureEngine(model, selection, consumers=accumulators, normalization=scale) as engine:
+        for step in range(STEPS):
+            batch = lm_batch(GLOBAL_BATCH, 10, lengths=(10, 7, 9, 5), seed=step)
+            (world * summed_loss(trained, {k: v[share] for k, v in batch.items()})).backward()
+            engine.optimizer_step()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 1:
+                for accumulator in accumulators:
+                    accumulator.commit(2)
+        engine.end()
+
+
+if __name__ == "__main__":
+    plan.REDUCE_BLOCK_BYTES = 1024  # a few rows of each product per reduction
+    dist.init_process_group("gloo")
+    run(Path(sys.argv[1]), dist.get_rank(), dist.get_world_size())
+    dist.destroy_process_group()

@@ -1,0 +1,363 @@
+"""Curvature that fits: fp32 running sums, rank ownership, the memory plan and its
+refusal, and the vocabulary-wide head left out of the statistics by default.
+
+Oracles: fp64 sums of the same factors built without the accumulator, ``nbytes`` of the
+tensors a real capture allocates, and the plain greedy bound for the owner assignment.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from tda_plugins import CaptureEngine, LayerSelection, RecordCollector
+from tda_plugins.capture.adapters import DEFAULT_REGISTRY
+from tda_plugins.capture.normalization import SummedLoss
+from tda_plugins.capture.records import LayerRecord, MicroBatchRecord
+from tda_plugins.grads import TokenFactors
+from tda_plugins.grads.factors import PerExampleGrad
+from tda_plugins.methods import method_by_name
+from tda_plugins.precondition import (
+    CurvatureAccumulator,
+    CurvatureBudgetError,
+    PlanInputs,
+    load_curvature,
+    plan_capture,
+)
+from tda_plugins.precondition.plan import assign_owners
+from tda_plugins.precondition.snapshots import KroneckerFactors, write_statistics
+from tda_plugins.session import CaptureSession, CaptureSettings
+from tda_plugins.store import StoreError, StoreReader
+from tda_plugins.store.codec import compact
+from tests.models import lm_batch, tiny_causal_lm
+from tests.stores import capture_store, summed_loss
+
+# -- fp32 running sums ---------------------------------------------------------------------
+
+N_A, N_S, TOKENS, MICRO_BATCHES, COMMIT_EVERY = 256, 64, 256, 1000, 50
+
+
+def synthetic_records(seed: int) -> list[MicroBatchRecord]:
+    """Micro-batches of one linear layer's fp32 factors shaped like real ones: inputs
+    with a non-zero mean and a decaying spectrum, small output gradients, and a scale
+    that varies from micro-batch to micro-batch."""
+    gen = torch.Generator().manual_seed(seed)
+    mix_a = torch.randn(N_A, N_A, generator=gen) * torch.arange(1, N_A + 1) ** -0.75
+    mix_g = torch.randn(N_S, N_S, generator=gen) * torch.arange(1, N_S + 1) ** -0.5
+    mean = 0.5 * torch.randn(N_A, generator=gen)
+    module = nn.Linear(N_A, N_S, bias=False)
+    adapter = DEFAULT_REGISTRY.lookup(module)
+    assert adapter is not None
+    records = []
+    for i in range(MICRO_BATCHES):
+        scale = 1 + 0.5 * torch.rand((), generator=gen).item()
+        a = (torch.randn(1, TOKENS, N_A, generator=gen) @ mix_a.T + mean) * scale
+        g = 1e-3 * torch.randn(1, TOKENS, N_S, generator=gen) @ mix_g.T
+        grads = TokenFactors(a, g)
+        records.append(
+            MicroBatchRecord(
+                index=i,
+                step=i,
+                example_ids=torch.tensor([i]),
+                token_mask=None,
+                layers={"fc": LayerRecord("fc", module, adapter, grads)},
+            )
+        )
+    return records
+
+
+def kfac_scores(stats: KroneckerFactors, train: Tensor, queries: Tensor) -> Tensor:
+    """``<(S + l_S)^-1 G_q (A + l_A)^-1, G_z>`` in fp64 by dense solves (damping 0.1)."""
+    a, s = stats.a_cov, stats.g_cov
+    a = a + 0.1 * a.trace() / N_A * torch.eye(N_A, dtype=torch.float64)
+    s = s + 0.1 * s.trace() / N_S * torch.eye(N_S, dtype=torch.float64)
+    pre = torch.linalg.solve(s, torch.linalg.solve(a, queries.transpose(1, 2)).transpose(1, 2))
+    return train.flatten(1) @ pre.flatten(1).T
+
+
+def test_fp32_running_sums_keep_kfac_scores_within_1e_5_of_fp64_sums(tmp_path: Path) -> None:
+    """1,000 micro-batches of 256 tokens (256 k token rows) into fp32 running sums,
+    committed every 50 steps (each commit adds them to the previous commit's fp64 totals
+    and restarts them): the K-FAC-preconditioned scores (damping 0.1) are within 1e-5 of
+    those from fp64 sums of the same factors (fp64 products, built without the
+    accumulator; measured 1.1e-6, the fp32 rounding of each micro-batch's products). The
+    same sums kept in fp32 over the whole run are at least 4x further off (measured
+    2.2e-5): fp32 rounding grows with the number of additions into one sum, which the
+    commits bound (benchmarks/curvature_precision.py: 20,000 micro-batches)."""
+    records = synthetic_records(0)
+    reference = KroneckerFactors(
+        torch.zeros(N_A, N_A, dtype=torch.float64),
+        torch.zeros(N_S, N_S, dtype=torch.float64),
+        torch.zeros((), dtype=torch.float64),
+    )
+    committed = CurvatureAccumulator(tmp_path / "committed")
+    plain = CurvatureAccumulator(tmp_path / "plain")
+    for step, record in enumerate(records):
+        grads = record.layers["fc"].grads
+        assert isinstance(grads, TokenFactors)
+        a, g = grads.a[0].double(), grads.g[0].double()
+        reference = reference + KroneckerFactors(a.T @ a, g.T @ g, torch.tensor(TOKENS * 1.0))
+        for accumulator in (committed, plain):
+            accumulator.on_micro_batch(record)
+            accumulator.on_optimizer_step(step, [])
+        if (step + 1) % COMMIT_EVERY == 0:
+            committed.commit(step + 1)
+    assert committed._sums == {} and plain._sums["fc"].a_sum.dtype == torch.float32
+    gen = torch.Generator().manual_seed(1)
+    train = torch.randn(32, N_S, N_A, generator=gen, dtype=torch.float64)
+    queries = torch.randn(8, N_S, N_A, generator=gen, dtype=torch.float64)
+    expected = kfac_scores(reference, train, queries)
+
+    def error(accumulator: CurvatureAccumulator) -> float:
+        got = kfac_scores(accumulator.factors["fc"], train, queries)
+        return ((got - expected).norm() / expected.norm()).item()
+
+    assert committed.factors["fc"].tokens.item() == MICRO_BATCHES * TOKENS
+    assert error(committed) <= 1e-5
+    assert error(committed) * 4 <= error(plain)
+
+
+def test_statistics_files_are_streamed_safetensors_read_back_exactly(tmp_path: Path) -> None:
+    """The streamed fp64 writer's files load with safetensors as the tensors given, a rank
+    that owns no layer included (metadata only)."""
+    gen = torch.Generator().manual_seed(0)
+    stats = {
+        "x": KroneckerFactors(
+            torch.randn(3, 3, generator=gen), torch.randn(5, 5, generator=gen), torch.tensor(7.0)
+        ),
+        "y.z": KroneckerFactors(
+            torch.randn(1, 1, generator=gen), torch.randn(2, 2, generator=gen), torch.tensor(2.0)
+        ),
+    }
+    write_statistics(
+        tmp_path / "two.safetensors", {"x": (3, 5), "y.z": (1, 2)}, stats.__getitem__, {"k": "v"}
+    )
+    loaded = load_file(tmp_path / "two.safetensors")
+    assert set(loaded) == {f"{n}::{f}" for n in stats for f in ("A", "S", "tokens")}
+    for name, s in stats.items():
+        assert torch.equal(loaded[f"{name}::A"], s.a_sum.double())
+        assert torch.equal(loaded[f"{name}::S"], s.g_sum.double())
+        assert loaded[f"{name}::tokens"].tolist() == [s.tokens.item()]
+    write_statistics(tmp_path / "none.safetensors", {}, stats.__getitem__, {})
+    assert load_file(tmp_path / "none.safetensors") == {}
+
+
+# -- ownership -----------------------------------------------------------------------------
+
+
+def llama_7b_sizes() -> dict[str, int]:
+    """Statistics entries (``n_a^2 + n_s^2``) of Llama-2-7B's linear layers, by name."""
+    shapes = {"q": (4096, 4096), "k": (4096, 4096), "v": (4096, 4096), "o": (4096, 4096)}
+    shapes |= {"gate": (4096, 11008), "up": (4096, 11008), "down": (11008, 4096)}
+    return {f"layers.{i}.{n}": a * a + s * s for i in range(32) for n, (a, s) in shapes.items()}
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 8])
+def test_owners_are_deterministic_and_balanced(world_size: int) -> None:
+    """Every layer gets one owner; the assignment depends only on names and sizes (the same
+    on every call, as every rank computes it for itself); the most loaded rank holds at most
+    the mean load plus the largest layer (the greedy bound), here within 3% of the mean."""
+    sizes = llama_7b_sizes()
+    owners = assign_owners(sizes, world_size)
+    assert owners == assign_owners(dict(sizes), world_size)
+    assert owners.keys() == sizes.keys() and set(owners.values()) == set(range(world_size))
+    loads = [sum(sizes[n] for n, r in owners.items() if r == rank) for rank in range(world_size)]
+    mean = sum(sizes.values()) / world_size
+    assert max(loads) <= mean + max(sizes.values())
+    assert max(loads) <= 1.03 * mean
+    assert assign_owners(sizes, 1) == dict.fromkeys(sizes, 0)
+
+
+# -- the plan against what a capture allocates ---------------------------------------------
+
+
+BATCH = lm_batch(length=16, lengths=(16, 11, 7), seed=1)
+
+
+def tensor_bytes(grads: PerExampleGrad) -> int:
+    """nbytes of every tensor of ``grads`` (a tensor two layers share counts for each)."""
+    sizes: list[int] = []
+    grads.map_tensors(lambda t: sizes.append(t.nbytes) or t)
+    return sum(sizes)
+
+
+def captured_run(model: nn.Module, tmp: Path) -> tuple[CurvatureAccumulator, MicroBatchRecord]:
+    """One micro-batch of ``BATCH`` captured with an accumulator planned for ``model``."""
+    plan = plan_capture(model, PlanInputs(LayerSelection("linear")))
+    accumulator = CurvatureAccumulator(tmp, shapes=plan.curvature_shapes, excluded=plan.excluded)
+    collector = RecordCollector()
+    with CaptureEngine(model, LayerSelection("linear"), consumers=[accumulator, collector]):
+        summed_loss(model, BATCH).backward()
+    return accumulator, collector.records[0]
+
+
+def test_plan_numbers_equal_the_bytes_a_capture_allocates(tmp_path: Path) -> None:
+    """On a tiny fp32 Llama (untied head, 3 x 16 tokens): the plan's statistics are the
+    nbytes of the accumulator's running sums, its records those of the micro-batch's
+    per-token factors (each layer's input and output gradient; q/k/v share one input,
+    which the plan counts for each of the three), and its store bytes per step those of
+    each layer's stored form (the smaller of per-token factors and the materialized
+    gradient), all from shapes alone, also on the meta device."""
+    model = tiny_causal_lm("llama", torch.float32)
+    inputs = PlanInputs(LayerSelection("linear"), tokens_per_example=16, examples_per_micro_batch=3)
+    plan = plan_capture(model, inputs)
+    accumulator, record = captured_run(model, tmp_path)
+    sums = accumulator._sums
+    assert set(sums) == set(plan.curvature_shapes) and "lm_head" not in sums
+    assert plan.statistics_bytes() == sum(s.a_sum.nbytes + s.g_sum.nbytes for s in sums.values())
+    factors = [r.grads for r in record.layers.values()]
+    assert all(isinstance(f, TokenFactors) for f in factors)
+    assert plan.records_bytes == sum(tensor_bytes(f) for f in factors)
+    stored = [compact(r.grads, keep_tokens=False) for r in record.layers.values()]
+    assert {type(s).__name__ for s in stored} == {"TokenFactors", "DenseGrad"}  # both forms
+    assert plan.shard_bytes_per_step == sum(tensor_bytes(s) for s in stored)
+    with torch.device("meta"):
+        meta = tiny_causal_lm("llama", torch.float32)
+    meta_plan = plan_capture(meta, inputs)
+    assert meta_plan.layers == plan.layers and meta_plan.training_bytes == plan.training_bytes
+    params = sum(p.numel() for p in model.parameters())
+    assert plan.training_bytes == 4 * params * 4  # fp32 params, grads, two Adam moments
+
+
+def test_owner_schedule_plans_one_ranks_share_and_the_reduction(tmp_path: Path) -> None:
+    """On 4 ranks with every layer's statistics over the budget the schedule is 'owner':
+    a rank holds its owned layers (the largest owned share, within one layer of a quarter)
+    and one block of a product being reduced (here a whole one: blocks are up to 64 MiB);
+    under the budget, 'local' (every layer, reduced at commits). FSDP-sharded training
+    divides the training step's bytes by the world size."""
+    model = tiny_causal_lm("llama", torch.float32)
+    everything = plan_capture(model, PlanInputs(LayerSelection("linear"))).all_bytes
+    tight = PlanInputs(
+        LayerSelection("linear"), world_size=4, budget_gb=everything * 0.5 / 2**30, sharded=True
+    )
+    plan = plan_capture(model, tight)
+    assert plan.schedule == "owner" and plan.all_bytes == everything
+    shares = [plan.owned_bytes(r) for r in range(4)]
+    assert sum(shares) == everything
+    widest = max(max(s) for s in plan.curvature_shapes.values())
+    largest_layer = max(4 * (a * a + s * s) for a, s in plan.curvature_shapes.values())
+    assert max(shares) <= everything / 4 + largest_layer
+    assert plan.statistics_bytes() == max(shares) + 4 * widest**2  # one block: a whole product
+    loose = plan_capture(model, PlanInputs(LayerSelection("linear"), world_size=4))
+    assert loose.schedule == "local" and loose.statistics_bytes() == everything
+    whole = plan_capture(model, PlanInputs(LayerSelection("linear"), world_size=4))
+    assert plan.training_bytes == whole.training_bytes // 4
+
+
+def test_over_budget_capture_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """A capture session whose statistics exceed curvature_budget_gb raises at its start,
+    before the store directory exists, with the bytes needed (those a capture allocates)
+    and each way out with its own figure: factor projection, the last block alone (half
+    the layers), curvature off, a budget just above the need."""
+    model = tiny_causal_lm("llama", torch.float32)
+    accumulator, _ = captured_run(model, tmp_path / "probe")
+    need = sum(s.a_sum.nbytes + s.g_sum.nbytes for s in accumulator._sums.values())
+    last_block = sum(
+        s.a_sum.nbytes + s.g_sum.nbytes for n, s in accumulator._sums.items() if ".1." in n
+    )
+    store, budget = tmp_path / "store", 100 * 1024 / 2**30
+    settings = CaptureSettings(str(store), layers="linear", curvature_budget_gb=budget)
+    with pytest.raises(CurvatureBudgetError) as error:
+        CaptureSession(settings, model, SummedLoss())
+    message = str(error.value)
+    assert f"need {need / 1024:.1f} KiB per rank" in message
+    assert f"over curvature_budget_gb={budget:g}" in message
+    assert f"last_n_blocks=1 ({last_block / 1024:.1f} KiB)" in message
+    assert "projection='factor' (k_a=k_g=16: " in message and "curvature=False" in message
+    hint = float(message.rsplit("curvature_budget_gb=", 1)[1])
+    assert need <= hint * 2**30 <= 1.1 * need
+    assert not store.exists()
+    unlimited = CaptureSettings(str(store), layers="linear", curvature_budget_gb=None)
+    CaptureSession(unlimited, model, SummedLoss()).engine.detach()
+
+
+# -- the head --------------------------------------------------------------------------------
+
+
+def session_store(tmp: Path, curvature_head: bool = False) -> StoreReader:
+    """One step of a tiny untied Llama's linear layers through a capture session."""
+    model = tiny_causal_lm("llama", torch.float32)
+    settings = CaptureSettings(str(tmp), layers="linear", curvature_head=curvature_head)
+    session = CaptureSession(settings, model, SummedLoss())
+    summed_loss(model, BATCH).backward()
+    session.step()
+    session.end()
+    return StoreReader(tmp)
+
+
+def test_head_left_out_of_curvature_by_default_and_included_on_request(tmp_path: Path) -> None:
+    """On an untied model the vocabulary-wide lm_head is captured (its gradients are in
+    the store) but gets no statistics unless curvature_head=True; every other layer's are
+    the same either way."""
+    default = session_store(tmp_path / "default")
+    included = session_store(tmp_path / "head", curvature_head=True)
+    assert "lm_head" in default.layer_names
+    assert default.layer_names == included.layer_names
+    without, with_head = load_curvature(default.root), load_curvature(included.root)
+    assert "lm_head" not in without and "lm_head" in with_head
+    assert with_head["lm_head"].g_sum.shape == (64, 64)  # vocab x vocab
+    assert set(with_head) - {"lm_head"} == set(without)
+    for name, stats in without.items():
+        assert torch.equal(stats.a_sum, with_head[name].a_sum), name
+
+
+@pytest.mark.parametrize("method", ["kfac", "ekfac"])
+def test_kfac_on_a_store_whose_head_has_no_statistics_is_refused(
+    tmp_path: Path, method: str
+) -> None:
+    """K-FAC/EK-FAC on such a store raise a StoreError naming the head and the ways out
+    (the head's statistics, a store without the head, a first-order method), instead of
+    scoring without the head's curvature."""
+    store = session_store(tmp_path)
+    queries = capture_store(
+        tiny_causal_lm("llama", torch.float32),
+        [BATCH],
+        tmp_path / "q",
+        LayerSelection("linear"),
+        curvature=False,
+    )
+    with pytest.raises(StoreError, match="no K-FAC statistics for 'lm_head'") as error:
+        method_by_name(method).score(store, queries)
+    for way_out in ("curvature_head=True", "exclude='lm_head'", "graddot"):
+        assert way_out in str(error.value)
+    assert math.isfinite(method_by_name("graddot").score(store, queries).values.sum().item())
+
+
+def test_stores_written_before_ownership_still_read_as_the_sum_of_their_ranks(
+    tmp_path: Path,
+) -> None:
+    """A store of the earlier layout (every rank's file holds every layer's fp64 partial
+    sums, no metadata) reads as the sum over its ranks, as it did."""
+    gen = torch.Generator().manual_seed(0)
+    parts = []
+    for rank in (0, 1):
+        stats = {
+            "fc": KroneckerFactors(
+                torch.randn(3, 3, generator=gen, dtype=torch.float64),
+                torch.randn(2, 2, generator=gen, dtype=torch.float64),
+                torch.tensor(5.0 + rank, dtype=torch.float64),
+            )
+        }
+        parts.append(stats["fc"])
+        (tmp_path / f"rank-{rank}").mkdir()
+        (tmp_path / f"rank-{rank}" / "index.json").write_text('{"shards": []}')
+        save_file(
+            {
+                "fc::A": stats["fc"].a_sum,
+                "fc::S": stats["fc"].g_sum,
+                "fc::tokens": stats["fc"].tokens.reshape(1),
+            },
+            tmp_path / f"rank-{rank}" / "curvature.safetensors",
+        )
+    loaded = load_curvature(tmp_path)["fc"]
+    assert torch.equal(loaded.a_sum, parts[0].a_sum + parts[1].a_sum)
+    assert torch.equal(loaded.g_sum, parts[0].g_sum + parts[1].g_sum)
+    assert loaded.tokens.item() == 11.0
+    (tmp_path / "rank-1" / "curvature.safetensors").unlink()
+    with pytest.raises(StoreError, match="incomplete"):
+        load_curvature(tmp_path)
