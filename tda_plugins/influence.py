@@ -25,6 +25,7 @@ from torch import Tensor
 
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.records import MicroBatchRecord
+from tda_plugins.distributed import OneProcess, RankGather
 from tda_plugins.grads.ops import QueryGradients
 from tda_plugins.methods.scores import Scores
 from tda_plugins.queries import query_gradients, score_record
@@ -54,16 +55,30 @@ class StepInfluence:
 class InfluenceLogger(CaptureConsumer):
     """Scores each step's training examples against query gradients set before the step.
 
+    In a data-parallel run each rank scores its own examples of the step against the
+    same queries (every rank holds them: see ``set_queries``), and ``gather`` brings every
+    rank's scores together at each scored step (one float per example and query, and its
+    id), so the per-step metrics and the running totals cover the whole global batch and
+    are the same on every rank; the token ids behind the report's texts are gathered once,
+    at the end.
+
     Args:
         method: ``"gradcos"`` (default; comparable across steps) or ``"graddot"``.
+        gather: how the ranks' scores come together (default: one process, nothing to
+            exchange; see :func:`~tda_plugins.distributed.rank_gather`).
     """
 
     wants_step_records: ClassVar[bool] = True
 
-    def __init__(self, method: Literal["graddot", "gradcos"] = "gradcos"):
+    def __init__(
+        self,
+        method: Literal["graddot", "gradcos"] = "gradcos",
+        gather: RankGather | None = None,
+    ):
         if method not in ("graddot", "gradcos"):
             raise ValueError(f"live influence supports 'graddot' or 'gradcos', got {method!r}")
         self.method = method
+        self.gather: RankGather = gather if gather is not None else OneProcess()
         self.queries: QueryGradients | None = None
         self.learning_rate = 1.0
         self.history: list[StepInfluence] = []
@@ -76,16 +91,29 @@ class InfluenceLogger(CaptureConsumer):
         learning_rate: float = 1.0,
     ) -> None:
         """Query gradients at the weights of the coming step: one captured record, or
-        several (query micro-batches, stacked in order); ``None``: skip the step."""
+        several (query micro-batches, stacked in order); ``None``: skip the step.
+
+        In a data-parallel run every rank sets the same queries, computed by itself: its
+        own examples' gradients stay on it, so it needs every query's gradient to score
+        them, and one forward and backward over the queries costs about what sending
+        their gradients would (under FSDP2 that forward is a collective anyway)."""
         self.queries = None if queries is None else query_gradients(queries)
         self.learning_rate = learning_rate
 
     def on_optimizer_step(self, step: int, records: list[MicroBatchRecord]) -> None:
-        if self.queries is None or not records:
+        if self.queries is None:  # not a scored step, on every rank alike
             return
         cosine = self.method == "gradcos"
-        scores = torch.cat([score_record(r, self.queries, cosine) for r in records]).float().cpu()
-        ids = torch.cat([r.example_ids for r in records]).cpu()
+        norms = self.queries.sq_norms()  # (M,): the query count and the scores' device
+        local = torch.zeros(0, norms.shape[0], device=norms.device)
+        local_ids = torch.zeros(0, dtype=torch.long, device=norms.device)
+        if records:
+            local = torch.cat([score_record(r, self.queries, cosine) for r in records]).float()
+            local_ids = torch.cat([r.example_ids for r in records]).to(local.device)
+        scores = self.gather.rows(local).cpu()
+        ids = self.gather.rows(local_ids.long()).cpu()
+        if not ids.numel():
+            return
         self.history.append(StepInfluence(step, scores.mean(0), scores.amax(0), ids, scores))
         for row, example in zip(scores, ids.tolist(), strict=True):
             previous = self._cumulative.get(example)
@@ -98,6 +126,13 @@ class InfluenceLogger(CaptureConsumer):
                     r.example_ids.tolist(), r.input_ids.cpu(), mask.cpu().bool(), strict=True
                 ):
                     self._tokens[example] = tokens[keep].tolist()
+
+    def on_end(self) -> None:
+        """Every rank's token ids, for the report's texts (a collective in a distributed run)."""
+        merged: dict[int, list[int]] = {}
+        for tokens in self.gather.objects(self._tokens):
+            merged.update(tokens)
+        self._tokens = merged
 
     def cumulative_scores(self, query_ids: Tensor) -> Scores:
         """Every example seen so far, with its cumulative influence, as :class:`Scores`."""

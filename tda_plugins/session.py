@@ -186,9 +186,13 @@ class CaptureSession:
             self.curvature.save(_curvature_snapshot(self.settings.store_dir, self.rank, next_step))
 
     def end(self, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Finish: commit, save statistics and (for Adam) the optimizer moments; detach."""
+        """Finish: commit, save statistics and (for Adam) the optimizer moments; detach.
+
+        Every rank of a distributed run calls this: moments sharded by FSDP2/HSDP are
+        gathered collectively (each rank passes its own optimizer), and rank 0 writes them.
+        """
         self.engine.end()
-        wants_moments = self.settings.save_optimizer_state and self.rank == 0
-        if wants_moments and optimizer is not None and has_adam_moments(optimizer):
-            save_adam_state(self.settings.store_dir, self.engine, optimizer)
+        saves_moments = self.settings.save_optimizer_state and has_adam_moments(optimizer)
+        if saves_moments and optimizer is not None:
+            save_adam_state(self.settings.store_dir, self.engine, optimizer, write=self.rank == 0)
         self.engine.detach()

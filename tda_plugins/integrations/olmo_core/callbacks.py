@@ -21,26 +21,20 @@ the way the train module does, cannot go out of step with the train module. Stor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from olmo_core.nn.lm_head import LMLossImplementation
 from olmo_core.nn.transformer import Transformer
 from olmo_core.train.callbacks import Callback
 from olmo_core.train.train_module import TrainModule, TransformerTrainModule
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from tda_plugins.capture import CaptureEngine
+from tda_plugins.distributed import process_rank
 from tda_plugins.integrations.olmo_core.normalization import OLMoCoreLossNormalization
-from tda_plugins.session import (
-    CaptureSession,
-    CaptureSettings,
-    UnsupportedTrainingSetup,
-    has_adam_moments,
-)
+from tda_plugins.session import CaptureSession, CaptureSettings, UnsupportedTrainingSetup
 
 
 def check_train_module(train_module: TrainModule, settings: CaptureSettings) -> Transformer:
@@ -76,47 +70,6 @@ def check_train_module(train_module: TrainModule, settings: CaptureSettings) -> 
                 f"{name!r} from the layers"
             )
     return model
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-@dataclass
-class _GatheredAdamState:
-    """What ``save_adam_state`` reads of an optimizer, with full (unsharded) moments."""
-
-    param_groups: list[dict[str, Any]]
-    state: dict[Tensor, dict[str, Any]]
-
-
-def _unsharded_moments(
-    session: CaptureSession, optimizer: torch.optim.Optimizer
-) -> torch.optim.Optimizer:
-    """The optimizer whose Adam moments rank 0 saves at the end, with full moments.
-
-    Under FSDP the moments are DTensors sharded like the parameters: saving them on rank 0
-    alone would hang in the all-gather that any full view of them needs (the other ranks
-    never join it). So every rank gathers the captured layers' moments here (a collective,
-    in the same order everywhere), and rank 0 saves those. Unsharded moments (one process,
-    DDP) pass through unchanged.
-    """
-    params = [
-        p
-        for module, adapter in session.engine.captured_layers.values()
-        for p in adapter.captured_parameters(module).values()
-    ]
-    states = [optimizer.state.get(p, {}) for p in params]
-    if not has_adam_moments(optimizer) or not any(
-        isinstance(v, DTensor) for s in states for v in s.values()
-    ):
-        return optimizer
-    full: dict[Tensor, dict[str, Any]] = {}
-    for p, s in zip(params, states, strict=True):
-        gathered = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in s.items()}
-        if session.rank == 0:  # the only rank that saves them
-            full[p] = gathered
-    return cast(torch.optim.Optimizer, _GatheredAdamState(optimizer.param_groups, full))
 
 
 def give_example_ids(
@@ -214,8 +167,6 @@ class GradientCaptureCallback(Callback):
             optimizer = (
                 train_module.optim if isinstance(train_module, TransformerTrainModule) else None
             )
-            if optimizer is not None and self.settings.save_optimizer_state:
-                optimizer = _unsharded_moments(self._session, optimizer)
             self._session.end(optimizer)
             self._release()
 
@@ -234,7 +185,7 @@ class GradientCaptureCallback(Callback):
             self.settings,
             model,
             OLMoCoreLossNormalization(),
-            rank=_rank(),
+            rank=process_rank(),
             start_step=start_step,
         )
         self._ids_hook = model.register_forward_pre_hook(

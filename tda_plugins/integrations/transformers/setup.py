@@ -13,32 +13,23 @@ import torch
 from torch import Tensor, nn
 from transformers import TrainingArguments
 
+from tda_plugins.integrations.transformers.refusals import TRAINER_CHECKS
 from tda_plugins.session import CaptureSettings, UnsupportedTrainingSetup
 
 logger = logging.getLogger(__name__)
 
 
 def check_trainer_setup(args: TrainingArguments, model: nn.Module | None) -> nn.Module:
-    """Refuse, before any step runs, what would make per-example gradients wrong."""
+    """Refuse, before any step runs, what would make per-example gradients wrong: every
+    check of :data:`~tda_plugins.integrations.transformers.refusals.TRAINER_CHECKS`
+    (mixed-example batches, DeepSpeed, FSDP1, tensor/context/expert and pipeline
+    parallelism, compiled models), each with its reason and way out in one line."""
     if model is None:
         raise UnsupportedTrainingSetup("the trainer passed no model to the callback")
-    if getattr(args, "packing", False):
-        raise UnsupportedTrainingSetup(
-            "packing=True concatenates several examples into one sequence, so gradients can no "
-            "longer be split per example; set packing=False in SFTConfig"
-        )
-    if getattr(args, "padding_free", False):
-        raise UnsupportedTrainingSetup(
-            "padding_free=True flattens the batch into one sequence; set padding_free=False"
-        )
-    if getattr(args, "deepspeed", None):
-        raise UnsupportedTrainingSetup(
-            "DeepSpeed partitions parameters outside module hooks; train without deepspeed"
-        )
-    if type(model).__name__ == "OptimizedModule":
-        raise UnsupportedTrainingSetup(
-            "the model is torch.compile'd, which bypasses module hooks; pass the uncompiled model"
-        )
+    for check in TRAINER_CHECKS:
+        refusal = check.refuse(args, model)
+        if refusal is not None:
+            raise UnsupportedTrainingSetup(refusal)
     return model
 
 

@@ -1,0 +1,178 @@
+"""The training setups the transformers callbacks refuse before step 0, one check each.
+
+Per-example capture needs each example's whole forward and backward through every
+captured module in one process, with the module hooks running. Data parallelism (DDP,
+FSDP2 and HSDP, whose ``fully_shard`` gathers each parameter whole before the module
+computes) keeps that; these setups do not, and would store wrong gradients or none:
+
+* batches that mix examples in one sequence (TRL's ``packing``, ``padding_free``);
+* DeepSpeed, however it is enabled (``TrainingArguments.deepspeed``, accelerate's config
+  or state, ``ACCELERATE_USE_DEEPSPEED``, a ZeRO-3 partitioned model);
+* FSDP1 (``FullyShardedDataParallel``): flat parameters outside the modules' own;
+* tensor, context, sequence and expert parallelism (accelerate's ``ParallelismConfig``,
+  transformers' ``DistributedConfig``, DTensor parameters sharded by anything but
+  FSDP2): each example's gradient, or its tokens, split over ranks;
+* pipeline parallelism (transformers' ``pp_size``, ``torch.distributed.pipelining``);
+* compiled models (``torch.compile``, ``Module.compile``, ``torch_compile=True``),
+  whose graphs do not run the hooks as eager modules do.
+
+A model spread over several devices of one process (``device_map``, accelerate's big
+model inference hooks) is not refused: every module still runs whole, in order, in this
+process, so the hooks see every example's full inputs and output gradients.
+
+Each check returns a one-line refusal (the cause and the way out) or ``None``;
+:data:`TRAINER_CHECKS` is the table ``check_trainer_setup`` runs, in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from accelerate.state import AcceleratorState, is_initialized
+from accelerate.utils import DistributedType, parse_flag_from_env
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.distributed.pipelining import Pipe
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from transformers import TrainingArguments
+
+Refusal = str | None
+
+
+@dataclass(frozen=True)
+class SetupCheck:
+    """One unsupported setup: ``refuse(args, model)`` says why and what to do instead,
+    or returns ``None`` when the run does not use it."""
+
+    name: str
+    refuse: Callable[[TrainingArguments, nn.Module], Refusal]
+
+
+def _packing(args: TrainingArguments, model: nn.Module) -> Refusal:
+    if getattr(args, "packing", False):
+        return (
+            "packing=True concatenates several examples into one sequence, so gradients can no "
+            "longer be split per example; set packing=False in SFTConfig"
+        )
+    return None
+
+
+def _padding_free(args: TrainingArguments, model: nn.Module) -> Refusal:
+    if getattr(args, "padding_free", False):
+        return "padding_free=True flattens the batch into one sequence; set padding_free=False"
+    return None
+
+
+def _deepspeed_source(args: TrainingArguments, model: nn.Module) -> str | None:
+    """How DeepSpeed is enabled for this run, if it is."""
+    if getattr(args, "deepspeed", None):
+        return "TrainingArguments(deepspeed=...)"
+    if parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
+        return "ACCELERATE_USE_DEEPSPEED in the environment"
+    if is_initialized():
+        state = AcceleratorState()
+        if state.distributed_type == DistributedType.DEEPSPEED:
+            return "accelerate's distributed_type DEEPSPEED"
+        if getattr(state, "deepspeed_plugins", None) is not None:
+            return "accelerate's deepspeed_plugin"
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        return "a ZeRO-3 partitioned model"
+    return None
+
+
+def _deepspeed(args: TrainingArguments, model: nn.Module) -> Refusal:
+    source = _deepspeed_source(args, model)
+    if source is None:
+        return None
+    return (
+        f"DeepSpeed (enabled by {source}) is not supported: its engine steps the optimizer "
+        "inside backward and ZeRO-3 partitions parameters outside the modules; train with DDP "
+        "or FSDP2 (accelerate fsdp_version: 2) instead"
+    )
+
+
+def _fsdp1(args: TrainingArguments, model: nn.Module) -> Refusal:
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        return (
+            "FSDP1 (FullyShardedDataParallel) is not supported: it replaces the modules' "
+            "parameters by flat shards; use FSDP2 (fully_shard, accelerate fsdp_version: 2)"
+        )
+    return None
+
+
+def _sizes_over_one(config: Any, fields: tuple[str, ...]) -> list[str]:
+    return [f"{f}={getattr(config, f)}" for f in fields if (getattr(config, f, None) or 1) > 1]
+
+
+def _split_layouts(model: nn.Module) -> Iterator[str]:
+    """Parameters whose DTensor layout splits each example's gradient over ranks: any
+    sharding of a parameter that no FSDP2 module gathers whole before computing, or more
+    than one sharded mesh dimension (FSDP2 over a tensor-parallel layout)."""
+    gathered = {id(p) for m in model.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
+    for name, p in model.named_parameters():
+        if not isinstance(p, DTensor):
+            continue
+        split = [pl for pl in p.placements if not isinstance(pl, Replicate)]
+        by_fsdp = id(p) in gathered and len(split) == 1 and isinstance(split[0], Shard)
+        if split and not by_fsdp:
+            yield f"{name} {tuple(p.placements)}"
+
+
+def _tensor_parallel(args: TrainingArguments, model: nn.Module) -> Refusal:
+    config = getattr(getattr(model, "config", None), "distributed_config", None)
+    accelerate = getattr(args, "parallelism_config", None)
+    sizes = _sizes_over_one(accelerate, ("tp_size", "cp_size", "sp_size"))
+    sizes += _sizes_over_one(config, ("tp_size", "ep_size"))
+    where = ", ".join(sizes) or next(_split_layouts(model), None)
+    if where is None:
+        return None
+    return (
+        f"tensor/context/expert parallelism ({where}) splits each example's gradient or tokens "
+        "over ranks, so no rank sees an example whole; train data-parallel only (DDP or "
+        "FSDP2/HSDP: tp_size, cp_size, sp_size and ep_size 1, no tp_plan)"
+    )
+
+
+def _pipeline_parallel(args: TrainingArguments, model: nn.Module) -> Refusal:
+    config = getattr(getattr(model, "config", None), "distributed_config", None)
+    staged = getattr(model, "_pp_stage", None) is not None or _sizes_over_one(config, ("pp_size",))
+    if staged or any(isinstance(m, Pipe) for m in model.modules()):
+        return (
+            "pipeline parallelism gives each rank some of the layers, so no rank sees an "
+            "example's whole gradient; train with pp_size=1 (DDP or FSDP2 shard the model "
+            "instead)"
+        )
+    return None
+
+
+def _compiled(args: TrainingArguments, model: nn.Module) -> Refusal:
+    compiled = [
+        name or type(model).__name__
+        for name, m in model.named_modules()
+        if type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None)
+    ]
+    if compiled:
+        return (
+            f"the model is torch.compile'd ({compiled[0]}), which bypasses module hooks; pass "
+            "the uncompiled model (no torch.compile, no Module.compile)"
+        )
+    if getattr(args, "torch_compile", False):
+        return (
+            "torch_compile=True makes the trainer run a torch.compile'd model, which bypasses "
+            "module hooks; set torch_compile=False"
+        )
+    return None
+
+
+#: The refusals ``check_trainer_setup`` runs before step 0, in this order.
+TRAINER_CHECKS: tuple[SetupCheck, ...] = (
+    SetupCheck("packing", _packing),
+    SetupCheck("padding_free", _padding_free),
+    SetupCheck("deepspeed", _deepspeed),
+    SetupCheck("fsdp1", _fsdp1),
+    SetupCheck("tensor_parallel", _tensor_parallel),
+    SetupCheck("pipeline_parallel", _pipeline_parallel),
+    SetupCheck("compiled", _compiled),
+)
