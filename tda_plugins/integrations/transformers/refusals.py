@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from accelerate.state import AcceleratorState, is_initialized
+from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, parse_flag_from_env
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
@@ -71,12 +71,13 @@ def _deepspeed_source(args: TrainingArguments, model: nn.Module) -> str | None:
         return "TrainingArguments(deepspeed=...)"
     if parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
         return "ACCELERATE_USE_DEEPSPEED in the environment"
-    if is_initialized():
-        state = AcceleratorState()
-        if state.distributed_type == DistributedType.DEEPSPEED:
+    # accelerate's state as the trainer's Accelerator left it, read without constructing
+    # it again (a new AcceleratorState() copies PartialState's fields over its own)
+    for shared in (AcceleratorState._shared_state, PartialState._shared_state):
+        if shared.get("distributed_type") == DistributedType.DEEPSPEED:
             return "accelerate's distributed_type DEEPSPEED"
-        if getattr(state, "deepspeed_plugins", None) is not None:
-            return "accelerate's deepspeed_plugin"
+    if AcceleratorState._shared_state.get("deepspeed_plugins") is not None:
+        return "accelerate's deepspeed_plugin"
     if any(hasattr(p, "ds_id") for p in model.parameters()):
         return "a ZeRO-3 partitioned model"
     return None
