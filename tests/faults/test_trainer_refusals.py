@@ -3,14 +3,15 @@
 Each case builds the setup with the real objects a user's run would have, in this one
 process: DTensor parameters from transformers' own tensor-parallel plan and ``fully_shard``
 on a 1-rank gloo group (a ``FileStore``), FSDP1's ``FullyShardedDataParallel``,
-transformers' pipeline split and a ``torch.distributed.pipelining`` ``Pipe``, accelerate's
-state as ``Trainer`` creates it with a ``DeepSpeedPlugin`` in it (the package itself is not
-installed here, so accelerate cannot build a DeepSpeed state on its own), the environment
-variable accelerate reads, and compiled modules. Every one of the three callbacks
-(capture, influence logging, data selection) must raise ``UnsupportedTrainingSetup`` at
-its first event, with one line naming the cause and the way out, and leave nothing
-behind: no hook on the model, no store. One case runs the real ``Trainer`` to show the
-refusal comes before any step. Data-parallel layouts (FSDP2, HSDP) are accepted.
+transformers' pipeline split and a ``torch.distributed.pipelining`` ``Pipe``, a model that
+accelerate dispatches over two devices, accelerate's state as ``Trainer`` creates it with
+a ``DeepSpeedPlugin`` in it (the package itself is not installed here, so accelerate
+cannot build a DeepSpeed state on its own), the environment variable accelerate reads,
+and compiled modules. Every one of the three callbacks (capture, influence logging, data
+selection) must raise ``UnsupportedTrainingSetup`` at its first event, with one line
+naming the cause and the way out, and leave nothing behind: no hook on the model, no
+store. One case runs the real ``Trainer`` to show the refusal comes before any step.
+Data-parallel layouts (FSDP2, HSDP) are accepted.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from accelerate import Accelerator
+from accelerate import Accelerator, dispatch_model
 from accelerate.state import AcceleratorState
 from accelerate.utils import DeepSpeedPlugin, DistributedType
 from datasets import Dataset
@@ -196,6 +197,15 @@ def test_torch_pipelining_pipe_is_refused(tmp_path: Path) -> None:
     mlp = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     pipe = pipeline(mlp, mb_args=(torch.randn(2, 4),), split_spec={"2": SplitPoint.BEGINNING})
     assert_refused(tmp_path, pipe, "pipeline parallelism", "pp_size=1")
+
+
+def test_model_spread_over_devices_is_refused(tmp_path: Path) -> None:
+    """accelerate's ``dispatch_model`` over two devices (``lm_head`` offloaded to disk: the
+    second device a CPU-only machine has)."""
+    model = dispatch_model(
+        llama(), device_map={"model": "cpu", "lm_head": "disk"}, offload_dir=str(tmp_path / "off")
+    )
+    assert_refused(tmp_path, model, "spread over devices ['cpu', 'disk']", "load it on one device")
 
 
 @pytest.mark.parametrize("how", ["torch.compile", "Module.compile"])

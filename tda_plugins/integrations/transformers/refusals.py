@@ -13,12 +13,14 @@ computes) keeps that; these setups do not, and would store wrong gradients or no
   transformers' ``DistributedConfig``, DTensor parameters sharded by anything but
   FSDP2): each example's gradient, or its tokens, split over ranks;
 * pipeline parallelism (transformers' ``pp_size``, ``torch.distributed.pipelining``);
+* a model spread over several devices of one process (``device_map``): every module still
+  runs whole in this process, but a captured module that accelerate dispatches on its own
+  (``lm_head`` on another device than the last block) receives its input before
+  accelerate moves it, so its factors would sit on two devices, and each layer's records
+  stay on its device where scores sum over the layers; load the model on one device, or
+  shard it with FSDP2;
 * compiled models (``torch.compile``, ``Module.compile``, ``torch_compile=True``),
   whose graphs do not run the hooks as eager modules do.
-
-A model spread over several devices of one process (``device_map``, accelerate's big
-model inference hooks) is not refused: every module still runs whole, in order, in this
-process, so the hooks see every example's full inputs and output gradients.
 
 Each check returns a one-line refusal (the cause and the way out) or ``None``;
 :data:`TRAINER_CHECKS` is the table ``check_trainer_setup`` runs, in order.
@@ -148,6 +150,18 @@ def _pipeline_parallel(args: TrainingArguments, model: nn.Module) -> Refusal:
     return None
 
 
+def _split_devices(args: TrainingArguments, model: nn.Module) -> Refusal:
+    device_map = getattr(model, "hf_device_map", None) or {}
+    devices = sorted({str(d) for d in device_map.values()})
+    if len(devices) > 1:
+        return (
+            f"the model is spread over devices {devices} by device_map, across which "
+            "per-example capture is not supported; load it on one device "
+            "(device_map={'': device}) or shard it with FSDP2"
+        )
+    return None
+
+
 def _compiled(args: TrainingArguments, model: nn.Module) -> Refusal:
     compiled = [
         name or type(model).__name__
@@ -175,5 +189,6 @@ TRAINER_CHECKS: tuple[SetupCheck, ...] = (
     SetupCheck("fsdp1", _fsdp1),
     SetupCheck("tensor_parallel", _tensor_parallel),
     SetupCheck("pipeline_parallel", _pipeline_parallel),
+    SetupCheck("split_devices", _split_devices),
     SetupCheck("compiled", _compiled),
 )
