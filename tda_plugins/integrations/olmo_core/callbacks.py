@@ -101,9 +101,10 @@ class GradientCaptureCallback(Callback):
     instance (with fixed-sequence-length datasets, a chunk of the token stream that may
     span several documents); its id is the instance's dataset index (a content hash of its
     tokens if the batch has no ``index``). Each rank writes its own part of the store
-    (rank from ``torch.distributed``); with data parallelism (``dp_config`` DDP or FSDP)
-    the merged store holds what one process would have captured from the same global
-    batches. Under FSDP the Adam moments saved at the end are gathered from every rank.
+    (rank from ``torch.distributed``); with data parallelism (``dp_config`` DDP, FSDP or
+    HSDP) the merged store holds what one process would have captured from the same global
+    batches. Under FSDP and HSDP the Adam moments saved at the end are gathered by every
+    rank (a collective) and written by rank 0.
 
     Resuming: a run that loads a checkpoint with trainer state continues the store at the
     checkpoint's step and restores the curvature statistics saved beside it, so no step is
