@@ -24,6 +24,9 @@ per optimizer step) and write under ``FOLDER/<world size>/``:
 
 AdamW with a non-zero learning rate: the ranks' averaged gradient equals the one-process
 gradient, so both runs pass through the same weights at every step (to fp32 rounding).
+
+Last, ``gathered-<rank>.json``: what :func:`~tda_plugins.distributed.rank_gather` returns
+on each rank for rows of unequal counts (none on rank 0) and for one object per rank.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
+from tda_plugins.distributed import rank_gather
 from tda_plugins.integrations.transformers import (
     GradientCaptureCallback,
     InfluenceLoggingCallback,
@@ -177,6 +181,16 @@ def sharded_run(folder: Path, world: int, rank: int) -> None:
     save_logs(folder, rank, logs, hooks[1])
 
 
+def unequal_gather(folder: Path, rank: int) -> None:
+    """Rank ``r`` gathers ``r * 3`` rows of ``(r, row)`` pairs (rank 0: none) and the token
+    lists of ``r + 1`` examples: ``gathered-<rank>.json``."""
+    gather = rank_gather()
+    values = torch.tensor([[rank, row] for row in range(rank * 3)], dtype=torch.float32)
+    rows_ = gather.rows(values.reshape(-1, 2)).tolist()
+    objects = gather.objects({rank * 10 + i: [rank] * (i + 1) for i in range(rank + 1)})
+    (folder / f"gathered-{rank}.json").write_text(json.dumps({"rows": rows_, "objects": objects}))
+
+
 def main(folder: Path) -> None:
     torch.set_num_threads(1)
     faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
@@ -185,6 +199,7 @@ def main(folder: Path) -> None:
     trainer_run(out / "trainer", world)  # under torchrun, accelerate joins the gloo group
     rank = dist.get_rank() if world > 1 else 0
     sharded_run(out / "sharded", world, rank)
+    unequal_gather(out, rank)
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()

@@ -19,7 +19,9 @@ Checked for both runs:
 * one report, written by rank 0 alone, ranks every example of every rank with the
   one-process run's cumulative scores, and its HTML shows every example's tokens;
 * (FSDP2) the K-FAC statistics kept at ``on_save`` for a resume, summed over the ranks,
-  equal the one-process run's at the same step.
+  equal the one-process run's at the same step;
+* the rank exchange behind the influence gathering: rows of unequal counts (none on one
+  rank) and one object per rank arrive on every rank, whole and in rank order.
 """
 
 from __future__ import annotations
@@ -160,3 +162,13 @@ def test_fsdp2_checkpoint_statistics_equal_the_one_process_runs(runs: Path) -> N
     assert parts[0].keys() == expected.keys()
     for key, value in expected.items():
         assert rel_error(parts[0][key] + parts[1][key], value) <= TOL, key
+
+
+def test_ranks_exchange_unequal_rows_and_objects_in_rank_order(runs: Path) -> None:
+    expected = {
+        "rows": [[1.0, 0.0], [1.0, 1.0], [1.0, 2.0]],  # rank 0 had none, rank 1 three
+        "objects": [{"0": [0]}, {"10": [1], "11": [1, 1]}],
+    }
+    for rank in range(WORLD):
+        got = json.loads((runs / str(WORLD) / f"gathered-{rank}.json").read_text())
+        assert got == expected
