@@ -104,12 +104,13 @@ class InfluenceLogger(CaptureConsumer):
         if self.queries is None:  # not a scored step, on every rank alike
             return
         cosine = self.method == "gradcos"
-        norms = self.queries.sq_norms()  # (M,): the query count and the scores' device
-        local = torch.zeros(0, norms.shape[0], device=norms.device)
-        local_ids = torch.zeros(0, dtype=torch.long, device=norms.device)
         if records:
             local = torch.cat([score_record(r, self.queries, cosine) for r in records]).float()
             local_ids = torch.cat([r.example_ids for r in records]).to(local.device)
+        else:  # this rank had no example in the step: an empty share, (0, M)
+            norms = self.queries.sq_norms()
+            local = torch.zeros(0, norms.shape[0], device=norms.device)
+            local_ids = torch.zeros(0, dtype=torch.long, device=norms.device)
         scores = self.gather.rows(local).cpu()
         ids = self.gather.rows(local_ids.long()).cpu()
         if not ids.numel():
