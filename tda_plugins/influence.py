@@ -11,13 +11,6 @@ with ``g`` each example's own summed-token-loss gradient (the record's ``loss_sc
 applied). Per step it keeps the per-query mean and max; over the run it keeps each
 training example's cumulative, learning-rate-weighted influence (TracIn over the steps
 it was trained in), whose extremes are the running top-k helpful and harmful examples.
-
-Under DDP or FSDP each rank scores its own examples, and every step's scores (a few
-floats per example) and tokens are gathered, so that every rank holds the whole global
-step's: the logged metrics equal a one-process run's on the same global batch and agree
-on every rank, and the report (written by rank 0) covers every example. Every rank
-computes the query gradients itself: it needs them to score its examples, and one
-forward and backward of a few queries costs less than gathering them.
 """
 
 from __future__ import annotations
@@ -28,11 +21,11 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.records import MicroBatchRecord
+from tda_plugins.distributed import OneProcess, RankGather
 from tda_plugins.grads.ops import QueryGradients
 from tda_plugins.methods.scores import Scores
 from tda_plugins.queries import query_gradients, score_record
@@ -62,16 +55,30 @@ class StepInfluence:
 class InfluenceLogger(CaptureConsumer):
     """Scores each step's training examples against query gradients set before the step.
 
+    In a data-parallel run each rank scores its own examples of the step against the
+    same queries (every rank holds them: see ``set_queries``), and ``gather`` brings every
+    rank's scores together at each scored step (one float per example and query, and its
+    id), so the per-step metrics and the running totals cover the whole global batch and
+    are the same on every rank; the token ids behind the report's texts are gathered once,
+    at the end.
+
     Args:
         method: ``"gradcos"`` (default; comparable across steps) or ``"graddot"``.
+        gather: how the ranks' scores come together (default: one process, nothing to
+            exchange; see :func:`~tda_plugins.distributed.rank_gather`).
     """
 
     wants_step_records: ClassVar[bool] = True
 
-    def __init__(self, method: Literal["graddot", "gradcos"] = "gradcos"):
+    def __init__(
+        self,
+        method: Literal["graddot", "gradcos"] = "gradcos",
+        gather: RankGather | None = None,
+    ):
         if method not in ("graddot", "gradcos"):
             raise ValueError(f"live influence supports 'graddot' or 'gradcos', got {method!r}")
         self.method = method
+        self.gather: RankGather = gather if gather is not None else OneProcess()
         self.queries: QueryGradients | None = None
         self.learning_rate = 1.0
         self.history: list[StepInfluence] = []
@@ -84,31 +91,49 @@ class InfluenceLogger(CaptureConsumer):
         learning_rate: float = 1.0,
     ) -> None:
         """Query gradients at the weights of the coming step: one captured record, or
-        several (query micro-batches, stacked in order); ``None``: skip the step."""
+        several (query micro-batches, stacked in order); ``None``: skip the step.
+
+        In a data-parallel run every rank sets the same queries, computed by itself: its
+        own examples' gradients stay on it, so it needs every query's gradient to score
+        them, and one forward and backward over the queries costs about what sending
+        their gradients would (under FSDP2 that forward is a collective anyway)."""
         self.queries = None if queries is None else query_gradients(queries)
         self.learning_rate = learning_rate
 
     def on_optimizer_step(self, step: int, records: list[MicroBatchRecord]) -> None:
-        if self.queries is None or not records:
+        if self.queries is None:  # not a scored step, on every rank alike
             return
         cosine = self.method == "gradcos"
-        scores = torch.cat([score_record(r, self.queries, cosine) for r in records]).float().cpu()
-        ids = torch.cat([r.example_ids for r in records]).cpu()
-        tokens = {}
-        for r in records:
-            if r.input_ids is not None:
-                mask = r.token_mask if r.token_mask is not None else torch.ones_like(r.input_ids)
-                for example, row, keep in zip(
-                    r.example_ids.tolist(), r.input_ids.cpu(), mask.cpu().bool(), strict=True
-                ):
-                    tokens[example] = row[keep].tolist()
-        ids, scores, tokens = _whole_step(ids, scores, tokens)
+        if records:
+            local = torch.cat([score_record(r, self.queries, cosine) for r in records]).float()
+            local_ids = torch.cat([r.example_ids for r in records]).to(local.device)
+        else:  # this rank had no example in the step: an empty share, (0, M)
+            norms = self.queries.sq_norms()
+            local = torch.zeros(0, norms.shape[0], device=norms.device)
+            local_ids = torch.zeros(0, dtype=torch.long, device=norms.device)
+        scores = self.gather.rows(local).cpu()
+        ids = self.gather.rows(local_ids.long()).cpu()
+        if not ids.numel():
+            return
         self.history.append(StepInfluence(step, scores.mean(0), scores.amax(0), ids, scores))
         for row, example in zip(scores, ids.tolist(), strict=True):
             previous = self._cumulative.get(example)
             weighted = self.learning_rate * row
             self._cumulative[example] = weighted if previous is None else previous + weighted
-        self._tokens.update(tokens)
+        for r in records:
+            if r.input_ids is not None:
+                mask = r.token_mask if r.token_mask is not None else torch.ones_like(r.input_ids)
+                for example, tokens, keep in zip(
+                    r.example_ids.tolist(), r.input_ids.cpu(), mask.cpu().bool(), strict=True
+                ):
+                    self._tokens[example] = tokens[keep].tolist()
+
+    def on_end(self) -> None:
+        """Every rank's token ids, for the report's texts (a collective in a distributed run)."""
+        merged: dict[int, list[int]] = {}
+        for tokens in self.gather.objects(self._tokens):
+            merged.update(tokens)
+        self._tokens = merged
 
     def cumulative_scores(self, query_ids: Tensor) -> Scores:
         """Every example seen so far, with its cumulative influence, as :class:`Scores`."""
@@ -188,22 +213,3 @@ def _plot(path: Path, history: list[StepInfluence], query_ids: Tensor) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
-
-
-def _whole_step(
-    ids: Tensor, scores: Tensor, tokens: dict[int, list[int]]
-) -> tuple[Tensor, Tensor, dict[int, list[int]]]:
-    """This rank's ``(n,)`` ids, ``(n, M)`` scores and tokens -> the whole global step's,
-    in rank order (the order one process would see the global batch in); unchanged
-    without ``torch.distributed``. A few floats and token ids per example, so an object
-    gather (every rank gets the same, so the logged metrics agree on every rank)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return ids, scores, tokens
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, (ids.tolist(), scores.tolist(), tokens))
-    merged: dict[int, list[int]] = {}
-    for _, _, part_tokens in parts:
-        merged.update(part_tokens)
-    all_ids = torch.tensor([i for part_ids, _, _ in parts for i in part_ids], dtype=torch.long)
-    rows = [row for _, part_scores, _ in parts for row in part_scores]
-    return all_ids, torch.tensor(rows, dtype=scores.dtype).reshape(-1, scores.shape[1]), merged

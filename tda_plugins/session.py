@@ -279,9 +279,12 @@ class CaptureSession:
 
     def end(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Finish: commit, save statistics and (for Adam) the optimizer moments; detach.
-        Under FSDP every rank must call it: sharded moments are gathered collectively."""
+
+        Every rank of a distributed run calls this: moments sharded by FSDP2/HSDP are
+        gathered collectively (each rank passes its own optimizer), and rank 0 writes them.
+        """
         self.engine.end()
-        wanted = optimizer is not None and self.settings.save_optimizer_state
-        if optimizer is not None and wanted and has_adam_moments(optimizer):
+        saves_moments = self.settings.save_optimizer_state and has_adam_moments(optimizer)
+        if saves_moments and optimizer is not None:
             save_adam_state(self.settings.store_dir, self.engine, optimizer, write=self.rank == 0)
         self.engine.detach()

@@ -1,24 +1,51 @@
-"""Run by ``torchrun`` (or plainly, as one process): HF Trainer + GradientCaptureCallback
-+ InfluenceLoggingCallback.
+"""The transformers callbacks inside data-parallel training, as ``torchrun`` runs them.
 
-Usage: python -m torch.distributed.run --nproc-per-node=2 tests/hf_ddp_worker.py STORE OUT
-The learning rate is 0, so every per-example gradient is taken at the initial weights and
-does not depend on which rank or step saw the example. Each rank writes what its
-influence logger logged to ``OUT/influence-rank<r>.json`` (the report itself goes to
-``OUT/influence/``, from rank 0 alone).
+Usage: ``python -m torch.distributed.run --nproc-per-node=2 tests/hf_ddp_worker.py FOLDER``
+(gloo, CPU), or ``python tests/hf_ddp_worker.py FOLDER`` for the one-process reference.
+Both runs of the script train on the same global batches (:data:`GLOBAL_BATCH` examples
+per optimizer step) and write under ``FOLDER/<world size>/``:
+
+* ``trainer/``: HF ``Trainer`` (DDP across the ranks, through accelerate) with
+  ``GradientCaptureCallback`` (every layer) and ``InfluenceLoggingCallback`` (GradDot,
+  every layer, top-k over every example); ``store/``, ``report/`` and ``logs-<rank>.json``
+  (the influence entries of ``state.log_history`` on that rank).
+* ``sharded/``: the same two callbacks on a ``fully_shard``-ed model (FSDP2: each decoder
+  layer and the root, DTensor parameters sharded over the ranks; one process: the plain
+  model). Through the HF ``Trainer`` on CPU, accelerate silently trains an FSDP2 config as
+  DDP, so this part drives the callbacks' trainer events by hand around a hand-written
+  training step, in the ``Trainer``'s order: ``on_train_begin``; per step
+  ``on_step_begin``, the micro-batches' forward and backward (loss as the ``Trainer``
+  forms it: token sum over ``num_items_in_batch``, the global batch's label tokens, times
+  the world size, which FSDP2's gradient reduction averages out), ``on_pre_optimizer_step``,
+  ``optimizer.step()``, ``on_optimizer_step``, ``on_step_end``, ``on_log``; ``on_save``
+  after :data:`SAVE_AT` steps; ``on_train_end``. Each rank takes its consecutive share of
+  each global batch, one example per micro-batch (two micro-batches per step); the
+  one-process run takes the global batch as two micro-batches of two.
+
+AdamW with a non-zero learning rate: the ranks' averaged gradient equals the one-process
+gradient, so both runs pass through the same weights at every step (to fp32 rounding).
+
+Last, ``gathered-<rank>.json``: what :func:`~tda_plugins.distributed.rank_gather` returns
+on each rank for rows of unequal counts (none on rank 0) and for one object per rank.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from datasets import Dataset
-from transformers import Trainer, TrainingArguments
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
+from tda_plugins.distributed import rank_gather
 from tda_plugins.integrations.transformers import (
     GradientCaptureCallback,
     InfluenceLoggingCallback,
@@ -28,6 +55,11 @@ from tests.models import lm_batch, tiny_causal_lm
 
 EXAMPLES = 16
 GLOBAL_BATCH = 4
+STEPS = EXAMPLES // GLOBAL_BATCH
+SAVE_AT = 2
+LEARNING_RATE = 1e-2
+TOP_K = EXAMPLES  # the report lists every example
+HANG_SECONDS = 150  # a rank still running then dumps every thread's stack and exits
 
 
 def rows() -> list[dict[str, list[int]]]:
@@ -36,49 +68,142 @@ def rows() -> list[dict[str, list[int]]]:
     return [{"input_ids": batch["input_ids"][i][keep[i]].tolist()} for i in range(EXAMPLES)]
 
 
-def main(store: str, out: str) -> None:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    distributed = {"ddp_backend": "gloo"} if world > 1 else {}
+def queries() -> list[dict[str, list[int]]]:
+    batch = lm_batch(2, 8, lengths=(8, 6), seed=11)
+    keep = batch["attention_mask"].bool()
+    return [{"input_ids": batch["input_ids"][i][keep[i]].tolist()} for i in range(2)]
+
+
+def callbacks(folder: Path) -> tuple[GradientCaptureCallback, InfluenceLoggingCallback]:
+    capture = GradientCaptureCallback(store_dir=str(folder / "store"), layers="all")
+    influence = InfluenceLoggingCallback(
+        queries(), method="graddot", layers="all", top_k=TOP_K, report_dir=str(folder / "report")
+    )
+    return capture, influence
+
+
+def save_logs(
+    folder: Path, rank: int, logs: list[dict[str, Any]], influence: InfluenceLoggingCallback
+) -> None:
+    """This rank's logged influence metrics, and which report files it wrote."""
+    (folder / f"report-{rank}.json").write_text(json.dumps(sorted(influence.report)))
+    entries = [
+        {k: v for k, v in entry.items() if k == "step" or k.startswith("influence/")}
+        for entry in logs
+        if "influence/q0_mean" in entry
+    ]
+    (folder / f"logs-{rank}.json").write_text(json.dumps(entries))
+
+
+def trainer_run(folder: Path, world: int) -> None:
+    """HF ``Trainer``; DDP across the ranks when ``world > 1``."""
     args = TrainingArguments(
-        output_dir=out,
+        output_dir=str(folder / "out"),
         per_device_train_batch_size=GLOBAL_BATCH // world,
-        max_steps=EXAMPLES // GLOBAL_BATCH,
-        learning_rate=0.0,
+        max_steps=STEPS,
+        learning_rate=LEARNING_RATE,
+        lr_scheduler_type="constant",
+        logging_strategy="steps",
+        logging_steps=1,
         report_to=[],
         use_cpu=True,
         save_strategy="no",
         disable_tqdm=True,
         remove_unused_columns=False,
         seed=0,
-        **distributed,
+        **({"ddp_backend": "gloo"} if world > 1 else {}),
     )
-    model = tiny_causal_lm("llama", torch.float32)
-    influence = InfluenceLoggingCallback(
-        queries=queries(), method="graddot", top_k=EXAMPLES, layers="all"
-    )
-    Trainer(
-        model=model,
+    capture, influence = callbacks(folder)
+    trainer = Trainer(
+        model=tiny_causal_lm("llama", torch.float32),
         args=args,
         train_dataset=Dataset.from_list(rows()),
         data_collator=pad_examples,
-        callbacks=[influence, GradientCaptureCallback(store_dir=store, layers="all")],
-    ).train()
-    logged = [
-        {
-            "step": h.step,
-            "mean": h.mean.tolist(),
-            "max": h.max.tolist(),
-            "ids": h.example_ids.tolist(),
-        }
-        for h in influence.logger.history
-    ]
-    Path(out, f"influence-rank{args.process_index}.json").write_text(json.dumps(logged))
+        callbacks=[capture, influence],
+    )
+    trainer.train()
+    save_logs(folder, args.process_index, trainer.state.log_history, influence)
 
 
-def queries() -> list[dict[str, list[int]]]:
-    batch = lm_batch(2, 10, seed=11)
-    return [{"input_ids": row.tolist()} for row in batch["input_ids"]]
+def shard(model: nn.Module) -> nn.Module:
+    """FSDP2 over the default process group: each decoder layer, then the root."""
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def sharded_run(folder: Path, world: int, rank: int) -> None:
+    """The callbacks' events driven by hand around a training step of a sharded model."""
+    model = tiny_causal_lm("llama", torch.float32).train()
+    if world > 1:
+        shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    args = TrainingArguments(output_dir=str(folder / "out"), use_cpu=True, report_to=[])
+    state, control = TrainerState(), TrainerControl()
+    hooks = callbacks(folder)
+    events: dict[str, Any] = {"model": model, "optimizer": optimizer, "lr_scheduler": scheduler}
+    data = rows()
+    logs: list[dict[str, Any]] = []
+    for cb in hooks:
+        cb.on_train_begin(args, state, control, **events)
+    for step in range(STEPS):
+        batch = data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]
+        tokens = sum(len(e["input_ids"]) - 1 for e in batch)  # the labels the loss sums
+        share = GLOBAL_BATCH // world
+        mine = batch[rank * share : (rank + 1) * share]
+        micro = [mine[:1], mine[1:]] if world > 1 else [mine[:2], mine[2:]]
+        for cb in hooks:
+            cb.on_step_begin(args, state, control, **events)
+        for examples in micro:
+            loss = model(**pad_examples(examples), num_items_in_batch=tokens).loss
+            (loss * world).backward()
+        for cb in hooks:
+            cb.on_pre_optimizer_step(args, state, control, **events)
+        optimizer.step()
+        for cb in hooks:
+            cb.on_optimizer_step(args, state, control, **events)
+        scheduler.step()
+        optimizer.zero_grad()
+        state.global_step = step + 1
+        for cb in hooks:
+            cb.on_step_end(args, state, control, **events)
+        entry: dict[str, Any] = {"loss": float(loss.detach()), "step": state.global_step}
+        for cb in hooks:
+            cb.on_log(args, state, control, logs=entry, **events)
+        logs.append(entry)
+        if state.global_step == SAVE_AT:
+            for cb in hooks:
+                cb.on_save(args, state, control, **events)
+    for cb in hooks:
+        cb.on_train_end(args, state, control, **events)
+    save_logs(folder, rank, logs, hooks[1])
+
+
+def unequal_gather(folder: Path, rank: int) -> None:
+    """Rank ``r`` gathers ``r * 3`` rows of ``(r, row)`` pairs (rank 0: none) and the token
+    lists of ``r + 1`` examples: ``gathered-<rank>.json``."""
+    gather = rank_gather()
+    values = torch.tensor([[rank, row] for row in range(rank * 3)], dtype=torch.float32)
+    rows_ = gather.rows(values.reshape(-1, 2)).tolist()
+    objects = gather.objects({rank * 10 + i: [rank] * (i + 1) for i in range(rank + 1)})
+    (folder / f"gathered-{rank}.json").write_text(json.dumps({"rows": rows_, "objects": objects}))
+
+
+def main(folder: Path) -> None:
+    torch.set_num_threads(1)
+    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    out = folder / str(world)
+    trainer_run(out / "trainer", world)  # under torchrun, accelerate joins the gloo group
+    rank = dist.get_rank() if world > 1 else 0
+    sharded_run(out / "sharded", world, rank)
+    unequal_gather(out, rank)
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(Path(sys.argv[1]))

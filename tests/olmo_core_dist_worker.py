@@ -2,13 +2,16 @@
 the data-parallel tests.
 
 ``python -m torch.distributed.run --standalone --nproc-per-node=2
-tests/olmo_core_dist_worker.py FOLDER {ddp,fsdp}`` trains the tiny OLMo-2 transformer
+tests/olmo_core_dist_worker.py FOLDER {ddp,fsdp,hsdp}`` trains the tiny OLMo-2 transformer
 (fp32, CPU, gloo) for :data:`STEPS` steps on the token file that :func:`write_tokens` put
 in ``FOLDER``, data-parallel through OLMo-core's own
 ``TransformerTrainModuleConfig(dp_config=TransformerDataParallelConfig(name=...))``
-(``replicate`` for DDP, ``fully_shard`` for FSDP), AdamW with a non-zero learning rate,
-two micro-batches per rank and step, and captures every layer (``layers="all"``: linear,
-embedding, norm scales; K-FAC statistics and Adam moments too) into ``FOLDER/<mode>/grads``.
+(``replicate`` for DDP, ``fully_shard`` for FSDP; for HSDP ``fully_shard`` over a 2-D
+mesh of two replicas of a one-rank shard group: on two ranks HSDP can replicate or shard
+but not both, and the replicas are what sets it apart from FSDP), AdamW with a non-zero
+learning rate, two micro-batches per rank and step, and captures every layer
+(``layers="all"``: linear, embedding, norm scales; K-FAC statistics and Adam moments too)
+into ``FOLDER/<mode>/grads``.
 Each rank saves ``FOLDER/<mode>/rank<r>.pt``: its batch's instance indices at each step
 and (rank 0) the full parameters each step started from.
 
@@ -45,7 +48,7 @@ from torch.distributed.tensor import DTensor
 from tda_plugins.integrations.olmo_core import GradientCaptureCallback
 from tda_plugins.session import CaptureSettings
 
-Mode = Literal["single", "ddp", "fsdp"]
+Mode = Literal["single", "ddp", "fsdp", "hsdp"]
 
 VOCAB = 64
 SEQ = 8
@@ -81,16 +84,19 @@ def _full(t: Tensor) -> Tensor:
 
 @dataclass
 class StepLog(Callback):
-    """Before each step: this rank's instance indices and the full parameters."""
+    """Before each step: this rank's instance indices and the full parameters; and the
+    DTensor placements of the parameters (their layout under FSDP/HSDP)."""
 
     indices: list[Tensor] = field(default_factory=list)
     params: list[dict[str, Tensor]] = field(default_factory=list)
+    placements: set[str] = field(default_factory=set)
 
     def pre_step(self, batch: dict) -> None:
         self.indices.append(batch["index"].clone())
         train_module = self.trainer.train_module
         assert isinstance(train_module, TransformerTrainModule)
         model = train_module.model
+        self.placements |= {str(p.placements) for p in model.parameters() if isinstance(p, DTensor)}
         # Under FSDP full_tensor() is an all-gather, which every rank joins here.
         self.params.append({n: _full(p) for n, p in model.named_parameters()})
 
@@ -102,7 +108,12 @@ def train(folder: Path, mode: Mode) -> StepLog:
     dataset = dataset_config(folder, mode).build()
     loader = NumpyDataLoaderConfig(global_batch_size=GLOBAL_BATCH * SEQ, seed=0).build(dataset)
     dp_config = (
-        None if mode == "single" else TransformerDataParallelConfig(name=DataParallelType(mode))
+        None
+        if mode == "single"
+        # HSDP: two replicas (gradients all-reduced across them) of a one-rank shard group
+        else TransformerDataParallelConfig(
+            name=DataParallelType(mode), num_replicas=WORLD if mode == "hsdp" else None
+        )
     )
     module = TransformerTrainModuleConfig(
         rank_microbatch_size=GLOBAL_BATCH // world // 2 * SEQ,  # two micro-batches per rank
@@ -123,7 +134,8 @@ def train(folder: Path, mode: Mode) -> StepLog:
 
 
 def save_log(log: StepLog, path: Path, keep_params: bool) -> None:
-    torch.save({"indices": log.indices, "params": log.params if keep_params else []}, path)
+    params = log.params if keep_params else []
+    torch.save({"indices": log.indices, "params": params, "placements": log.placements}, path)
 
 
 def main(folder: Path, mode: Mode) -> None:
@@ -139,6 +151,7 @@ def main(folder: Path, mode: Mode) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[2] not in ("ddp", "fsdp"):
-        sys.exit("usage: olmo_core_dist_worker.py FOLDER {ddp,fsdp}")
-    main(Path(sys.argv[1]), "ddp" if sys.argv[2] == "ddp" else "fsdp")
+    modes: dict[str, Mode] = {"ddp": "ddp", "fsdp": "fsdp", "hsdp": "hsdp"}
+    if len(sys.argv) != 3 or sys.argv[2] not in modes:
+        sys.exit("usage: olmo_core_dist_worker.py FOLDER {ddp,fsdp,hsdp}")
+    main(Path(sys.argv[1]), modes[sys.argv[2]])

@@ -12,6 +12,8 @@ from datasets import Dataset
 from transformers import Trainer
 
 from tda_plugins import LayerSelection
+from tda_plugins.api import capture_batch
+from tda_plugins.influence import InfluenceLogger
 from tda_plugins.integrations.transformers import (
     GradientCaptureCallback,
     InfluenceLoggingCallback,
@@ -85,3 +87,41 @@ def test_report_files_exist_and_name_stored_example_ids(run: dict) -> None:
     assert len(summary["top_k"]) == len(summary["query_ids"])
     assert len(summary["history"]) == STEPS
     assert str(summary["query_ids"][0]) in Path(report["html"]).read_text()
+
+
+class _OtherRankScored:
+    """The exchange as rank 0 sees it when only rank 1 had examples in the step: rank 1's
+    rows (ids, then scores) follow this rank's."""
+
+    rank = 0
+
+    def __init__(self, ids: torch.Tensor, scores: torch.Tensor):
+        self.theirs = [ids, scores]
+
+    def rows(self, values: torch.Tensor) -> torch.Tensor:
+        other = self.theirs[0] if values.dtype == torch.long else self.theirs[1]
+        assert values.shape[1:] == other.shape[1:] and values.shape[0] == 0
+        return torch.cat([values, other.to(values.dtype)])
+
+    def objects(self, value: object) -> list[object]:
+        return [value]
+
+
+def test_a_rank_without_examples_joins_the_step_with_an_empty_share() -> None:
+    """A scored step in which this rank had no micro-batch: it still takes part in the
+    exchange, with ``(0, M)`` scores, and logs the other rank's examples."""
+    model = tiny_causal_lm("llama", torch.float32)
+    queries = capture_batch(model, pad_rows([{"input_ids": r} for r in token_rows(3, seed=9)]))
+    ids, scores = torch.tensor([7, 8]), torch.tensor([[1.0, -2.0, 3.0], [3.0, 0.0, -1.0]])
+    logger = InfluenceLogger("graddot", _OtherRankScored(ids, scores))
+    logger.set_queries(queries)
+    logger.on_optimizer_step(0, [])
+    assert [h.example_ids.tolist() for h in logger.history] == [[7, 8]]
+    assert logger.metrics() == {
+        "influence/q0_mean": 2.0,
+        "influence/q0_max": 3.0,
+        "influence/q1_mean": -1.0,
+        "influence/q1_max": 0.0,
+        "influence/q2_mean": 1.0,
+        "influence/q2_max": 3.0,
+    }

@@ -1,8 +1,9 @@
-"""``GradientCaptureCallback`` under torchrun: DDP and FSDP store what one process stores.
+"""``GradientCaptureCallback`` under torchrun: DDP, FSDP and HSDP store what one process stores.
 
 Two gloo ranks (``tests/olmo_core_dist_worker.py``) train the tiny OLMo-2 transformer with
-OLMo-core's data parallelism (``dp_config`` DDP, or FSDP with its default ``full``
-wrapping: sharded DTensor parameters and optimizer state), and the same script's
+OLMo-core's data parallelism (``dp_config`` DDP; FSDP with its default ``full`` wrapping:
+sharded DTensor parameters and optimizer state; HSDP as two replicas, whose parameters
+and moments are DTensors on a 2-D replicate x shard mesh), and the same script's
 one-process run on the same data and global batch size is the reference. OLMo-core gives
 rank ``r`` every second instance of the same global batch (``[r::2]``), so each step
 covers the same instances in both runs; with the per-rank loss divisor averaged across
@@ -13,7 +14,7 @@ Checked: one ``rank-<r>`` directory per process holding that rank's instances, a
 merged store (``StoreReader`` on the root) equal to the one-process store: the same
 instance indices, each at the same step with the same gradient in every layer (linear,
 embedding, norm scales; relative error <= 1e-4), the same summed K-FAC statistics and the
-same Adam moments (gathered from the shards under FSDP).
+same Adam moments (gathered from the DTensors under FSDP and HSDP).
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ from tests.olmo_core_dist_worker import GLOBAL_BATCH, STEPS, WORLD, save_log, tr
 from tests.stores import rel_error
 
 FP32_TOL = 1e-4
+#: The DTensor placements of the parameters in each mode (DDP: plain tensors).
+PLACEMENTS = {
+    "ddp": set(),
+    "fsdp": {"(Shard(dim=0),)"},
+    "hsdp": {"(Replicate(), Shard(dim=0))"},
+}
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -65,7 +72,7 @@ def rank_step_ids(store: Path, rank: int) -> dict[int, list[int]]:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "hsdp"])
 def test_two_ranks_store_what_one_process_stores(tmp_path: Path, mode: str) -> None:
     write_tokens(tmp_path)
     torchrun(tmp_path, mode)
@@ -75,6 +82,7 @@ def test_two_ranks_store_what_one_process_stores(tmp_path: Path, mode: str) -> N
     single, multi = tmp_path / "single" / "grads", tmp_path / mode / "grads"
     logs = [torch.load(tmp_path / mode / f"rank{r}.pt") for r in range(WORLD)]
     assert sorted(p.name for p in multi.glob("rank-*")) == ["rank-0", "rank-1"]
+    assert logs[0]["placements"] == PLACEMENTS[mode]  # the parameters' layout is the mode's
 
     # Data order: each step, rank r trains on (and stores) the instances [r::2] of the
     # one-process run's global batch, and the runs' parameters agree.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -29,16 +30,27 @@ from tda_plugins.store.layout import StoreError
 OPTIMIZER_FILE = "optimizer.safetensors"
 
 
+def _full(value: Any) -> Any:
+    """A moment as one whole tensor: a DTensor (FSDP2/HSDP shards) is all-gathered, which
+    is a collective every rank of its mesh must join."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
 def save_adam_state(
     root: str | Path,
     engine: CaptureEngine,
     optimizer: torch.optim.Optimizer,
+    *,
     write: bool = True,
 ) -> None:
     """Save an Adam/AdamW optimizer's moments for the engine's captured layers.
 
-    Moments sharded as DTensors (FSDP) are gathered first, a collective: under FSDP every
-    rank calls this, in the same order, and only the rank with ``write`` saves the file.
+    Under FSDP2 or HSDP the moments are DTensors sharded like the parameters, and
+    gathering each one whole is a collective: then every rank must call this (the
+    layers come in the same order everywhere), and only the rank with ``write=True``
+    writes the file. One layer's moments are whole at a time; the writing rank keeps
+    their fp32 copies on the CPU until the file is written. Unsharded moments (one
+    process, DDP) are read as they are, with no communication.
     """
     groups = optimizer.param_groups
     if not groups or any("betas" not in g or "eps" not in g for g in groups):
@@ -51,19 +63,15 @@ def save_adam_state(
         states = [optimizer.state.get(p, {}) for p in params.values()]
         if any("exp_avg" not in s for s in states):
             raise StoreError(f"the optimizer has no Adam state for {name}; save after a step")
-        step = max(step, *(int(s["step"]) for s in states))
+        step = max(step, *(int(_full(s["step"])) for s in states))
         for moment in ("exp_avg", "exp_avg_sq"):
             values = {local: _full(s[moment]) for local, s in zip(params, states, strict=True)}
-            tensors[f"{name}::{moment}"] = adapter.flatten(module, values).float().cpu()
+            if write:
+                tensors[f"{name}::{moment}"] = adapter.flatten(module, values).float().cpu()
     if not write:
         return
     meta = {"betas": json.dumps(list(group["betas"])), "eps": str(group["eps"]), "step": str(step)}
     atomic_write_bytes(Path(root) / OPTIMIZER_FILE, save(tensors, metadata=meta))
-
-
-def _full(moment: Tensor) -> Tensor:
-    """A moment as one plain tensor (a DTensor gathered from its shards: a collective)."""
-    return moment.full_tensor() if isinstance(moment, DTensor) else moment
 
 
 class AdamPreconditioner:

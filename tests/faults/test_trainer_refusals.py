@@ -1,176 +1,251 @@
-"""Trainer setups the transformers callbacks cannot follow exactly are refused before step 0.
+"""Training setups the transformers callbacks cannot follow are refused at ``on_train_begin``.
 
-Each case builds the real thing where this machine can (DTensor parameters on a one-rank
-gloo group; FSDP1 on CPU; a ``ParallelismConfig``; ZeRO-3's parameter attribute) and
-asserts that every callback refuses it at ``on_train_begin`` with one line naming the
-cause and the fix, and that nothing was trained or written. The supported setups next to
-them (FSDP2's own DTensor parameters, HSDP placements) are accepted.
+Each case builds the setup with the real objects a user's run would have, in this one
+process: DTensor parameters from transformers' own tensor-parallel plan and ``fully_shard``
+on a 1-rank gloo group (a ``FileStore``), FSDP1's ``FullyShardedDataParallel``,
+transformers' pipeline split and a ``torch.distributed.pipelining`` ``Pipe``, a model that
+accelerate dispatches over two devices, accelerate's state as ``Trainer`` creates it with
+a ``DeepSpeedPlugin`` in it (the package itself is not installed here, so accelerate
+cannot build a DeepSpeed state on its own), the environment variable accelerate reads,
+and compiled modules. Every one of the three callbacks (capture, influence logging, data
+selection) must raise ``UnsupportedTrainingSetup`` at its first event, with one line
+naming the cause and the way out, and leave nothing behind: no hook on the model, no
+store. One case runs the real ``Trainer`` to show the refusal comes before any step.
+Data-parallel layouts (FSDP2, HSDP) are accepted.
 """
 
 from __future__ import annotations
 
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from accelerate import Accelerator, dispatch_model
+from accelerate.state import AcceleratorState
+from accelerate.utils import DeepSpeedPlugin, DistributedType
+from datasets import Dataset
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
-from torch.distributed.tensor import Shard, distribute_tensor
-from transformers import TrainerControl, TrainerState
+from torch.distributed.pipelining import SplitPoint, pipeline
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.distributed.pipeline_parallel import apply_pipeline_parallelism
+from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
 from tda_plugins.integrations.transformers import (
     DataSelectionCallback,
     GradientCaptureCallback,
     InfluenceLoggingCallback,
+    pad_examples,
 )
 from tda_plugins.integrations.transformers.setup import check_trainer_setup
 from tda_plugins.session import UnsupportedTrainingSetup
 from tests.models import tiny_causal_lm
 from tests.trainers import token_rows, training_args
 
-ROWS = [{"input_ids": r} for r in token_rows(2, seed=3)]
-CALLBACKS: dict[str, Callable[[Path], Any]] = {
-    "capture": lambda tmp: GradientCaptureCallback(store_dir=str(tmp / "store"), layers="all"),
-    "influence": lambda tmp: InfluenceLoggingCallback(queries=ROWS, layers="all"),
-    "selection": lambda tmp: DataSelectionCallback(target=ROWS, layers="all"),
-}
+EXAMPLES = [{"input_ids": r} for r in token_rows(2)]
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DeviceMesh]:
+    """A 1-rank gloo process group (``FileStore``) and its CPU device mesh."""
+    store = dist.FileStore(str(tmp_path_factory.mktemp("group") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.fixture
-def one_rank_group() -> Iterator[None]:
-    """A gloo process group of one rank (DTensors and FSDP need one)."""
-    with tempfile.NamedTemporaryFile() as file:
-        dist.init_process_group("gloo", store=dist.FileStore(file.name, 1), rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
-
-
-def assert_refused(tmp: Path, model: nn.Module, *fragments: str, **args: Any) -> None:
-    """Every callback refuses at on_train_begin, one line holding ``fragments``; the model
-    keeps its weights and no store exists."""
-    before = {k: v.clone() for k, v in model.state_dict().items() if not v.is_meta}
-    for name, make in CALLBACKS.items():
-        callback = make(tmp)
-        arguments = training_args(tmp / "out", **args)
-        with pytest.raises(UnsupportedTrainingSetup) as refused:
-            callback.on_train_begin(arguments, TrainerState(), TrainerControl(), model=model)
-        message = str(refused.value)
-        assert "\n" not in message, name
-        for fragment in fragments:
-            assert fragment in message, (name, fragment, message)
-    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
-    assert not (tmp / "store").exists()
+def accelerate_state(tmp_path: Path) -> Iterator[tuple[TrainingArguments, AcceleratorState]]:
+    """Arguments, then accelerate's state as ``Trainer`` creates it from them (building
+    ``TrainingArguments`` resets that state); reset afterwards."""
+    args = training_args(tmp_path / "out")
+    Accelerator(cpu=True)
+    try:
+        yield args, AcceleratorState()
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def llama() -> nn.Module:
     return tiny_causal_lm("llama", torch.float32)
 
 
-def test_deepspeed_enabled_through_the_accelerate_environment_is_refused(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def hooks(model: nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def assert_refused(
+    tmp_path: Path,
+    model: nn.Module,
+    *named: str,
+    training: TrainingArguments | None = None,
+    **args: Any,
 ) -> None:
-    """``accelerate launch`` with a DeepSpeed config sets ACCELERATE_USE_DEEPSPEED (the
-    training arguments are built first: with it set they need DeepSpeed installed)."""
-    args = training_args(tmp_path / "out")
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    with pytest.raises(UnsupportedTrainingSetup, match="ACCELERATE_USE_DEEPSPEED"):
-        check_trainer_setup(args, llama())
-    for make in CALLBACKS.values():
-        with pytest.raises(UnsupportedTrainingSetup, match=r"DeepSpeed .* FSDP2"):
-            make(tmp_path).on_train_begin(args, TrainerState(), TrainerControl(), model=llama())
-    assert not (tmp_path / "store").exists()
+    """Each callback's ``on_train_begin`` (with ``training``, else ``training_args(**args)``)
+    raises one line holding every phrase of ``named`` (the cause and the fix), and leaves
+    no hook and no store behind."""
+    store = tmp_path / "store"
+    callbacks = [
+        GradientCaptureCallback(store_dir=str(store), layers="all"),
+        InfluenceLoggingCallback(EXAMPLES, layers="all"),
+        DataSelectionCallback(EXAMPLES, layers="all"),
+    ]
+    before = hooks(model)
+    training = training or training_args(tmp_path / "out", **args)
+    for callback in callbacks:
+        with pytest.raises(UnsupportedTrainingSetup) as refused:
+            callback.on_train_begin(training, TrainerState(), TrainerControl(), model=model)
+        message = str(refused.value)
+        assert "\n" not in message
+        for phrase in named:
+            assert phrase in message, (type(callback).__name__, message)
+    assert hooks(model) == before
+    assert not store.exists()
 
 
-def test_deepspeed_in_the_training_arguments_is_refused(tmp_path: Path) -> None:
-    args = training_args(tmp_path / "out")
-    args.deepspeed = "ds_config.json"  # what --deepspeed sets (deepspeed is not installed)
-    with pytest.raises(UnsupportedTrainingSetup, match="DeepSpeed"):
-        check_trainer_setup(args, llama())
+# -- tensor parallelism --------------------------------------------------------------------
 
 
-def test_zero3_partitioned_parameters_are_refused(tmp_path: Path) -> None:
-    """ZeRO-3 marks every parameter it partitions with ``ds_id``."""
+def test_transformers_tensor_parallel_plan_is_refused(tmp_path: Path, mesh: DeviceMesh) -> None:
+    """transformers' own TP plan for Llama (colwise q/k/v, rowwise o/down, vocab-sharded
+    embedding): DTensor parameters that FSDP does not gather, refused by name."""
     model = llama()
-    for i, p in enumerate(model.parameters()):
-        p.ds_id = i  # type: ignore[attr-defined]
-    assert_refused(tmp_path, model, "DeepSpeed")
+    # what from_pretrained(distributed_config=DistributedConfig(tp_size=...)) applies
+    apply_tensor_parallelism(model, mesh, model._expand_parallel_plan(model._tp_plan))
+    assert_refused(tmp_path, model, "tensor/context/expert parallelism", "Shard(dim=0)", "DDP")
 
 
-def test_fsdp1_is_refused(tmp_path: Path, one_rank_group: None) -> None:
-    model = FullyShardedDataParallel(llama(), device_id=torch.device("cpu"))
-    assert_refused(tmp_path, model, "FSDP1", "FSDP2")
-
-
-def test_fsdp1_in_the_training_arguments_is_refused(tmp_path: Path) -> None:
-    args = training_args(tmp_path / "out")
-    args.fsdp, args.fsdp_config = "full_shard", {"version": 1}
-    with pytest.raises(UnsupportedTrainingSetup, match="FSDP1 flattens"):
-        check_trainer_setup(args, llama())
-
-
-def test_tensor_parallel_dtensor_parameters_are_refused(
-    tmp_path: Path, one_rank_group: None
-) -> None:
-    """A weight sharded on its input dimension (row-wise tensor parallelism) without
-    fully_shard: each rank would hold part of every per-example gradient."""
-    model = llama()
-    mesh = init_device_mesh("cpu", (1,))
-    layer = model.model.layers[0].mlp.down_proj
-    layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), mesh, [Shard(1)]))
-    assert_refused(tmp_path, model, "Linear.weight", "tensor parallel")
-
-
-def test_column_sharded_dtensor_without_fully_shard_is_refused(
-    tmp_path: Path, one_rank_group: None
-) -> None:
-    """Shard(0) alone is what column-wise tensor parallelism also uses: only fully_shard's
-    own parameters are accepted."""
-    model = llama()
-    mesh = init_device_mesh("cpu", (1,))
-    layer = model.model.layers[0].self_attn.q_proj
-    layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), mesh, [Shard(0)]))
-    assert_refused(tmp_path, model, "tensor parallel")
-
-
-def test_fully_shard_parameters_are_accepted(one_rank_group: None, tmp_path: Path) -> None:
-    model = llama()
-    mesh = init_device_mesh("cpu", (1,))
-    for block in model.model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    assert check_trainer_setup(training_args(tmp_path), model) is model
-
-
-def test_tensor_parallel_in_the_parallelism_config_is_refused(tmp_path: Path) -> None:
+def test_tensor_parallel_sizes_are_refused(tmp_path: Path, mesh: DeviceMesh) -> None:
+    """accelerate's ``ParallelismConfig(tp_size=2)`` in the arguments (the Trainer's TP)."""
     from accelerate.parallelism_config import ParallelismConfig
 
+    config = ParallelismConfig(tp_size=2)
+    assert_refused(tmp_path, llama(), "tp_size=2", "tp_size", parallelism_config=config)
+
+
+def test_fsdp2_and_hsdp_layouts_are_accepted(mesh: DeviceMesh) -> None:
+    """``fully_shard`` (``Shard(0)``) and HSDP (``Replicate, Shard(0)`` on a 2-D mesh) gather
+    each parameter whole before the module computes: not refused."""
+    args = TrainingArguments(output_dir="unused", use_cpu=True, report_to=[])
+    for device_mesh in (mesh, init_device_mesh("cpu", (1, 1), mesh_dim_names=("rep", "shard"))):
+        model = llama()
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=device_mesh)
+        fully_shard(model, mesh=device_mesh)
+        assert check_trainer_setup(args, model) is model
+
+
+# -- DeepSpeed -----------------------------------------------------------------------------
+
+
+def test_deepspeed_plugin_in_accelerate_state_is_refused(
+    tmp_path: Path,
+    accelerate_state: tuple[TrainingArguments, AcceleratorState],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What ``Trainer.is_deepspeed_enabled`` reads: a ``DeepSpeedPlugin`` in accelerate's
+    state, with no ``deepspeed`` argument."""
+    args, state = accelerate_state
+    monkeypatch.setattr(state, "deepspeed_plugins", {"zero2": DeepSpeedPlugin(zero_stage=2)})
+    named = ("DeepSpeed (enabled by accelerate's deepspeed_plugin)", "FSDP2")
+    assert_refused(tmp_path, llama(), *named, training=args)
+
+
+def test_deepspeed_distributed_type_is_refused(
+    tmp_path: Path,
+    accelerate_state: tuple[TrainingArguments, AcceleratorState],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    args, state = accelerate_state
+    monkeypatch.setattr(state, "distributed_type", DistributedType.DEEPSPEED)
+    assert_refused(tmp_path, llama(), "distributed_type DEEPSPEED", "DDP or FSDP2", training=args)
+
+
+def test_deepspeed_from_the_environment_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ACCELERATE_USE_DEEPSPEED=true``, what ``accelerate launch`` sets from its config
+    (set after the arguments: without the package, transformers refuses to build them)."""
     args = training_args(tmp_path / "out")
-    args.parallelism_config = ParallelismConfig(tp_size=2)
-    with pytest.raises(UnsupportedTrainingSetup, match="tp_size=2 splits each layer"):
-        check_trainer_setup(args, llama())
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    assert_refused(tmp_path, llama(), "ACCELERATE_USE_DEEPSPEED", "FSDP2", training=args)
 
 
-def test_a_model_split_over_several_devices_is_refused(tmp_path: Path) -> None:
-    """A device_map or pipeline split (here: one block on the meta device)."""
+# -- FSDP1, pipeline parallelism, compiled models -------------------------------------------
+
+
+def test_fsdp1_is_refused(tmp_path: Path, mesh: DeviceMesh) -> None:
+    """FSDP1 as ``Trainer`` hands it to the callbacks: the wrapped model."""
+    model = FullyShardedDataParallel(llama(), device_id=torch.device("cpu"))
+    assert_refused(tmp_path, model, "FSDP1 (FullyShardedDataParallel)", "fsdp_version: 2")
+
+
+def test_transformers_pipeline_parallel_is_refused(tmp_path: Path, mesh: DeviceMesh) -> None:
+    """transformers' pipeline split (``DistributedConfig(pp_size=...)`` applies it)."""
+    model = apply_pipeline_parallelism(llama(), mesh)
+    assert_refused(tmp_path, model, "pipeline parallelism", "pp_size=1")
+
+
+def test_torch_pipelining_pipe_is_refused(tmp_path: Path) -> None:
+    """A model split by ``torch.distributed.pipelining.pipeline``."""
+    mlp = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    pipe = pipeline(mlp, mb_args=(torch.randn(2, 4),), split_spec={"2": SplitPoint.BEGINNING})
+    assert_refused(tmp_path, pipe, "pipeline parallelism", "pp_size=1")
+
+
+def test_model_spread_over_devices_is_refused(tmp_path: Path) -> None:
+    """accelerate's ``dispatch_model`` over two devices (``lm_head`` offloaded to disk: the
+    second device a CPU-only machine has)."""
+    model = dispatch_model(
+        llama(), device_map={"model": "cpu", "lm_head": "disk"}, offload_dir=str(tmp_path / "off")
+    )
+    assert_refused(tmp_path, model, "spread over devices ['cpu', 'disk']", "load it on one device")
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "Module.compile"])
+def test_compiled_models_are_refused(tmp_path: Path, how: str) -> None:
+    """A compiled root, or one decoder layer compiled in place."""
     model = llama()
-    model.model.layers[1].to("meta")
-    assert_refused(tmp_path, model, "2 devices", "one device per process")
+    if how == "torch.compile":
+        assert_refused(tmp_path, torch.compile(model), "torch.compile'd", "uncompiled model")
+    else:
+        model.model.layers[1].compile()
+        assert_refused(tmp_path, model, "(model.layers.1)", "no Module.compile")
 
 
-def test_a_compiled_model_is_refused(tmp_path: Path) -> None:
-    assert_refused(tmp_path, torch.compile(llama()), "torch.compile")
+def test_trainer_told_to_compile_is_refused_before_any_step(tmp_path: Path) -> None:
+    """``torch_compile=True``: the real ``Trainer`` raises at ``on_train_begin``, before
+    any step, with no store and the weights untouched."""
+    assert_refused(
+        tmp_path, llama(), "torch_compile=True", "torch_compile=False", torch_compile=True
+    )
+    steps = StepCounter()
+    store = tmp_path / "trainer-store"
+    model = llama()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = Trainer(
+        model=model,
+        args=training_args(tmp_path / "trainer-out", torch_compile=True),
+        train_dataset=Dataset.from_list(EXAMPLES * 4),
+        data_collator=pad_examples,
+        callbacks=[steps, GradientCaptureCallback(store_dir=str(store))],
+    )
+    with pytest.raises(UnsupportedTrainingSetup, match="torch_compile=True"):
+        trainer.train()
+    assert steps.begun == 0 and trainer.state.global_step == 0
+    assert not store.exists()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in initial.items())
 
 
-def test_packing_is_refused(tmp_path: Path) -> None:
-    from trl import SFTConfig
+class StepCounter(TrainerCallback):
+    def __init__(self) -> None:
+        self.begun = 0
 
-    args = training_args(tmp_path / "out", SFTConfig, packing=True)
-    with pytest.raises(UnsupportedTrainingSetup, match="packing=True"):
-        check_trainer_setup(args, llama())
+    def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
+        self.begun += 1

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from olmo_core.nn.lm_head import LMLossImplementation
 from olmo_core.nn.transformer import Transformer
 from olmo_core.train.callbacks import Callback
@@ -33,12 +32,9 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from tda_plugins.capture import CaptureEngine
+from tda_plugins.distributed import process_rank
 from tda_plugins.integrations.olmo_core.normalization import OLMoCoreLossNormalization
-from tda_plugins.session import (
-    CaptureSession,
-    CaptureSettings,
-    UnsupportedTrainingSetup,
-)
+from tda_plugins.session import CaptureSession, CaptureSettings, UnsupportedTrainingSetup
 
 
 def check_train_module(train_module: TrainModule, settings: CaptureSettings) -> Transformer:
@@ -76,10 +72,6 @@ def check_train_module(train_module: TrainModule, settings: CaptureSettings) -> 
     return model
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def give_example_ids(
     engine: CaptureEngine, module: nn.Module, kwargs: dict[str, Any], batch_has_index: bool
 ) -> None:
@@ -109,9 +101,10 @@ class GradientCaptureCallback(Callback):
     instance (with fixed-sequence-length datasets, a chunk of the token stream that may
     span several documents); its id is the instance's dataset index (a content hash of its
     tokens if the batch has no ``index``). Each rank writes its own part of the store
-    (rank from ``torch.distributed``); with data parallelism (``dp_config`` DDP or FSDP)
-    the merged store holds what one process would have captured from the same global
-    batches. Under FSDP the Adam moments saved at the end are gathered from every rank.
+    (rank from ``torch.distributed``); with data parallelism (``dp_config`` DDP, FSDP or
+    HSDP) the merged store holds what one process would have captured from the same global
+    batches. Under FSDP and HSDP the Adam moments saved at the end are gathered by every
+    rank (a collective) and written by rank 0.
 
     Resuming: a run that loads a checkpoint with trainer state continues the store at the
     checkpoint's step and restores the curvature statistics saved beside it, so no step is
@@ -193,7 +186,7 @@ class GradientCaptureCallback(Callback):
             self.settings,
             model,
             OLMoCoreLossNormalization(),
-            rank=_rank(),
+            rank=process_rank(),
             start_step=start_step,
         )
         self._ids_hook = model.register_forward_pre_hook(

@@ -37,6 +37,9 @@ class GradientCaptureCallback(TrainerCallback):
     (``num_items_in_batch``, accumulation, world size). Works unchanged with TRL's
     ``SFTTrainer`` and with PEFT LoRA models (default layers: the LoRA adapters).
     Resuming with ``resume_from_checkpoint`` continues the store at the checkpoint's step.
+    Under DDP and FSDP2 (``fully_shard``, HSDP) each rank writes its own examples to
+    ``rank-<r>/`` of the store; at the end every rank takes part in gathering the sharded
+    Adam moments, which rank 0 writes.
     """
 
     def __init__(self, settings: CaptureSettings | None = None, **options: Any):

@@ -9,6 +9,7 @@ from torch import nn
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from tda_plugins.capture import MicroBatchRecord, content_hash
+from tda_plugins.distributed import rank_gather
 from tda_plugins.influence import InfluenceLogger
 from tda_plugins.integrations.transformers.pool import PoolCallback
 from tda_plugins.integrations.transformers.setup import check_trainer_setup
@@ -24,10 +25,13 @@ class InfluenceLoggingCallback(PoolCallback):
     ``state.log_history``; for ``report_to`` integrations, add it with
     :meth:`add_to` so it runs before them). At the end it writes ``influence.json``,
     ``influence.html`` (running top-k helpful/harmful examples with their texts) and
-    ``influence.png`` to ``report_dir`` (default ``<output_dir>/influence``). Under DDP or
-    FSDP2 every step's scores are gathered from all ranks: the logged metrics are those of
-    the whole global batch (equal on every rank, and to a one-process run's), and rank 0
-    alone writes the report, covering every example.
+    ``influence.png`` to ``report_dir`` (default ``<output_dir>/influence``).
+
+    Data-parallel runs (DDP, FSDP2): every rank computes the queries' gradients itself
+    (its own examples are scored on it, against every query), the ranks' scores are
+    gathered at each scored step, so the logged metrics are those of the whole global
+    batch and the same on every rank, and rank 0 alone writes one report covering every
+    rank's examples.
 
     Args:
         queries: rows with ``input_ids`` (and optional ``labels``, -100 = no loss).
@@ -49,6 +53,7 @@ class InfluenceLoggingCallback(PoolCallback):
         **options: Any,
     ):
         super().__init__(queries, every_n_steps, options)
+        self.method = method
         self.logger = InfluenceLogger(method)
         self.top_k = top_k
         self.report_dir = report_dir
@@ -62,7 +67,9 @@ class InfluenceLoggingCallback(PoolCallback):
         model: nn.Module | None = None,
         **kwargs: Any,
     ) -> None:
-        self.attach(args, check_trainer_setup(args, model), state).add_consumer(self.logger)
+        model = check_trainer_setup(args, model)
+        self.logger = InfluenceLogger(self.method, rank_gather())
+        self.attach(args, model, state).add_consumer(self.logger)
 
     def use_pool(self, pooled: MicroBatchRecord | None, lr_scheduler: Any) -> None:
         rate = float(lr_scheduler.get_last_lr()[0]) if lr_scheduler is not None else 1.0
@@ -81,8 +88,8 @@ class InfluenceLoggingCallback(PoolCallback):
     ) -> None:
         if self.engine is None:
             return
-        self.detach()
-        if not state.is_world_process_zero:  # every rank holds every example's scores
+        self.detach()  # every rank: the end gathers the report's token ids
+        if self.logger.gather.rank != 0:
             return
         query_ids = content_hash(self.pool["input_ids"], self.pool["attention_mask"])
         decode = getattr(processing_class, "decode", None)

@@ -1,173 +1,194 @@
-"""What the transformers callbacks refuse before step 0, each with its reason and the way out.
+"""The training setups the transformers callbacks refuse before step 0, one check each.
 
-Per-example gradients are exact when each process runs whole examples through whole
-layers and the hooks see each layer's full input and output gradient: one process, DDP,
-and FSDP2 (``fully_shard``, parameters gathered for each layer's forward and backward).
-Everything else that would make them wrong, or that the hooks cannot see, is refused
-here, before any step runs, by one registered check each (:data:`CHECKS`). The table:
+Per-example capture needs each example's whole forward and backward through every
+captured module in one process, with the module hooks running. Data parallelism (DDP,
+FSDP2 and HSDP, whose ``fully_shard`` gathers each parameter whole before the module
+computes) keeps that; these setups do not, and would store wrong gradients or none:
 
-============================  ==========================================================
-packing / padding_free        several examples share one sequence
-DeepSpeed (however enabled)   ZeRO partitions parameters and gradients outside the hooks
-FSDP1                         flat parameters: per-layer gradients are not the layer's
-tensor/context/sequence par.  each rank sees part of a layer or of a sequence
-DTensor not from fully_shard  tensor parallel: each rank holds part of each gradient
-model on several devices      a pipeline or device_map split: untested, refused
-torch.compile                 compiled graphs bypass module hooks
-============================  ==========================================================
+* batches that mix examples in one sequence (TRL's ``packing``, ``padding_free``);
+* DeepSpeed, however it is enabled (``TrainingArguments.deepspeed``, accelerate's config
+  or state, ``ACCELERATE_USE_DEEPSPEED``, a ZeRO-3 partitioned model);
+* FSDP1 (``FullyShardedDataParallel``): flat parameters outside the modules' own;
+* tensor, context, sequence and expert parallelism (accelerate's ``ParallelismConfig``,
+  transformers' ``DistributedConfig``, DTensor parameters sharded by anything but
+  FSDP2): each example's gradient, or its tokens, split over ranks;
+* pipeline parallelism (transformers' ``pp_size``, ``torch.distributed.pipelining``);
+* a model spread over several devices of one process (``device_map``): every module still
+  runs whole in this process, but a captured module that accelerate dispatches on its own
+  (``lm_head`` on another device than the last block) receives its input before
+  accelerate moves it, so its factors would sit on two devices, and each layer's records
+  stay on its device where scores sum over the layers; load the model on one device, or
+  shard it with FSDP2;
+* compiled models (``torch.compile``, ``Module.compile``, ``torch_compile=True``),
+  whose graphs do not run the hooks as eager modules do.
+
+Each check returns a one-line refusal (the cause and the way out) or ``None``;
+:data:`TRAINER_CHECKS` is the table ``check_trainer_setup`` runs, in order.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import DistributedType, parse_flag_from_env
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.distributed.pipelining import Pipe
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from transformers import TrainingArguments
 
-#: ``check(args, model) -> None, or the reason and the way out``.
-Check = Callable[[Any, nn.Module], str | None]
-CHECKS: list[Check] = []
-
-
-def refusal(check: Check) -> Check:
-    """Register a check run by :func:`refusals_for`."""
-    CHECKS.append(check)
-    return check
+Refusal = str | None
 
 
-def refusals_for(args: Any, model: nn.Module) -> list[str]:
-    """Every registered check's refusal of this trainer setup (empty: supported)."""
-    return [reason for check in CHECKS if (reason := check(args, model)) is not None]
+@dataclass(frozen=True)
+class SetupCheck:
+    """One unsupported setup: ``refuse(args, model)`` says why and what to do instead,
+    or returns ``None`` when the run does not use it."""
+
+    name: str
+    refuse: Callable[[TrainingArguments, nn.Module], Refusal]
 
 
-@refusal
-def _packing(args: Any, model: nn.Module) -> str | None:
+def _packing(args: TrainingArguments, model: nn.Module) -> Refusal:
     if getattr(args, "packing", False):
         return (
             "packing=True concatenates several examples into one sequence, so gradients can no "
             "longer be split per example; set packing=False in SFTConfig"
         )
+    return None
+
+
+def _padding_free(args: TrainingArguments, model: nn.Module) -> Refusal:
     if getattr(args, "padding_free", False):
         return "padding_free=True flattens the batch into one sequence; set padding_free=False"
     return None
 
 
-def _true(value: str | None) -> bool:
-    return (value or "").strip().lower() in ("1", "true", "yes")
+def _deepspeed_source(args: TrainingArguments, model: nn.Module) -> str | None:
+    """How DeepSpeed is enabled for this run, if it is."""
+    if getattr(args, "deepspeed", None):
+        return "TrainingArguments(deepspeed=...)"
+    if parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
+        return "ACCELERATE_USE_DEEPSPEED in the environment"
+    # accelerate's state as the trainer's Accelerator left it, read without constructing
+    # it again (a new AcceleratorState() copies PartialState's fields over its own)
+    for shared in (AcceleratorState._shared_state, PartialState._shared_state):
+        if shared.get("distributed_type") == DistributedType.DEEPSPEED:
+            return "accelerate's distributed_type DEEPSPEED"
+    if AcceleratorState._shared_state.get("deepspeed_plugins") is not None:
+        return "accelerate's deepspeed_plugin"
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        return "a ZeRO-3 partitioned model"
+    return None
 
 
-def _accelerate_uses_deepspeed() -> bool:
-    """Whether accelerate was set up for DeepSpeed (its state, when already created)."""
-    from accelerate.state import AcceleratorState
-    from accelerate.utils import DistributedType
-
-    state = getattr(AcceleratorState, "_shared_state", {})
-    return bool(state) and state.get("distributed_type") == DistributedType.DEEPSPEED
-
-
-@refusal
-def _deepspeed(args: Any, model: nn.Module) -> str | None:
-    enabled = (
-        bool(getattr(args, "deepspeed", None))
-        or getattr(args, "hf_deepspeed_config", None) is not None
-        or _true(os.environ.get("ACCELERATE_USE_DEEPSPEED"))
-        or _accelerate_uses_deepspeed()
-        or any(hasattr(p, "ds_id") for p in model.parameters())  # ZeRO-3 parameters
-    )
-    if not enabled:
+def _deepspeed(args: TrainingArguments, model: nn.Module) -> Refusal:
+    source = _deepspeed_source(args, model)
+    if source is None:
         return None
     return (
-        "DeepSpeed (set through TrainingArguments, the accelerate config or "
-        "ACCELERATE_USE_DEEPSPEED) partitions parameters and gradients outside the module "
-        "hooks, so per-example gradients would be wrong; train with DDP or FSDP2 (accelerate "
-        "config distributed_type FSDP, fsdp_version 2) instead"
+        f"DeepSpeed (enabled by {source}) is not supported: its engine steps the optimizer "
+        "inside backward and ZeRO-3 partitions parameters outside the modules; train with DDP "
+        "or FSDP2 (accelerate fsdp_version: 2) instead"
     )
 
 
-@refusal
-def _fsdp1(args: Any, model: nn.Module) -> str | None:
-    wrapped = any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
-    config = getattr(args, "fsdp_config", None) or {}
-    version = int(config.get("version", config.get("fsdp_version", 1)) or 1)
-    if not wrapped and not (getattr(args, "fsdp", None) and version == 1):
+def _fsdp1(args: TrainingArguments, model: nn.Module) -> Refusal:
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        return (
+            "FSDP1 (FullyShardedDataParallel) is not supported: it replaces the modules' "
+            "parameters by flat shards; use FSDP2 (fully_shard, accelerate fsdp_version: 2)"
+        )
+    return None
+
+
+def _sizes_over_one(config: Any, fields: tuple[str, ...]) -> list[str]:
+    return [f"{f}={getattr(config, f)}" for f in fields if (getattr(config, f, None) or 1) > 1]
+
+
+def _split_layouts(model: nn.Module) -> Iterator[str]:
+    """Parameters whose DTensor layout splits each example's gradient over ranks: any
+    sharding of a parameter that no FSDP2 module gathers whole before computing, or more
+    than one sharded mesh dimension (FSDP2 over a tensor-parallel layout)."""
+    gathered = {id(p) for m in model.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
+    for name, p in model.named_parameters():
+        if not isinstance(p, DTensor):
+            continue
+        split = [pl for pl in p.placements if not isinstance(pl, Replicate)]
+        by_fsdp = id(p) in gathered and len(split) == 1 and isinstance(split[0], Shard)
+        if split and not by_fsdp:
+            yield f"{name} {tuple(p.placements)}"
+
+
+def _tensor_parallel(args: TrainingArguments, model: nn.Module) -> Refusal:
+    config = getattr(getattr(model, "config", None), "distributed_config", None)
+    accelerate = getattr(args, "parallelism_config", None)
+    sizes = _sizes_over_one(accelerate, ("tp_size", "cp_size", "sp_size"))
+    sizes += _sizes_over_one(config, ("tp_size", "ep_size"))
+    where = ", ".join(sizes) or next(_split_layouts(model), None)
+    if where is None:
         return None
     return (
-        "FSDP1 flattens parameters, so the hooks cannot tell each layer's gradient apart; use "
-        "FSDP2 (fsdp_config {'version': 2}, or fully_shard) or DDP"
+        f"tensor/context/expert parallelism ({where}) splits each example's gradient or tokens "
+        "over ranks, so no rank sees an example whole; train data-parallel only (DDP or "
+        "FSDP2/HSDP: tp_size, cp_size, sp_size and ep_size 1, no tp_plan)"
     )
 
 
-@refusal
-def _split_parallelism(args: Any, model: nn.Module) -> str | None:
-    config = getattr(args, "parallelism_config", None)
-    split = {
-        name: size
-        for name in ("tp_size", "cp_size", "sp_size")
-        if (size := getattr(config, name, None) or 1) > 1
-    }
-    tp_size = getattr(model, "_tp_size", None)
-    if isinstance(tp_size, int) and tp_size > 1:  # a tp_plan applied by transformers
-        split["tp_size"] = tp_size
-    if not split:
-        return None
-    return (
-        f"{', '.join(f'{k}={v}' for k, v in split.items())} splits each layer or each sequence "
-        "across ranks, so no rank sees an example's whole gradient; train with data "
-        "parallelism only (DDP or FSDP2; parallelism_config dp sizes only, no tp_plan)"
-    )
+def _pipeline_parallel(args: TrainingArguments, model: nn.Module) -> Refusal:
+    config = getattr(getattr(model, "config", None), "distributed_config", None)
+    staged = getattr(model, "_pp_stage", None) is not None or _sizes_over_one(config, ("pp_size",))
+    if staged or any(isinstance(m, Pipe) for m in model.modules()):
+        return (
+            "pipeline parallelism gives each rank some of the layers, so no rank sees an "
+            "example's whole gradient; train with pp_size=1 (DDP or FSDP2 shard the model "
+            "instead)"
+        )
+    return None
 
 
-def _fully_sharded(module: nn.Module, ancestors: list[nn.Module]) -> bool:
-    return any(isinstance(m, FSDPModule) for m in (*ancestors, module))
+def _split_devices(args: TrainingArguments, model: nn.Module) -> Refusal:
+    device_map = getattr(model, "hf_device_map", None) or {}
+    devices = sorted({str(d) for d in device_map.values()})
+    if len(devices) > 1:
+        return (
+            f"the model is spread over devices {devices} by device_map, across which "
+            "per-example capture is not supported; load it on one device "
+            "(device_map={'': device}) or shard it with FSDP2"
+        )
+    return None
 
 
-@refusal
-def _tensor_parallel(args: Any, model: nn.Module) -> str | None:
-    """DTensor parameters are supported only as FSDP2 places them: managed by a
-    ``fully_shard``-ed module, sharded on dim 0 over the data-parallel mesh (HSDP: also
-    replicated on its replicate dimension)."""
-    allowed = {(Shard(0),), (Replicate(), Shard(0))}
-
-    def visit(module: nn.Module, ancestors: list[nn.Module]) -> str | None:
-        for name, param in module.named_parameters(recurse=False):
-            if not isinstance(param, DTensor):
-                continue
-            placements = tuple(param.placements)
-            if not _fully_sharded(module, ancestors) or placements not in allowed:
-                return f"{type(module).__name__}.{name} ({placements})"
-        for child in module.children():
-            found = visit(child, [*ancestors, module])
-            if found is not None:
-                return found
-        return None
-
-    found = visit(model, [])
-    if found is None:
-        return None
-    return (
-        f"parameter {found} is a DTensor sharded as tensor parallelism shards it, so each rank "
-        "holds part of each per-example gradient; train without tp_plan/tensor parallelism "
-        "(DDP or FSDP2 only)"
-    )
+def _compiled(args: TrainingArguments, model: nn.Module) -> Refusal:
+    compiled = [
+        name or type(model).__name__
+        for name, m in model.named_modules()
+        if type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None)
+    ]
+    if compiled:
+        return (
+            f"the model is torch.compile'd ({compiled[0]}), which bypasses module hooks; pass "
+            "the uncompiled model (no torch.compile, no Module.compile)"
+        )
+    if getattr(args, "torch_compile", False):
+        return (
+            "torch_compile=True makes the trainer run a torch.compile'd model, which bypasses "
+            "module hooks; set torch_compile=False"
+        )
+    return None
 
 
-@refusal
-def _several_devices(args: Any, model: nn.Module) -> str | None:
-    devices = {p.device for p in model.parameters()}
-    if len(devices) <= 1:
-        return None
-    return (
-        f"the model's parameters are on {len(devices)} devices ({sorted(map(str, devices))}): "
-        "a model split by device_map or a pipeline is not supported; load the whole model on "
-        "one device per process and use DDP or FSDP2 to spread it"
-    )
-
-
-@refusal
-def _compiled(args: Any, model: nn.Module) -> str | None:
-    if type(model).__name__ != "OptimizedModule":
-        return None
-    return "the model is torch.compile'd, which bypasses module hooks; pass the uncompiled model"
+#: The refusals ``check_trainer_setup`` runs before step 0, in this order.
+TRAINER_CHECKS: tuple[SetupCheck, ...] = (
+    SetupCheck("packing", _packing),
+    SetupCheck("padding_free", _padding_free),
+    SetupCheck("deepspeed", _deepspeed),
+    SetupCheck("fsdp1", _fsdp1),
+    SetupCheck("tensor_parallel", _tensor_parallel),
+    SetupCheck("pipeline_parallel", _pipeline_parallel),
+    SetupCheck("split_devices", _split_devices),
+    SetupCheck("compiled", _compiled),
+)

@@ -13,20 +13,23 @@ import torch
 from torch import Tensor, nn
 from transformers import TrainingArguments
 
-from tda_plugins.integrations.transformers.refusals import refusals_for
+from tda_plugins.integrations.transformers.refusals import TRAINER_CHECKS
 from tda_plugins.session import CaptureSettings, UnsupportedTrainingSetup
 
 logger = logging.getLogger(__name__)
 
 
 def check_trainer_setup(args: TrainingArguments, model: nn.Module | None) -> nn.Module:
-    """Refuse, before any step runs, what would make per-example gradients wrong (the
-    checks of :mod:`~tda_plugins.integrations.transformers.refusals`)."""
+    """Refuse, before any step runs, what would make per-example gradients wrong: every
+    check of :data:`~tda_plugins.integrations.transformers.refusals.TRAINER_CHECKS`
+    (mixed-example batches, DeepSpeed, FSDP1, tensor/context/expert and pipeline
+    parallelism, compiled models), each with its reason and way out in one line."""
     if model is None:
         raise UnsupportedTrainingSetup("the trainer passed no model to the callback")
-    reasons = refusals_for(args, model)
-    if reasons:
-        raise UnsupportedTrainingSetup(reasons[0])
+    for check in TRAINER_CHECKS:
+        refusal = check.refuse(args, model)
+        if refusal is not None:
+            raise UnsupportedTrainingSetup(refusal)
     return model
 
 
