@@ -249,3 +249,16 @@ class StepCounter(TrainerCallback):
 
     def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
         self.begun += 1
+
+
+def test_context_parallelism_set_by_accelerate_launch_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`accelerate launch` with a parallelism config exports it to the environment, which
+    the training arguments never read: under FSDP2 each rank would see part of each
+    sequence while the parameter layout looks data-parallel."""
+    args = training_args(tmp_path / "out")
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "2")
+    with pytest.raises(UnsupportedTrainingSetup, match="cp_size=2"):
+        check_trainer_setup(args, tiny_causal_lm("llama", torch.float32))

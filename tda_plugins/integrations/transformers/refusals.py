@@ -28,6 +28,7 @@ Each check returns a one-line refusal (the cause and the way out) or ``None``;
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -125,8 +126,19 @@ def _split_layouts(model: nn.Module) -> Iterator[str]:
 
 def _tensor_parallel(args: TrainingArguments, model: nn.Module) -> Refusal:
     config = getattr(getattr(model, "config", None), "distributed_config", None)
-    accelerate = getattr(args, "parallelism_config", None)
-    sizes = _sizes_over_one(accelerate, ("tp_size", "cp_size", "sp_size"))
+    sizes: list[str] = []
+    # set in the training arguments, or by `accelerate launch` (its state, or the
+    # environment it exports: TrainingArguments never reads those)
+    for accelerate in (
+        getattr(args, "parallelism_config", None),
+        AcceleratorState._shared_state.get("parallelism_config"),
+    ):
+        sizes += _sizes_over_one(accelerate, ("tp_size", "cp_size", "sp_size"))
+    if parse_flag_from_env("ACCELERATE_USE_PARALLELISM_CONFIG"):
+        for size in ("tp_size", "cp_size", "sp_size"):
+            value = int(os.environ.get(f"PARALLELISM_CONFIG_{size.upper()}", "1") or 1)
+            if value > 1:
+                sizes.append(f"{size}={value}")
     sizes += _sizes_over_one(config, ("tp_size", "ep_size"))
     where = ", ".join(sizes) or next(_split_layouts(model), None)
     if where is None:
