@@ -40,10 +40,10 @@ from transformers import Trainer, TrainingArguments
 from tda_plugins import CaptureEngine, causal_lm_example_losses
 from tda_plugins.capture import content_hash
 from tda_plugins.integrations.transformers import GradientCaptureCallback, pad_examples
-from tda_plugins.methods import METHODS, method_by_name
+from tda_plugins.methods import METHODS, attribute
 from tda_plugins.precondition import CurvatureAccumulator
 from tda_plugins.report import write_html
-from tda_plugins.store import GradientStore, StoreReader
+from tda_plugins.store import GradientStore
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -108,7 +108,11 @@ def demo_model(args: argparse.Namespace) -> tuple[nn.Module, list[dict], list[di
 def train_with_capture(args: argparse.Namespace, out: Path) -> tuple[Path, Path]:
     """Train one epoch with the capture callback; capture the queries at the end."""
     model, train_rows, query_rows = demo_model(args)
-    capture = GradientCaptureCallback(store_dir=str(out / "train_store"), layers="linear")
+    # curvature_head: K-FAC/EK-FAC factors for the untied head too (cheap at this vocabulary;
+    # left out by default, where a vocabulary-wide factor would not fit)
+    capture = GradientCaptureCallback(
+        store_dir=str(out / "train_store"), layers="linear", curvature_head=True
+    )
     training = TrainingArguments(
         output_dir=str(out / "trainer"),
         per_device_train_batch_size=args.batch_size,
@@ -157,14 +161,18 @@ def main(argv: list[str] | None = None) -> int:
         store_dir, query_dir = train_with_capture(args, out)
     else:
         store_dir, query_dir = Path(args.store), Path(args.queries)
-    store, queries = StoreReader(store_dir), StoreReader(query_dir)
-    scores = method_by_name(args.method).score(store, queries, progress=True)
+    scores = attribute(store_dir, query_dir, args.method, progress=True)
     scores.save(out / "scores", k=args.top_k)
-    report = write_html(out / "report.html", scores, store.texts(), queries.texts(), args.top_k)
+    report = write_html(
+        out / "report.html", scores, scores.train_texts, scores.query_texts, args.top_k
+    )
     for entry in scores.top_k(1):
+        if not entry["helpful"]:
+            print(f"query {entry['query_id']}: no training example lowers its loss")
+            continue
         best = entry["helpful"][0]["id"]
         print(f"query {entry['query_id']}: most helpful training example {best}:")
-        print("   ", (store.texts().get(best) or "(no text)")[:100])
+        print("   ", (scores.train_texts.get(best) or "(no text)")[:100])
     print(
         f"{args.method}: {scores.values.shape[0]} training x {scores.values.shape[1]} query "
         f"scores in {out / 'scores'}; report: {report}"
