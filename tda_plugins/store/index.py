@@ -15,6 +15,8 @@ shards goes through :class:`ShardEntry`, so no path comes from an index unchecke
 
 from __future__ import annotations
 
+import mmap
+import os
 import re
 import zlib
 from dataclasses import dataclass
@@ -25,24 +27,23 @@ from tda_plugins.store.io import atomic_write_json, read_json
 from tda_plugins.store.layout import SHARD_PATTERN, StoreError, shard_name
 
 _CHECKSUM = re.compile(r"[0-9a-f]{8}")
-#: Bytes hashed at once when checksumming a shard file.
-_READ_BLOCK = 1 << 22
 
 
 def file_checksum(path: Path) -> str:
-    """CRC-32 of a file's bytes as 8 hex digits, read in 4 MiB blocks (zlib releases the
-    GIL while it sums them).
+    """CRC-32 of a file's bytes as 8 hex digits, summed straight from a read-only memory
+    map (no copy out of the page cache, which the reader maps anyway; zlib releases the
+    GIL while it sums).
 
     A checksum against damage (flipped bits, a truncated or overwritten file), not against
     forgery: whoever can rewrite a shard can rewrite its index entry too, so no digest would
     stop a crafted store; the reader's value checks do. CRC-32 runs at about 3.7 GB/s on one
     core here, against 0.6 GB/s for BLAKE2b and 1.6 GB/s for SHA-256
     (``benchmarks/store_integrity.py``)."""
-    value = 0
     with path.open("rb") as f:
-        while block := f.read(_READ_BLOCK):
-            value = zlib.crc32(block, value)
-    return f"{value:08x}"
+        if os.fstat(f.fileno()).st_size == 0:
+            return f"{zlib.crc32(b''):08x}"
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            return f"{zlib.crc32(mapped):08x}"
 
 
 @dataclass(frozen=True)
