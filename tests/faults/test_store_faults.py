@@ -326,30 +326,22 @@ def test_a_resume_refused_for_a_missing_curvature_snapshot_changes_nothing(
     assert snapshot(store) == files
 
 
-def test_a_resume_past_the_stores_end_changes_nothing(tmp_path: Path) -> None:
+#: refused session start -> (layer kind, start step, what the error says)
+REFUSED_STARTS = {
+    "resume past the store's end": ("linear", 7, "steps would be missing"),
+    "fresh run on a store with steps": ("linear", 0, "of another run"),
+    "resume with another layer selection": ("all", 1, "layers differ"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED_STARTS))
+def test_a_refused_session_start_changes_nothing(case: str, tmp_path: Path) -> None:
+    layers, start, message = REFUSED_STARTS[case]
     store = store_of(tmp_path / "store")
     files = snapshot(store)
-    settings = CaptureSettings(str(store), layers="linear", curvature=False)
-    with pytest.raises(StoreError, match="steps would be missing"):
-        CaptureSession(settings, model(), SummedLoss(), start_step=7)
-    assert snapshot(store) == files
-
-
-def test_a_fresh_run_on_a_store_with_steps_changes_nothing(tmp_path: Path) -> None:
-    store = store_of(tmp_path / "store")
-    files = snapshot(store)
-    settings = CaptureSettings(str(store), layers="linear", curvature=False)
-    with pytest.raises(StoreError, match="of another run"):
-        CaptureSession(settings, model(), SummedLoss())
-    assert snapshot(store) == files
-
-
-def test_a_resume_with_another_layer_selection_changes_nothing(tmp_path: Path) -> None:
-    store = store_of(tmp_path / "store")
-    files = snapshot(store)
-    settings = CaptureSettings(str(store), layers="all", curvature=False)
-    with pytest.raises(StoreError, match="layers differ"):
-        CaptureSession(settings, model(), SummedLoss(), start_step=1)
+    settings = CaptureSettings(str(store), layers=layers, curvature=False)
+    with pytest.raises(StoreError, match=message):
+        CaptureSession(settings, model(), SummedLoss(), start_step=start)
     assert snapshot(store) == files
 
 
