@@ -250,11 +250,11 @@ def run_step(
     with CaptureEngine(s.model, s.layers, None, (), normalization) as engine:
         selector = RecordingSelector(
             engine.captured_layers,
-            rule_by_name(rule, **options),
-            causal_lm_token_counts,
-            score,  # type: ignore[arg-type]
-            granularity,  # type: ignore[arg-type]
-            s.optimizer,
+            rule=rule_by_name(rule, **options),
+            token_counts=causal_lm_token_counts,
+            score=score,  # type: ignore[arg-type]
+            granularity=granularity,  # type: ignore[arg-type]
+            optimizer=s.optimizer,
             route=route,
         )
         engine.add_consumer(selector)
@@ -544,8 +544,8 @@ def test_per_layer_refuses_a_tied_weight() -> None:
     with CaptureEngine(model, LayerSelection("all")) as engine, refused as info:
         DataSelector(
             engine.captured_layers,
-            rule_by_name("bottom_fraction"),
-            causal_lm_token_counts,
+            rule=rule_by_name("bottom_fraction"),
+            token_counts=causal_lm_token_counts,
             granularity="per_layer",
         )
     assert "lm_head" in str(info.value) and "transformer.wte" in str(info.value)
@@ -890,9 +890,9 @@ def test_projected_scores_refuse_adam_preconditioning() -> None:
     with pytest.raises(ValueError, match="score 'dot' or 'cosine'"):
         DataSelector(
             {},
-            rule_by_name("bottom_fraction", fraction=0.5),
-            causal_lm_token_counts,
-            "adam",
+            rule=rule_by_name("bottom_fraction", fraction=0.5),
+            token_counts=causal_lm_token_counts,
+            score="adam",
             optimizer=torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1),
             score_projection=ProjectionConfig(k_a=4, k_g=4),
         )
