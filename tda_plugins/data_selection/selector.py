@@ -251,7 +251,7 @@ class DataSelector(CaptureConsumer):
             if missing:  # nothing to select against yet: every example, as autograd would
                 self._keep_all(records, missing)
             return
-        records = self._built_once(records)
+        captured, records = records, self._built_once(records)
         target = self.target
         sharded = isinstance(target, ShardedTarget)
         scores = self.scorer.scores(records, target, per_unit=sharded)
@@ -272,7 +272,9 @@ class DataSelector(CaptureConsumer):
         if not outcome.skipped:
             masks = {name: decision.keep[u] for u, unit in enumerate(self.units) for name in unit}
             poisoned = bool(outcome.nonfinite.any())
-            self.surgery.apply(records, masks, decision, missing, force_rebuild=poisoned)
+            self.surgery.apply(
+                records, masks, decision, missing, force_rebuild=poisoned, captured=captured
+            )
         self.history.append(outcome)
         if self.log_path is not None:
             append_log(self.log_path, outcome)

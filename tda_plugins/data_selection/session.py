@@ -16,12 +16,14 @@ each rank edits only its own rows of ``.grad``. Memory per rank, beyond training
 * FSDP/HSDP: the target as ``.grad``-like shards (``1/S`` of the captured parameters),
   plus, transiently during a step, one layer's gathered target (its ``D`` values) while
   that layer is scored, then one layer's gathered side gradients or full-size sum while
-  its rows are corrected (:mod:`~tda_plugins.data_selection.surgery`). Measured on the
-  tiny Llama of the tests (2 ranks, fp32, 8 examples of 10 tokens a step, 2 layers of
-  width 32, a 64-token vocabulary): 8 KiB of gathered target (the LM head, the largest
-  layer) and 8 KiB for the surgery's largest layer, against 0.28 MiB of parameters, i.e.
-  ``max_layer D`` each, never the whole model (``tests/selection_dist_worker.py``
-  records ``target_peak_bytes`` and ``surgery.peak_bytes``).
+  its rows are corrected (:mod:`~tda_plugins.data_selection.surgery`): at most the
+  largest layer's size each, never the whole model, under the cost model's routes (it
+  gathers a layer's examples only when they are fewer bytes than the layer). Measured
+  (``tests/selection_ddp_worker.py``, the tiny Llama of the tests fully sharded over 2
+  ranks, fp32, 8 examples a step): 39 KiB of target shards per rank (half of the 77 KiB
+  of parameters), 8 KiB of gathered target and 8 KiB held by the surgery at once (the
+  largest layers, the 64 x 32 embedding and LM head); a gather forced on every layer
+  held 27 KiB (the LM head's side examples), which is why the cost model reduces it.
 """
 
 from __future__ import annotations

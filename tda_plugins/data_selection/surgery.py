@@ -135,6 +135,8 @@ class Surgery:
         routes: per layer, the route of the last step (empty in one process).
         summed_share: share of a step's local rows the last surgery summed (before the
             first step: half), for the cost model of the next step.
+        forced: ``"gather"`` or ``"reduce"`` for every layer instead of the cheaper (both
+            are exact; tests compare them).
     """
 
     layers: Layers
@@ -143,6 +145,8 @@ class Surgery:
     peak_bytes: int = 0
     routes: dict[str, str] = field(default_factory=dict)
     summed_share: float = 0.5
+    forced: str | None = None
+    _captured: list[MicroBatchRecord] = field(default_factory=list, repr=False)
 
     def apply(
         self,
@@ -151,10 +155,14 @@ class Surgery:
         decision: Decision,
         missing: set[int],
         force_rebuild: bool,
+        captured: list[MicroBatchRecord] | None = None,
     ) -> None:
         """Make every captured parameter's ``.grad`` (this rank's rows) the normalized sum
         of its layers' kept rows. ``masks``: layer -> global ``(N,)`` kept mask (layers of
-        one kept set share one mask object)."""
+        one kept set share one mask object). ``captured``: the engine's own records, when
+        ``records`` hold some layers built once (local sums read ``records``; what ranks
+        exchange is the captured form, the same representation on every rank)."""
+        self._captured = captured if captured is not None else records
         by_mask: dict[int, list[str]] = {}
         for name, keep in masks.items():
             by_mask.setdefault(id(keep), []).append(name)
@@ -231,14 +239,14 @@ class Surgery:
             return out
         if side.global_rows == 0:
             return out
-        sides = {name: self._local_side(records, name, side) for name in names}
+        sides = {name: self._local_side(self._captured, name, side) for name in names}
         shapes = self._largest_shapes(sides)
         for name in names:
             module, adapter = self.layers[name]
             params = adapter.captured_parameters(module)
             gather = self._gather_bytes(sides[name], shapes[name])
             reduce = sum(reduce_bytes(p, self.ranks) for p in params.values())
-            if gather <= reduce:
+            if self.forced == "gather" or (self.forced is None and gather <= reduce):
                 self.routes[name] = "gather"
                 every = self._gathered(sides[name], shapes[name])
                 self._hold(sum(t.numel() * t.element_size() for t in _fields(every)))
