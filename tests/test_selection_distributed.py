@@ -27,15 +27,20 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from olmo_core.nn.transformer import Transformer
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
+from transformers import TrainerControl, TrainerState
 
 from tda_plugins import CaptureEngine, LayerSelection
 from tda_plugins.api import causal_lm_losses
 from tda_plugins.data_selection import DataSelector, rule_by_name
 from tda_plugins.data_selection.target import target_gradient
-from tda_plugins.integrations.transformers import pad_examples
+from tda_plugins.integrations.transformers import DataSelectionCallback, pad_examples
 from tda_plugins.integrations.transformers.selection import causal_lm_token_counts
+from tda_plugins.session import UnsupportedTrainingSetup
 from tests.models import tiny_causal_lm
 from tests.olmo_core_dist_worker import MODEL, STEPS, WORLD, write_tokens
 from tests.olmo_core_selection_worker import MODES, train
@@ -49,7 +54,7 @@ from tests.selection_helpers import (
     label_counts,
 )
 from tests.stores import ManualScale
-from tests.trainers import FP32_TOL
+from tests.trainers import FP32_TOL, training_args
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -214,3 +219,41 @@ def test_olmo_core_ddp_fsdp_hsdp_select_what_one_process_selects(tmp_path: Path)
             for rank in ranks:
                 error = max_rel_error(rank["grads"][step], fresh)
                 assert error <= FP32_TOL, f"{mode} step {step}: .grad {error:.2e} off"
+
+
+# -- refusals ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options, reason",
+    [
+        ({"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}, "MixedPrecisionPolicy"),
+        ({"shard_placement_fn": lambda p: Shard(1) if p.dim() == 2 else None}, "laid out as"),
+    ],
+    ids=["mixed-precision", "shard-dim-1"],
+)
+def test_sharded_layouts_it_cannot_edit_exactly_are_refused_before_step_0(
+    tmp_path: Path, options: dict[str, Any], reason: str
+) -> None:
+    """``fully_shard`` with mixed-precision parameters, or sharding a weight on dim 1: the
+    callback refuses at ``on_train_begin`` with the reason and the way out, and leaves no
+    hook of its own on the model (a one-rank process group, so the test runs in one process)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        model = tiny_causal_lm("llama", torch.float32)
+        fully_shard(model, **options)
+        selection = DataSelectionCallback(target_rows(), layers="all")
+        hooks = {
+            n: (len(m._forward_hooks), len(m._forward_pre_hooks)) for n, m in model.named_modules()
+        }
+        args = training_args(tmp_path / "out", max_grad_norm=1.0)
+        with pytest.raises(UnsupportedTrainingSetup, match=reason) as info:
+            selection.on_train_begin(args, TrainerState(), TrainerControl(), model=model)
+        assert "; " in str(info.value)  # the reason, then the way out
+        assert args.max_grad_norm == 1.0
+        after = {
+            n: (len(m._forward_hooks), len(m._forward_pre_hooks)) for n, m in model.named_modules()
+        }
+        assert after == hooks, "the refused callback left hooks on the model"
+    finally:
+        dist.destroy_process_group()

@@ -57,10 +57,13 @@ class ClippingTakeover(CaptureConsumer):
     The trainer clips ``.grad`` right after the last micro-batch's backward, before
     ``on_pre_optimizer_step``, where selection runs; the clipping must follow selection.
     So ``args.max_grad_norm`` reads 0 only from the end of each training micro-batch's
-    backward (when the engine hands the micro-batch over) until the next training forward
-    begins or ``on_pre_optimizer_step`` runs, which clips the selected gradient with the
-    user's value. No model, data or user code runs while it reads 0: an exception raised
-    by any of them (or by selection) finds ``max_grad_norm`` as the user set it.
+    backward (when the engine hands the micro-batch over) until this callback's
+    ``on_substep_end`` (a micro-batch that is not the window's last), the next training
+    forward, or its ``on_pre_optimizer_step``, which clips the selected gradient with the
+    user's value. No model, data, loss or selection code runs while it reads 0, so an
+    exception from any of them finds ``max_grad_norm`` as the user set it; only the
+    trainer's own bookkeeping and the callbacks listed before this one run in that window
+    (``add_to`` puts it first).
     """
 
     def __init__(self, args: TrainingArguments):
@@ -203,6 +206,12 @@ class DataSelectionCallback(TrainerCallback):
         self._clipping = ClippingTakeover(args)
         self.session.engine.add_consumer(self._clipping)
         self._hooks.append(model.register_forward_pre_hook(self._clipping.restore))
+
+    def on_substep_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._clipping is not None:
+            self._clipping.restore()
 
     def on_step_begin(
         self,
