@@ -16,8 +16,9 @@ gradient, and the rule applied by hand. Covered:
 2. ``Trainer`` + ``DataSelectionCallback`` (fp32; full fine-tuning and LoRA; accumulation
    1 and 4) with clipping after selection, the JSONL log, the trainer's logs and
    ``max_grad_norm`` restored; TRL ``SFTTrainer`` + LoRA; refusals before step 0.
-3. DDP with two gloo ranks: both ranks' ``.grad`` agree and equal the fresh backward over
-   the union of the kept examples.
+
+Data parallelism (DDP, FSDP2, OLMo-core FSDP/HSDP) is covered by
+``tests/test_selection_distributed.py``.
 """
 
 from __future__ import annotations
@@ -25,9 +26,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -250,11 +248,11 @@ def run_step(
     with CaptureEngine(s.model, s.layers, None, (), normalization) as engine:
         selector = RecordingSelector(
             engine.captured_layers,
-            rule_by_name(rule, **options),
-            causal_lm_token_counts,
-            score,  # type: ignore[arg-type]
-            granularity,  # type: ignore[arg-type]
-            s.optimizer,
+            rule=rule_by_name(rule, **options),
+            token_counts=causal_lm_token_counts,
+            score=score,  # type: ignore[arg-type]
+            granularity=granularity,  # type: ignore[arg-type]
+            optimizer=s.optimizer,
             route=route,
         )
         engine.add_consumer(selector)
@@ -544,8 +542,8 @@ def test_per_layer_refuses_a_tied_weight() -> None:
     with CaptureEngine(model, LayerSelection("all")) as engine, refused as info:
         DataSelector(
             engine.captured_layers,
-            rule_by_name("bottom_fraction"),
-            causal_lm_token_counts,
+            rule=rule_by_name("bottom_fraction"),
+            token_counts=causal_lm_token_counts,
             granularity="per_layer",
         )
     assert "lm_head" in str(info.value) and "transformer.wte" in str(info.value)
@@ -829,70 +827,13 @@ def test_full_fine_tuning_with_default_layers_is_refused_before_any_step(
     assert hooked == [""], f"hooks left on {hooked}"  # only the audit's hook on the root
 
 
-# -- 3. DDP -----------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_ddp_ranks_agree_and_equal_the_fresh_backward_over_all_kept(tmp_path: Path) -> None:
-    """Two gloo ranks (``Trainer`` under torchrun, full fine-tuning, accumulation 2, the
-    token count averaged across ranks): each rank drops half of its own examples, both
-    ranks' ``.grad`` after selection are bit-identical, and they equal the fresh backward
-    over the union of both ranks' kept examples normalized by their label tokens. The
-    shared JSONL log holds exactly the dropped ids of every rank under their step."""
-    repo = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        str(repo / "tests" / "selection_ddp_worker.py"),
-        str(tmp_path),
-    ]
-    result = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
-    ranks = [SelectionAudit.load(tmp_path / f"rank{r}") for r in (0, 1)]
-    histories = [json.loads((tmp_path / f"rank{r}" / "history.json").read_text()) for r in (0, 1)]
-    assert json.loads((tmp_path / "rank0" / "world.json").read_text())["world_size"] == 2
-    steps = sorted(ranks[0].steps)
-    assert steps == [0, 1] == sorted(ranks[1].steps)
-
-    merged: dict[int, StepAudit] = {}
-    dropped: dict[int, set[int]] = {}
-    for step in steps:
-        zero, one = ranks[0].steps[step], ranks[1].steps[step]
-        differ = [n for n in zero.grads if not torch.equal(zero.grads[n], one.grads[n])]
-        assert not differ, f"step {step}: ranks disagree on .grad of {differ[:3]}"
-        assert all(torch.equal(zero.weights[k], one.weights[k]) for k in zero.weights)
-        per_rank = [set(h[str(step)]) for h in histories]
-        assert [len(d) for d in per_rank] == [2, 2]  # each rank: half of its 4 examples
-        dropped[step] = per_rank[0] | per_rank[1]
-        batches = zero.micro_batches + one.micro_batches
-        merged[step] = StepAudit(
-            zero.weights, batches, zero.num_items + one.num_items, grads=zero.grads
-        )
-    assert_window_token_counts(merged)
-    check = assert_trainer_grads_match_fresh(
-        merged, dropped, fp64_twin("llama-full"), math.inf, FP32_TOL
-    )
-    assert check.steps == 2
-
-    logged: dict[int, set[int]] = {}
-    for line in (tmp_path / "trainer" / "selection.jsonl").read_text().splitlines():
-        entry = json.loads(line)
-        logged.setdefault(entry["step"], set()).update(entry["dropped_ids"])
-    assert logged == dropped, "the JSONL log misses or invents dropped examples"
-
-
 def test_projected_scores_refuse_adam_preconditioning() -> None:
     with pytest.raises(ValueError, match="score 'dot' or 'cosine'"):
         DataSelector(
             {},
-            rule_by_name("bottom_fraction", fraction=0.5),
-            causal_lm_token_counts,
-            "adam",
+            rule=rule_by_name("bottom_fraction", fraction=0.5),
+            token_counts=causal_lm_token_counts,
+            score="adam",
             optimizer=torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1),
             score_projection=ProjectionConfig(k_a=4, k_g=4),
         )

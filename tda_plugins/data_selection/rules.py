@@ -1,7 +1,10 @@
 """Which examples of an optimizer step to drop, given their scores (registered rules).
 
 Every rule keeps at least one example: if it would drop them all, the best-scoring
-example is kept (an optimizer step on no data is never taken silently).
+example is kept (an optimizer step on no data is never taken silently). An example whose
+score is not finite (a NaN or infinite gradient, or one whose inner products overflow) is
+always dropped and never counted: the rule decides among the finite scores alone, so the
+mask is empty only when no score is finite (the caller then skips the step).
 """
 
 from __future__ import annotations
@@ -47,10 +50,18 @@ class DropRule(ABC):
         """``(N,)`` bool mask of the examples the rule drops."""
 
     def keep(self, scores: Tensor) -> Tensor:
-        """``(N,)`` bool mask of kept examples; never empty."""
-        keep = ~self.dropped(scores)
-        if not bool(keep.any()):
-            keep[torch.argmax(scores)] = True
+        """``(N,)`` bool mask of kept examples: the rule over the finite scores (non-finite
+        ones dropped), never empty unless no score is finite."""
+        finite = torch.isfinite(scores)
+        keep = torch.zeros_like(scores, dtype=torch.bool)
+        rows = finite.nonzero().flatten()
+        if rows.numel() == 0:
+            return keep
+        considered = scores[rows]
+        kept = ~self.dropped(considered)
+        if not bool(kept.any()):
+            kept[torch.argmax(considered)] = True
+        keep[rows[kept]] = True
         return keep
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from tda_plugins.api import grads_set_aside
@@ -28,6 +29,7 @@ from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.engine import CaptureEngine, capture_suspended
 from tda_plugins.capture.layers import LayerSelection, shared_parameter_ids
 from tda_plugins.capture.records import MicroBatchRecord
+from tda_plugins.data_selection.parallel import Ranks, gathered, is_sharded, local
 from tda_plugins.grads.factors import TensorKey, TokenFactors, tensor_key
 
 Batch = Mapping[str, Tensor]
@@ -129,6 +131,8 @@ def target_gradient(
     batch: Batch,
     losses: ExampleLosses,
     chunk_size: int | None = None,
+    *,
+    keep_factors: bool = True,
 ) -> Target:
     """Gradient of ``sum_i L_i`` over ``batch`` (``L_i``: example ``i``'s summed-token
     loss) for each layer's captured parameters.
@@ -141,6 +145,8 @@ def target_gradient(
         batch: tensors with the example axis first.
         losses: per-example summed losses of a batch; one forward call of ``model``.
         chunk_size: examples per forward/backward (default: all at once).
+        keep_factors: keep the layers where they are smaller as factors (else vectors
+            only).
 
     Returns:
         The :class:`Target`: per layer the ``(D,)`` vector (a parameter shared by several
@@ -149,10 +155,8 @@ def target_gradient(
         pass (their weight-gradient products skipped); their vectors are built from the
         factors only when asked for.
     """
-    size = len(next(iter(batch.values())))
-    step = chunk_size or size
     tokens = int(batch["input_ids"].numel()) if "input_ids" in batch else 0
-    candidates = _smaller_as_factors(layers, tokens) if tokens else []
+    candidates = _smaller_as_factors(layers, tokens) if tokens and keep_factors else []
     keeper = _FactorKeeper()
     with contextlib.ExitStack() as stack:
         stack.enter_context(grads_set_aside(model))
@@ -164,10 +168,7 @@ def target_gradient(
             stack.enter_context(engine.exclusive())
         else:
             stack.enter_context(capture_suspended())
-        with torch.enable_grad():
-            for start in range(0, size, step):
-                chunk = {k: v[start : start + step] for k, v in batch.items()}
-                losses(model, chunk).sum().backward()
+        _summed_backward(model, batch, losses, chunk_size)
         factors = keeper.factors()
         vectors = {}
         for name, (module, adapter) in layers.items():
@@ -181,6 +182,140 @@ def target_gradient(
             }
             vectors[name] = adapter.flatten(module, grads)
     return Target(vectors, factors)
+
+
+def _summed_backward(
+    model: nn.Module,
+    batch: Batch,
+    losses: ExampleLosses,
+    chunk_size: int | None,
+    weight: float = 1.0,
+) -> None:
+    """``weight * sum_i L_i`` over ``batch`` backpropagated, ``chunk_size`` examples at a
+    time (nothing for an empty batch)."""
+    size = len(next(iter(batch.values())))
+    step = chunk_size or size
+    with torch.enable_grad():
+        for start in range(0, size, max(step, 1)):
+            chunk = {k: v[start : start + step] for k, v in batch.items()}
+            loss = losses(model, chunk).sum()
+            (loss * weight if weight != 1.0 else loss).backward()
+
+
+class ShardedTarget(Target):
+    """A target on ``fully_shard``-ed parameters: per layer and captured parameter, this
+    rank's shard (a DTensor, rows on dim 0) of the target's gradient. It lives sharded
+    (``1/S`` of the captured parameters per rank); a layer's ``(D,)`` vector is gathered on
+    each access and not kept, so scoring holds one layer's full target at a time.
+
+    Attributes:
+        peak_bytes: the largest layer vector gathered so far.
+    """
+
+    def __init__(
+        self,
+        shards: dict[str, dict[str, Tensor]],
+        layers: Mapping[str, tuple[nn.Module, LayerAdapter]],
+    ):
+        super().__init__({}, {})
+        self.shards = shards
+        self.layers = layers
+        self.peak_bytes = 0
+
+    def __getitem__(self, name: str) -> Tensor:
+        module, adapter = self.layers[name]
+        full = {local: gathered(shard) for local, shard in self.shards[name].items()}
+        vector = adapter.flatten(module, full)
+        self.peak_bytes = max(self.peak_bytes, vector.numel() * vector.element_size())
+        return vector
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shards)
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def local_values(self) -> list[Tensor]:
+        return [local(v) for shards in self.shards.values() for v in shards.values()]
+
+
+@contextlib.contextmanager
+def _without_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """No data-parallel all-reduce in the backward passes of this block (DDP's
+    ``no_sync``, composable ``replicate``'s ``set_requires_gradient_sync``)."""
+    no_sync = getattr(model, "no_sync", None)
+    toggle = getattr(model, "set_requires_gradient_sync", None)
+    if callable(no_sync):
+        with no_sync():
+            yield
+    elif callable(toggle):
+        toggle(False)
+        try:
+            yield
+        finally:
+            toggle(True)
+    else:
+        yield
+
+
+def shared_target(
+    model: nn.Module,
+    layers: Mapping[str, tuple[nn.Module, LayerAdapter]],
+    batch: Batch,
+    losses: ExampleLosses,
+    *,
+    ranks: Ranks,
+    divide: float,
+    chunk_size: int | None = None,
+) -> Target:
+    """The target of ``batch`` computed once over the data-parallel ranks: rank ``r``
+    backpropagates the examples ``r, r + W, ...`` and the parts are summed by one
+    collective, so no rank computes the whole target.
+
+    * Replicated parameters (DDP, one process each): each rank's part with the trainer's
+      gradient sync off, then one all-reduce of every layer's vector in one flat buffer;
+      every rank holds the whole ``(D,)`` target (no factor form).
+    * ``fully_shard``-ed parameters: each rank's part through FSDP's own reduce-scatter
+      (every rank joins it, a rank without examples with a zero-weighted pass), times
+      ``divide`` (FSDP averages); the target stays sharded (:class:`ShardedTarget`).
+    """
+    if ranks.world == 1:
+        return target_gradient(model, layers, batch, losses, chunk_size)
+    size = len(next(iter(batch.values())))
+    share = {k: v[ranks.rank :: ranks.world] for k, v in batch.items()}
+    if not is_sharded(layers):
+        with _without_gradient_sync(model):
+            part = target_gradient(model, layers, share, losses, chunk_size, keep_factors=False)
+        vectors = part.vectors
+        flat = torch.cat([vectors[name].flatten() for name in layers])
+        ranks.all_reduce(flat)
+        sizes = [vectors[name].numel() for name in layers]
+        return Target(dict(zip(layers, flat.split(sizes), strict=True)))
+    weight = 1.0
+    if ranks.rank >= size:  # no example here: a zero-weighted pass joins the collectives
+        share, weight = {k: v[:1] for k, v in batch.items()}, 0.0
+    shards: dict[str, dict[str, Tensor]] = {}
+    with grads_set_aside(model), capture_suspended():
+        _summed_backward(model, share, losses, chunk_size, weight)
+        for name, (module, adapter) in layers.items():
+            shards[name] = {
+                k: p.grad.detach() * divide if p.grad is not None else torch.zeros_like(p)
+                for k, p in adapter.captured_parameters(module).items()
+            }
+    return ShardedTarget(shards, layers)
+
+
+def nonfinite(target: Target, ranks: Ranks) -> bool:
+    """Whether any value of ``target`` is not finite, on any rank (one host read)."""
+    if isinstance(target, ShardedTarget):
+        values = target.local_values()
+    else:
+        values = list(target.vectors.values())
+        values += [t for f in target.factors.values() for t in (f.a, f.g)]
+    flag = torch.stack([~torch.isfinite(v).all() for v in values]).any().to(torch.int32)
+    return bool(
+        ranks.all_reduce(flag, dist.ReduceOp.MAX) if isinstance(target, ShardedTarget) else flag
+    )
 
 
 class TargetPool:
@@ -202,9 +337,12 @@ class TargetPool:
             )
         self.per_refresh = per_refresh or self.size
         self._next = 0
+        #: Pool positions of the last :meth:`next_batch`.
+        self.last_rows: list[int] = []
 
     def next_batch(self, device: torch.device | None = None) -> dict[str, Tensor]:
         """The examples of the coming refresh, moved to ``device``."""
         rows = (torch.arange(self.per_refresh) + self._next) % self.size
         self._next = (self._next + self.per_refresh) % self.size
+        self.last_rows = rows.tolist()
         return {k: v[rows].to(device) for k, v in self.batch.items()}

@@ -21,6 +21,7 @@ from transformers import Trainer, TrainerCallback
 
 from tda_plugins import LayerSelection
 from tda_plugins.capture.identity import content_hash
+from tda_plugins.data_selection import SelectionError
 from tda_plugins.integrations.transformers import DataSelectionCallback, GradientCaptureCallback
 from tda_plugins.methods import method_by_name
 from tda_plugins.store import StoreError, StoreReader
@@ -93,11 +94,11 @@ def test_a_poisoned_example_is_dropped_and_the_weights_stay_finite(tmp_path: Pat
     assert weights_finite(trainer.model)
     poisoned = int(content_hash(torch.tensor([rows[3]]))[0])
     step = selector.history[1]
-    assert step.non_finite.tolist() == [False, True] and step.dropped.tolist() == [False, True]
+    assert step.nonfinite.tolist() == [False, True] and step.dropped.tolist() == [False, True]
     assert not step.skipped
     assert all(not bool(h.dropped.any()) for i, h in enumerate(selector.history) if i != 1)
     logged = strict_json_lines(tmp_path / "out" / "selection.jsonl")
-    assert logged[1]["non_finite_ids"] == [poisoned] and logged[1]["dropped_ids"] == [poisoned]
+    assert logged[1]["nonfinite_ids"] == [poisoned] and logged[1]["dropped_ids"] == [poisoned]
 
 
 def test_a_step_of_only_poisoned_examples_is_skipped(tmp_path: Path) -> None:
@@ -115,23 +116,29 @@ def test_a_step_of_only_poisoned_examples_is_skipped(tmp_path: Path) -> None:
     assert weights_finite(trainer.model)
 
 
-def test_a_target_without_a_loss_token_is_refused_at_construction() -> None:
-    with pytest.raises(ValueError, match=r"target examples \[1\] have no token with a loss"):
-        DataSelectionCallback(
-            target=[{"input_ids": [3, 4, 5]}, {"input_ids": [3, 4], "labels": [-100, -100]}]
-        )
+BAD_TARGETS = {
+    "no loss token": (
+        [{"input_ids": [3, 4, 5], "labels": [-100] * 3}, {"input_ids": [7]}],
+        r"examples \[0, 1\].*no loss token",
+    ),
+    "non-finite gradient": (
+        [{"input_ids": [*clean_rows(1, seed=7)[0], POISON]}],
+        r"examples \[0\].*non-finite gradient",
+    ),
+}
 
 
-def test_a_non_finite_target_is_an_error_before_any_update(tmp_path: Path) -> None:
-    target = [{"input_ids": [*clean_rows(1, seed=7)[0], POISON]}]
-    snapshots = WeightSnapshots()
-    trainer = train(
-        tmp_path,
-        clean_rows(4),
-        [snapshots, DataSelectionCallback(target=target, layers="all")],
-    )
+@pytest.mark.parametrize("case", sorted(BAD_TARGETS))
+def test_a_bad_target_is_an_error_at_its_refresh_before_any_update(
+    case: str, tmp_path: Path
+) -> None:
+    """A target without a loss token, or with a NaN gradient, would score every example 0
+    or NaN and drop by position: refused at the first refresh, naming the pool positions,
+    before any weight changes."""
+    target, message = BAD_TARGETS[case]
+    trainer = train(tmp_path, clean_rows(4), [DataSelectionCallback(target=target, layers="all")])
     initial = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    with pytest.raises(ValueError, match="target gradient holds NaN/inf in layer"):
+    with pytest.raises(SelectionError, match=message):
         trainer.train()
     assert all(torch.equal(v, trainer.model.state_dict()[k]) for k, v in initial.items())
 

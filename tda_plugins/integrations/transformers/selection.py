@@ -1,28 +1,42 @@
-"""``DataSelectionCallback``: online data selection for ``Trainer``/``SFTTrainer``."""
+"""``DataSelectionCallback``: online data selection for ``Trainer``/``SFTTrainer``.
+
+The callback translates the trainer's events into a
+:class:`~tda_plugins.data_selection.session.SelectionSession`: ``on_train_begin`` opens it,
+``on_step_begin`` refreshes the target, ``on_pre_optimizer_step`` selects (after the last
+micro-batch's backward, before the optimizer) and clips, ``on_log`` adds its metrics,
+``on_train_end`` closes it. Under DDP each rank selects over the whole global batch (the
+same drops as one process, see :mod:`~tda_plugins.data_selection.outcome`); on a
+``fully_shard``-ed model (FSDP2) each rank edits its shard of ``.grad``.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import TrainerControl, TrainerState, TrainingArguments
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from tda_plugins.api import causal_lm_losses
 from tda_plugins.capture import MicroBatchRecord
-from tda_plugins.capture.layers import has_lora, uncovered_trainable
-from tda_plugins.data_selection import DataSelector, StepSelection, rule_by_name
-from tda_plugins.data_selection.selector import Granularity, ScoreMode
-from tda_plugins.data_selection.target import Target, TargetPool, target_gradient
-from tda_plugins.grads.projection import ProjectionConfig
-from tda_plugins.integrations.transformers.pool import PoolCallback
+from tda_plugins.capture.consumer import CaptureConsumer
+from tda_plugins.capture.layers import has_lora
+from tda_plugins.data_selection import SelectionSession, SelectionSettings, StepSelection
+from tda_plugins.data_selection.session import DEFAULT_FIX
+from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
 from tda_plugins.integrations.transformers.setup import (
+    adapt_settings,
     check_trainer_setup,
+    pad_examples,
     unwrap_optimizer,
     uses_fused_head,
 )
-from tda_plugins.session import UnsupportedTrainingSetup
+from tda_plugins.session import CaptureSettings
+
+#: The ``CaptureSettings`` fields that select layers (the keyword options this callback takes).
+LAYER_OPTIONS = ("layers", "include", "exclude", "last_n_blocks")
 
 
 def causal_lm_token_counts(record: MicroBatchRecord) -> Tensor:
@@ -32,44 +46,71 @@ def causal_lm_token_counts(record: MicroBatchRecord) -> Tensor:
     return (record.labels[..., 1:] != -100).sum(dim=-1)
 
 
-class DataSelectionCallback(PoolCallback):
+def target_token_counts(batch: Mapping[str, Tensor]) -> Tensor:
+    """``(P,)`` loss tokens of each target row (shifted labels != -100)."""
+    return (batch["labels"][..., 1:] != -100).sum(dim=-1)
+
+
+class ClippingTakeover(CaptureConsumer):
+    """The one place where the callback changes the trainer's arguments.
+
+    The trainer clips ``.grad`` right after the last micro-batch's backward, before
+    ``on_pre_optimizer_step``, where selection runs; the clipping must follow selection.
+    So ``args.max_grad_norm`` reads 0 only from the end of each training micro-batch's
+    backward (when the engine hands the micro-batch over) until this callback's
+    ``on_substep_end`` (a micro-batch that is not the window's last), the next training
+    forward, or its ``on_pre_optimizer_step``, which clips the selected gradient with the
+    user's value. No model, data, loss or selection code runs while it reads 0, so an
+    exception from any of them finds ``max_grad_norm`` as the user set it; only the
+    trainer's own bookkeeping and the callbacks listed before this one run in that window
+    (``add_to`` puts it first).
+    """
+
+    def __init__(self, args: TrainingArguments):
+        self.args = args
+        self.max_grad_norm = float(args.max_grad_norm or 0.0)
+
+    def on_micro_batch(self, record: MicroBatchRecord) -> None:
+        self.args.max_grad_norm = 0.0
+
+    def restore(self, *_: Any) -> None:
+        self.args.max_grad_norm = self.max_grad_norm
+
+
+class DataSelectionCallback(TrainerCallback):
     """Online data selection for ``Trainer``/``SFTTrainer`` (LoRA or full fine-tuning).
 
     At every optimizer step, scores the step's examples (all micro-batches of the
-    accumulation window) against the summed gradient of ``target`` examples, drops the
-    ones the rule picks, and removes their exact contributions from ``.grad`` before
-    clipping and ``optimizer.step()``: the result equals a fresh backward over the kept
-    examples with the trainer's normalization (token mean over the kept examples'
-    label tokens, as ``num_items_in_batch`` does). Gradient clipping is taken over while
-    training (``max_grad_norm`` is applied after selection) and restored at the end. The
-    trainer's logs get ``selection/kept``, ``selection/dropped``, ``selection/mean_score``
-    and ``selection/grad_norm``: the corrected gradient's norm before clipping (the
-    trainer's own ``grad_norm`` is taken before the selection, so it is not that). In
-    full fine-tuning in one process, autograd skips the captured layers' weight gradients
-    and the selection builds their ``.grad`` from the kept examples' gradients (cheaper than
-    correcting autograd's); under DDP, and for LoRA adapters, autograd computes them and
-    the selection corrects them.
+    accumulation window, on every rank) against the summed gradient of ``target``
+    examples, drops the ones the rule picks over the whole global batch, and removes their
+    exact contributions from ``.grad`` before clipping and ``optimizer.step()``: the result
+    equals a fresh backward over the kept examples with the trainer's normalization (token
+    mean over the kept examples' label tokens, as ``num_items_in_batch`` does, across ranks
+    with ``average_tokens_across_devices``). Gradient clipping is taken over
+    (:class:`ClippingTakeover`). The trainer's logs get ``selection/kept``,
+    ``selection/dropped``, ``selection/mean_score``, ``selection/nonfinite`` and
+    ``selection/grad_norm``: the corrected gradient's norm before clipping (the trainer's
+    own ``grad_norm`` is taken before the selection, so it is not that). In full
+    fine-tuning in one process, autograd skips the captured layers' weight gradients and
+    the selection builds their ``.grad`` from the kept examples' gradients; under DDP, and
+    for LoRA adapters, autograd computes them and the selection corrects them.
+
+    An example with a non-finite gradient is dropped and named in the log; a step with no
+    finite example is skipped (every ``.grad`` dropped, so the optimizer changes neither
+    the weights nor its state, as a skipped mixed-precision step). A target whose
+    examples have no loss token or a non-finite gradient raises ``SelectionError``.
 
     Args:
         target: rows with ``input_ids`` (optional ``labels``): the target pool.
-        rule: ``"bottom_fraction"``, ``"threshold"`` or ``"negative_in_bottom"``.
-        fraction: share of the step's examples the fraction rules consider.
-        threshold: score below which ``"threshold"`` drops.
-        score: ``"dot"``, ``"cosine"`` or ``"adam"`` (preconditioned by Adam's state).
-        granularity: ``"global"`` or ``"per_layer"``.
-        refresh_every: recompute the target gradient every n optimizer steps.
-        target_examples: target examples per refresh: ``None`` (default) uses the whole
-            pool each time; ``m`` uses the next ``m`` pool examples in turn (the
-            dattri-llm protocol: one example of a 16-example pool per step), which
-            costs a forward/backward over ``m`` examples instead of the pool.
-        score_projection: ``k``: score each layer in a ``k x k`` factor-projected space
-            (approximate scores at a fraction of the exact scores' cost, which for full
-            fine-tuning is about one extra weight-gradient product per layer); the
-            removal stays exact. ``None`` (default): exact scores.
-        log_path: JSONL of dropped ids per step (default ``<output_dir>/selection.jsonl``).
-        **options: layer fields of :class:`CaptureSettings` (default layers: LoRA
-            adapters on PEFT models; full fine-tuning needs ``layers="all"`` so that
-            every trainable parameter is covered, else ``on_train_begin`` refuses).
+        rule, fraction, threshold, score, granularity, refresh_every, target_examples,
+            score_projection: the fields of
+            :class:`~tda_plugins.data_selection.SelectionSettings`.
+        log_path: JSONL of every step's global outcome, written by rank 0 (default
+            ``<output_dir>/selection.jsonl``).
+        **options: the layer fields of :class:`CaptureSettings` (``layers``, ``include``,
+            ``exclude``, ``last_n_blocks``; default layers: LoRA adapters on PEFT models;
+            full fine-tuning needs ``layers="all"`` so that every trainable parameter is
+            covered, else ``on_train_begin`` refuses).
     """
 
     def __init__(
@@ -78,43 +119,49 @@ class DataSelectionCallback(PoolCallback):
         rule: str = "bottom_fraction",
         fraction: float = 0.25,
         threshold: float = 0.0,
-        score: ScoreMode = "dot",
-        granularity: Granularity = "global",
+        score: str = "dot",
+        granularity: str = "global",
         refresh_every: int = 1,
         target_examples: int | None = None,
         score_projection: int | None = None,
         log_path: str | None = None,
         **options: Any,
     ):
-        if options.get("projection", "none") != "none":
+        if options.pop("projection", "none") != "none":
             raise ValueError("data selection removes exact contributions: use projection='none'")
-        super().__init__(target, refresh_every, options)
-        lossless = ((self.pool["labels"][:, 1:] != -100).sum(dim=1) == 0).nonzero().flatten()
-        if lossless.numel():
-            raise ValueError(
-                f"target examples {lossless.tolist()} have no token with a loss (all labels "
-                "-100, or a single token): their gradient is zero and every score would be 0; "
-                "give each target example at least one predicted label"
-            )
-        self.target_pool = TargetPool(self.pool, target_examples)
-        self.score_projection = (
-            None
-            if score_projection is None
-            else ProjectionConfig("factor", k_a=score_projection, k_g=score_projection)
+        unknown = sorted(set(options) - set(LAYER_OPTIONS))
+        if unknown:
+            raise TypeError(f"unknown options {unknown}; the layer options are {LAYER_OPTIONS}")
+        if not target:
+            raise ValueError("DataSelectionCallback needs at least one target example")
+        self.settings = SelectionSettings(
+            rule=rule,
+            fraction=fraction,
+            threshold=threshold,
+            score=score,  # type: ignore[arg-type]
+            granularity=granularity,  # type: ignore[arg-type]
+            refresh_every=refresh_every,
+            target_examples=target_examples,
+            score_projection=score_projection,
+            log_path=log_path,
+            **options,
         )
-        self.rule = rule_by_name(rule, **_rule_options(rule, fraction, threshold))
-        self.score = score
-        self.granularity = granularity
-        self.log_path = log_path
-        self.selector: DataSelector | None = None
-        self._max_grad_norm = 0.0
+        self.pool = pad_examples(target)
+        self.session: SelectionSession | None = None
+        self._clipping: ClippingTakeover | None = None
+        self._hooks: list[Any] = []
         #: Norm of the last step's corrected gradient, before clipping (0-dim tensor).
         self._grad_norm: Tensor | None = None
 
     @property
     def history(self) -> list[StepSelection]:
-        """One :class:`StepSelection` per optimizer step so far."""
-        return [] if self.selector is None else self.selector.history
+        """One :class:`StepSelection` per optimizer step so far (the global outcome)."""
+        return [] if self.session is None else self.session.history
+
+    def add_to(self, trainer: Any) -> DataSelectionCallback:
+        """Put this callback first in ``trainer``'s list, so ``report_to`` sees its metrics."""
+        trainer.callback_handler.callbacks.insert(0, self)
+        return self
 
     def on_train_begin(
         self,
@@ -126,57 +173,55 @@ class DataSelectionCallback(PoolCallback):
         **kwargs: Any,
     ) -> None:
         model = check_trainer_setup(args, model)
+        layer_fields = {k: getattr(self.settings, k) for k in LAYER_OPTIONS}
+        capture = adapt_settings(CaptureSettings(store_dir="", **layer_fields), args, model)
         # Full fine-tuning in one process: the captured layers' .grad is built from the kept
         # examples at the optimizer step (autograd skips those weight gradients). DDP's
         # all-reduce needs autograd's own gradients; a LoRA adapter's is a cheap rank-r
         # product, cheaper than building it again: there it is computed and corrected.
         built = args.world_size == 1 and not has_lora(model)
-        engine = self.attach(args, model, state, parameter_grads=not built)
-        missing = uncovered_trainable(model, engine.captured_layers)
-        if missing:
-            self.detach()
-            fix = (
-                "TRL's fused LM head bypasses the head's forward: freeze the head or train with "
-                "label smoothing"
-                if uses_fused_head(args)
-                else "use layers='all' for full fine-tuning, or freeze them"
-            )
-            raise UnsupportedTrainingSetup(
-                f"{len(missing)} trainable parameters are not captured ({missing[:3]}), so "
-                f"their .grad could not be corrected; {fix}"
-            )
-        log_path = self.log_path or str(Path(str(args.output_dir)) / "selection.jsonl")
-        self.selector = DataSelector(
-            engine.captured_layers,
-            self.rule,
-            causal_lm_token_counts,
-            self.score,
-            self.granularity,
-            unwrap_optimizer(optimizer),
-            log_path,
-            self.score_projection,
+        fix = (
+            "TRL's fused LM head bypasses the head's forward: freeze the head or train with "
+            "label smoothing"
+            if uses_fused_head(args)
+            else DEFAULT_FIX
         )
-        engine.add_consumer(self.selector)
-        self._max_grad_norm = float(args.max_grad_norm or 0.0)
-        args.max_grad_norm = 0.0  # clipping happens after selection, in on_pre_optimizer_step
+        log_path = self.settings.log_path or str(Path(str(args.output_dir)) / "selection.jsonl")
+        self.session = SelectionSession(
+            self.settings,
+            model,
+            target=self.pool,
+            losses=causal_lm_losses,
+            target_tokens=target_token_counts,
+            normalization=CausalLMNormalization(),
+            token_counts=causal_lm_token_counts,
+            optimizer=unwrap_optimizer(optimizer),
+            log_path=log_path,
+            layers=capture.selection(),
+            parameter_grads=not built,
+            chunk_size=args.per_device_train_batch_size,
+            start_step=state.global_step,
+            fix=fix,
+        )
+        self._clipping = ClippingTakeover(args)
+        self.session.engine.add_consumer(self._clipping)
+        self._hooks.append(model.register_forward_pre_hook(self._clipping.restore))
 
-    def pool_gradients(self, model: nn.Module, args: TrainingArguments) -> Target:
-        """The summed gradient of this refresh's target examples: one plain backward,
-        chunked by the training batch size, that the training engine does not record."""
-        assert self.engine is not None
-        batch = self.target_pool.next_batch(next(model.parameters()).device)
-        with self.engine.paused():
-            return target_gradient(
-                model,
-                self.engine.captured_layers,
-                batch,
-                causal_lm_losses,
-                args.per_device_train_batch_size,
-            )
+    def on_substep_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._clipping is not None:
+            self._clipping.restore()
 
-    def use_pool(self, pooled: Target | None, lr_scheduler: Any) -> None:
-        if pooled is not None and self.selector is not None:
-            self.selector.set_target(pooled)
+    def on_step_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        if self.session is not None:
+            self.session.refresh_target(state.global_step)
 
     def on_pre_optimizer_step(
         self,
@@ -186,26 +231,34 @@ class DataSelectionCallback(PoolCallback):
         model: nn.Module | None = None,
         **kwargs: Any,
     ) -> None:
-        super().on_pre_optimizer_step(args, state, control)
-        if model is None or self.selector is None or self.selector.grad_norm is None:
+        if self.session is None or self._clipping is None:
+            return
+        self._clipping.restore()
+        outcome = self.session.step()
+        if model is None or (outcome is not None and outcome.skipped):
+            self._grad_norm = None
             return
         # The trainer's own grad_norm is taken before this event, so before selection:
-        # the corrected gradient's norm (before clipping; every trainable parameter is a
-        # captured one) is logged as selection/grad_norm. A skipped step has no .grad.
-        norm = self.selector.grad_norm
-        if self._max_grad_norm > 0 and bool(torch.isfinite(norm)):
-            torch.nn.utils.clip_grads_with_norm_(model.parameters(), self._max_grad_norm, norm)
+        # the corrected gradient's norm (before clipping) is logged as selection/grad_norm.
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        if hasattr(norm, "full_tensor"):  # the partial norms of a sharded .grad
+            norm = norm.full_tensor()
+        if self._clipping.max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(
+                model.parameters(), self._clipping.max_grad_norm, norm
+            )
         self._grad_norm = norm.detach()
 
     def step_metrics(self) -> dict[str, float]:
+        """Metrics of the latest step for the trainer's logs."""
         if not self.history:
             return {}
         last = self.history[-1].summary()
         metrics = {
             "selection/kept": float(last["kept"]),
             "selection/dropped": float(last["dropped"]),
-            "selection/non_finite": float(len(last["non_finite_ids"])),
-            "selection/skipped": float(last["skipped"]),
+            "selection/nonfinite": float(len(last["nonfinite_ids"])),
         }
         if last["mean_score"] is not None:
             metrics["selection/mean_score"] = last["mean_score"]
@@ -213,12 +266,29 @@ class DataSelectionCallback(PoolCallback):
             metrics["selection/grad_norm"] = float(self._grad_norm)
         return metrics
 
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        metrics = self.step_metrics()
+        if logs is None or not metrics or "loss" not in logs:
+            return
+        logs.update(metrics)
+        # The trainer appended a copy of ``logs`` before this event: update that entry too.
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(metrics)
+
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self.detach()
-        args.max_grad_norm = self._max_grad_norm
-
-
-def _rule_options(rule: str, fraction: float, threshold: float) -> dict[str, float]:
-    return {"threshold": {"value": threshold}}.get(rule, {"fraction": fraction})
+        if self._clipping is not None:
+            self._clipping.restore()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        if self.session is not None:
+            self.session.end()

@@ -1,0 +1,170 @@
+"""One step's decision, taken once for the whole global batch: gather every rank's scores,
+drop the non-finite ones, apply the rule, and log the outcome.
+
+Every rank gathers the same few numbers per example (its id, loss tokens and per-unit
+scores: ``2 + U`` floats, ``2 + 2U`` for cosine) in rank order, the order of the
+examples in one process's global batch (each rank's micro-batches in turn), and applies
+the rule to all of them on the host: every rank computes the same kept sets from the same
+numbers, and a run on ``W`` ranks drops exactly what one process drops on the same global
+batch (ties are broken by that order). This gather is the step's one host read of
+device values.
+
+An example whose score is not finite (a non-finite gradient, from a poisoned input or an
+overflow) is dropped whatever the rule says, and named in the log; the rule then applies
+to the finite ones. A step with no finite example is skipped: no ``.grad`` is edited, and
+the integration drops every ``.grad`` so that the optimizer leaves the weights and its
+state as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from tda_plugins.data_selection.parallel import Ranks
+from tda_plugins.data_selection.rules import DropRule
+from tda_plugins.data_selection.scoring import UnitScores
+from tda_plugins.grads.ops import safe_norms
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepSelection:
+    """What one optimizer step's selection did, over the whole global batch (the same on
+    every rank).
+
+    Attributes:
+        step: optimizer step.
+        example_ids: ``(N,)`` ids of the step's examples, every rank's in rank order.
+        scores: ``(N,)`` scores (per-layer mode: summed over layers); non-finite where the
+            example's gradient is.
+        dropped: ``(N,)`` bool, dropped in at least one layer (non-finite ones included).
+        nonfinite: ``(N,)`` bool, dropped because their score is not finite.
+        skipped: no example had a finite score; the optimizer step was skipped.
+    """
+
+    step: int
+    example_ids: Tensor
+    scores: Tensor
+    dropped: Tensor
+    nonfinite: Tensor
+    skipped: bool = False
+
+    def summary(self) -> dict[str, Any]:
+        """The JSON line of :attr:`step` (valid JSON: non-finite scores are left out of the
+        mean, which is ``None`` when no score is finite)."""
+        finite = self.scores[~self.nonfinite]
+        return {
+            "step": self.step,
+            "kept": int((~self.dropped).sum()),
+            "dropped": int(self.dropped.sum()),
+            "mean_score": float(finite.double().mean()) if finite.numel() else None,
+            "dropped_ids": self.example_ids[self.dropped].tolist(),
+            "nonfinite_ids": self.example_ids[self.nonfinite].tolist(),
+            "skipped": self.skipped,
+        }
+
+
+@dataclass
+class Decision:
+    """The global decision and this rank's share of it (host tensors).
+
+    Attributes:
+        keep: per unit, the ``(N,)`` kept mask of the global batch (``granularity="global"``:
+            one mask, the same object for every unit).
+        counts: ``(N,)`` fp64 loss tokens of every example.
+        sizes: each rank's number of examples.
+        offset: where this rank's examples start in the global order.
+        size: this rank's number of examples.
+        outcome: what is logged.
+    """
+
+    keep: list[Tensor]
+    counts: Tensor
+    sizes: list[int]
+    offset: int
+    size: int
+    outcome: StepSelection
+
+    def local(self, mask: Tensor) -> Tensor:
+        """This rank's part of a global ``(N,)`` mask."""
+        return mask[self.offset : self.offset + self.size]
+
+
+def _kept(rule: DropRule, scores: Tensor, finite: Tensor) -> Tensor:
+    """``(N,)`` kept mask: the rule over the finite scores; none kept if none is finite."""
+    keep = torch.zeros_like(finite)
+    rows = finite.nonzero().flatten()
+    if rows.numel():
+        keep[rows] = rule.keep(scores[rows])
+    return keep
+
+
+def decide(
+    step: int,
+    *,
+    ids: Tensor,
+    counts: Tensor,
+    scores: UnitScores,
+    rule: DropRule,
+    per_layer: bool,
+    ranks: Ranks,
+) -> Decision:
+    """Gather this rank's ``(B,)`` ids and loss tokens and its per-unit scores with every
+    other rank's, and apply ``rule`` once to the global batch."""
+    parts = [ids.view(torch.float64)[:, None], counts.double()[:, None], scores.dots]
+    if scores.squares is not None:
+        parts.append(scores.squares)
+    local = torch.cat([p.to(scores.dots.device) for p in parts], dim=1)
+    rows, sizes = ranks.gather_rows(local)
+    rows = rows.cpu()  # the step's one host read
+    units = scores.dots.shape[1]
+    global_ids = rows[:, 0].contiguous().view(torch.int64)
+    global_counts = rows[:, 1].contiguous()
+    dots = rows[:, 2 : 2 + units]
+    finite = torch.isfinite(dots).all(dim=1)
+    if scores.squares is not None and scores.target_squares is not None:
+        squares = rows[:, 2 + units :]
+        finite &= torch.isfinite(squares).all(dim=1)
+        target_sq = scores.target_squares.cpu()
+        if not per_layer:
+            norms = safe_norms(squares.sum(1)) * target_sq.sum().sqrt()
+            unit_scores = (dots.sum(1) / norms)[:, None]
+        else:
+            unit_scores = dots / (safe_norms(squares) * target_sq.sqrt())
+    else:
+        unit_scores = dots.sum(1, keepdim=True) if not per_layer else dots
+    if per_layer:
+        keep = [_kept(rule, unit_scores[:, u], finite) for u in range(units)]
+        summed = dots.sum(1)
+    else:
+        keep = [_kept(rule, unit_scores[:, 0], finite)] * units
+        summed = unit_scores[:, 0]
+    dropped = torch.stack([~k for k in keep]).any(0) if keep else ~finite
+    outcome = StepSelection(
+        step, global_ids, summed.float(), dropped, ~finite, skipped=not bool(finite.any())
+    )
+    if not bool(finite.all()):
+        logger.warning(
+            "tda-plugins: step %d: examples %s have a non-finite gradient (score); dropped%s",
+            step,
+            outcome.summary()["nonfinite_ids"],
+            ", and the optimizer step is skipped (no finite example)" if outcome.skipped else "",
+        )
+    return Decision(
+        keep, global_counts, sizes, sum(sizes[: ranks.rank]), sizes[ranks.rank], outcome
+    )
+
+
+def append_log(path: Path, outcome: StepSelection) -> None:
+    """One JSON line per optimizer step (written by rank 0 only: the outcome is global)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(outcome.summary(), allow_nan=False) + "\n")

@@ -1,0 +1,240 @@
+"""Each example's score against the selection target, per unit (a layer, or the layers that
+share a parameter), from the gradients the training backward captured.
+
+    dot:     s_i = <g_i, T>
+    cosine:  s_i = <g_i, T> / (|g_i| |T|)       (a zero gradient scores 0)
+    adam:    s_i = <g_i, P T>, P = 1 / (sqrt(v_hat) + eps)   (the optimizer's current state)
+
+``g_i`` is example ``i``'s own summed-token-loss gradient (each record's ``loss_scale``
+applied). A tied parameter's target is its full gradient in each sharing layer, so a unit's
+dot is the sum of its layers' dots; its cosine norm is taken over the parameter itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from tda_plugins.capture.adapters import LayerAdapter
+from tda_plugins.capture.records import MicroBatchRecord
+from tda_plugins.data_selection.parallel import gathered
+from tda_plugins.data_selection.settings import ScoreMode
+from tda_plugins.data_selection.target import Target
+from tda_plugins.grads.factors import PerExampleGrad
+from tda_plugins.grads.ops import dots_with, sq_norms
+from tda_plugins.grads.projection import ProjectionConfig, Projector
+
+Layers = dict[str, tuple[nn.Module, LayerAdapter]]
+
+
+@dataclass
+class UnitScores:
+    """One rank's examples scored, per unit (``U`` units, in :attr:`Scorer.units` order).
+
+    Attributes:
+        dots: ``(B, U)`` fp64 inner products with the (preconditioned) target.
+        squares: ``(B, U)`` fp64 squared gradient norms (cosine only, else ``None``).
+        target_squares: ``(U,)`` fp64 squared target norms (cosine only, else ``None``).
+    """
+
+    dots: Tensor
+    squares: Tensor | None = None
+    target_squares: Tensor | None = None
+
+
+class Scorer:
+    """Scores a step's examples against a target.
+
+    Args:
+        layers: the engine's captured layers.
+        score: ``"dot"``, ``"cosine"`` or ``"adam"``.
+        per_layer: units must not share a parameter (per-layer kept sets).
+        optimizer: Adam-family optimizer (``score="adam"``).
+        projection: score in this factor-projected space instead (``None``: exact).
+    """
+
+    def __init__(
+        self,
+        layers: Layers,
+        *,
+        score: ScoreMode,
+        per_layer: bool,
+        optimizer: torch.optim.Optimizer | None = None,
+        projection: ProjectionConfig | None = None,
+    ):
+        if score == "adam" and optimizer is None:
+            raise ValueError("score='adam' needs the optimizer")
+        if projection is not None and (score == "adam" or projection.kind != "factor"):
+            raise ValueError(
+                "score_projection needs a factor ProjectionConfig and score 'dot' or 'cosine' "
+                "(Adam preconditions each parameter, which a projection mixes)"
+            )
+        self.layers = layers
+        self.score = score
+        self.optimizer = optimizer
+        self.projector = Projector(projection) if projection is not None else None
+        self._projected_target: dict[str, Tensor] = {}
+        self.units = self._units(per_layer)
+
+    def _units(self, per_layer: bool) -> list[list[str]]:
+        """Group layers that share a parameter (tied embeddings): they are scored as one."""
+        owners: dict[int, list[str]] = {}
+        for name, (module, adapter) in self.layers.items():
+            for p in adapter.captured_parameters(module).values():
+                owners.setdefault(id(p), []).append(name)
+        shared = [names for names in owners.values() if len(names) > 1]
+        if shared and per_layer:
+            raise ValueError(
+                f"layers {shared[0]} share a parameter, so per-layer selection would apply two "
+                "different kept sets to it; use granularity='global'"
+            )
+        unit_of = {name: [name] for name in self.layers}
+        for names in shared:
+            merged = sorted(
+                {n for name in names for n in unit_of[name]}, key=list(self.layers).index
+            )
+            for name in merged:
+                unit_of[name] = merged
+        return list({tuple(u): u for u in unit_of.values()}.values())
+
+    def new_target(self) -> None:
+        """A new target: forget the projected one."""
+        self._projected_target = {}
+
+    # -- per layer ---------------------------------------------------------------------
+
+    def grads(self, record: MicroBatchRecord, name: str) -> PerExampleGrad:
+        """Layer ``name``'s per-example gradients as scored (projected if configured)."""
+        grads = record.layers[name].grads
+        return grads if self.projector is None else self.projector(name, grads)
+
+    def _layer_target(self, name: str, records: list[MicroBatchRecord], vector: Tensor) -> Tensor:
+        """Layer ``name``'s target as scored (projected once per refresh if configured)."""
+        if self.projector is None:
+            return vector
+        if name not in self._projected_target:
+            template = records[0].layers[name].grads
+            self._projected_target[name] = self.projector.project_vector(name, template, vector)
+        return self._projected_target[name]
+
+    def _adam_scale(self, name: str, like: Tensor) -> Tensor:
+        module, adapter = self.layers[name]
+        params = adapter.captured_parameters(module)
+        optimizer = self.optimizer
+        assert optimizer is not None  # checked in __init__
+        state = [optimizer.state.get(p, {}) for p in params.values()]
+        if any("exp_avg_sq" not in s for s in state):
+            return torch.ones_like(like)  # before the first step Adam has no moments: dot
+        group = optimizer.param_groups[0]
+        beta2, eps = group["betas"][1], group["eps"]
+        step = max(float(gathered(torch.as_tensor(s["step"]))) for s in state)
+        v = {local: gathered(s["exp_avg_sq"]) for local, s in zip(params, state, strict=True)}
+        v_hat = adapter.flatten(module, v).to(like.dtype) / (1 - beta2**step)
+        return 1.0 / (v_hat.sqrt() + eps)
+
+    def _in_parameters(self, unit: list[str], per_layer: dict[str, Tensor]) -> Tensor:
+        """``(..., D)`` per layer -> the unit's parameters, tied parts added: ``(..., D_u)``."""
+        if len(unit) == 1:
+            return per_layer[unit[0]]
+        lead = per_layer[unit[0]].shape[:-1]
+        by_param: dict[int, Tensor] = {}
+        for name in unit:
+            module, adapter = self.layers[name]
+            params = adapter.captured_parameters(module)
+            for local, value in adapter.unflatten(module, per_layer[name]).items():
+                key = id(params[local])
+                by_param[key] = value if key not in by_param else by_param[key] + value
+        return torch.cat([v.reshape(*lead, -1) for v in by_param.values()], dim=-1)
+
+    def _unit_sq_norms(self, unit: list[str], records: list[MicroBatchRecord]) -> Tensor:
+        """``(N,)`` squared norms of the unit's per-example gradients (a tied unit's
+        layers add up inside each parameter, so those are materialized)."""
+        if len(unit) == 1 or self.projector is not None:
+            return torch.stack(
+                [
+                    torch.cat([sq_norms(self.grads(r, name)) * r.loss_scale**2 for r in records])
+                    for name in unit
+                ]
+            ).sum(0)
+        grads = {
+            name: torch.cat([r.layers[name].grads.materialize() * r.loss_scale for r in records])
+            for name in unit
+        }
+        return self._in_parameters(unit, grads).pow(2).sum(dim=1)
+
+    def _unit_target_sq(
+        self, unit: list[str], records: list[MicroBatchRecord], vectors: Mapping[str, Tensor]
+    ) -> Tensor:
+        """The unit's squared target norm over its distinct parameters (a tied one counted
+        once; under a projection, each layer's projected target)."""
+        if len(unit) == 1 or self.projector is not None:
+            parts = [self._layer_target(name, records, vectors[name]) for name in unit]
+            return torch.cat(parts).double().pow(2).sum()
+        distinct: dict[int, Tensor] = {}
+        for name in unit:
+            module, adapter = self.layers[name]
+            params = adapter.captured_parameters(module)
+            for local, value in adapter.unflatten(module, vectors[name]).items():
+                distinct.setdefault(id(params[local]), value.flatten())
+        return torch.cat(list(distinct.values())).double().pow(2).sum()
+
+    # -- the step ----------------------------------------------------------------------
+
+    def scores(
+        self, records: list[MicroBatchRecord], target: Target, *, per_unit: bool
+    ) -> UnitScores:
+        """This rank's examples scored per unit.
+
+        ``per_unit``: score the units one at a time, each unit's target vectors read once
+        and dropped before the next (a sharded target is gathered a unit at a time);
+        otherwise all layers at once (layers fed by one input share one product)."""
+        chunks = self.units if per_unit else [list(self.layers)]
+        dots, squares, target_sq = [], [], []
+        for chunk in chunks:
+            part = self._chunk_scores(records, target, chunk)
+            dots.append(part.dots)
+            if part.squares is not None and part.target_squares is not None:
+                squares.append(part.squares)
+                target_sq.append(part.target_squares)
+        cosine = self.score == "cosine"
+        return UnitScores(
+            torch.cat(dots, dim=1),
+            torch.cat(squares, dim=1) if cosine else None,
+            torch.cat(target_sq) if cosine else None,
+        )
+
+    def _chunk_scores(
+        self, records: list[MicroBatchRecord], target: Target, names: list[str]
+    ) -> UnitScores:
+        """:meth:`scores` of the units made of ``names`` (whole units, in order)."""
+        needs_vectors = self.projector is not None or self.score != "dot"
+        factors = target.factors if self.projector is None and self.score != "adam" else {}
+        vectors: Mapping[str, Tensor] = target
+        if needs_vectors or len(names) < len(self.layers):
+            vectors = {name: target[name] for name in names}  # read (gathered) once here
+        scored = vectors
+        if self.projector is not None or self.score == "adam":
+            scored = {name: self._layer_target(name, records, vectors[name]) for name in names}
+        if self.score == "adam":
+            scored = {name: v * self._adam_scale(name, v) for name, v in scored.items()}
+        per_record = [
+            dots_with({name: self.grads(r, name) for name in names}, scored, factors)
+            for r in records
+        ]
+        scales = [r.loss_scale for r in records]
+        layer_dots = {
+            name: torch.cat([d[name] * c for d, c in zip(per_record, scales, strict=True)])
+            for name in names
+        }
+        units = [u for u in self.units if u[0] in layer_dots]
+        dots = torch.stack(
+            [torch.stack([layer_dots[n] for n in unit]).sum(0).double() for unit in units], dim=1
+        )
+        if self.score != "cosine":
+            return UnitScores(dots)
+        squares = torch.stack([self._unit_sq_norms(u, records).double() for u in units], dim=1)
+        target_sq = torch.stack([self._unit_target_sq(u, records, vectors) for u in units])
+        return UnitScores(dots, squares, target_sq)

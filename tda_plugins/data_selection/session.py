@@ -1,0 +1,248 @@
+"""A selection session: engine + target pool + selector for one training run.
+
+The trainer integrations (transformers/TRL, OLMo-core) are thin adapters over this class,
+as the capture callbacks are over :class:`~tda_plugins.session.CaptureSession`: they
+translate their trainer's events into :meth:`SelectionSession.refresh_target` (before a
+step's first forward), :meth:`SelectionSession.step` (after its last backward, before
+clipping and the optimizer) and :meth:`SelectionSession.end`.
+
+Under data parallelism (DDP, or FSDP2/HSDP ``fully_shard``) the session computes the
+target once per refresh over the ranks (each its share of the pool, summed by one
+collective), gathers each step's scores, applies the rule once to the global batch, and
+each rank edits only its own rows of ``.grad``. Memory per rank, beyond training's own:
+
+* DDP: the target, one ``(D,)`` vector per captured layer (the size of the captured
+  parameters), kept between refreshes.
+* FSDP/HSDP: the target as ``.grad``-like shards (``1/S`` of the captured parameters),
+  plus, transiently during a step, one layer's gathered target (its ``D`` values) while
+  that layer is scored, then one layer's gathered side gradients or full-size sum while
+  its rows are corrected (:mod:`~tda_plugins.data_selection.surgery`): at most the
+  largest layer's size each, never the whole model, under the cost model's routes (it
+  gathers a layer's examples only when they are fewer bytes than the layer). Measured
+  (``tests/selection_ddp_worker.py``, the tiny Llama of the tests fully sharded over 2
+  ranks, fp32, 8 examples a step): 39 KiB of target shards per rank (half of the 77 KiB
+  of parameters), 8 KiB of gathered target and 8 KiB held by the surgery at once (the
+  largest layers, the 64 x 32 embedding and LM head); a gather forced on every layer
+  held 27 KiB (the LM head's side examples), which is why the cost model reduces it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from tda_plugins.capture import CaptureEngine, LayerSelection
+from tda_plugins.capture.adapters import LayerAdapter
+from tda_plugins.capture.engine import capture_suspended
+from tda_plugins.capture.layers import uncovered_trainable
+from tda_plugins.capture.normalization import LossNormalization
+from tda_plugins.data_selection.outcome import StepSelection
+from tda_plugins.data_selection.parallel import Ranks, check_layout, divide_factor, is_sharded
+from tda_plugins.data_selection.selector import DataSelector, TokenCounter
+from tda_plugins.data_selection.settings import SelectionSettings
+from tda_plugins.data_selection.target import (
+    ExampleLosses,
+    TargetPool,
+    nonfinite,
+    shared_target,
+)
+from tda_plugins.session import UnsupportedTrainingSetup
+
+Batch = Mapping[str, Tensor]
+#: ``batch -> (P,)`` loss tokens of each target example.
+TargetTokens = Callable[[Batch], Tensor]
+
+#: How to cover every trainable parameter, for the refusal's message.
+DEFAULT_FIX = "use layers='all' for full fine-tuning, or freeze them"
+
+
+class SelectionError(ValueError):
+    """The selection target cannot be used (no loss tokens, non-finite gradient)."""
+
+
+def check_coverage(
+    model: nn.Module, layers: dict[str, tuple[nn.Module, LayerAdapter]], fix: str = DEFAULT_FIX
+) -> None:
+    """Refuse a run in which some trainable parameter is not captured: its ``.grad``
+    could not be corrected."""
+    missing = uncovered_trainable(model, layers)
+    if missing:
+        raise UnsupportedTrainingSetup(
+            f"{len(missing)} trainable parameters are not captured ({missing[:3]}), so "
+            f"their .grad could not be corrected; {fix}"
+        )
+
+
+class SelectionSession:
+    """Online data selection for one training run.
+
+    Args:
+        settings: what to select.
+        model: the model the trainer calls (``fully_shard``-ed or not; for DDP the
+            module inside the wrapper or the one ``replicate`` was applied to).
+        target: the target pool, tensors with the example axis first (``labels`` in the
+            convention of ``losses``).
+        losses: ``(model, batch) -> (B,)`` each target example's summed loss.
+        target_tokens: ``batch -> (P,)`` loss tokens of each target example.
+        normalization: how the trainer normalizes its loss (see ``capture.normalization``).
+        token_counts: ``record -> (B,)`` loss tokens of each training example.
+        optimizer: the torch optimizer (``score="adam"``).
+        log_path: the JSONL log (written by rank 0).
+        layers: the layers to capture (default: ``settings.layer_selection()``).
+        parameter_grads: as :class:`~tda_plugins.capture.engine.CaptureEngine` takes it
+            (``False``: one process only, ``.grad`` built from the kept examples).
+        chunk_size: target examples per forward/backward (default: all at once).
+        start_step: the optimizer step the run starts at (a resumed run).
+        fix: how to cover every trainable parameter (the refusal's way out).
+
+    Raises:
+        UnsupportedTrainingSetup: before any step, for uncovered trainable parameters or a
+            parameter layout selection cannot edit exactly.
+    """
+
+    def __init__(
+        self,
+        settings: SelectionSettings,
+        model: nn.Module,
+        *,
+        target: Batch,
+        losses: ExampleLosses,
+        target_tokens: TargetTokens,
+        normalization: LossNormalization,
+        token_counts: TokenCounter,
+        optimizer: torch.optim.Optimizer | None = None,
+        log_path: str | Path | None = None,
+        layers: LayerSelection | None = None,
+        parameter_grads: bool = True,
+        chunk_size: int | None = None,
+        start_step: int = 0,
+        fix: str = DEFAULT_FIX,
+    ):
+        self.settings = settings
+        self.pool = TargetPool(target, settings.target_examples)
+        self.losses = losses
+        self.target_tokens = target_tokens
+        self.chunk_size = chunk_size
+        self.ranks = Ranks.current()
+        self.engine = CaptureEngine(
+            model,
+            layers or settings.layer_selection(),
+            None,
+            (),
+            normalization,
+            parameter_grads=parameter_grads,
+        ).attach()
+        try:
+            captured = self.engine.captured_layers
+            check_coverage(model, captured, fix)
+            check_layout(model, captured)
+            self.divide = divide_factor(model, self.ranks)
+            self.selector = DataSelector(
+                captured,
+                rule=settings.drop_rule(),
+                token_counts=token_counts,
+                score=settings.score,
+                granularity=settings.granularity,
+                optimizer=optimizer,
+                log_path=log_path if self.ranks.rank == 0 else None,
+                score_projection=settings.projection(),
+                ranks=self.ranks,
+                divide=self.divide,
+            )
+        except Exception:
+            self.engine.detach()
+            raise
+        self.engine.add_consumer(self.selector)
+        self.engine.resume_at_step(start_step)
+        self._target_step: int | None = None
+
+    @property
+    def model(self) -> nn.Module:
+        return self.engine.model
+
+    @property
+    def history(self) -> list[StepSelection]:
+        """One :class:`StepSelection` per optimizer step so far (the global outcome)."""
+        return self.selector.history
+
+    @property
+    def sharded(self) -> bool:
+        return is_sharded(self.engine.captured_layers)
+
+    def refresh_target(self, step: int) -> bool:
+        """Before optimizer step ``step``'s first forward: recompute the target if due
+        (every ``refresh_every`` steps from the first step this session sees). The model
+        runs in eval mode, unrecorded by any engine. Returns whether it was recomputed.
+
+        Raises:
+            SelectionError: the refresh's examples have no loss token, or their gradient
+                is not finite (naming them by their position in the pool).
+        """
+        self.engine.resume_at_step(step)
+        due = (
+            self._target_step is None
+            or (step - self._target_step) % self.settings.refresh_every == 0
+        )
+        if not due:
+            return False
+        model = self.model
+        batch = self.pool.next_batch(next(model.parameters()).device)
+        rows = self.pool.last_rows
+        if int(self.target_tokens(batch).sum()) == 0:
+            raise SelectionError(
+                f"the selection target's examples {rows} (pool positions) have no loss token, "
+                "so every training example would score 0; give target rows with labels that "
+                "are not all -100"
+            )
+        was_training = model.training
+        model.eval()
+        try:
+            with self.engine.paused(), capture_suspended():
+                target = shared_target(
+                    model,
+                    self.engine.captured_layers,
+                    batch,
+                    self.losses,
+                    ranks=self.ranks,
+                    divide=self.divide,
+                    chunk_size=self.chunk_size,
+                )
+        finally:
+            model.train(was_training)
+        if nonfinite(target, self.ranks):
+            raise SelectionError(
+                f"the selection target's examples {rows} (pool positions) have a non-finite "
+                f"gradient at step {step}'s weights, so every score would be NaN; remove "
+                "them from the target pool (or fix the weights)"
+            )
+        self.selector.set_target(target)
+        self._target_step = step
+        return True
+
+    def step(self) -> StepSelection | None:
+        """After the step's last backward: select and edit ``.grad``. Returns the step's
+        outcome (``None`` when there was nothing to select: no micro-batch, or no target
+        yet). On a skipped step (no finite example) every captured parameter's ``.grad``
+        is dropped (``None``), so the torch optimizer leaves it and its state unchanged."""
+        done = len(self.selector.history)
+        self.engine.optimizer_step()
+        if len(self.selector.history) == done:
+            return None
+        outcome = self.selector.history[-1]
+        if outcome.skipped:
+            for module, adapter in self.engine.captured_layers.values():
+                for p in adapter.captured_parameters(module).values():
+                    p.grad = None
+        return outcome
+
+    def end(self) -> None:
+        """Training finished: deliver pending micro-batches and unhook."""
+        self.engine.end()
+        self.engine.detach()
+
+    def close(self) -> None:
+        """Unhook without finishing (after an error)."""
+        self.engine.detach()

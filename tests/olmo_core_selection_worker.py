@@ -1,0 +1,152 @@
+"""One rank of OLMo-core ``Trainer`` runs with ``DataSelectionCallback`` under data
+parallelism: the subject of ``tests/test_selection_distributed.py``.
+
+``python -m torch.distributed.run --standalone --nproc-per-node=2
+tests/olmo_core_selection_worker.py FOLDER`` trains the tiny OLMo-2 transformer of
+``tests/olmo_core_dist_worker.py`` (fp32, CPU, gloo, two micro-batches per rank, AdamW)
+on the token file ``write_tokens`` put in ``FOLDER``, three times in one process group,
+each through OLMo-core's own ``dp_config``: ``ddp`` (``replicate``), ``fsdp``
+(``fully_shard``: DTensor parameters sharded on dim 0) and ``hsdp`` (two replicas of a
+one-rank shard: placements ``(Replicate(), Shard(0))``), with half of each step's global
+batch dropped. Each rank saves ``FOLDER/<mode>/rank<r>.pt``: its instance indices and
+tokens per step, the full parameters each step started from, the full ``.grad`` after
+selection, and the global selection outcome per step. :func:`train` with
+``mode="single"`` is the one-process run on the same data and global batch size.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import olmo_core.distributed.parallel as olmo_parallel
+import torch
+import torch.distributed as dist
+from olmo_core.data import NumpyDataLoaderConfig
+from olmo_core.distributed.parallel import DataParallelType
+from olmo_core.optim import AdamWConfig
+from olmo_core.train import Duration, TrainerConfig
+from olmo_core.train.callbacks import Callback
+from olmo_core.train.train_module import (
+    TransformerDataParallelConfig,
+    TransformerTrainModule,
+    TransformerTrainModuleConfig,
+)
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from tda_plugins.integrations.olmo_core import DataSelectionCallback
+from tests.olmo_core_dist_worker import (
+    GLOBAL_BATCH,
+    HANG_SECONDS,
+    LEARNING_RATE,
+    MODEL,
+    SEQ,
+    STEPS,
+    VOCAB,
+    WORLD,
+    dataset_config,
+)
+
+MODES = ("ddp", "fsdp", "hsdp")
+FRACTION = 0.5
+TARGET = np.random.default_rng(11).integers(1, VOCAB, size=(3, SEQ)).tolist()
+
+
+def _full(t: Tensor) -> Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+@dataclass
+class Audit(Callback):
+    """Per step: the instances and full parameters (``pre_step``), the full ``.grad`` after
+    the selection (``pre_optim_step``, after the selection callback)."""
+
+    indices: list[Tensor] = field(default_factory=list)
+    input_ids: list[Tensor] = field(default_factory=list)
+    params: list[dict[str, Tensor]] = field(default_factory=list)
+    grads: list[dict[str, Tensor]] = field(default_factory=list)
+
+    def _model(self) -> torch.nn.Module:
+        train_module = self.trainer.train_module
+        assert isinstance(train_module, TransformerTrainModule)
+        return train_module.model
+
+    def pre_step(self, batch: dict[str, Any]) -> None:
+        self.indices.append(batch["index"].clone())
+        self.input_ids.append(batch["input_ids"].clone())
+        self.params.append({n: _full(p) for n, p in self._model().named_parameters()})
+
+    def pre_optim_step(self) -> None:
+        self.grads.append(
+            {n: _full(p.grad) for n, p in self._model().named_parameters() if p.grad is not None}
+        )
+
+
+def dp_config(mode: str) -> TransformerDataParallelConfig | None:
+    if mode == "single":
+        return None
+    if mode == "hsdp":
+        return TransformerDataParallelConfig(
+            name=DataParallelType.hsdp, num_replicas=WORLD, shard_degree=1
+        )
+    return TransformerDataParallelConfig(name=DataParallelType(mode))
+
+
+def train(folder: Path, mode: str) -> dict[str, Any]:
+    """:data:`STEPS` steps with selection; what the rank saves."""
+    torch.manual_seed(0)
+    # OLMo-core builds its device mesh once per process; each mode of this process builds
+    # its own (the module-level mesh has no public reset).
+    olmo_parallel._WORLD_MESH = None
+    world = 1 if mode == "single" else WORLD
+    dataset = dataset_config(folder, mode).build()
+    loader = NumpyDataLoaderConfig(global_batch_size=GLOBAL_BATCH * SEQ, seed=0).build(dataset)
+    module = TransformerTrainModuleConfig(
+        rank_microbatch_size=GLOBAL_BATCH // world // 2 * SEQ,
+        max_sequence_length=SEQ,
+        optim=AdamWConfig(lr=LEARNING_RATE),
+        dp_config=dp_config(mode),
+    ).build(MODEL.build(init_device="cpu"), device=torch.device("cpu"))
+    selection = DataSelectionCallback(TARGET, fraction=FRACTION)
+    audit = Audit()
+    config = TrainerConfig(
+        save_folder=str(folder / mode / "run"),
+        max_duration=Duration.steps(STEPS),
+        metrics_collect_interval=1,
+        no_checkpoints=True,
+    ).with_callbacks({"selection": selection, "audit": audit})
+    config.build(module, loader).fit()
+    assert selection.session is not None
+    params = selection.session.engine.captured_layers
+    return {
+        "indices": audit.indices,
+        "input_ids": audit.input_ids,
+        "params": audit.params,
+        "grads": audit.grads,
+        "history": [h.summary() for h in selection.history],
+        "example_ids": [h.example_ids for h in selection.history],
+        "layers": sorted(params),
+        "routes": dict(selection.session.selector.surgery.routes),
+        "sharded": selection.session.sharded,
+    }
+
+
+def main(folder: Path) -> None:
+    torch.set_num_threads(1)
+    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
+    dist.init_process_group("gloo")
+    try:
+        for mode in MODES:
+            saved = train(folder, mode)
+            torch.save(saved, folder / mode / f"rank{dist.get_rank()}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
