@@ -5,93 +5,41 @@
     tda report    --scores DIR --store STORE --queries QSTORE --out report.html
 
 Bad input ends with exit code 2 and a one-line reason on stderr.
+
+Under ``torchrun --nproc-per-node N -m tda_plugins.cli ...`` the work is spread over the N
+ranks (:mod:`tda_plugins.ranks`): ``capture`` deals the batches round robin, each rank
+writing its own ``rank-<r>`` directory of one store (a full model replica per rank: data
+parallel); ``attribute`` splits the training store between the ranks and rank 0 writes the
+merged scores. Both give what one process gives.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
-import re
 import sys
+import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from safetensors import SafetensorError
 from tqdm.auto import tqdm
 
 from tda_plugins.api import causal_lm_example_losses
-from tda_plugins.capture import CaptureEngine, LayerSelection, LayerSelectionError, content_hash
-from tda_plugins.grads import ProjectionConfig
+from tda_plugins.capture import CaptureEngine, LayerSelectionError, content_hash
+from tda_plugins.cli_types import device, finite_float, non_negative_float, positive_int, regex
 from tda_plugins.methods import METHODS, Checkpoint, Scores, attribute
 from tda_plugins.precondition import CurvatureAccumulator
+from tda_plugins.precondition.plan import require_within_budget
+from tda_plugins.ranks import Ranks, launch_size, launched_ranks
 from tda_plugins.report import write_html
+from tda_plugins.session import CaptureSettings, capture_plan
 from tda_plugins.store import GradientStore, StoreError, StoreReader
 from tda_plugins.store.io import refuse_existing, staged_directory
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-
-
-# -- argument types: a bad value is a usage error (exit 2) naming the option -----------------
-
-
-def positive_int(text: str) -> int:
-    """An integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
-    return value
-
-
-def finite_float(text: str) -> float:
-    """A finite float."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be finite, got {text}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    """A finite float >= 0."""
-    value = finite_float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def regex(text: str) -> str:
-    """A valid Python regular expression."""
-    try:
-        re.compile(text)
-    except re.error as error:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a valid regex ({error})") from None
-    return text
-
-
-def device(text: str) -> str:
-    """A torch device this machine has."""
-    try:
-        parsed = torch.device(text)
-    except RuntimeError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device") from None
-    available = {
-        "cpu": lambda: True,
-        "cuda": lambda: (
-            torch.cuda.is_available() and (parsed.index or 0) < torch.cuda.device_count()
-        ),
-        "mps": lambda: torch.backends.mps.is_available(),
-    }
-    if not available.get(parsed.type, lambda: False)():
-        raise argparse.ArgumentTypeError(f"device {text!r} is not available on this machine")
-    return text
 
 
 def _add_capture(sub: Any) -> None:
@@ -151,8 +99,29 @@ def _add_capture(sub: Any) -> None:
         "512 for a model without a positions limit)",
     )
     p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="model dtype")
-    p.add_argument("--device", type=device, default="cpu", help="torch device")
+    p.add_argument(
+        "--device",
+        type=device,
+        default="cpu",
+        help="torch device (under torchrun: cpu, or cuda for each rank's LOCAL_RANK GPU)",
+    )
+    p.add_argument(
+        "--device-map",
+        help="transformers device_map (e.g. auto) for a model larger than one device; "
+        "replaces --device",
+    )
     p.add_argument("--no-curvature", action="store_true", help="skip inline K-FAC statistics")
+    p.add_argument(
+        "--curvature-head",
+        action="store_true",
+        help="K-FAC statistics for an untied vocabulary-wide head too (vocab x vocab)",
+    )
+    p.add_argument(
+        "--curvature-budget-gb",
+        type=non_negative_float,
+        default=8.0,
+        help="most GiB of K-FAC statistics per process; more is refused before any work",
+    )
     p.add_argument(
         "--keep-tokens",
         action="store_true",
@@ -214,6 +183,13 @@ def _add_attribute(sub: Any) -> None:
         help="score queries although they come from another model than the store's",
     )
     p.add_argument("--force", action="store_true", help="replace an existing --out")
+    p.add_argument(
+        "--device",
+        type=device,
+        default="cpu",
+        help="where to score (cpu: the reference; cuda: under torchrun, each rank's "
+        "LOCAL_RANK GPU)",
+    )
     p.set_defaults(run=_attribute)
 
 
@@ -232,8 +208,16 @@ def _add_report(sub: Any) -> None:
     p.set_defaults(run=_report)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line, ``tda <command>: error: <what>``, and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        reason = " ".join(message.split())
+        self.exit(2, f"{self.prog}: error: {reason} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="tda", description="Training-data attribution from per-example gradients."
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -243,24 +227,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _selection(args: argparse.Namespace) -> LayerSelection:
-    return LayerSelection(
-        kind=args.layers,
+def _settings(args: argparse.Namespace) -> CaptureSettings:
+    """What ``tda capture`` records, as the trainer callbacks' settings."""
+    return CaptureSettings(
+        store_dir=str(args.out),
+        layers=args.layers,
         include=args.include,
         exclude=args.exclude,
         last_n_blocks=args.last_n_blocks,
+        projection=args.projection,
+        k_a=args.k_a,
+        k_g=args.k_g,
+        k=args.k,
+        projection_map=args.map,
+        seed=args.seed,
+        curvature=not args.no_curvature,
+        curvature_head=args.curvature_head,
+        curvature_budget_gb=args.curvature_budget_gb,
+        keep_tokens=args.keep_tokens,
     )
 
 
-def _projection(args: argparse.Namespace) -> ProjectionConfig | None:
-    if args.projection == "none":
-        return None
-    return ProjectionConfig(
-        kind=args.projection, k_a=args.k_a, k_g=args.k_g, k=args.k, map=args.map, seed=args.seed
-    )
-
-
-def _load_model(directory: str, dtype: torch.dtype, device: str) -> tuple[Any, Any]:
+def _load_model(
+    directory: str, dtype: torch.dtype, device: torch.device, device_map: str | None
+) -> tuple[Any, Any]:
+    """The model on ``device``, or spread by transformers' ``device_map``, and its
+    tokenizer if the directory has one."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -268,8 +260,10 @@ def _load_model(directory: str, dtype: torch.dtype, device: str) -> tuple[Any, A
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no transformers model at {path} (missing config.json)")
     hf_logging.disable_progress_bar()  # the command has its own progress bar
-    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    model = model.to(torch.device(device)).eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map)
+    if device_map is None:
+        model = model.to(device)
+    model = model.eval()
     has_tokenizer = any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
     tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
     return model, tokenizer
@@ -286,14 +280,28 @@ def model_positions(model: Any) -> int | None:
 
 
 def _capture(args: argparse.Namespace) -> None:
-    from tda_plugins.integrations.transformers.data import batches, read_examples
-
     out: Path = args.out
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--out {out} is a file; give a store directory")
     if out.is_dir() and any(out.iterdir()) and not (out / "store.json").exists():
         raise FileExistsError(f"--out {out} is a non-empty folder that holds no gradient store")
-    model, tokenizer = _load_model(args.model, _DTYPES[args.dtype], args.device)
+    if args.device_map is not None and (args.device != "cpu" or launch_size() > 1):
+        raise ValueError(
+            "--device-map places the model itself: give it without --device and without "
+            "torchrun (under torchrun every rank holds a whole replica on --device)"
+        )
+    _capture_on(args, launched_ranks(args.device))
+
+
+def _capture_on(args: argparse.Namespace, ranks: Ranks) -> None:
+    """``tda capture`` on this rank: every rank reads and checks all the data, captures
+    the batches ``rank, rank + N, ...`` (a full model replica each) into its ``rank-<r>``
+    directory of the store, one step per round of N batches; rank 0 saves the texts."""
+    from tda_plugins.integrations.transformers.data import batches, read_examples
+
+    out: Path = args.out
+    model, tokenizer = _load_model(args.model, _DTYPES[args.dtype], ranks.device, args.device_map)
+    inputs_device = model.get_input_embeddings().weight.device
     positions = model_positions(model)
     max_length = args.max_length or positions or 512
     if positions is not None and max_length > positions:
@@ -318,8 +326,19 @@ def _capture(args: argparse.Namespace) -> None:
             f"example id {repeated} occurs twice in {args.data}: give each example its own "
             "'id' (without ids, duplicated examples get the same content hash)"
         )
+    settings = _settings(args)
+    plan = capture_plan(settings, model, ranks.rank)
+    if settings.curvature:
+        require_within_budget(model, plan)
+        if ranks.size > 1 and plan.schedule != "local":
+            raise ValueError(
+                "the K-FAC statistics do not fit one process's budget, and a data-parallel "
+                "tda capture reduces them only at its end: raise --curvature-budget-gb, "
+                "capture fewer layers, or pass --no-curvature"
+            )
     store = GradientStore(
         out,
+        ranks.rank,
         keep_tokens=args.keep_tokens,
         metadata={"model": str(args.model), "data": str(args.data)},
         append=args.append,
@@ -328,33 +347,64 @@ def _capture(args: argparse.Namespace) -> None:
         tokenizer=tokenizer,
     )
     consumers: list[Any] = [store]
-    if not args.no_curvature:
-        consumers.append(CurvatureAccumulator(out))
+    if settings.curvature:
+        consumers.append(
+            CurvatureAccumulator(
+                out,
+                ranks.rank,
+                shapes=plan.curvature_shapes,
+                excluded=plan.excluded,
+                world_size=plan.inputs.world_size,
+                schedule=plan.schedule,
+            )
+        )
     # capture only attributes: autograd need not build the model's own weight gradients
     engine = CaptureEngine(
-        model, _selection(args), _projection(args), consumers, parameter_grads=False
+        model,
+        settings.selection(),
+        settings.projection_config(),
+        consumers,
+        parameter_grads=False,
     )
-    texts: dict[int, str] = {}
-    with engine, tqdm(total=len(examples), desc="capture", unit="ex") as bar:
+    mine = planned[ranks.rank :: ranks.size]
+    if ranks.rank != 0:
+        ranks.barrier()  # rank 0 attaches first: it writes the store's header
+    with (
+        engine,
+        tqdm(total=len(examples), desc="capture", unit="ex", disable=ranks.rank != 0) as bar,
+    ):
+        if ranks.rank == 0:
+            ranks.barrier()
         store.check_new_ids(all_ids)  # against the examples an appended store holds
-        engine.resume_at_step(store.next_step)  # appending to a store continues its numbering
-        for inputs, ids, group in planned:
-            texts.update(zip(ids.tolist(), (e.text for e in group), strict=True))
-            inputs = {k: v.to(args.device) for k, v in inputs.items()}
-            engine.set_example_ids(ids.to(args.device))
+        # appending continues the numbering after every rank's last step
+        engine.resume_at_step(max(ranks.objects(store.next_step)))
+        for inputs, ids, group in mine:
+            inputs = {k: v.to(inputs_device) for k, v in inputs.items()}
+            engine.set_example_ids(ids.to(inputs_device))
             labels = inputs.pop("labels")
             losses = causal_lm_example_losses(model(**inputs).logits, labels)
             losses.sum().backward()
             model.zero_grad(set_to_none=True)
-            engine.optimizer_step()  # one committed store step per batch
-            bar.update(len(group))
+            engine.optimizer_step()  # one committed store step per batch (per round)
+            bar.update(len(group) * ranks.size)
         engine.end()
-    store.write_examples(texts)
-    print(f"wrote {len(examples)} examples to {out}")
+    ranks.barrier()  # every rank's steps are committed
+    if ranks.rank == 0:
+        texts = {
+            i: e.text for _, ids, group in planned for i, e in zip(ids.tolist(), group, strict=True)
+        }
+        store.write_examples(texts)
+        print(f"wrote {len(examples)} examples to {out} ({ranks.size} rank(s))")
 
 
 def _attribute(args: argparse.Namespace) -> None:
     refuse_existing(args.out, args.force)
+    _attribute_on(args, launched_ranks(args.device))
+
+
+def _attribute_on(args: argparse.Namespace, ranks: Ranks) -> None:
+    """``tda attribute`` on this rank: each rank scores its part of the store on
+    ``ranks.device``; rank 0 writes the merged scores, top-k and report."""
     store, queries = StoreReader(args.store), StoreReader(args.queries)
     options: dict[str, Any] = {"damping": args.damping}
     if args.method == "tracin":
@@ -365,6 +415,7 @@ def _attribute(args: argparse.Namespace) -> None:
         )
     elif args.checkpoint:
         raise ValueError("--checkpoint applies to --method tracin only")
+    start = time.perf_counter()
     scores = attribute(
         store,
         queries,
@@ -372,15 +423,21 @@ def _attribute(args: argparse.Namespace) -> None:
         allow_mismatch=args.allow_mismatch,
         chunk_examples=args.chunk,
         progress=True,
+        ranks=ranks,
         **options,
     )
+    seconds = time.perf_counter() - start
+    if ranks.rank != 0:
+        return
     with staged_directory(args.out) as stage:
         scores.save(stage, k=args.top_k)
         write_html(
             stage / "report.html", scores, scores.train_texts, scores.query_texts, args.top_k
         )
+    n, m = scores.values.shape
     print(
-        f"scored {scores.values.shape[0]} x {scores.values.shape[1]} with {args.method}: {args.out}"
+        f"scored {n} x {m} with {args.method} in {seconds:.2f} s on {ranks.size} rank(s) "
+        f"({ranks.device}): {args.out}"
     )
 
 

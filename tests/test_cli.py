@@ -437,3 +437,26 @@ def test_capture_into_an_existing_store_appends(
     assert reader.steps == [0, 1, 2, 3, 4, 5]
     texts = reader.texts()
     assert texts[100] == text_of(run.train[100]) and texts[204] == text_of(more[204])
+
+
+# -- 10: model placement ---------------------------------------------------------------------
+
+
+def test_capture_with_device_map_equals_the_plain_capture(
+    capsys: pytest.CaptureFixture[str], runs: dict[str, CliRun], tmp_path: Path
+) -> None:
+    """``--device-map auto`` (transformers places the model; on a machine without GPU all
+    of it on the CPU) stores bitwise the gradients of the plain capture, same order."""
+    run = runs["llama"]
+    stores = {}
+    for name, extra in (("plain", ()), ("mapped", ("--device-map", "auto"))):
+        out = tmp_path / name
+        code, _, err = run_main(
+            capsys, *capture_args(run.model_dir, run.train_file, out, "--batch-size", 3, *extra)
+        )
+        assert code == 0, err
+        stores[name] = StoreReader(out).load_all()
+    plain, mapped = stores["plain"], stores["mapped"]
+    assert mapped.example_ids.tolist() == plain.example_ids.tolist() == list(run.train)
+    for name, grads in plain.layers.items():
+        assert torch.equal(mapped.layers[name].materialize(), grads.materialize()), name

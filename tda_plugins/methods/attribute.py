@@ -8,6 +8,7 @@ from typing import Any
 
 from tda_plugins.methods.base import method_by_name
 from tda_plugins.methods.scores import Scores
+from tda_plugins.ranks import Ranks
 from tda_plugins.store.reader import StoreReader
 
 
@@ -19,6 +20,7 @@ def attribute(
     allow_mismatch: bool = False,
     chunk_examples: int | None = None,
     progress: bool = False,
+    ranks: Ranks | None = None,
     **options: Any,
 ) -> Scores:
     """Score every training example of ``store`` against every query of ``queries``.
@@ -31,6 +33,8 @@ def attribute(
         allow_mismatch: score queries of another model than the store's anyway.
         chunk_examples: training examples scored at once (default: from the query count).
         progress: show a progress bar.
+        ranks: the ranks to spread the scoring over (under ``torchrun``: each scores a part
+            of the store, every rank gets the whole result); ``None``: this process alone.
         **options: the method's own options (``damping=0.1``, TracIn's
             ``learning_rate`` and ``extra`` checkpoints).
 
@@ -42,6 +46,6 @@ def attribute(
     train = store if isinstance(store, StoreReader) else StoreReader(store)
     query = queries if isinstance(queries, StoreReader) else StoreReader(queries)
     scores = method_by_name(method, **options).score(
-        train, query, chunk_examples, progress, allow_mismatch=allow_mismatch
+        train, query, chunk_examples, progress, allow_mismatch=allow_mismatch, ranks=ranks
     )
     return replace(scores, train_texts=train.texts(), query_texts=query.texts())

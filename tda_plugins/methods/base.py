@@ -12,6 +12,7 @@ example's gradient of its own summed token loss; higher = more helpful to the qu
 from __future__ import annotations
 
 from abc import ABC
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -31,6 +32,7 @@ from tda_plugins.grads.ops import (
 from tda_plugins.heap import release_free_heap
 from tda_plugins.methods.scores import Scores
 from tda_plugins.precondition.base import Identity, Preconditioner
+from tda_plugins.ranks import Ranks, on_device
 from tda_plugins.registry import Registry
 from tda_plugins.store.layout import StoreError
 from tda_plugins.store.reader import StoreChunk, StoreReader
@@ -62,13 +64,15 @@ class AttributionMethod(ABC):
         progress: bool = False,
         *,
         allow_mismatch: bool = False,
+        ranks: Ranks | None = None,
     ) -> None:
         """Validate the pair of stores (``allow_mismatch``: queries of another model than
         the store's are scored all the same, see
         :meth:`~tda_plugins.store.StoreReader.require_compatible`) and fit what the method
-        needs."""
+        needs (spread over ``ranks``, its results on their device; default: this process,
+        on the CPU)."""
         store.require_compatible(queries, allow_mismatch)
-        self.preconditioner.fit(store, progress)
+        self.preconditioner.fit(store, progress, ranks=ranks or Ranks())
 
     def train_side(self, layer: str, grads: PerExampleGrad) -> PerExampleGrad:
         """Transform of the training gradients: LESS's Adam step, or the preconditioner's
@@ -86,33 +90,47 @@ class AttributionMethod(ABC):
         progress: bool = False,
         *,
         allow_mismatch: bool = False,
+        ranks: Ranks | None = None,
     ) -> Scores:
         """``(N, M)`` scores of every stored training example against every query.
 
         ``chunk_examples``: training examples read and scored at once (whole
         micro-batches); ``None`` (default): :func:`default_chunk` of the query count.
 
+        ``ranks``: the processes that share the work and where they compute (default:
+        this process, on the CPU). Each rank fits its share of the preconditioner and
+        scores its part of the store (:meth:`~tda_plugins.ranks.Ranks.part`, the very
+        chunks one process reads); every rank returns all the scores, in store order.
+
         The heap a training or capture pass freed is given back first
         (:func:`~tda_plugins.heap.release_free_heap`), so that scoring's buffers do not
         come on top of it."""
+        ranks = ranks or Ranks()
         release_free_heap()
-        self.prepare(store, queries, progress, allow_mismatch=allow_mismatch)
+        self.prepare(store, queries, progress, allow_mismatch=allow_mismatch, ranks=ranks)
         _require_queries(queries)
         chunk = chunk_examples or default_chunk(queries.num_examples)
+        # layer groups and the query cache follow the whole store, as in one process
         groups = layer_groups(store, queries, chunk)
-        bar = tqdm(total=store.num_examples, desc=f"{self.name} scores", disable=not progress)
+        part = ranks.part(store, chunk)
+        examples = 0 if part is None else part.num_examples
+        show = progress and ranks.rank == 0
+        bar = tqdm(total=examples, desc=f"{self.name} scores", disable=not show)
         totals = _Totals(queries.num_examples, self.normalize)
         query_ids = torch.empty(0, dtype=torch.long)
         with bar:
             for names in groups:
                 query = queries.load_all(names)
                 query_ids = query.example_ids
+                query.layers = on_device(query.layers, ranks.device)
                 query_groups = self._query_groups(query)
-                bar.total = store.num_examples * len(groups) * len(query_groups)
+                bar.total = examples * len(groups) * len(query_groups)
                 for i, rows in enumerate(query_groups):
                     last = i == len(query_groups) - 1
-                    totals.add(rows, self._score_pass(store, query, rows, chunk, bar, last))
-        scores = Scores(totals.train_ids(), query_ids, totals.values(), self.name)
+                    parts = _ScorePass(store, part, chunk, ranks.device)
+                    totals.add(rows, self._score_pass(parts, query, rows, bar, last))
+        train_ids = ranks.rows(totals.train_ids()).cpu()
+        scores = Scores(train_ids, query_ids, ranks.rows(totals.values()).cpu(), self.name)
         scores.require_finite()
         return scores
 
@@ -128,16 +146,14 @@ class AttributionMethod(ABC):
 
     def _score_pass(
         self,
-        store: StoreReader,
+        source: _ScorePass,
         query: StoreChunk,
         rows: slice,
-        chunk: int,
         bar: tqdm,
         release: bool,
     ) -> _Pass:
-        """Dots of every training example with the queries ``rows`` over the layers of
-        ``query`` (and their squared norms for cosine), in one pass through the store in
-        chunks of ``chunk`` examples.
+        """Dots of every training example of ``source`` with the queries ``rows`` over the
+        layers of ``query`` (and their squared norms for cosine), in one pass through it.
 
         ``release`` (the last pass over ``query``): each layer's loaded query gradients
         leave ``query`` as soon as its prepared side exists, so that the two are not held
@@ -149,21 +165,26 @@ class AttributionMethod(ABC):
             sides[name] = self.query_side(name, grads.select(rows))
             del grads
         # materialized queries are worth keeping only for a second training chunk
-        cache = QUERY_CACHE_BYTES if store.num_examples > chunk else 0
+        cache = QUERY_CACHE_BYTES if source.store.num_examples > source.chunk else 0
         prepared = QueryGradients(sides, cache)
         del sides  # prepared swaps factors for materialized queries: nothing else holds them
-        ids, blocks, squares = [], [], []
-        for part in store.iter_chunks(chunk, layers=layers):
+        ids = [torch.empty(0, dtype=torch.long)]
+        blocks = [torch.empty(0, rows.stop - rows.start, device=source.device)]
+        squares = [torch.empty(0, device=source.device)]
+        for part in source.chunks(layers):
             t_layers = {n: self.train_side(n, g) for n, g in part.layers.items()}
             ids.append(part.example_ids)
             blocks.append(prepared.scores(t_layers))
             if self.normalize:
                 squares.append(example_sq_norms(t_layers))
             bar.update(part.size)
+        # the empty first entries only give a rank without examples its shapes
+        dots = torch.cat(blocks[1:]) if len(blocks) > 1 else blocks[0]
+        train_sq = torch.cat(squares[1:]) if len(squares) > 1 else squares[0]
         return _Pass(
             torch.cat(ids),
-            torch.cat(blocks),
-            torch.cat(squares) if self.normalize else None,
+            dots,
+            train_sq if self.normalize else None,
             prepared.sq_norms() if self.normalize else None,
         )
 
@@ -196,6 +217,24 @@ class AttributionMethod(ABC):
         if missing:
             raise StoreError(f"train ids {sorted(missing)[:5]} are not in the store {store.root}")
         return out
+
+
+@dataclass
+class _ScorePass:
+    """The training examples one pass scores: ``part`` (this rank's share of ``store``,
+    ``None`` for none) read in chunks of ``chunk`` examples, moved to ``device``."""
+
+    store: StoreReader
+    part: StoreReader | None
+    chunk: int
+    device: torch.device
+
+    def chunks(self, layers: list[str]) -> Iterator[StoreChunk]:
+        if self.part is None:
+            return
+        for chunk in self.part.iter_chunks(self.chunk, layers=layers):
+            chunk.layers = on_device(chunk.layers, self.device)
+            yield chunk
 
 
 @dataclass

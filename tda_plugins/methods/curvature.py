@@ -5,6 +5,7 @@ from __future__ import annotations
 from tda_plugins.methods.base import AttributionMethod, register_method
 from tda_plugins.precondition.kfac import EKFAC as EKFACPreconditioner
 from tda_plugins.precondition.kfac import KFAC as KFACPreconditioner
+from tda_plugins.ranks import Ranks
 from tda_plugins.store.layout import StoreError
 from tda_plugins.store.reader import StoreReader
 
@@ -38,6 +39,7 @@ class LoGra(KFAC):
         progress: bool = False,
         *,
         allow_mismatch: bool = False,
+        ranks: Ranks | None = None,
     ) -> None:
         projection = store.config.projection
         if projection is None or projection.kind != "factor":
@@ -45,4 +47,4 @@ class LoGra(KFAC):
                 f"LoGra needs a store captured with factor projection, but {store.root} has "
                 f"projection={projection}; recapture with --projection factor, or use kfac"
             )
-        super().prepare(store, queries, progress, allow_mismatch=allow_mismatch)
+        super().prepare(store, queries, progress, allow_mismatch=allow_mismatch, ranks=ranks)

@@ -8,6 +8,7 @@ import torch
 
 from tda_plugins.methods.base import AttributionMethod, register_method
 from tda_plugins.methods.scores import Scores
+from tda_plugins.ranks import Ranks
 from tda_plugins.store.layout import StoreError
 from tda_plugins.store.reader import StoreReader
 
@@ -57,11 +58,17 @@ class TracIn(AttributionMethod):
         progress: bool = False,
         *,
         allow_mismatch: bool = False,
+        ranks: Ranks | None = None,
     ) -> Scores:
         checkpoints = (Checkpoint(store, queries, self.learning_rate), *self.extra)
         per_checkpoint = [
             GradDot().score(
-                c.store, c.queries, chunk_examples, progress, allow_mismatch=allow_mismatch
+                c.store,
+                c.queries,
+                chunk_examples,
+                progress,
+                allow_mismatch=allow_mismatch,
+                ranks=ranks,
             )
             for c in checkpoints
         ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from tda_plugins.grads.factors import PerExampleGrad
 from tda_plugins.methods.base import AttributionMethod, register_method
 from tda_plugins.precondition.adam import AdamPreconditioner
+from tda_plugins.ranks import Ranks
 from tda_plugins.store.reader import StoreReader
 
 
@@ -21,8 +22,14 @@ class LESS(AttributionMethod):
         progress: bool = False,
         *,
         allow_mismatch: bool = False,
+        ranks: Ranks | None = None,
     ) -> None:
-        super().prepare(store, queries, progress, allow_mismatch=allow_mismatch)
+        if ranks is not None and ranks.device.type != "cpu":
+            raise ValueError(
+                f"LESS scores on the CPU only (its Adam state is read there), not on "
+                f"{ranks.device}; use --device cpu"
+            )
+        super().prepare(store, queries, progress, allow_mismatch=allow_mismatch, ranks=ranks)
         self.adam = AdamPreconditioner(store.root)
 
     def train_side(self, layer: str, grads: PerExampleGrad) -> PerExampleGrad:

@@ -7,11 +7,14 @@ the strategy instead of branching on its name (the Kronfluence pattern).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from tda_plugins.grads.factors import PerExampleGrad
 from tda_plugins.registry import Registry
 from tda_plugins.store.reader import StoreReader
+
+if TYPE_CHECKING:
+    from tda_plugins.ranks import Ranks
 
 PRECONDITIONERS: Registry[Preconditioner] = Registry("preconditioner")
 #: Class decorator: make a preconditioner available under a name.
@@ -42,8 +45,12 @@ class Preconditioner(ABC):
         self.damping = damping
 
     @abstractmethod
-    def fit(self, store: StoreReader, progress: bool = False) -> None:
-        """Prepare from the store (factors, eigendecompositions; fp64)."""
+    def fit(
+        self, store: StoreReader, progress: bool = False, *, ranks: Ranks | None = None
+    ) -> None:
+        """Prepare from the store (factors, eigendecompositions; fp64), the work shared by
+        ``ranks`` (a collective when they are several) and the results on their device
+        (default: one process, on the CPU)."""
 
     @abstractmethod
     def __call__(self, layer: str, query: PerExampleGrad) -> PerExampleGrad:
@@ -60,7 +67,9 @@ class Preconditioner(ABC):
 class Identity(Preconditioner):
     """``F = 0``: the query is used as it is (GradDot, GradCos, TracIn)."""
 
-    def fit(self, store: StoreReader, progress: bool = False) -> None:
+    def fit(
+        self, store: StoreReader, progress: bool = False, *, ranks: Ranks | None = None
+    ) -> None:
         return None
 
     def __call__(self, layer: str, query: PerExampleGrad) -> PerExampleGrad:

@@ -45,6 +45,7 @@ from tda_plugins.grads.ops import rotated, rotated_grads
 from tda_plugins.precondition.base import Preconditioner, register_preconditioner
 from tda_plugins.precondition.plan import NOT_FACTORED
 from tda_plugins.precondition.snapshots import KroneckerFactors, StatisticsSet, read_set
+from tda_plugins.ranks import Ranks, on_device
 from tda_plugins.store.layout import StoreError
 from tda_plugins.store.reader import StoreReader
 
@@ -110,26 +111,29 @@ class _SharedInput:
         return result
 
 
-def _layer_statistics(store: StoreReader) -> Iterator[tuple[str, KroneckerFactors]]:
-    """``(name, statistics)`` of every captured layer in store order, each read from disk
-    when reached and released once the iterator moves past it (one layer's fp64 factors
-    in memory at a time, beside the factorizations kept)."""
+def _owned_statistics(store: StoreReader, ranks: Ranks) -> Iterator[tuple[str, KroneckerFactors]]:
+    """``(name, statistics)`` of every captured layer this rank factorizes (all of them in
+    one process), in store order, each read from disk when reached and released once the
+    iterator moves past it (one layer's fp64 factors in memory at a time, beside the
+    factorizations kept)."""
     found = _statistics_set(store)
-    for name in store.layer_names:
-        yield name, found.load([name])[name]
+    names = store.layer_names
+    for index, name in enumerate(names):
+        if ranks.owns(index, len(names)):
+            yield name, found.load([name])[name]
 
 
-def _eigen(store: StoreReader) -> dict[str, _Eigen]:
+def _eigen(store: StoreReader, ranks: Ranks) -> dict[str, _Eigen]:
     """Eigendecompositions in fp64, the bases kept in the store's accumulation dtype (every
-    rotation casts them to it)."""
+    rotation casts them to it); each layer's computed by its owner rank, on every rank."""
     eigh_a = _SharedInput(torch.linalg.eigh)
     dtype = store.values_dtype()
     out = {}
-    for name, stats in _layer_statistics(store):
-        d_a, u_a = eigh_a(stats.a_cov)
-        d_s, u_s = torch.linalg.eigh(stats.g_cov)
-        out[name] = _Eigen(u_a.to(dtype), d_a.clamp_min(0), u_s.to(dtype), d_s.clamp_min(0))
-    return out
+    for name, stats in _owned_statistics(store, ranks):
+        d_a, u_a = eigh_a(stats.a_cov.double())
+        d_s, u_s = torch.linalg.eigh(stats.g_cov.double())
+        out[name] = (u_a.to(dtype), d_a.clamp_min(0), u_s.to(dtype), d_s.clamp_min(0))
+    return {name: _Eigen(*e) for name, e in ranks.share(out, store.layer_names).items()}
 
 
 def _check_shape(grads: PerExampleGrad, shape: tuple[int, int], layer: str) -> None:
@@ -146,15 +150,22 @@ class KFAC(Preconditioner):
 
     needs_curvature = True
 
-    def fit(self, store: StoreReader, progress: bool = False) -> None:
-        self.inverses: dict[str, tuple[Tensor, Tensor]] = {}
+    def fit(
+        self, store: StoreReader, progress: bool = False, *, ranks: Ranks | None = None
+    ) -> None:
+        ranks = ranks or Ranks()
+        inverses = {}
         # factorized in fp64, kept in the store's accumulation dtype (every product casts
         # them to it), so that fp32 gradients need no fp64 copy of every inverse
         dtype = store.values_dtype()
         inverse_a = _SharedInput(lambda a: self._damped_inverse(a).to(dtype))
-        for name, stats in _layer_statistics(store):
-            s_inv = self._damped_inverse(stats.g_cov).to(dtype)
-            self.inverses[name] = (s_inv, inverse_a(stats.a_cov))
+        for name, stats in _owned_statistics(store, ranks):
+            s_inv = self._damped_inverse(stats.g_cov.double()).to(dtype)
+            inverses[name] = (s_inv, inverse_a(stats.a_cov.double()))
+        shared = ranks.share(inverses, store.layer_names)  # each layer's from its owner
+        self.inverses: dict[str, tuple[Tensor, Tensor]] = {
+            name: (s_inv, a_inv) for name, (s_inv, a_inv) in shared.items()
+        }
 
     def _damped_inverse(self, x: Tensor) -> Tensor:
         """``(X + l I)^{-1}`` for a ``(n, n)`` fp64 factor, ``l = damping * trace(X) / n``.
@@ -186,21 +197,32 @@ class EKFAC(Preconditioner):
     needs_store_pass = True
     dense_queries = True
 
-    def fit(self, store: StoreReader, progress: bool = False) -> None:
-        self.eigen = _eigen(store)
-        totals = {n: torch.zeros(e.shape, dtype=torch.float64) for n, e in self.eigen.items()}
-        self._train_rotation = dict.fromkeys(self.eigen, 0.0)
+    def fit(
+        self, store: StoreReader, progress: bool = False, *, ranks: Ranks | None = None
+    ) -> None:
+        ranks = ranks or Ranks()
+        self.eigen = _eigen(store, ranks)
+        totals = {
+            n: torch.zeros(e.shape, dtype=torch.float64, device=ranks.device)
+            for n, e in self.eigen.items()
+        }
+        rotation = dict.fromkeys(self.eigen, 0.0)
         self._in_eigenbasis: set[str] = set()
-        count = 0
-        chunks = store.iter_chunks(_FIT_CHUNK)
-        for chunk in tqdm(chunks, desc="EK-FAC eigenvalue correction", disable=not progress):
+        # each rank corrects over its part of the store; the sums are all-reduced
+        part = ranks.part(store, _FIT_CHUNK)
+        chunks = [] if part is None else part.iter_chunks(_FIT_CHUNK)
+        show = progress and ranks.rank == 0
+        for chunk in tqdm(chunks, desc="EK-FAC eigenvalue correction", disable=not show):
+            layers = on_device(chunk.layers, ranks.device)
             for name, e in self.eigen.items():
-                grads = chunk.layers[name]
+                grads = layers[name]
                 _check_shape(grads, e.shape, name)
-                self._train_rotation[name] += min(grads.rotation_costs(*e.shape).values())
+                rotation[name] += min(grads.rotation_costs(*e.shape).values())
                 rotated_grads(grads, e.u_s, e.u_a).add_squared_entries(totals[name])
-            count += chunk.size
-        self.eigenvalues = {n: t / count for n, t in totals.items()}
+        costs = torch.tensor(list(rotation.values()), dtype=torch.float64, device=ranks.device)
+        ranks.sum([*totals.values(), costs])
+        self._train_rotation = dict(zip(rotation, costs.tolist(), strict=True))
+        self.eigenvalues = {n: t / store.num_examples for n, t in totals.items()}
 
     def __call__(self, layer: str, query: PerExampleGrad) -> PerExampleGrad:
         # (Lambda + l)^-1 applies in the eigenbasis. Rotating it back, U_S X U_A^T, costs

@@ -212,6 +212,11 @@ BAD_INPUT: dict[str, tuple[Case, tuple[str, ...]]] = {
         lambda s, tmp: attribute(method="kfac")(damaged(s, tmp, "curvature"), tmp),
         ("cannot read K-FAC statistics",),
     ),
+    "--device-map with --device": (
+        capture(extra=("--device-map", "auto", "--device", "cpu:0")),
+        ("--device-map places the model itself",),
+    ),
+    "unknown --device-map": (capture(extra=("--device-map", "bogus")), ("bogus",)),
     "report over an existing page without --force": (
         lambda s, tmp: [
             "report",
@@ -245,6 +250,14 @@ USAGE_ERRORS: dict[str, tuple[Case, str]] = {
     "--top-k -1": (attribute("--top-k", "-1"), "--top-k"),
     "--chunk 0": (attribute("--chunk", "0"), "--chunk"),
     "--learning-rate nan": (attribute("--learning-rate", "nan"), "--learning-rate"),
+    "--k-g 0": (capture(extra=("--projection", "factor", "--k-g", "0")), "--k-g"),
+    "--k 0": (capture(extra=("--projection", "dense", "--k", "0")), "--k"),
+    "--last-n-blocks 0": (capture(extra=("--last-n-blocks", "0")), "--last-n-blocks"),
+    "--batch-size x": (capture(extra=("--batch-size", "x")), "--batch-size"),
+    "unavailable attribute --device cuda": (attribute("--device", "cuda"), "not available"),
+    "unknown attribute --device": (attribute("--device", "tpu9"), "not a torch device"),
+    "unknown --method": (attribute(method="magic"), "invalid choice: 'magic'"),
+    "missing --out": (lambda s, tmp: attribute()(s, tmp)[:-2], "--out"),
 }
 
 
@@ -299,13 +312,15 @@ def test_bad_input_is_one_line_with_exit_2_and_writes_nothing(
 def test_bad_option_values_are_usage_errors_before_any_work(
     case: str, setup: Setup, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """argparse's errors too are one line (no usage block), naming the option."""
     make, fragment = USAGE_ERRORS[case]
+    argv = make(setup, tmp_path)
     before = outputs(tmp_path)
-    code, err = run(capsys, *make(setup, tmp_path))
+    code, err = run(capsys, *argv)
     assert code == 2, err
-    assert "Traceback" not in err
-    last = err.strip().splitlines()[-1]
-    assert "error:" in last and fragment in last, last
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"tda {argv[0]}: error: ") and fragment in lines[0], lines[0]
     assert outputs(tmp_path) == before
 
 
