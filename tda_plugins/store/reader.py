@@ -56,7 +56,7 @@ class _Shard:
     rank: int
     micro_batch: int
     example_ids: tuple[int, ...]
-    crc32: str
+    xxh3: str
 
     @property
     def size(self) -> int:
@@ -92,7 +92,7 @@ class StoreReader:
             if not folder.is_dir() or not suffix.isdigit():
                 continue
             shards += [
-                _Shard(e.path(folder), e.step, int(suffix), e.micro_batch, e.example_ids, e.crc32)
+                _Shard(e.path(folder), e.step, int(suffix), e.micro_batch, e.example_ids, e.xxh3)
                 for e in read_index(folder / INDEX_FILE)
             ]
         return sorted(shards, key=lambda s: (s.step, s.rank, s.micro_batch))
@@ -206,7 +206,7 @@ class StoreReader:
             digest = file_checksum(shard.path)
         except OSError as error:
             raise StoreError(f"cannot read the shard {shard.path} ({error}); recapture") from error
-        if digest != shard.crc32:
+        if digest != shard.xxh3:
             raise StoreError(
                 f"{shard.path} does not match its checksum (its bytes changed after it was "
                 "written: disk damage or an edit); the store is damaged: recapture"

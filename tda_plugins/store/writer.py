@@ -21,7 +21,7 @@ A crash can therefore lose the last committed step along with the one in progres
 reader opened while the writer is attached may not see the latest commit yet.
 
 Integrity: each writer holds an exclusive lock on its rank directory for its lifetime
-(:class:`~tda_plugins.store.lock.WriterLock`), each shard's CRC-32 checksum is listed in
+(:class:`~tda_plugins.store.lock.WriterLock`), each shard's XXH3 checksum is listed in
 the index (computed on the background thread after the shard's write) and verified by the
 reader, and non-finite gradients are refused before anything is written. A store that
 already holds steps is only added to with ``append=True``, and only by a capture with the

@@ -206,7 +206,7 @@ BAD_INPUT: dict[str, tuple[Case, tuple[str, ...]]] = {
     ),
     "index entry missing a key": (
         lambda s, tmp: attribute()(damaged(s, tmp, "index"), tmp),
-        ("lacks ['crc32']",),
+        ("lacks ['xxh3']",),
     ),
     "truncated curvature file": (
         lambda s, tmp: attribute(method="kfac")(damaged(s, tmp, "curvature"), tmp),
@@ -275,7 +275,7 @@ def damaged(s: Setup, tmp: Path, what: str) -> Setup:
     if what == "index":
         path = rank_dir(store, 0) / "index.json"
         index = json.loads(path.read_text())
-        index["shards"][0].pop("crc32")
+        index["shards"][0].pop("xxh3")
         path.write_text(json.dumps(index))
     else:
         path = rank_dir(store, 0) / CURVATURE_FILE

@@ -136,7 +136,7 @@ def test_a_traversal_entry_is_refused_on_resume_and_nothing_is_removed(
     assert snapshot(store) == files
 
 
-@pytest.mark.parametrize("key", ["file", "step", "micro_batch", "example_ids", "crc32"])
+@pytest.mark.parametrize("key", ["file", "step", "micro_batch", "example_ids", "xxh3"])
 def test_an_index_entry_missing_a_key_is_refused_naming_it(key: str, tmp_path: Path) -> None:
     store = store_of(tmp_path / "store")
     edit_index(store, lambda shards: shards[1].pop(key))
@@ -216,7 +216,7 @@ def test_nan_in_a_shard_with_a_matching_checksum_is_reported_with_the_example_id
     key = next(k for k, t in tensors.items() if t.is_floating_point())
     tensors[key][1].view(-1)[0] = float("nan")
     save_file(tensors, shard, metadata)
-    edit_index(store, lambda shards: shards[0].update(crc32=file_checksum(shard)))
+    edit_index(store, lambda shards: shards[0].update(xxh3=file_checksum(shard)))
     victim = int(tensors["example_ids"][1])
     with pytest.raises(StoreError, match=f"example {victim} in layer"):
         StoreReader(store).load_all()
