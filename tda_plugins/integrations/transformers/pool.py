@@ -11,7 +11,12 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from tda_plugins.api import capture_batch
 from tda_plugins.capture import CaptureEngine
 from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
-from tda_plugins.integrations.transformers.setup import adapt_settings, pad_examples, settings_from
+from tda_plugins.integrations.transformers.setup import (
+    adapt_settings,
+    log_metrics,
+    pad_examples,
+    settings_from,
+)
 
 
 class PoolCallback(TrainerCallback):
@@ -113,12 +118,7 @@ class PoolCallback(TrainerCallback):
         logs: dict[str, float] | None = None,
         **kwargs: Any,
     ) -> None:
-        metrics = self.step_metrics()
-        if logs is None or not metrics or "loss" not in logs:
-            return
-        logs.update(metrics)
-        if state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1].update(metrics)
+        log_metrics(state, logs, self.step_metrics())
 
     def detach(self) -> None:
         """Finish pending micro-batches and unhook."""

@@ -29,6 +29,7 @@ from tda_plugins.integrations.transformers.normalization import CausalLMNormaliz
 from tda_plugins.integrations.transformers.setup import (
     adapt_settings,
     check_trainer_setup,
+    log_metrics,
     pad_examples,
     unwrap_optimizer,
     uses_fused_head,
@@ -274,13 +275,7 @@ class DataSelectionCallback(TrainerCallback):
         logs: dict[str, float] | None = None,
         **kwargs: Any,
     ) -> None:
-        metrics = self.step_metrics()
-        if logs is None or not metrics or "loss" not in logs:
-            return
-        logs.update(metrics)
-        # The trainer appended a copy of ``logs`` before this event: update that entry too.
-        if state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1].update(metrics)
+        log_metrics(state, logs, self.step_metrics())
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import TrainingArguments
+from transformers import TrainerState, TrainingArguments
 
 from tda_plugins.integrations.transformers.refusals import TRAINER_CHECKS
 from tda_plugins.session import CaptureSettings, UnsupportedTrainingSetup
@@ -91,3 +91,16 @@ def pad_examples(examples: list[dict[str, Any]], pad_id: int = 0) -> dict[str, T
         labels[row, :n] = torch.as_tensor(e.get("labels", e["input_ids"]))
         mask[row, :n] = 1
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def log_metrics(
+    state: TrainerState, logs: dict[str, float] | None, metrics: dict[str, float]
+) -> None:
+    """Add a callback's ``metrics`` to a training-loss log entry at ``on_log``: to ``logs``
+    (what ``report_to`` integrations and the console get) and to the copy the trainer
+    already appended to ``state.log_history`` before the event."""
+    if logs is None or not metrics or "loss" not in logs:
+        return
+    logs.update(metrics)
+    if state.log_history and state.log_history[-1].get("step") == state.global_step:
+        state.log_history[-1].update(metrics)
