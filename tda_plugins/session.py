@@ -32,6 +32,7 @@ from tda_plugins.precondition.snapshots import discard_after, latest_set
 from tda_plugins.precondition.statistics import CurvatureAccumulator
 from tda_plugins.store import GradientStore, StoreError
 from tda_plugins.store.layout import rank_dir
+from tda_plugins.store.texts import TextRecorder
 
 
 @dataclass
@@ -63,6 +64,9 @@ class CaptureSettings:
             (besides each trainer checkpoint and the end), so that a crashed run keeps
             them up to there; 0: only at checkpoints and the end.
         keep_tokens: keep per-token factors in the store (token-level scores).
+        store_texts: save each example's text, decoded by the run's tokenizer, beside the
+            store (``rank-<r>/examples.jsonl``), so reports show what was trained on;
+            ``False`` for data that must not be copied there.
         save_optimizer_state: at the end, save Adam moments of the captured layers (LESS).
     """
 
@@ -82,6 +86,7 @@ class CaptureSettings:
     curvature_budget_gb: float | None = 8.0
     curvature_save_steps: int = 50
     keep_tokens: bool = False
+    store_texts: bool = True
     save_optimizer_state: bool = True
 
     def selection(self) -> LayerSelection:
@@ -144,7 +149,8 @@ class CaptureSession:
         rank: this process's rank.
         start_step: the optimizer step the run starts at (non-zero when resuming).
         consumers: further consumers (influence logging, data selection).
-        tokenizer: the run's tokenizer, recorded in the store's fingerprint (optional).
+        tokenizer: the run's tokenizer, recorded in the store's fingerprint and decoding
+            the stored texts (optional).
 
     A fresh run (``start_step == 0``) refuses a store that already holds steps; a resumed
     run drops the store's steps from ``start_step`` on, so the store continues with no
@@ -216,6 +222,8 @@ class CaptureSession:
         own: tuple[CaptureConsumer, ...] = (self.store,)
         if self.curvature is not None:
             own = (*own, self.curvature)
+        if settings.store_texts and callable(getattr(tokenizer, "decode", None)):
+            own = (*own, TextRecorder(settings.store_dir, rank, tokenizer))
         self.engine = CaptureEngine(
             model,
             settings.selection(),

@@ -34,7 +34,7 @@ from torch.utils.hooks import RemovableHandle
 from tda_plugins.capture.adapters import LayerAdapter
 from tda_plugins.capture.config import CaptureConfig
 from tda_plugins.capture.consumer import CaptureConsumer
-from tda_plugins.capture.identity import content_hash
+from tda_plugins.capture.identity import EXAMPLE_IDS_KEY, content_hash
 from tda_plugins.capture.layers import LayerSelection, shared_parameter_ids
 from tda_plugins.capture.normalization import LossNormalization, LossScale, SummedLoss
 from tda_plugins.capture.records import LayerRecord, MicroBatchRecord
@@ -118,8 +118,9 @@ class CaptureEngine:
     Use as a context manager, or call :meth:`attach` / :meth:`detach`. Call
     :meth:`optimizer_step` at each optimizer step so consumers see step boundaries, and
     :meth:`end` when training ends. Example ids: pass them with :meth:`set_example_ids`
-    before the forward call, else each example gets a content hash of its unpadded
-    ``input_ids``.
+    before the forward call, or in the forward's keywords under
+    :data:`~tda_plugins.capture.identity.EXAMPLE_IDS_KEY`; else each example gets a
+    content hash of its unpadded ``input_ids``.
     """
 
     def __init__(
@@ -319,6 +320,8 @@ class CaptureEngine:
         mask = kwargs.get("attention_mask")
         token_mask = mask.bool() if isinstance(mask, Tensor) and mask.dim() == 2 else None
         ids, self._explicit_ids = self._explicit_ids, None
+        if ids is None:
+            ids = kwargs.get(EXAMPLE_IDS_KEY)  # carried in the batch by the data path
         if ids is None:
             if not isinstance(input_ids, Tensor):
                 raise ValueError(

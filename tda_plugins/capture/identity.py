@@ -11,6 +11,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+EXAMPLE_IDS_KEY = "tda_example_ids"
+"""Batch key under which a data path may carry ``(B,)`` integer example ids to the engine:
+the engine's root pre-hook reads it, and whoever put it in the batch removes it before
+the model's own ``forward`` (``integrations.transformers.use_id_column`` does both ends)."""
+
 _M1 = 0x3C79AC492BA7B653  # odd 63-bit constants: multiplications wrap modulo 2**64
 _M2 = 0x1C69B3F74AC4AE35
 _POS = 0x5851F42D4C957F2D

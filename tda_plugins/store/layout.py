@@ -4,6 +4,7 @@
 STORE/
   store.json                 format version and the capture config (CaptureConfig)
   examples.jsonl             optional: {"id": ..., "text": ...} per example, for reports
+  rank-<r>/examples.jsonl    optional: the same, appended by a training run step by step
   rank-<r>/index.json        committed shards of rank r, in order
   rank-<r>/s<step>-m<mb>.safetensors   one micro-batch: example ids + each layer's grads
   rank-<r>/curvature.safetensors       optional: inline K-FAC statistics of rank r

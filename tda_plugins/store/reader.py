@@ -8,7 +8,6 @@ id). A damaged or crafted store is a :class:`StoreError`, never a wrong score.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,11 +22,11 @@ from tda_plugins.store.index import file_checksum, read_index
 from tda_plugins.store.io import read_json
 from tda_plugins.store.layout import (
     END_FILE,
-    EXAMPLES_FILE,
     INDEX_FILE,
     StoreError,
     read_store_header,
 )
+from tda_plugins.store.texts import read_texts
 
 
 @dataclass
@@ -162,11 +161,7 @@ class StoreReader:
 
     def texts(self) -> dict[int, str]:
         """Example id -> text, where the capture saved texts (else empty)."""
-        path = self.root / EXAMPLES_FILE
-        if not path.exists():
-            return {}
-        rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
-        return {int(r["id"]): r["text"] for r in rows}
+        return read_texts(self.root)
 
     def iter_chunks(
         self, max_examples: int = 256, layers: list[str] | None = None

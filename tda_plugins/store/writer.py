@@ -372,7 +372,8 @@ def _repeated_id(example_id: int, where: str, root: Path) -> str:
     return (
         f"example id {example_id} occurs twice in {where} of {root}: two examples under one "
         "id would be scored as one. Give each example its own id (a content hash collides "
-        "for duplicated texts: add an explicit 'id')"
+        "for duplicated texts: give explicit ids, the 'id' of a JSONL line or, under a "
+        "trainer, use_id_column)"
     )
 
 
