@@ -1,8 +1,14 @@
 """tda-plugins: training-data attribution from the training run's own backward pass.
 
+    from tda_plugins import GradientCaptureCallback, attribute, capture_examples
+
 The engine (``tda_plugins.capture``) imports torch only; framework integrations live in
-``tda_plugins.integrations``.
+``tda_plugins.integrations``. The transformers/TRL callbacks and ``use_id_column`` are
+also importable from here (loaded on first use, so ``import tda_plugins`` needs no
+transformers); OLMo-core's are in ``tda_plugins.integrations.olmo_core``.
 """
+
+from typing import Any
 
 from tda_plugins.api import causal_lm_example_losses, per_example_gradients
 from tda_plugins.capture import (
@@ -13,15 +19,36 @@ from tda_plugins.capture import (
     MicroBatchRecord,
     RecordCollector,
 )
+from tda_plugins.dataset_capture import capture_examples
 from tda_plugins.grads import ProjectionConfig, Route, cross_gram, per_token_scores, sq_norms
 from tda_plugins.methods import Scores, attribute
 from tda_plugins.queries import QueryCollector, score_record
 
 __version__ = "0.1.0"
 
+#: Names loaded from ``tda_plugins.integrations.transformers`` on first access.
+_TRANSFORMERS_NAMES = (
+    "DataSelectionCallback",
+    "GradientCaptureCallback",
+    "InfluenceLoggingCallback",
+    "use_id_column",
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TRANSFORMERS_NAMES:
+        from tda_plugins.integrations import transformers
+
+        return getattr(transformers, name)
+    raise AttributeError(f"module 'tda_plugins' has no attribute {name!r}")
+
+
 __all__ = [
     "CaptureConsumer",
     "CaptureEngine",
+    "DataSelectionCallback",
+    "GradientCaptureCallback",
+    "InfluenceLoggingCallback",
     "LayerSelection",
     "LayerSelectionError",
     "MicroBatchRecord",
@@ -32,10 +59,12 @@ __all__ = [
     "Scores",
     "__version__",
     "attribute",
+    "capture_examples",
     "causal_lm_example_losses",
     "cross_gram",
     "per_example_gradients",
     "per_token_scores",
     "score_record",
     "sq_norms",
+    "use_id_column",
 ]

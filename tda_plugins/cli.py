@@ -18,25 +18,22 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 from safetensors import SafetensorError
-from tqdm.auto import tqdm
 
-from tda_plugins.api import causal_lm_example_losses
-from tda_plugins.capture import CaptureEngine, LayerSelectionError, content_hash
+from tda_plugins.capture import LayerSelectionError
+from tda_plugins.cli_models import ModelSource
 from tda_plugins.cli_types import device, finite_float, non_negative_float, positive_int, regex
+from tda_plugins.dataset_capture import capture_examples
 from tda_plugins.methods import METHODS, Checkpoint, Scores, attribute
-from tda_plugins.precondition import CurvatureAccumulator
-from tda_plugins.precondition.plan import require_within_budget
 from tda_plugins.ranks import Ranks, launch_size, launched_ranks
 from tda_plugins.report import write_html
-from tda_plugins.session import CaptureSettings, capture_plan
-from tda_plugins.store import GradientStore, StoreError, StoreReader
+from tda_plugins.session import CaptureSettings
+from tda_plugins.store import StoreError, StoreReader
 from tda_plugins.store.io import refuse_existing, staged_directory
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -49,7 +46,15 @@ def _add_capture(sub: Any) -> None:
         description="Write the exact per-example gradients (each example's own summed token "
         "loss) of every example in --data to a gradient store, with inline K-FAC statistics.",
     )
-    p.add_argument("--model", required=True, help="local transformers model directory")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="local transformers model directory, or a PEFT adapter directory (its base "
+        "from adapter_config.json)",
+    )
+    p.add_argument(
+        "--adapter", help="PEFT adapter directory to load on --model (LoRA layers captured)"
+    )
     p.add_argument(
         "--data",
         required=True,
@@ -248,37 +253,6 @@ def _settings(args: argparse.Namespace) -> CaptureSettings:
     )
 
 
-def _load_model(
-    directory: str, dtype: torch.dtype, device: torch.device, device_map: str | None
-) -> tuple[Any, Any]:
-    """The model on ``device``, or spread by transformers' ``device_map``, and its
-    tokenizer if the directory has one."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    path = Path(directory)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no transformers model at {path} (missing config.json)")
-    hf_logging.disable_progress_bar()  # the command has its own progress bar
-    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map)
-    if device_map is None:
-        model = model.to(device)
-    model = model.eval()
-    has_tokenizer = any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
-    tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
-    return model, tokenizer
-
-
-def model_positions(model: Any) -> int | None:
-    """How many positions the model embeds (``None``: not bounded by its config)."""
-    config = getattr(model, "config", None)
-    for key in ("max_position_embeddings", "n_positions"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 def _capture(args: argparse.Namespace) -> None:
     out: Path = args.out
     if out.exists() and not out.is_dir():
@@ -294,107 +268,23 @@ def _capture(args: argparse.Namespace) -> None:
 
 
 def _capture_on(args: argparse.Namespace, ranks: Ranks) -> None:
-    """``tda capture`` on this rank: every rank reads and checks all the data, captures
-    the batches ``rank, rank + N, ...`` (a full model replica each) into its ``rank-<r>``
-    directory of the store, one step per round of N batches; rank 0 saves the texts."""
-    from tda_plugins.integrations.transformers.data import batches, read_examples
-
-    out: Path = args.out
-    model, tokenizer = _load_model(args.model, _DTYPES[args.dtype], ranks.device, args.device_map)
-    inputs_device = model.get_input_embeddings().weight.device
-    positions = model_positions(model)
-    max_length = args.max_length or positions or 512
-    if positions is not None and max_length > positions:
-        print(
-            f"tda capture: warning: --max-length {max_length} is more than the model's "
-            f"{positions} positions; examples are truncated to {positions} tokens",
-            file=sys.stderr,
-        )
-        max_length = positions
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    examples = read_examples(args.data, tokenizer, max_length, vocab)
-    pad_id = getattr(tokenizer, "pad_token_id", None) or 0
-    planned = []  # every batch and its ids first: bad ids are refused before any write
-    for inputs, given, group in batches(examples, args.batch_size, pad_id):
-        mask = inputs["attention_mask"]
-        ids = content_hash(inputs["input_ids"], mask) if given is None else given
-        planned.append((inputs, ids, group))
-    all_ids = [i for _, ids, _ in planned for i in ids.tolist()]
-    repeated = next((i for i, n in Counter(all_ids).items() if n > 1), None)
-    if repeated is not None:
-        raise ValueError(
-            f"example id {repeated} occurs twice in {args.data}: give each example its own "
-            "'id' (without ids, duplicated examples get the same content hash)"
-        )
-    settings = _settings(args)
-    plan = capture_plan(settings, model, ranks.rank)
-    if settings.curvature:
-        require_within_budget(model, plan)
-        if ranks.size > 1 and plan.schedule != "local":
-            raise ValueError(
-                "the K-FAC statistics do not fit one process's budget, and a data-parallel "
-                "tda capture reduces them only at its end: raise --curvature-budget-gb, "
-                "capture fewer layers, or pass --no-curvature"
-            )
-    store = GradientStore(
-        out,
-        ranks.rank,
-        keep_tokens=args.keep_tokens,
-        metadata={"model": str(args.model), "data": str(args.data)},
-        append=args.append,
-        unique_ids=True,
-        model=model,
-        tokenizer=tokenizer,
-    )
-    consumers: list[Any] = [store]
-    if settings.curvature:
-        consumers.append(
-            CurvatureAccumulator(
-                out,
-                ranks.rank,
-                shapes=plan.curvature_shapes,
-                excluded=plan.excluded,
-                world_size=plan.inputs.world_size,
-                schedule=plan.schedule,
-            )
-        )
-    # capture only attributes: autograd need not build the model's own weight gradients
-    engine = CaptureEngine(
+    """``tda capture`` on this rank (:func:`~tda_plugins.dataset_capture.capture_examples`)."""
+    source = ModelSource.resolve(args.model, args.adapter)
+    model, tokenizer = source.load(_DTYPES[args.dtype], ranks.device, args.device_map)
+    capture_examples(
         model,
-        settings.selection(),
-        settings.projection_config(),
-        consumers,
-        parameter_grads=False,
+        args.data,
+        args.out,
+        tokenizer=tokenizer,
+        settings=_settings(args),
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+        append=args.append,
+        metadata={**source.metadata(), "data": str(args.data)},
+        ranks=ranks,
     )
-    mine = planned[ranks.rank :: ranks.size]
-    if ranks.rank != 0:
-        ranks.barrier()  # rank 0 attaches first: it writes the store's header
-    with (
-        engine,
-        tqdm(total=len(examples), desc="capture", unit="ex", disable=ranks.rank != 0) as bar,
-    ):
-        if ranks.rank == 0:
-            ranks.barrier()
-        store.check_new_ids(all_ids)  # against the examples an appended store holds
-        # appending continues the numbering after every rank's last step
-        engine.resume_at_step(max(ranks.objects(store.next_step)))
-        for inputs, ids, group in mine:
-            inputs = {k: v.to(inputs_device) for k, v in inputs.items()}
-            engine.set_example_ids(ids.to(inputs_device))
-            labels = inputs.pop("labels")
-            losses = causal_lm_example_losses(model(**inputs).logits, labels)
-            losses.sum().backward()
-            model.zero_grad(set_to_none=True)
-            engine.optimizer_step()  # one committed store step per batch (per round)
-            bar.update(len(group) * ranks.size)
-        engine.end()
-    ranks.barrier()  # every rank's steps are committed
     if ranks.rank == 0:
-        texts = {
-            i: e.text for _, ids, group in planned for i, e in zip(ids.tolist(), group, strict=True)
-        }
-        store.write_examples(texts)
-        print(f"wrote {len(examples)} examples to {out} ({ranks.size} rank(s))")
+        print(f"wrote the examples of {args.data} to {args.out} ({ranks.size} rank(s))")
 
 
 def _attribute(args: argparse.Namespace) -> None:

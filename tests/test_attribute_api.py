@@ -3,6 +3,9 @@ scores as a DataFrame or a ``datasets.Dataset``."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -66,3 +69,65 @@ def test_scores_round_trip_through_pandas_and_datasets(stores: tuple[Path, Path]
     dataset = scores.to_dataset()
     assert dataset.column_names == list(frame.columns) and len(dataset) == len(frame)
     assert dataset["score"] == pytest.approx(frame["score"].tolist())
+
+
+def test_capture_examples_takes_a_dataset_a_list_or_jsonl(tmp_path: Path) -> None:
+    """The same rows as a ``datasets.Dataset``, a list of dicts and a JSONL file (text rows,
+    tokenized by the tokenizer; ids from the rows) give the same store and texts."""
+    from datasets import Dataset
+
+    from tests.trainers import token_rows, word_tokenizer, words
+
+    rows = [{"text": words(r), "id": 40 + n} for n, r in enumerate(token_rows(5))]
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    model = tiny_causal_lm("llama")
+    stores = [
+        tda_plugins.capture_examples(
+            model, given, tmp_path / name, tokenizer=word_tokenizer(), batch_size=2
+        )
+        for name, given in (("ds", Dataset.from_list(rows)), ("list", rows), ("jsonl", jsonl))
+    ]
+    reference = stores[0].load_all()
+    assert reference.example_ids.tolist() == [r["id"] for r in rows]
+    for store in stores[1:]:
+        chunk = store.load_all()
+        assert torch.equal(chunk.example_ids, reference.example_ids)
+        for name, grads in chunk.layers.items():
+            assert torch.equal(grads.materialize(), reference.layers[name].materialize())
+        assert store.texts() == {r["id"]: r["text"] for r in rows}
+
+
+def test_callback_pools_take_texts_tokenized_by_the_trainers_tokenizer() -> None:
+    """Queries and targets given as a Dataset of texts become the batch of their tokens."""
+    from datasets import Dataset
+
+    from tda_plugins.integrations.transformers import (
+        DataSelectionCallback,
+        InfluenceLoggingCallback,
+        pad_examples,
+    )
+    from tests.trainers import token_rows, word_tokenizer, words
+
+    tokens = token_rows(3)
+    texts = Dataset.from_list([{"text": words(r)} for r in tokens])
+    expected = pad_examples([{"input_ids": r} for r in tokens])
+    pools = (
+        InfluenceLoggingCallback(queries=texts).examples,
+        DataSelectionCallback(target=texts).target,
+    )
+    for pool in pools:
+        batch = pool.batch(word_tokenizer())
+        assert all(torch.equal(batch[k], expected[k]) for k in expected)
+
+
+def test_the_transformers_callbacks_load_lazily_from_the_package() -> None:
+    script = (
+        "import sys, tda_plugins\n"
+        "assert 'transformers' not in sys.modules\n"
+        "from tda_plugins import GradientCaptureCallback, use_id_column\n"
+        "from tda_plugins.integrations import transformers\n"
+        "assert GradientCaptureCallback is transformers.GradientCaptureCallback\n"
+        "assert use_id_column is transformers.use_id_column\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True)

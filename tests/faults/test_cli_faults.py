@@ -333,7 +333,7 @@ def test_examples_longer_than_the_models_positions_are_truncated_with_a_warning(
     argv = ["capture", "--model", setup.gpt2, "--data", data, "--out", tmp_path / "s"]
     code, err = run(capsys, *argv, "--max-length", 1000)
     assert code == 0, err
-    assert "--max-length 1000 is more than the model's 64 positions" in err
+    assert "max length 1000 is more than the model's 64 positions" in err
     assert StoreReader(tmp_path / "s").num_examples == 1
 
 

@@ -1,6 +1,7 @@
-"""JSONL examples -> padded causal-LM batches, for `tda capture`.
+"""Examples -> padded causal-LM batches: ``tda capture``'s JSONL, and the queries and
+targets the callbacks take (a JSONL path, a ``datasets.Dataset`` or a list of dicts).
 
-Each line is one example, in one of these forms (an optional integer ``"id"`` becomes its
+Each line (row) is one example, in one of these forms (an optional integer ``"id"`` becomes its
 example id; without it the engine hashes the unpadded token ids):
 
 * ``{"text": "..."}`` -- loss on every token;
@@ -13,13 +14,18 @@ example id; without it the engine hashes the unpadded token ids):
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from tda_plugins.integrations.transformers.setup import pad_examples
+
+#: Examples as callers give them: a JSONL path, a ``datasets.Dataset`` or a list of dicts.
+Examples = str | Path | Iterable[Mapping[str, Any]]
 
 
 @dataclass
@@ -108,24 +114,43 @@ def _tokenize(
     return Example(list(ids), list(ids), text, example_id)
 
 
-def read_examples(
-    path: str | Path, tokenizer: Any, max_length: int, vocab_size: int | None = None
-) -> list[Example]:
-    """Parse and tokenize a JSONL file (token ids checked against ``vocab_size`` when
-    given); errors name the line."""
+def jsonl_rows(path: str | Path) -> list[tuple[int, Any]]:
+    """``(line number, parsed row)`` of every non-empty line of a JSONL file."""
     source = Path(path)
     if not source.exists():
         raise FileNotFoundError(f"no data file at {source}")
     if not source.is_file():
-        raise ValueError(f"--data {source} is not a file (give a JSONL file)")
-    examples = []
+        raise ValueError(f"{source} is not a file (give a JSONL file)")
+    rows = []
     for number, raw in enumerate(source.read_text().splitlines(), start=1):
         if not raw.strip():
             continue
         try:
-            row = json.loads(raw)
+            rows.append((number, json.loads(raw)))
         except json.JSONDecodeError as exc:
             raise ValueError(f"{source}:{number}: not valid JSON ({exc.msg})") from exc
+    return rows
+
+
+def numbered_rows(examples: Examples) -> list[tuple[int, Any]]:
+    """``(line or row number, row)`` of a JSONL path, a ``datasets.Dataset`` or a list of
+    dicts (rows are checked when tokenized)."""
+    if isinstance(examples, str | Path):
+        return jsonl_rows(examples)
+    return list(enumerate(examples, start=1))
+
+
+def tokenize_rows(
+    rows: Iterable[tuple[int, Any]],
+    tokenizer: Any,
+    max_length: int,
+    vocab_size: int | None = None,
+    source: str = "examples",
+) -> list[Example]:
+    """Tokenize numbered rows (token ids checked against ``vocab_size`` when given);
+    errors name ``source`` and the row."""
+    examples = []
+    for number, row in rows:
         try:
             example = _tokenize(row, tokenizer, max_length, number, vocab_size)
         except ValueError as exc:
@@ -136,6 +161,45 @@ def read_examples(
     if not examples:
         raise ValueError(f"{source} holds no example")
     return examples
+
+
+def read_examples(
+    path: str | Path, tokenizer: Any, max_length: int, vocab_size: int | None = None
+) -> list[Example]:
+    """Parse and tokenize a JSONL file; errors name the line."""
+    return tokenize_rows(jsonl_rows(path), tokenizer, max_length, vocab_size, str(path))
+
+
+class ExamplePool:
+    """Examples a callback scores against (influence queries, a selection target).
+
+    Args:
+        examples: a JSONL path, a ``datasets.Dataset`` or a list of dicts; each row in any
+            form above (texts are tokenized with the trainer's tokenizer when training
+            starts, as ``tda capture`` does: no EOS is appended).
+        owner: the callback's name, for errors.
+        max_length: truncate longer examples to this many tokens.
+    """
+
+    def __init__(self, examples: Examples, owner: str, max_length: int = 4096):
+        self.rows = numbered_rows(examples)
+        if not self.rows:
+            raise ValueError(f"{owner} needs at least one example")
+        self.owner = owner
+        self.max_length = max_length
+        self.tokenized = all(isinstance(r, dict) and "input_ids" in r for _, r in self.rows)
+
+    def batch(self, tokenizer: Any = None) -> dict[str, torch.Tensor]:
+        """The pool as one right-padded batch (``input_ids``, ``attention_mask``,
+        ``labels``; pad id from the tokenizer, else 0).
+        Tokenized rows are taken as they are (a row without a loss token is the
+        consumer's to refuse, naming it)."""
+        pad_id = getattr(tokenizer, "pad_token_id", None) or 0
+        if self.tokenized:
+            return pad_examples([row for _, row in self.rows], pad_id)
+        examples = tokenize_rows(self.rows, tokenizer, self.max_length, source=self.owner)
+        inputs, _, _ = next(batches(examples, len(examples), pad_id))
+        return inputs
 
 
 def batches(

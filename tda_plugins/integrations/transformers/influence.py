@@ -11,6 +11,7 @@ from transformers import TrainerControl, TrainerState, TrainingArguments
 from tda_plugins.capture import MicroBatchRecord, content_hash
 from tda_plugins.distributed import rank_gather
 from tda_plugins.influence import InfluenceLogger
+from tda_plugins.integrations.transformers.data import Examples
 from tda_plugins.integrations.transformers.pool import PoolCallback
 from tda_plugins.integrations.transformers.setup import check_trainer_setup
 
@@ -34,7 +35,10 @@ class InfluenceLoggingCallback(PoolCallback):
     rank's examples.
 
     Args:
-        queries: rows with ``input_ids`` (and optional ``labels``, -100 = no loss).
+        queries: a JSONL path, a ``datasets.Dataset`` or a list of dicts, each with
+            ``input_ids`` (and optional ``labels``, -100 = no loss), or ``text``,
+            ``prompt`` + ``completion`` or ``messages`` (tokenized with the trainer's
+            tokenizer when training starts).
         method: ``"gradcos"`` or ``"graddot"``.
         every_n_steps: score every n-th optimizer step.
         top_k: examples per query in the report.
@@ -45,7 +49,7 @@ class InfluenceLoggingCallback(PoolCallback):
 
     def __init__(
         self,
-        queries: list[dict[str, Any]],
+        queries: Examples,
         method: Literal["graddot", "gradcos"] = "gradcos",
         every_n_steps: int = 1,
         top_k: int = 5,
@@ -65,11 +69,12 @@ class InfluenceLoggingCallback(PoolCallback):
         state: TrainerState,
         control: TrainerControl,
         model: nn.Module | None = None,
+        processing_class: Any = None,
         **kwargs: Any,
     ) -> None:
         model = check_trainer_setup(args, model)
         self.logger = InfluenceLogger(self.method, rank_gather())
-        self.attach(args, model, state).add_consumer(self.logger)
+        self.attach(args, model, state, processing_class).add_consumer(self.logger)
 
     def use_pool(self, pooled: MicroBatchRecord | None, lr_scheduler: Any) -> None:
         rate = float(lr_scheduler.get_last_lr()[0]) if lr_scheduler is not None else 1.0

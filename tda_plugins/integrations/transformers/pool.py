@@ -10,13 +10,9 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from tda_plugins.api import capture_batch
 from tda_plugins.capture import CaptureEngine
+from tda_plugins.integrations.transformers.data import ExamplePool, Examples
 from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
-from tda_plugins.integrations.transformers.setup import (
-    adapt_settings,
-    log_metrics,
-    pad_examples,
-    settings_from,
-)
+from tda_plugins.integrations.transformers.setup import adapt_settings, log_metrics, settings_from
 
 
 class PoolCallback(TrainerCallback):
@@ -28,13 +24,13 @@ class PoolCallback(TrainerCallback):
     engines ignoring it, model in eval mode), the step signal and the log plumbing.
     """
 
-    def __init__(self, pool: list[dict[str, Any]], every_n_steps: int, options: dict[str, Any]):
-        if not pool:
-            raise ValueError(f"{type(self).__name__} needs at least one example in its pool")
+    def __init__(self, pool: Examples, every_n_steps: int, options: dict[str, Any]):
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
         self.settings = settings_from(None, {"store_dir": "", **options})
-        self.pool = pad_examples(pool)
+        self.examples = ExamplePool(pool, type(self).__name__)
+        #: The pool as one padded batch, tokenized at ``on_train_begin`` if given as texts.
+        self.pool = self.examples.batch() if self.examples.tokenized else {}
         self.every_n_steps = every_n_steps
         self.engine: CaptureEngine | None = None
 
@@ -48,10 +44,14 @@ class PoolCallback(TrainerCallback):
         args: TrainingArguments,
         model: nn.Module,
         state: TrainerState,
+        tokenizer: Any = None,
         parameter_grads: bool = True,
     ) -> CaptureEngine:
         """Hook ``model`` with this callback's layers and normalization (no consumer yet);
-        ``parameter_grads`` as :class:`~tda_plugins.capture.engine.CaptureEngine` takes it."""
+        ``parameter_grads`` as :class:`~tda_plugins.capture.engine.CaptureEngine` takes it.
+        A pool given as texts is tokenized with ``tokenizer`` (the trainer's) here."""
+        if not self.pool:
+            self.pool = self.examples.batch(tokenizer)
         self.settings = adapt_settings(self.settings, args, model)
         engine = CaptureEngine(
             model,

@@ -25,12 +25,12 @@ from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.layers import has_lora
 from tda_plugins.data_selection import SelectionSession, SelectionSettings, StepSelection
 from tda_plugins.data_selection.session import DEFAULT_FIX
+from tda_plugins.integrations.transformers.data import ExamplePool, Examples
 from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
 from tda_plugins.integrations.transformers.setup import (
     adapt_settings,
     check_trainer_setup,
     log_metrics,
-    pad_examples,
     unwrap_optimizer,
     uses_fused_head,
 )
@@ -102,7 +102,10 @@ class DataSelectionCallback(TrainerCallback):
     examples have no loss token or a non-finite gradient raises ``SelectionError``.
 
     Args:
-        target: rows with ``input_ids`` (optional ``labels``): the target pool.
+        target: the target pool: a JSONL path, a ``datasets.Dataset`` or a list of dicts,
+            each with ``input_ids`` (optional ``labels``), or ``text``, ``prompt`` +
+            ``completion`` or ``messages`` (tokenized with the trainer's tokenizer when
+            training starts).
         rule, fraction, threshold, score, granularity, refresh_every, target_examples,
             score_projection: the fields of
             :class:`~tda_plugins.data_selection.SelectionSettings`.
@@ -116,7 +119,7 @@ class DataSelectionCallback(TrainerCallback):
 
     def __init__(
         self,
-        target: list[dict[str, Any]],
+        target: Examples,
         rule: str = "bottom_fraction",
         fraction: float = 0.25,
         threshold: float = 0.0,
@@ -133,8 +136,6 @@ class DataSelectionCallback(TrainerCallback):
         unknown = sorted(set(options) - set(LAYER_OPTIONS))
         if unknown:
             raise TypeError(f"unknown options {unknown}; the layer options are {LAYER_OPTIONS}")
-        if not target:
-            raise ValueError("DataSelectionCallback needs at least one target example")
         self.settings = SelectionSettings(
             rule=rule,
             fraction=fraction,
@@ -147,7 +148,7 @@ class DataSelectionCallback(TrainerCallback):
             log_path=log_path,
             **options,
         )
-        self.pool = pad_examples(target)
+        self.target = ExamplePool(target, "DataSelectionCallback's target")
         self.session: SelectionSession | None = None
         self._clipping: ClippingTakeover | None = None
         self._hooks: list[Any] = []
@@ -171,6 +172,7 @@ class DataSelectionCallback(TrainerCallback):
         control: TrainerControl,
         model: nn.Module | None = None,
         optimizer: Any = None,
+        processing_class: Any = None,
         **kwargs: Any,
     ) -> None:
         model = check_trainer_setup(args, model)
@@ -191,7 +193,7 @@ class DataSelectionCallback(TrainerCallback):
         self.session = SelectionSession(
             self.settings,
             model,
-            target=self.pool,
+            target=self.target.batch(processing_class),
             losses=causal_lm_losses,
             target_tokens=target_token_counts,
             normalization=CausalLMNormalization(),

@@ -1,0 +1,202 @@
+"""Per-example gradients of a dataset outside training: what ``tda capture`` runs.
+
+    from tda_plugins import capture_examples
+
+    capture_examples(model, "queries.jsonl", "run/queries", tokenizer=tokenizer)
+    capture_examples(trainer.model, Dataset.from_list(rows), "run/queries", tokenizer=tok)
+
+One forward and backward per batch of each example's own summed token loss (the store
+convention), through a capture engine whose consumers write the store (and the K-FAC
+statistics); autograd builds no weight gradient of the model's own. Under ``torchrun``
+(``ranks``), every rank reads and checks all the data and captures the batches
+``rank, rank + N, ...`` (a full model replica each) into its ``rank-<r>`` directory, one
+store step per round of N batches: the merged store equals one process's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from tda_plugins.api import causal_lm_example_losses
+from tda_plugins.capture import CaptureEngine, content_hash
+from tda_plugins.precondition import CurvatureAccumulator
+from tda_plugins.precondition.plan import require_within_budget
+from tda_plugins.ranks import Ranks
+from tda_plugins.session import CaptureSettings, capture_plan
+from tda_plugins.store import GradientStore, StoreReader
+
+
+def capture_examples(
+    model: Any,
+    examples: Any,
+    out: str | Path,
+    *,
+    tokenizer: Any = None,
+    settings: CaptureSettings | None = None,
+    batch_size: int = 8,
+    max_length: int | None = None,
+    append: bool = False,
+    metadata: dict[str, Any] | None = None,
+    ranks: Ranks | None = None,
+    progress: bool = True,
+    **options: Any,
+) -> StoreReader:
+    """Write every example's exact gradient (its own summed token loss) to the store ``out``.
+
+    Args:
+        model: a transformers causal LM (a PEFT model: its adapters are captured by
+            default, the layers a LoRA training store holds).
+        examples: a JSONL path, a ``datasets.Dataset`` or a list of dicts; each row
+            ``text``, ``prompt`` + ``completion``, ``messages`` or ``input_ids`` (optional
+            ``labels``), with an optional integer ``id`` (else a content hash of its tokens).
+        out: the store directory to create (or, with ``append``, to add to).
+        tokenizer: tokenizes text rows and decodes the stored texts.
+        settings: what to record (``store_dir`` is replaced by ``out``); or give its fields
+            as ``options`` (``layers``, ``projection``, ``curvature``, ...).
+        batch_size: examples per forward/backward.
+        max_length: truncate examples to this many tokens (default and most: the model's
+            positions; 512 for a model without a positions limit).
+        append: add to an existing store of the same model and options.
+        metadata: free-form entries for ``store.json``.
+        ranks: the ranks of a ``torchrun`` launch (``None``: this process alone).
+        progress: show a progress bar (rank 0).
+
+    Returns:
+        A reader of the written store.
+
+    Raises:
+        ValueError: a bad row (named by its line), a repeated id, or K-FAC statistics over
+            ``settings.curvature_budget_gb``; nothing is written then.
+    """
+    from tda_plugins.integrations.transformers.data import batches, numbered_rows, tokenize_rows
+
+    ranks = ranks or Ranks(next(model.parameters()).device)
+    settings = _settings(settings, options, out)
+    inputs_device = model.get_input_embeddings().weight.device
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    source = str(examples) if isinstance(examples, str | Path) else "examples"
+    rows = tokenize_rows(
+        numbered_rows(examples), tokenizer, _length(model, max_length), vocab, source
+    )
+    pad_id = getattr(tokenizer, "pad_token_id", None) or 0
+    planned = []  # every batch and its ids first: bad ids are refused before any write
+    for inputs, given, group in batches(rows, batch_size, pad_id):
+        mask = inputs["attention_mask"]
+        ids = content_hash(inputs["input_ids"], mask) if given is None else given
+        planned.append((inputs, ids, group))
+    all_ids = [i for _, ids, _ in planned for i in ids.tolist()]
+    repeated = next((i for i, n in Counter(all_ids).items() if n > 1), None)
+    if repeated is not None:
+        raise ValueError(
+            f"example id {repeated} occurs twice in {source}: give each example its own "
+            "'id' (without ids, duplicated examples get the same content hash)"
+        )
+    plan = capture_plan(settings, model, ranks.rank)
+    if settings.curvature:
+        require_within_budget(model, plan)
+        if ranks.size > 1 and plan.schedule != "local":
+            raise ValueError(
+                "the K-FAC statistics do not fit one process's budget, and a data-parallel "
+                "capture reduces them only at its end: raise curvature_budget_gb "
+                "(--curvature-budget-gb), capture fewer layers, or turn curvature off"
+            )
+    store = GradientStore(
+        out,
+        ranks.rank,
+        keep_tokens=settings.keep_tokens,
+        metadata=metadata or {},
+        append=append,
+        unique_ids=True,
+        model=model,
+        tokenizer=tokenizer,
+    )
+    consumers: list[Any] = [store]
+    if settings.curvature:
+        consumers.append(
+            CurvatureAccumulator(
+                out,
+                ranks.rank,
+                shapes=plan.curvature_shapes,
+                excluded=plan.excluded,
+                world_size=plan.inputs.world_size,
+                schedule=plan.schedule,
+            )
+        )
+    # capture only attributes: autograd need not build the model's own weight gradients
+    engine = CaptureEngine(
+        model,
+        settings.selection(),
+        settings.projection_config(),
+        consumers,
+        parameter_grads=False,
+    )
+    mine = planned[ranks.rank :: ranks.size]
+    if ranks.rank != 0:
+        ranks.barrier()  # rank 0 attaches first: it writes the store's header
+    shown = progress and ranks.rank == 0
+    with (
+        engine,
+        tqdm(total=len(rows), desc="capture", unit="ex", disable=not shown) as bar,
+    ):
+        if ranks.rank == 0:
+            ranks.barrier()
+        store.check_new_ids(all_ids)  # against the examples an appended store holds
+        # appending continues the numbering after every rank's last step
+        engine.resume_at_step(max(ranks.objects(store.next_step)))
+        for inputs, ids, group in mine:
+            inputs = {k: v.to(inputs_device) for k, v in inputs.items()}
+            engine.set_example_ids(ids.to(inputs_device))
+            labels = inputs.pop("labels")
+            losses = causal_lm_example_losses(model(**inputs).logits, labels)
+            losses.sum().backward()
+            model.zero_grad(set_to_none=True)
+            engine.optimizer_step()  # one committed store step per batch (per round)
+            bar.update(len(group) * ranks.size)
+        engine.end()
+    ranks.barrier()  # every rank's steps are committed
+    if ranks.rank == 0:
+        texts = {
+            i: e.text for _, ids, group in planned for i, e in zip(ids.tolist(), group, strict=True)
+        }
+        store.write_examples(texts)
+    return StoreReader(out)
+
+
+def _settings(
+    settings: CaptureSettings | None, options: dict[str, Any], out: str | Path
+) -> CaptureSettings:
+    if settings is not None and options:
+        raise TypeError("pass either settings or keyword options, not both")
+    if settings is None:
+        return CaptureSettings(store_dir=str(out), **options)
+    return dataclasses.replace(settings, store_dir=str(out))
+
+
+def _length(model: Any, max_length: int | None) -> int:
+    """The truncation length: ``max_length``, at most the model's positions (warned)."""
+    positions = model_positions(model)
+    length = max_length or positions or 512
+    if positions is not None and length > positions:
+        print(
+            f"tda capture: warning: max length {length} is more than the model's "
+            f"{positions} positions; examples are truncated to {positions} tokens",
+            file=sys.stderr,
+        )
+        length = positions
+    return length
+
+
+def model_positions(model: Any) -> int | None:
+    """How many positions the model embeds (``None``: not bounded by its config)."""
+    config = getattr(model, "config", None)
+    for key in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
