@@ -38,7 +38,8 @@ class StepInfluence:
     """Influence of one optimizer step's examples on each query.
 
     Attributes:
-        step: optimizer step.
+        step: optimizer step, 0-based (the trainers log it as ``step + 1``, their
+            ``global_step`` once it is done; reports use that number).
         mean: ``(M,)`` mean score over the step's examples.
         max: ``(M,)`` largest score over the step's examples.
         example_ids: ``(N,)`` ids of the step's examples.
@@ -170,12 +171,15 @@ class InfluenceLogger(CaptureConsumer):
         out.mkdir(parents=True, exist_ok=True)
         scores = self.cumulative_scores(query_ids)
         history: list[dict[str, Any]] = [
-            {"step": h.step, "mean": h.mean.tolist(), "max": h.max.tolist()} for h in self.history
+            {"step": h.step + 1, "mean": h.mean.tolist(), "max": h.max.tolist()}
+            for h in self.history
         ]
         summary = {
             "method": self.method,
             "convention": "cumulative learning-rate-weighted score over the steps each "
-            "example was trained in; per-step mean/max over that step's examples",
+            "example was trained in; per-step mean/max over that step's examples; steps "
+            "numbered as the trainer logs them (1 = the first optimizer step); query j is "
+            "q<j> in the logs",
             "query_ids": query_ids.tolist(),
             "history": history,
             "top_k": scores.top_k(top_k) if scores.values.numel() else [],
@@ -201,9 +205,9 @@ def _plot(path: Path, history: list[StepInfluence], query_ids: Tensor) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    steps = [h.step for h in history]
+    steps = [h.step + 1 for h in history]  # as the trainer's logs number them
     for j, qid in enumerate(query_ids.tolist()):
-        ax.plot(steps, [float(h.mean[j]) for h in history], label=f"query {qid}")
+        ax.plot(steps, [float(h.mean[j]) for h in history], label=f"q{j} (id {qid})")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("mean influence of the step's examples")
     ax.set_title("Influence on the queries during training")

@@ -85,7 +85,13 @@ def test_report_files_exist_and_name_stored_example_ids(run: dict) -> None:
     assert all(score == 0 for e in summary["cumulative"] for score in e["scores"])
     assert all(q["helpful"] == q["harmful"] == [] for q in summary["top_k"])
     assert len(summary["top_k"]) == len(summary["query_ids"])
-    assert len(summary["history"]) == STEPS
+    # the report's steps and per-query values are the trainer's logged ones
+    logged = {h["step"]: h for h in run["trainer"].state.log_history if "influence/q0_mean" in h}
+    assert [h["step"] for h in summary["history"]] == sorted(logged)
+    for h in summary["history"]:
+        for j, (mean, top) in enumerate(zip(h["mean"], h["max"], strict=True)):
+            assert mean == pytest.approx(logged[h["step"]][f"influence/q{j}_mean"])
+            assert top == pytest.approx(logged[h["step"]][f"influence/q{j}_max"])
     assert str(summary["query_ids"][0]) in Path(report["html"]).read_text()
 
 

@@ -685,6 +685,7 @@ def test_trainer_grad_is_the_clipped_fresh_backward_over_kept(
     assert [json.loads(line) for line in lines] == [h.summary() for h in history]
     logged = [e for e in run.trainer.state.log_history if "selection/kept" in e]
     assert [e["step"] for e in logged] == [1, 2, 3]
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]  # as the trainer logs
     assert all(e["selection/kept"] == examples_per_step // 2 for e in logged)
     assert all("selection/dropped" in e and "selection/mean_score" in e for e in logged)
     # the corrected gradient's norm before clipping: the fresh backward's, per step

@@ -41,7 +41,7 @@ class StepSelection:
     every rank).
 
     Attributes:
-        step: optimizer step.
+        step: optimizer step, 0-based (logged as ``step + 1``, the trainer's number).
         example_ids: ``(N,)`` ids of the step's examples, every rank's in rank order.
         scores: ``(N,)`` scores (per-layer mode: summed over layers); non-finite where the
             example's gradient is.
@@ -58,11 +58,12 @@ class StepSelection:
     skipped: bool = False
 
     def summary(self) -> dict[str, Any]:
-        """The JSON line of :attr:`step` (valid JSON: non-finite scores are left out of the
-        mean, which is ``None`` when no score is finite)."""
+        """The JSON line of :attr:`step`, numbered as the trainers log it (``step + 1``:
+        1 is the first optimizer step); valid JSON: non-finite scores are left out of the
+        mean, which is ``None`` when no score is finite."""
         finite = self.scores[~self.nonfinite]
         return {
-            "step": self.step,
+            "step": self.step + 1,
             "kept": int((~self.dropped).sum()),
             "dropped": int(self.dropped.sum()),
             "mean_score": float(finite.double().mean()) if finite.numel() else None,
@@ -154,7 +155,7 @@ def decide(
     if not bool(finite.all()):
         logger.warning(
             "tda-plugins: step %d: examples %s have a non-finite gradient (score); dropped%s",
-            step,
+            step + 1,
             outcome.summary()["nonfinite_ids"],
             ", and the optimizer step is skipped (no finite example)" if outcome.skipped else "",
         )

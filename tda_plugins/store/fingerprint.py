@@ -30,8 +30,16 @@ from typing import Any
 import torch
 from torch import nn
 
-#: Configuration keys that say how a model was loaded or run, not what it computes.
+#: Configuration keys that say how a model was loaded or run, not what it computes. The
+#: special token ids are among them: trainers align them with the tokenizer's at the
+#: start of training (transformers' Trainer, TRL), so a run's model and the same model
+#: loaded again for its queries differ there; the tokenizer is compared by vocabulary.
 _VOLATILE = {
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "sep_token_id",
+    "decoder_start_token_id",
     "transformers_version",
     "architectures",
     "dtype",

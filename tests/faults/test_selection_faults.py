@@ -117,7 +117,7 @@ def test_a_poisoned_example_is_dropped_and_named_and_weights_stay_finite(
         summary = outcome.summary()
         assert len(summary["nonfinite_ids"]) == 1 and not summary["skipped"]
         assert set(summary["nonfinite_ids"]) <= set(summary["dropped_ids"])
-        assert f"step {outcome.step}" in caplog.text and "non-finite" in caplog.text
+        assert f"step {outcome.step + 1}:" in caplog.text and "non-finite" in caplog.text
         assert str(summary["nonfinite_ids"][0]) in caplog.text
     lines = (tmp_path / "out" / "selection.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == [h.summary() for h in selection.history]
