@@ -111,8 +111,8 @@ def train_with_capture(args: argparse.Namespace, out: Path) -> tuple[Path, Path]
     # curvature_head: K-FAC/EK-FAC factors for the untied head too (cheap at this vocabulary;
     # left out by default, where a vocabulary-wide factor would not fit)
     capture = GradientCaptureCallback(
-        store_dir=str(out / "train_store"), layers="linear", curvature_head=True
-    )
+        store_dir=str(out / "train_store"), layers="linear", curvature=True, curvature_head=True
+    )  # K-FAC/EK-FAC below need the statistics however large (default: only when cheap)
     training = TrainingArguments(
         output_dir=str(out / "trainer"),
         per_device_train_batch_size=args.batch_size,

@@ -115,7 +115,23 @@ def _add_capture(sub: Any) -> None:
         help="transformers device_map (e.g. auto) for a model larger than one device; "
         "replaces --device",
     )
-    p.add_argument("--no-curvature", action="store_true", help="skip inline K-FAC statistics")
+    curvature = p.add_mutually_exclusive_group()
+    curvature.add_argument(
+        "--curvature",
+        dest="curvature",
+        action="store_const",
+        const=True,
+        default="auto",
+        help="inline K-FAC statistics for kfac/ekfac/logra however large (default: only "
+        "up to 64 MiB per process)",
+    )
+    curvature.add_argument(
+        "--no-curvature",
+        dest="curvature",
+        action="store_const",
+        const=False,
+        help="no inline K-FAC statistics",
+    )
     p.add_argument(
         "--curvature-head",
         action="store_true",
@@ -246,7 +262,7 @@ def _settings(args: argparse.Namespace) -> CaptureSettings:
         k=args.k,
         projection_map=args.map,
         seed=args.seed,
-        curvature=not args.no_curvature,
+        curvature=args.curvature,
         curvature_head=args.curvature_head,
         curvature_budget_gb=args.curvature_budget_gb,
         keep_tokens=args.keep_tokens,

@@ -26,9 +26,8 @@ from tqdm.auto import tqdm
 from tda_plugins.api import causal_lm_example_losses
 from tda_plugins.capture import CaptureEngine, content_hash
 from tda_plugins.precondition import CurvatureAccumulator
-from tda_plugins.precondition.plan import require_within_budget
 from tda_plugins.ranks import Ranks
-from tda_plugins.session import CaptureSettings, capture_plan
+from tda_plugins.session import CaptureSettings, resolve_curvature
 from tda_plugins.store import GradientStore, StoreReader
 
 
@@ -97,15 +96,13 @@ def capture_examples(
             f"example id {repeated} occurs twice in {source}: give each example its own "
             "'id' (without ids, duplicated examples get the same content hash)"
         )
-    plan = capture_plan(settings, model, ranks.rank)
-    if settings.curvature:
-        require_within_budget(model, plan)
-        if ranks.size > 1 and plan.schedule != "local":
-            raise ValueError(
-                "the K-FAC statistics do not fit one process's budget, and a data-parallel "
-                "capture reduces them only at its end: raise curvature_budget_gb "
-                "(--curvature-budget-gb), capture fewer layers, or turn curvature off"
-            )
+    settings, plan = resolve_curvature(settings, model, ranks.rank)
+    if settings.curvature and ranks.size > 1 and plan.schedule != "local":
+        raise ValueError(
+            "the K-FAC statistics do not fit one process's budget, and a data-parallel "
+            "capture reduces them only at its end: raise curvature_budget_gb "
+            "(--curvature-budget-gb), capture fewer layers, or turn curvature off"
+        )
     store = GradientStore(
         out,
         ranks.rank,

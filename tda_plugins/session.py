@@ -7,6 +7,8 @@ they translate their trainer's events into :meth:`CaptureSession.step`,
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -34,6 +36,8 @@ from tda_plugins.store import GradientStore, StoreError
 from tda_plugins.store.layout import rank_dir
 from tda_plugins.store.texts import TextRecorder
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class CaptureSettings:
@@ -53,7 +57,10 @@ class CaptureSettings:
         k: dense projection dimension.
         projection_map: ``"gaussian"``, ``"rademacher"`` or ``"sparse_jl"``.
         seed: projection seed (maps are deterministic from seed and layer name).
-        curvature: accumulate K-FAC statistics in the same pass (K-FAC, EK-FAC, LoGra).
+        curvature: accumulate K-FAC statistics in the same pass (K-FAC, EK-FAC, LoGra):
+            ``True``, ``False``, or ``"auto"`` (default): on where they are cheap, at most
+            :data:`AUTO_CURVATURE_BYTES` per rank (factor projection, small models or few
+            layers), else off with a log line giving their size and how to turn them on.
         curvature_head: accumulate them for vocabulary-wide output layers too (an untied
             ``lm_head``: its output factor is ``vocab x vocab``); left out by default, and
             K-FAC then refuses a store that holds the head's gradients.
@@ -81,7 +88,7 @@ class CaptureSettings:
     k: int = 256
     projection_map: MapKind = "gaussian"
     seed: int = 0
-    curvature: bool = True
+    curvature: bool | Literal["auto"] = "auto"
     curvature_head: bool = False
     curvature_budget_gb: float | None = 8.0
     curvature_save_steps: int = 50
@@ -122,14 +129,21 @@ def has_adam_moments(optimizer: torch.optim.Optimizer | None) -> bool:
     return all("betas" in g and "eps" in g for g in optimizer.param_groups)
 
 
+#: ``curvature="auto"`` accumulates K-FAC statistics up to this many bytes per rank in
+#: memory (twice that on disk, in fp64). SmolLM2-135M with LoRA on q/v needs 118 MiB, on
+#: every linear layer 1.1 GiB; with ``projection="factor"`` under 1 MiB.
+AUTO_CURVATURE_BYTES = 64 * 2**20
+
+
 def capture_plan(settings: CaptureSettings, model: nn.Module, rank: int = 0) -> CapturePlan:
     """The memory plan of ``settings`` on ``model`` in this process's data-parallel world
-    (sharded when the parameters are DTensors, as under FSDP2)."""
+    (sharded when the parameters are DTensors, as under FSDP2); ``curvature="auto"`` is
+    planned as on."""
     initialized = dist.is_available() and dist.is_initialized()
     inputs = PlanInputs(
         selection=settings.selection(),
         projection=settings.projection_config(),
-        curvature=settings.curvature,
+        curvature=settings.curvature is not False,
         curvature_head=settings.curvature_head,
         budget_gb=settings.curvature_budget_gb,
         world_size=dist.get_world_size() if initialized else 1,
@@ -137,6 +151,35 @@ def capture_plan(settings: CaptureSettings, model: nn.Module, rank: int = 0) -> 
         sharded=any(isinstance(p, DTensor) for p in model.parameters()),
     )
     return plan_capture(model, inputs)
+
+
+def resolve_curvature(
+    settings: CaptureSettings, model: nn.Module, rank: int = 0
+) -> tuple[CaptureSettings, CapturePlan]:
+    """``settings`` with ``curvature`` decided (``"auto"``: on up to
+    :data:`AUTO_CURVATURE_BYTES` per rank, logged either way), and their plan; statistics
+    over ``curvature_budget_gb`` are refused here, before anything is read or written."""
+    plan = capture_plan(settings, model, rank)
+    wanted = settings.curvature
+    if wanted == "auto":
+        need = plan.statistics_bytes()
+        wanted = need <= AUTO_CURVATURE_BYTES
+        logger.log(
+            logging.INFO if wanted else logging.WARNING,
+            "tda-plugins: K-FAC statistics take %.1f MiB per rank in memory (%.1f MiB on "
+            "disk): curvature='auto' turns them %s (on up to %d MiB). K-FAC, EK-FAC and "
+            "LoGra need them: set curvature=True (tda capture --curvature), or "
+            "projection='factor' to make them small",
+            need / 2**20,
+            2 * need / 2**20 * 4 / plan.itemsize,
+            "on" if wanted else "off",
+            AUTO_CURVATURE_BYTES // 2**20,
+        )
+    if wanted:
+        require_within_budget(model, plan)
+    else:
+        plan = capture_plan(dataclasses.replace(settings, curvature=False), model, rank)
+    return dataclasses.replace(settings, curvature=bool(wanted)), plan
 
 
 class CaptureSession:
@@ -174,16 +217,14 @@ class CaptureSession:
         consumers: tuple[CaptureConsumer, ...] = (),
         tokenizer: Any = None,
     ):
-        self.settings = settings
         self.rank = rank
         if settings.curvature_save_steps < 0:
             raise ValueError(
                 f"curvature_save_steps must be >= 0, got {settings.curvature_save_steps}"
             )
-        self.plan = capture_plan(settings, model, rank)
+        settings, self.plan = resolve_curvature(settings, model, rank)
+        self.settings = settings
         self.plan.log()
-        if settings.curvature:
-            require_within_budget(model, self.plan)
         # a selection that matches nothing fails here, before anything is written
         layers = tuple(settings.selection().resolve(model))
         self.store = GradientStore(
