@@ -67,6 +67,18 @@ def grads_set_aside(model: nn.Module) -> Iterator[None]:
             p.grad = g
 
 
+@contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """Inside the block the model is in eval mode (no dropout: a pool's or query's
+    gradient at the current weights is deterministic); its mode is restored afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
 def capture_batch(
     model: nn.Module,
     batch: Mapping[str, Any],

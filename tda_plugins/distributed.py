@@ -8,15 +8,20 @@ concatenation over ranks, in rank order.
 
 :func:`rank_gather` picks the strategy for the running process: one process (nothing to
 exchange) or the default ``torch.distributed`` process group.
+
+:func:`without_gradient_sync` keeps a pass between training steps (a selection target's,
+influence queries') out of DDP's gradient all-reduce.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 
 def process_rank() -> int:
@@ -78,6 +83,31 @@ class ProcessGroupGather:
         out: list[Any] = [None] * self.size
         dist.all_gather_object(out, value, group=self.group)
         return out
+
+
+@contextmanager
+def without_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """No data-parallel all-reduce in the backward passes of this block (DDP's
+    ``no_sync``, composable ``replicate``'s ``set_requires_gradient_sync``): a pass at the
+    current weights between training steps (a selection target, influence queries) whose
+    ``.grad`` each rank keeps to itself.
+
+    For replicated parameters only: a ``fully_shard``-ed module has the same toggle, but
+    there the pass must join FSDP's reduce-scatter (turned off, FSDP would keep this pass's
+    unsharded gradients for the next synced backward)."""
+    no_sync = getattr(model, "no_sync", None)
+    toggle = getattr(model, "set_requires_gradient_sync", None)
+    if callable(no_sync):
+        with no_sync():
+            yield
+    elif callable(toggle):
+        toggle(False)
+        try:
+            yield
+        finally:
+            toggle(True)
+    else:
+        yield
 
 
 def rank_gather() -> RankGather:

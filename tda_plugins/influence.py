@@ -15,7 +15,7 @@ it was trained in), whose extremes are the running top-k helpful and harmful exa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -153,9 +153,23 @@ class InfluenceLogger(CaptureConsumer):
             out[f"influence/q{j}_max"] = float(last.max[j])
         return out
 
-    def tokens_of(self, example_id: int) -> list[int] | None:
-        """The unpadded token ids of a training example seen in a step, if known."""
-        return self._tokens.get(example_id)
+    def report_texts(
+        self,
+        query_ids: Tensor,
+        query_tokens: Sequence[Sequence[int]],
+        decode: Callable[[list[int]], str] | None = None,
+    ) -> tuple[dict[int, str], dict[int, str]]:
+        """The report's texts: every training example seen so far whose tokens are known,
+        and every query (``query_tokens[j]``, unpadded, is query ``query_ids[j]``), as
+        ``decode`` writes them, or their token ids separated by spaces."""
+
+        def text(tokens: Sequence[int]) -> str:
+            ids = [int(t) for t in tokens]
+            return decode(ids) if decode is not None else " ".join(map(str, ids))
+
+        train = {i: text(t) for i in sorted(self._cumulative) if (t := self._tokens.get(i))}
+        queries = {int(q): text(t) for q, t in zip(query_ids.tolist(), query_tokens, strict=True)}
+        return train, queries
 
     def write_report(
         self,

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
 from olmo_core.nn.lm_head import LMLossImplementation
 from olmo_core.nn.transformer import Transformer, TransformerConfig
-from olmo_core.optim import AdamWConfig
+from olmo_core.optim import AdamWConfig, Scheduler
 from olmo_core.train import Duration, Trainer, TrainerConfig
 from olmo_core.train.callbacks import Callback, CheckpointerCallback
 from olmo_core.train.train_module import TransformerTrainModuleConfig
@@ -95,6 +95,8 @@ def fit(
     z_loss: float | None = None,
     load_path: Path | None = None,
     checkpoints: bool = False,
+    scheduler: Scheduler | None = None,
+    model: TransformerConfig = MODEL,
 ) -> Trainer:
     """Train ``steps`` steps (in total, counting a loaded checkpoint's) on CPU."""
     torch.manual_seed(0)
@@ -105,7 +107,8 @@ def fit(
         max_sequence_length=SEQ,
         optim=AdamWConfig(lr=1e-2),
         z_loss_multiplier=z_loss,
-    ).build(MODEL.build(init_device="cpu"), device=torch.device("cpu"))
+        scheduler=scheduler,
+    ).build(model.build(init_device="cpu"), device=torch.device("cpu"))
     config = TrainerConfig(
         save_folder=str(save_folder),
         load_path=None if load_path is None else str(load_path),

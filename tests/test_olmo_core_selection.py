@@ -37,7 +37,8 @@ from olmo_core.train.train_module import TransformerTrainModule, TransformerTrai
 from torch import Tensor
 
 from tda_plugins.integrations.olmo_core import DataSelectionCallback, UnsupportedTrainingSetup
-from tda_plugins.integrations.olmo_core.selection import loss_token_counts, target_batch
+from tda_plugins.integrations.olmo_core.pool import pool_batch
+from tda_plugins.integrations.olmo_core.selection import loss_token_counts
 from tests.oracle import max_rel_error
 from tests.test_olmo_core import BATCH, MODEL, SEQ, VOCAB, dataset_config
 
@@ -242,10 +243,10 @@ def test_uncaptured_trainable_parameters_are_refused_before_any_step(tmp_path: P
 
 
 def test_target_pool_labels_are_shifted_and_padding_is_ignored() -> None:
-    batch = target_batch([[5, 6, 7], [8, 9]])
+    batch = pool_batch([[5, 6, 7], [8, 9]])
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 9, 0]]
     assert batch["labels"].tolist() == [[6, 7, -100], [9, -100, -100]]
-    tensor = target_batch(torch.tensor([[1, 2, 3]]), ignore_index=-1)
+    tensor = pool_batch(torch.tensor([[1, 2, 3]]), ignore_index=-1)
     assert tensor["labels"].tolist() == [[2, 3, -1]]
     with pytest.raises(ValueError, match="two or more tokens"):
         DataSelectionCallback([[1]])

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from tda_plugins.api import evaluating
 from tda_plugins.capture import CaptureEngine, LayerSelection
 from tda_plugins.capture.adapters import LayerAdapter
 from tda_plugins.capture.engine import capture_suspended
@@ -197,21 +198,16 @@ class SelectionSession:
                 "so every training example would score 0; give target rows with labels that "
                 "are not all -100"
             )
-        was_training = model.training
-        model.eval()
-        try:
-            with self.engine.paused(), capture_suspended():
-                target = shared_target(
-                    model,
-                    self.engine.captured_layers,
-                    batch,
-                    self.losses,
-                    ranks=self.ranks,
-                    divide=self.divide,
-                    chunk_size=self.chunk_size,
-                )
-        finally:
-            model.train(was_training)
+        with evaluating(model), self.engine.paused(), capture_suspended():
+            target = shared_target(
+                model,
+                self.engine.captured_layers,
+                batch,
+                self.losses,
+                ranks=self.ranks,
+                divide=self.divide,
+                chunk_size=self.chunk_size,
+            )
         if nonfinite(target, self.ranks):
             raise SelectionError(
                 f"the selection target's examples {rows} (pool positions) have a non-finite "

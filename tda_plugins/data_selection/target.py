@@ -30,6 +30,7 @@ from tda_plugins.capture.engine import CaptureEngine, capture_suspended
 from tda_plugins.capture.layers import LayerSelection, shared_parameter_ids
 from tda_plugins.capture.records import MicroBatchRecord
 from tda_plugins.data_selection.parallel import Ranks, gathered, is_sharded, local
+from tda_plugins.distributed import without_gradient_sync
 from tda_plugins.grads.factors import TensorKey, TokenFactors, tensor_key
 
 Batch = Mapping[str, Tensor]
@@ -239,25 +240,6 @@ class ShardedTarget(Target):
         return [local(v) for shards in self.shards.values() for v in shards.values()]
 
 
-@contextlib.contextmanager
-def _without_gradient_sync(model: nn.Module) -> Iterator[None]:
-    """No data-parallel all-reduce in the backward passes of this block (DDP's
-    ``no_sync``, composable ``replicate``'s ``set_requires_gradient_sync``)."""
-    no_sync = getattr(model, "no_sync", None)
-    toggle = getattr(model, "set_requires_gradient_sync", None)
-    if callable(no_sync):
-        with no_sync():
-            yield
-    elif callable(toggle):
-        toggle(False)
-        try:
-            yield
-        finally:
-            toggle(True)
-    else:
-        yield
-
-
 def shared_target(
     model: nn.Module,
     layers: Mapping[str, tuple[nn.Module, LayerAdapter]],
@@ -284,7 +266,7 @@ def shared_target(
     size = len(next(iter(batch.values())))
     share = {k: v[ranks.rank :: ranks.world] for k, v in batch.items()}
     if not is_sharded(layers):
-        with _without_gradient_sync(model):
+        with without_gradient_sync(model):
             part = target_gradient(model, layers, share, losses, chunk_size, keep_factors=False)
         vectors = part.vectors
         flat = torch.cat([vectors[name].flatten() for name in layers])

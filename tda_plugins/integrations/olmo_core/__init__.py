@@ -14,6 +14,13 @@ target pool, exactly, from ``.grad``):
         "selection", DataSelectionCallback(target=target_token_ids, fraction=0.25)
     )
 
+Live influence of each step's instances on fixed queries (metrics every ``n`` steps and a
+report at the end):
+
+    trainer_config = trainer_config.with_callback(
+        "influence", InfluenceLoggingCallback(queries=query_token_ids, every_n_steps=10)
+    )
+
 Needs the ``[olmo]`` extra (``ai2-olmo-core``).
 """
 
@@ -22,12 +29,14 @@ from tda_plugins.integrations.olmo_core.callbacks import (
     UnsupportedTrainingSetup,
     check_train_module,
 )
+from tda_plugins.integrations.olmo_core.influence import InfluenceLoggingCallback
 from tda_plugins.integrations.olmo_core.normalization import OLMoCoreLossNormalization
 from tda_plugins.integrations.olmo_core.selection import DataSelectionCallback
 
 __all__ = [
     "DataSelectionCallback",
     "GradientCaptureCallback",
+    "InfluenceLoggingCallback",
     "OLMoCoreLossNormalization",
     "UnsupportedTrainingSetup",
     "check_train_module",

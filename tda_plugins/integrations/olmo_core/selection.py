@@ -20,13 +20,13 @@ nothing taken over.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from olmo_core.train.callbacks import Callback
 from olmo_core.train.train_module import TransformerTrainModule
 from torch import Tensor, nn
@@ -44,49 +44,8 @@ from tda_plugins.data_selection.session import check_coverage
 from tda_plugins.data_selection.settings import Granularity, ScoreMode
 from tda_plugins.integrations.olmo_core.callbacks import check_train_module, give_example_ids
 from tda_plugins.integrations.olmo_core.normalization import OLMoCoreLossNormalization
+from tda_plugins.integrations.olmo_core.pool import PoolTokens, pool_batch, summed_token_losses
 from tda_plugins.session import CaptureSettings, UnsupportedTrainingSetup
-
-TargetTokens = Tensor | Sequence[Sequence[int]]
-
-
-def target_batch(target: TargetTokens, ignore_index: int = -100) -> dict[str, Tensor]:
-    """``input_ids`` and OLMo-core ``labels`` (inputs shifted left, ``ignore_index`` at the
-    last position and at padding) of a target pool: a ``(P, T)`` tensor of token ids, or
-    token-id lists of any lengths (right-padded with token 0, which carries no loss)."""
-    if isinstance(target, Tensor):
-        if target.dim() != 2 or target.is_floating_point():
-            raise ValueError(f"target must be a (P, T) tensor of token ids, got {target.shape}")
-        ids = target.detach().clone().long()
-        real = torch.ones_like(ids, dtype=torch.bool)
-    else:
-        rows = [list(map(int, row)) for row in target]
-        length = max((len(r) for r in rows), default=0)
-        ids = torch.zeros(len(rows), length, dtype=torch.long)
-        real = torch.zeros_like(ids, dtype=torch.bool)
-        for i, row in enumerate(rows):
-            ids[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
-            real[i, : len(row)] = True
-    if ids.shape[0] == 0 or ids.shape[1] < 2:
-        raise ValueError("the target pool needs at least one sequence of two or more tokens")
-    labels = ids.masked_fill(~real, ignore_index)
-    labels = F.pad(labels[:, 1:], (0, 1), value=ignore_index)
-    if not bool((labels != ignore_index).any(dim=1).all()):
-        raise ValueError("every target sequence needs at least two tokens (one predicted)")
-    return {"input_ids": ids, "labels": labels}
-
-
-def summed_token_losses(model: nn.Module, batch: dict[str, Tensor], ignore_index: int) -> Tensor:
-    """``(B,)`` each sequence's summed next-token cross-entropy (OLMo-core labels, already
-    shifted), from the logits of a plain ``model(input_ids)`` call, in fp32 or wider."""
-    logits = model(batch["input_ids"])
-    dtype = torch.promote_types(logits.dtype, torch.float32)
-    per_token = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).to(dtype),
-        batch["labels"].reshape(-1),
-        ignore_index=ignore_index,
-        reduction="none",
-    )
-    return per_token.view(batch["labels"].shape).sum(dim=1)
 
 
 def loss_token_counts(labels: Tensor, ignore_index: int, instance_mask: Any = None) -> Tensor:
@@ -135,7 +94,7 @@ class DataSelectionCallback(Callback):
     nothing).
     """
 
-    target: TargetTokens
+    target: PoolTokens
     rule: str = "bottom_fraction"
     fraction: float = 0.25
     threshold: float = 0.0
@@ -166,7 +125,7 @@ class DataSelectionCallback(Callback):
             exclude=self.exclude,
             last_n_blocks=self.last_n_blocks,
         )
-        self._pool = target_batch(self.target)
+        pool_batch(self.target)  # refuses a bad target now, before any training
         self._session: SelectionSession | None = None
         self._ids_hook: RemovableHandle | None = None
         self._batch_has_index = False
@@ -246,13 +205,7 @@ class DataSelectionCallback(Callback):
         model = self._check_setup()
         train_module = self.trainer.train_module
         assert isinstance(train_module, TransformerTrainModule)
-        pool = dict(self._pool)
         ignore_index = self._ignore_index
-        if ignore_index != -100:
-            pool["labels"] = pool["labels"].masked_fill(pool["labels"] == -100, ignore_index)
-
-        def losses(model: nn.Module, batch: Any) -> Tensor:
-            return summed_token_losses(model, batch, ignore_index)
 
         def target_tokens(batch: Mapping[str, Tensor]) -> Tensor:
             return (batch["labels"] != ignore_index).sum(dim=-1)
@@ -261,8 +214,8 @@ class DataSelectionCallback(Callback):
         session = SelectionSession(
             self._settings,
             model,
-            target=pool,
-            losses=losses,
+            target=pool_batch(self.target, ignore_index),
+            losses=partial(summed_token_losses, ignore_index=ignore_index),
             target_tokens=target_tokens,
             normalization=OLMoCoreLossNormalization(),
             token_counts=self._token_counts,

@@ -97,21 +97,13 @@ class InfluenceLoggingCallback(PoolCallback):
         if self.logger.gather.rank != 0:
             return
         query_ids = content_hash(self.pool["input_ids"], self.pool["attention_mask"])
-        decode = getattr(processing_class, "decode", None)
-
-        def text(tokens: list[int] | None) -> str | None:
-            if tokens is None:
-                return None
-            return decode(tokens) if decode is not None else " ".join(map(str, tokens))
-
-        seen = self.logger.cumulative_scores(query_ids).train_ids.tolist()
-        train_texts = {i: t for i in seen if (t := text(self.logger.tokens_of(i))) is not None}
-        query_texts = {
-            int(q): str(text(ids[m.bool()].tolist()))
-            for q, ids, m in zip(
-                query_ids, self.pool["input_ids"], self.pool["attention_mask"], strict=True
-            )
-        }
+        query_tokens = [
+            ids[m.bool()].tolist()
+            for ids, m in zip(self.pool["input_ids"], self.pool["attention_mask"], strict=True)
+        ]
+        train_texts, query_texts = self.logger.report_texts(
+            query_ids, query_tokens, getattr(processing_class, "decode", None)
+        )
         directory = self.report_dir or str(Path(str(args.output_dir)) / "influence")
         self.report = self.logger.write_report(
             directory, query_ids, train_texts, query_texts, self.top_k

@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from tda_plugins.api import capture_batch
+from tda_plugins.api import capture_batch, evaluating
 from tda_plugins.capture import CaptureEngine
 from tda_plugins.integrations.transformers.data import ExamplePool, Examples
 from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
@@ -92,12 +92,8 @@ class PoolCallback(TrainerCallback):
         if state.global_step % self.every_n_steps:
             self.use_pool(None, lr_scheduler)
             return
-        was_training = model.training
-        model.eval()
-        try:
+        with evaluating(model):
             pooled = self.pool_gradients(model, args)
-        finally:
-            model.train(was_training)
         self.use_pool(pooled, lr_scheduler)
 
     def on_pre_optimizer_step(

@@ -1,0 +1,114 @@
+"""One rank of OLMo-core ``Trainer`` runs with ``InfluenceLoggingCallback`` under data
+parallelism: the subject of the multi-process test in ``tests/test_olmo_core_influence.py``.
+
+``python -m torch.distributed.run --standalone --nproc-per-node=2
+tests/olmo_core_influence_worker.py FOLDER`` trains the tiny OLMo-2 transformer of
+``tests/olmo_core_dist_worker.py`` (fp32, CPU, gloo, AdamW at a non-zero learning rate,
+two micro-batches per rank) on the token file ``write_tokens`` put in ``FOLDER``, once per
+mode of :data:`MODES` in one process group, through OLMo-core's own ``dp_config``
+(``ddp``: ``replicate``; ``fsdp``: ``fully_shard``), scoring every step against
+:data:`QUERIES` (GradDot, every layer). Each rank saves ``FOLDER/<mode>/rank<r>.pt``: the
+influence metrics it logged per step, its instance indices per step, and the report it
+wrote (its files' paths; none on rank 1). :func:`train` with ``mode="single"`` is the
+one-process run on the same data and global batch size.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import olmo_core.distributed.parallel as olmo_parallel
+import torch
+import torch.distributed as dist
+from olmo_core.data import NumpyDataLoaderConfig
+from olmo_core.distributed.parallel import DataParallelType
+from olmo_core.optim import AdamWConfig
+from olmo_core.train import Duration, TrainerConfig
+from olmo_core.train.callbacks import Callback
+from olmo_core.train.train_module import (
+    TransformerDataParallelConfig,
+    TransformerTrainModuleConfig,
+)
+from torch import Tensor
+
+from tda_plugins.integrations.olmo_core import InfluenceLoggingCallback
+from tests.olmo_core_dist_worker import (
+    GLOBAL_BATCH,
+    HANG_SECONDS,
+    LEARNING_RATE,
+    MODEL,
+    SEQ,
+    STEPS,
+    VOCAB,
+    WORLD,
+    dataset_config,
+)
+
+MODES = ("ddp", "fsdp")
+QUERIES = np.random.default_rng(3).integers(1, VOCAB, size=(2, SEQ)).tolist()
+
+
+@dataclass
+class InfluenceLog(Callback):
+    """The influence metrics the trainer logs, by step, and each step's instance indices."""
+
+    metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    indices: list[Tensor] = field(default_factory=list)
+
+    def pre_step(self, batch: dict[str, Any]) -> None:
+        self.indices.append(batch["index"].clone())
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        influence = {k: v for k, v in metrics.items() if k.startswith("influence/")}
+        if influence:
+            self.metrics.setdefault(step, {}).update(influence)
+
+
+def train(folder: Path, mode: str) -> dict[str, Any]:
+    """:data:`STEPS` steps with the influence callback; what the rank saves."""
+    torch.manual_seed(0)
+    # OLMo-core builds its device mesh once per process; each mode of this process builds
+    # its own (the module-level mesh has no public reset).
+    olmo_parallel._WORLD_MESH = None
+    world = 1 if mode == "single" else WORLD
+    dataset = dataset_config(folder, mode).build()  # type: ignore[arg-type]
+    loader = NumpyDataLoaderConfig(global_batch_size=GLOBAL_BATCH * SEQ, seed=0).build(dataset)
+    dp_config = None if mode == "single" else TransformerDataParallelConfig(DataParallelType(mode))
+    module = TransformerTrainModuleConfig(
+        rank_microbatch_size=GLOBAL_BATCH // world // 2 * SEQ,  # two micro-batches per rank
+        max_sequence_length=SEQ,
+        optim=AdamWConfig(lr=LEARNING_RATE),
+        dp_config=dp_config,
+    ).build(MODEL.build(init_device="cpu"), device=torch.device("cpu"))
+    influence = InfluenceLoggingCallback(QUERIES, method="graddot", layers="all")
+    log = InfluenceLog()
+    config = TrainerConfig(
+        save_folder=str(folder / mode / "run"),
+        max_duration=Duration.steps(STEPS),
+        metrics_collect_interval=1,
+        no_checkpoints=True,
+    ).with_callbacks({"influence": influence, "log": log})
+    config.build(module, loader).fit()
+    report = {kind: str(path) for kind, path in influence.report.items()}
+    return {"metrics": log.metrics, "indices": log.indices, "report": report}
+
+
+def main(folder: Path) -> None:
+    torch.set_num_threads(1)
+    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
+    dist.init_process_group("gloo")
+    try:
+        for mode in MODES:
+            saved = train(folder, mode)
+            torch.save(saved, folder / mode / f"rank{dist.get_rank()}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
