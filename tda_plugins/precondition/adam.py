@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from tda_plugins.capture.engine import CaptureEngine
 from tda_plugins.grads.factors import DenseGrad, PerExampleGrad
+from tda_plugins.progress import end_of_run_bar
 from tda_plugins.store.io import atomic_write_bytes
 from tda_plugins.store.layout import StoreError
 
@@ -58,7 +59,14 @@ def save_adam_state(
     group = optimizer.param_groups[0]
     tensors: dict[str, Tensor] = {}
     step = 0
-    for name, (module, adapter) in engine.captured_layers.items():
+    layers = engine.captured_layers.items()
+    total = sum(
+        2 * 4 * p.numel()
+        for module, adapter in dict(layers).values()
+        for p in adapter.captured_parameters(module).values()
+    )
+    bar = end_of_run_bar(total if write else 0, "saving the Adam moments")
+    for name, (module, adapter) in layers:
         params = adapter.captured_parameters(module)
         states = [optimizer.state.get(p, {}) for p in params.values()]
         if any("exp_avg" not in s for s in states):
@@ -68,6 +76,8 @@ def save_adam_state(
             values = {local: _full(s[moment]) for local, s in zip(params, states, strict=True)}
             if write:
                 tensors[f"{name}::{moment}"] = adapter.flatten(module, values).float().cpu()
+                bar.update(4 * sum(p.numel() for p in params.values()))
+    bar.close()
     if not write:
         return
     meta = {"betas": json.dumps(list(group["betas"])), "eps": str(group["eps"]), "step": str(step)}

@@ -37,6 +37,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
+from tda_plugins.progress import end_of_run_bar
 from tda_plugins.store.io import atomic_write
 from tda_plugins.store.layout import CURVATURE_FILE, INDEX_FILE, StoreError
 
@@ -124,7 +125,10 @@ def write_statistics(
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
 
     def write(tmp: Path) -> None:
-        with open(tmp, "wb") as f:
+        with (
+            open(tmp, "wb") as f,
+            end_of_run_bar(offset, f"writing K-FAC statistics ({path.name})") as bar,
+        ):
             f.write(struct.pack("<Q", len(raw)) + raw)
             for name, (n_a, n_s) in shapes.items():
                 stats = totals(name)
@@ -139,6 +143,7 @@ def write_statistics(
                             f"statistics of {name} are {tuple(values.shape)}, not {shape}"
                         )
                     values.numpy().tofile(f)  # straight from the tensor's memory
+                    bar.update(values.numel() * 8)
                 del stats
 
     atomic_write(path, write)

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tda_plugins.progress import end_of_run_bar
+
 #: Configuration keys that say how a model was loaded or run, not what it computes. The
 #: special token ids are among them: trainers align them with the tokenizer's at the
 #: start of training (transformers' Trainer, TRL), so a run's model and the same model
@@ -86,22 +88,31 @@ def weights_digest(model: nn.Module, layers: Iterable[str]) -> str:
     """SHA-256 hex digest of the parameters of the captured modules ``layers`` of
     ``model`` (name, dtype, shape and bytes of each, in layer order; a parameter shared
     by several modules once)."""
-    from torch.distributed.tensor import DTensor
-
     digest = hashlib.sha256()
     seen: set[int] = set()
-    for layer in layers:
-        for local, param in model.get_submodule(layer).named_parameters():
-            if id(param) in seen:
-                continue
-            seen.add(id(param))
-            value = param.detach()
-            if isinstance(value, DTensor):
-                value = value.full_tensor()
-            value = value.cpu().contiguous()
-            digest.update(f"{layer}.{local}:{value.dtype}:{tuple(value.shape)};".encode())
-            digest.update(value.view(-1).view(torch.uint8).numpy().tobytes())
+    names = list(layers)
+    params = {id(p): p for n in names for p in model.get_submodule(n).parameters()}
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    with end_of_run_bar(total, "weights digest") as bar:
+        for layer in names:
+            _digest_layer(model, layer, digest, seen, bar)
     return digest.hexdigest()
+
+
+def _digest_layer(model: nn.Module, layer: str, digest: Any, seen: set[int], bar: Any) -> None:
+    from torch.distributed.tensor import DTensor
+
+    for local, param in model.get_submodule(layer).named_parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        value = param.detach()
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        value = value.cpu().contiguous()
+        digest.update(f"{layer}.{local}:{value.dtype}:{tuple(value.shape)};".encode())
+        digest.update(value.view(-1).view(torch.uint8).numpy().tobytes())
+        bar.update(value.numel() * value.element_size())
 
 
 def fingerprint_differences(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[str]:

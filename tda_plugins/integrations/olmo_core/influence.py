@@ -168,7 +168,8 @@ class InfluenceLoggingCallback(Callback):
             self._engine = self._attach()
         self._batch_has_index = "index" in batch
         step = self.trainer.global_step
-        self._engine.resume_at_step(step)  # the logger's steps are the trainer's
+        # the store's 0-based numbering, as every engine; reports show step + 1, the trainer's
+        self._engine.resume_at_step(step - 1)
         if (step - 1) % self.every_n_steps:
             self.logger.set_queries(None)
             return

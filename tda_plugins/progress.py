@@ -1,0 +1,27 @@
+"""Progress bars for the work a training run does at its end (the K-FAC statistics, the
+Adam moments, the weights' digest): shown on rank 0 when it is large enough to be felt."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from tqdm.auto import tqdm
+
+#: Work below this many bytes passes without a bar (well under a second).
+SHOWN_FROM_BYTES = 64 * 2**20
+
+
+def end_of_run_bar(total_bytes: int, what: str) -> Any:
+    """A byte-counting bar for ``what`` (``update(n)`` per part done), disabled below
+    :data:`SHOWN_FROM_BYTES` and on ranks other than 0 (``RANK`` of a torchrun launch)."""
+    quiet = total_bytes < SHOWN_FROM_BYTES or int(os.environ.get("RANK", "0")) != 0
+    return tqdm(
+        total=total_bytes,
+        desc=f"tda-plugins: {what}",
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        disable=quiet,
+        leave=False,
+    )
