@@ -532,6 +532,18 @@ def quiet() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
 
 
+def settings_line(options: DemoOptions) -> str:
+    """The settings the demo trains with, as it prints them (the README quotes this line)."""
+    blocks = f"the last {options.lora_layers} blocks" if options.lora_layers else "every block"
+    return (
+        f"LoRA r={options.lora_rank} on the attention and MLP projections of {blocks}, "
+        f"lr {options.learning_rate:g}, batch {options.batch_size}, {options.steps} steps, "
+        f"at most {options.max_length} tokens per example; DataSelectionCallback("
+        f"score={options.score!r}, rule={options.rule!r}, fraction={options.fraction:g}, "
+        f"refresh_every={options.refresh_every})"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     options = parse_options(argv)
     quiet()
@@ -556,8 +568,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             results.append(SeedResult(seed, runs[False], runs[True]))
     table = write_outputs(results, options, base.name, mixtures[seeds[0]])
     counts = mixtures[seeds[0]].counts()
-    print(f"\n{base.name}, LoRA r={options.lora_rank}; training mixture {counts}")
-    print(f"score={options.score}, rule={options.rule}, fraction={options.fraction}\n")
+    print(f"\n{base.name}; training mixture {counts}")
+    print(f"{settings_line(options)}\n")
     print(table)
     elapsed = time.perf_counter() - started
     print(f"\nPlot: {out / 'eval_loss.png'}; details: {out / 'results.json'} ({elapsed:.0f} s)")

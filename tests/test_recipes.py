@@ -201,3 +201,12 @@ def test_smollm2_flag_resolves_the_cache(
         attribute.parse_args(["--model", str(tmp_path)])  # no config.json there
     with pytest.raises(SystemExit):
         attribute.parse_args(["--model", str(llama_dir), "--smollm2"])
+
+
+def test_the_readme_quotes_the_settings_the_demo_prints() -> None:
+    """``make demo`` runs the recipe's defaults; the README quotes the line it prints."""
+    demo = recipe("lora_data_selection")
+    readme = (RECIPES.parent / "README.md").read_text()
+    quoted = re.search(r"<!-- demo settings -->\n> (.*)\n", readme)
+    assert quoted, "README.md lost its demo settings line"
+    assert quoted.group(1) == demo.settings_line(demo.DemoOptions())
