@@ -290,3 +290,34 @@ def test_fused_loss_refused_only_when_it_hides_a_captured_layer() -> None:
 def test_settings_must_be_capture_settings() -> None:
     with pytest.raises(TypeError, match="CaptureSettings"):
         GradientCaptureCallback({"store_dir": "grads"})  # type: ignore[arg-type]
+
+
+class _SpellingTokenizer:
+    """Decodes token ids as ``t<id>`` words (all the capture needs of a tokenizer)."""
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(f"t{i}" for i in ids)
+
+
+def test_a_tokenizer_stores_each_instances_text(tmp_path: Path) -> None:
+    """With a tokenizer the store holds every captured instance's decoded tokens under its
+    instance index; without one (the other tests) it holds no texts."""
+    store = tmp_path / "grads"
+    settings = CaptureSettings(store_dir=str(store), curvature=False)
+    trainer = fit(
+        tmp_path,
+        {
+            "tda": GradientCaptureCallback(settings, tokenizer=_SpellingTokenizer()),
+            "recorder": StepRecorder(),
+        },
+        steps=2,
+        save_folder=tmp_path / "run",
+    )
+    recorder = trainer.callbacks["recorder"]
+    assert isinstance(recorder, StepRecorder)
+    expected = {
+        index: _SpellingTokenizer().decode(ids.tolist())
+        for step in recorder.steps
+        for index, ids in zip(step.index.tolist(), step.input_ids, strict=True)
+    }
+    assert StoreReader(store).texts() == expected

@@ -114,9 +114,13 @@ class GradientCaptureCallback(Callback):
 
     Args:
         settings: what to record (``store_dir`` is required).
+        tokenizer: a tokenizer with ``decode`` (a transformers one): each instance's text
+            is then stored beside its gradients for reports (``settings.store_texts``),
+            and its vocabulary recorded in the store's fingerprint.
     """
 
     settings: CaptureSettings
+    tokenizer: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.settings, CaptureSettings):
@@ -188,6 +192,7 @@ class GradientCaptureCallback(Callback):
             OLMoCoreLossNormalization(),
             rank=process_rank(),
             start_step=start_step,
+            tokenizer=self.tokenizer,
         )
         self._ids_hook = model.register_forward_pre_hook(
             self._give_example_ids, prepend=True, with_kwargs=True
