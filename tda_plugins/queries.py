@@ -33,7 +33,8 @@ from torch import Tensor
 
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.records import MicroBatchRecord
-from tda_plugins.grads.factors import DenseGrad, PerExampleGrad, empty_values, stack_examples
+from tda_plugins.grads.base import PerExampleGrad, empty_values
+from tda_plugins.grads.dense import DenseGrad, stack_examples
 from tda_plugins.grads.ops import QueryGradients, example_norms
 from tda_plugins.grads.routing import Route, choose_route
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from tda_plugins.grads.factors import PerExampleGrad
+from tda_plugins.grads.base import PerExampleGrad
 from tda_plugins.store.reader import StoreReader
 
 #: Tensors of one layer, as a preconditioner keeps them (factors, bases, inverses).

@@ -20,7 +20,7 @@ from tda_plugins.capture.adapters import DEFAULT_REGISTRY
 from tda_plugins.capture.normalization import SummedLoss
 from tda_plugins.capture.records import LayerRecord, MicroBatchRecord
 from tda_plugins.grads import TokenFactors
-from tda_plugins.grads.factors import PerExampleGrad
+from tda_plugins.grads.base import PerExampleGrad
 from tda_plugins.methods import method_by_name
 from tda_plugins.precondition import (
     CurvatureAccumulator,

@@ -23,7 +23,8 @@ from torch import Tensor, nn
 from tda_plugins import CaptureEngine, ProjectionConfig
 from tda_plugins.capture import content_hash
 from tda_plugins.grads import Route
-from tda_plugins.grads.factors import DenseGrad, TokenFactors
+from tda_plugins.grads.dense import DenseGrad
+from tda_plugins.grads.tokens import TokenFactors
 from tda_plugins.methods import Checkpoint, Scores, method_by_name
 from tda_plugins.methods.base import SCORE_GROUP_BYTES, default_chunk, layer_groups
 from tda_plugins.precondition.adam import save_adam_state

@@ -20,13 +20,13 @@ from tda_plugins.grads import (
     choose_route,
     cross_gram,
     dots_with,
-    factors,
     per_token_scores,
     rotated,
     rows_sums,
     sq_norms,
 )
-from tda_plugins.grads.factors import row_runs
+from tda_plugins.grads import blocks as grad_blocks
+from tda_plugins.grads.blocks import row_runs
 from tests.memory import peak_growth
 
 gen = torch.Generator().manual_seed(0)
@@ -97,8 +97,8 @@ def test_every_gram_route_equals_materialized_dot(kind: str) -> None:
 def _blocks_of_32_rows() -> Iterator[None]:
     """Blocked products take 32 output rows at a time, whatever a row's bytes."""
     with (
-        mock.patch("tda_plugins.grads.factors._CPU_BLOCK_BYTES", 1),
-        mock.patch("tda_plugins.grads.factors._MIN_BLOCK_ROWS", 32),
+        mock.patch("tda_plugins.grads.blocks.CPU_BLOCK_BYTES", 1),
+        mock.patch("tda_plugins.grads.blocks.MIN_BLOCK_ROWS", 32),
     ):
         yield
 
@@ -146,20 +146,21 @@ def test_output_blocks_take_at_least_the_minimum_rows_unless_past_the_byte_cap(
     row_bytes: int,
 ) -> None:
     """Blocks of output rows cover every row once. They hold a cache's worth of rows,
-    and at least ``_MIN_BLOCK_ROWS``, as long as that stays within ``_MAX_BLOCK_BYTES``;
-    wider rows take fewer, down to ``_FEWEST_BLOCK_ROWS``."""
+    and at least ``MIN_BLOCK_ROWS``, as long as that stays within ``MAX_BLOCK_BYTES``;
+    wider rows take fewer, down to ``FEWEST_BLOCK_ROWS``."""
     out_dim = 5000
-    blocks = factors._output_blocks(out_dim, row_bytes, torch.empty(0))
+    blocks = grad_blocks.output_blocks(out_dim, row_bytes, torch.empty(0))
     assert [b.start for b in blocks] == [0, *[b.stop for b in blocks[:-1]]]
     assert blocks[-1].stop == out_dim
     rows = blocks[0].stop
-    assert rows >= min(factors._CPU_BLOCK_BYTES // row_bytes, out_dim)
-    if factors._MIN_BLOCK_ROWS * row_bytes <= factors._MAX_BLOCK_BYTES:
-        assert rows >= factors._MIN_BLOCK_ROWS
+    assert rows >= min(grad_blocks.CPU_BLOCK_BYTES // row_bytes, out_dim)
+    if grad_blocks.MIN_BLOCK_ROWS * row_bytes <= grad_blocks.MAX_BLOCK_BYTES:
+        assert rows >= grad_blocks.MIN_BLOCK_ROWS
     else:
-        assert rows * row_bytes <= factors._MAX_BLOCK_BYTES or rows == factors._FEWEST_BLOCK_ROWS
-        assert rows >= factors._FEWEST_BLOCK_ROWS
-        assert (rows + 1) * row_bytes > factors._MAX_BLOCK_BYTES  # as many as fit
+        fewest = grad_blocks.FEWEST_BLOCK_ROWS
+        assert rows * row_bytes <= grad_blocks.MAX_BLOCK_BYTES or rows == fewest
+        assert rows >= grad_blocks.FEWEST_BLOCK_ROWS
+        assert (rows + 1) * row_bytes > grad_blocks.MAX_BLOCK_BYTES  # as many as fit
 
 
 @pytest.mark.slow
@@ -173,12 +174,13 @@ def test_a_blocked_gram_of_wide_factors_holds_capped_blocks_and_no_input_copy() 
     slack measure 40-70 MB.)"""
     setup = """
         import torch
-        import tda_plugins.grads.factors as F
-        F._MAX_BLOCK_BYTES = 16 << 20
+        import tda_plugins.grads.blocks as blocks
+        from tda_plugins.grads.tokens import TokenFactors
+        blocks.MAX_BLOCK_BYTES = 16 << 20
         g = torch.Generator().manual_seed(0)
         def side():
             a, g_ = torch.randn(64, 128, 1536, generator=g), torch.randn(64, 128, 384, generator=g)
-            return F.TokenFactors(a, g_, bias=True)
+            return TokenFactors(a, g_, bias=True)
         train, query = side(), side()
     """
     inputs = 2 * 64 * 128 * 1536 * 4

@@ -42,7 +42,10 @@ from tda_plugins import (
 )
 from tda_plugins.capture import CaptureConsumer, content_hash
 from tda_plugins.capture.normalization import SummedLoss
-from tda_plugins.grads.factors import DenseGrad, EmbeddingFactors, PerExampleGrad, TokenFactors
+from tda_plugins.grads.base import PerExampleGrad
+from tda_plugins.grads.dense import DenseGrad
+from tda_plugins.grads.embedding import EmbeddingFactors
+from tda_plugins.grads.tokens import TokenFactors
 from tda_plugins.methods import Scores, method_by_name
 from tda_plugins.session import CaptureSession, CaptureSettings
 from tda_plugins.store import FORMAT_VERSION, GradientStore, StoreError, StoreReader, writer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tda_plugins.grads.factors import TokenFactors
+from tda_plugins.grads.tokens import TokenFactors
 from tda_plugins.grads.workspace import Workspace
 
 CPU = torch.device("cpu")

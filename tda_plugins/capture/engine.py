@@ -38,7 +38,7 @@ from tda_plugins.capture.identity import EXAMPLE_IDS_KEY, content_hash
 from tda_plugins.capture.layers import LayerSelection, shared_parameter_ids
 from tda_plugins.capture.normalization import LossNormalization, LossScale, SummedLoss
 from tda_plugins.capture.records import LayerRecord, MicroBatchRecord
-from tda_plugins.grads.factors import PerExampleGrad, unique_nbytes
+from tda_plugins.grads.base import PerExampleGrad, unique_nbytes
 from tda_plugins.grads.projection import ProjectionConfig, Projector
 
 #: The engine that alone captures in the current context (see CaptureEngine.exclusive), or

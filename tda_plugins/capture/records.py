@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from tda_plugins.capture.adapters import LayerAdapter
-from tda_plugins.grads.factors import PerExampleGrad, unique_nbytes
+from tda_plugins.grads.base import PerExampleGrad, unique_nbytes
 
 
 @dataclass

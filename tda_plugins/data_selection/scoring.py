@@ -23,7 +23,7 @@ from tda_plugins.capture.records import MicroBatchRecord
 from tda_plugins.data_selection.parallel import gathered
 from tda_plugins.data_selection.settings import ScoreMode
 from tda_plugins.data_selection.target import Target
-from tda_plugins.grads.factors import PerExampleGrad
+from tda_plugins.grads.base import PerExampleGrad
 from tda_plugins.grads.ops import dots_with, sq_norms
 from tda_plugins.grads.projection import ProjectionConfig, Projector
 

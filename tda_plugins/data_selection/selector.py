@@ -44,7 +44,8 @@ from tda_plugins.data_selection.scoring import Scorer
 from tda_plugins.data_selection.settings import Granularity, ScoreMode
 from tda_plugins.data_selection.surgery import Surgery
 from tda_plugins.data_selection.target import ShardedTarget, Target
-from tda_plugins.grads.factors import DenseGrad, values_dtype
+from tda_plugins.grads.base import values_dtype
+from tda_plugins.grads.dense import DenseGrad
 from tda_plugins.grads.projection import ProjectionConfig
 from tda_plugins.grads.routing import Route, choose_route
 from tda_plugins.grads.workspace import Workspace

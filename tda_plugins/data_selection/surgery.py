@@ -50,14 +50,11 @@ from tda_plugins.data_selection.parallel import (
     reduced_to_local,
     rows_of,
 )
-from tda_plugins.grads.factors import (
-    EmbeddingFactors,
-    PerExampleGrad,
-    PerTokenGrad,
-    TokenFactors,
-    stack_examples,
-)
+from tda_plugins.grads.base import PerExampleGrad
+from tda_plugins.grads.dense import stack_examples
+from tda_plugins.grads.embedding import EmbeddingFactors
 from tda_plugins.grads.ops import rows_sums
+from tda_plugins.grads.tokens import PerTokenGrad, TokenFactors
 
 Layers = dict[str, tuple[nn.Module, LayerAdapter]]
 

@@ -31,7 +31,8 @@ from tda_plugins.capture.layers import LayerSelection, shared_parameter_ids
 from tda_plugins.capture.records import MicroBatchRecord
 from tda_plugins.data_selection.parallel import Ranks, gathered, is_sharded, local
 from tda_plugins.distributed import without_gradient_sync
-from tda_plugins.grads.factors import TensorKey, TokenFactors, tensor_key
+from tda_plugins.grads.blocks import TensorKey, tensor_key
+from tda_plugins.grads.tokens import TokenFactors
 
 Batch = Mapping[str, Tensor]
 #: ``(model, batch) -> (B,)`` per-example losses, each the sum over its loss tokens.

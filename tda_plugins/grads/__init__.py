@@ -1,6 +1,8 @@
 """Per-example gradient representations, routed operations and projections."""
 
-from tda_plugins.grads.factors import DenseGrad, EmbeddingFactors, PerExampleGrad, TokenFactors
+from tda_plugins.grads.base import PerExampleGrad
+from tda_plugins.grads.dense import DenseGrad
+from tda_plugins.grads.embedding import EmbeddingFactors
 from tda_plugins.grads.ops import (
     QueryGradients,
     cross_gram,
@@ -13,6 +15,7 @@ from tda_plugins.grads.ops import (
 )
 from tda_plugins.grads.projection import ProjectionConfig, Projector, RandomMap
 from tda_plugins.grads.routing import Route, choose_route
+from tda_plugins.grads.tokens import TokenFactors
 
 __all__ = [
     "DenseGrad",

@@ -14,17 +14,11 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from tda_plugins.grads.factors import (
-    DenseGrad,
-    PerExampleGrad,
-    TensorKey,
-    TokenFactors,
-    accumulation_dtype,
-    row_runs,
-    tensor_key,
-    values_dtype,
-)
+from tda_plugins.grads.base import PerExampleGrad, values_dtype
+from tda_plugins.grads.blocks import TensorKey, accumulation_dtype, row_runs, tensor_key
+from tda_plugins.grads.dense import DenseGrad
 from tda_plugins.grads.routing import Route, choose_route
+from tda_plugins.grads.tokens import TokenFactors
 
 
 def cross_gram(train: PerExampleGrad, query: PerExampleGrad, route: Route | None = None) -> Tensor:

@@ -24,7 +24,10 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from tda_plugins.grads.factors import DenseGrad, EmbeddingFactors, PerExampleGrad, TokenFactors
+from tda_plugins.grads.base import PerExampleGrad
+from tda_plugins.grads.dense import DenseGrad
+from tda_plugins.grads.embedding import EmbeddingFactors
+from tda_plugins.grads.tokens import TokenFactors
 
 MapKind = Literal["gaussian", "rademacher", "sparse_jl"]
 

@@ -2,8 +2,8 @@
 
 Every route gives the same number up to rounding (docs/design.md section 3); the router only
 chooses by a FLOP model, per layer and per operation. The cost formulas live with each
-gradient representation (``grads/factors.py``); this module holds the decision rule so a
-test can pin it.
+gradient representation (one module each, on the interface of ``grads/base.py``); this
+module holds the decision rule so a test can pin it.
 """
 
 from __future__ import annotations

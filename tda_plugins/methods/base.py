@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from tda_plugins.grads.factors import PerExampleGrad, spans, values_dtype
+from tda_plugins.grads.base import PerExampleGrad, values_dtype
+from tda_plugins.grads.blocks import spans
 from tda_plugins.grads.ops import (
     QueryGradients,
     example_norms,

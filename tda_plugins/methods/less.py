@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tda_plugins.grads.factors import PerExampleGrad
+from tda_plugins.grads.base import PerExampleGrad
 from tda_plugins.methods.base import AttributionMethod, register_method
 from tda_plugins.precondition.adam import AdamPreconditioner
 from tda_plugins.ranks import Ranks

@@ -40,7 +40,8 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from tda_plugins.grads.factors import DenseGrad, PerExampleGrad
+from tda_plugins.grads.base import PerExampleGrad
+from tda_plugins.grads.dense import DenseGrad
 from tda_plugins.grads.ops import rotated, rotated_grads
 from tda_plugins.precondition.base import Preconditioner, register_preconditioner
 from tda_plugins.precondition.plan import NOT_FACTORED

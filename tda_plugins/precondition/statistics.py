@@ -43,7 +43,8 @@ from torch import Tensor
 from tda_plugins.capture.config import CaptureConfig
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.records import MicroBatchRecord
-from tda_plugins.grads.factors import TensorKey, TokenFactors, accumulation_dtype, tensor_key
+from tda_plugins.grads.blocks import TensorKey, accumulation_dtype, tensor_key
+from tda_plugins.grads.tokens import TokenFactors
 from tda_plugins.precondition.plan import Schedule, assign_owners, reduce_block_rows
 from tda_plugins.precondition.snapshots import (
     Kind,

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tda_plugins.grads.factors import PerExampleGrad, stack_examples
+from tda_plugins.grads.base import PerExampleGrad
+from tda_plugins.grads.dense import stack_examples
 from tda_plugins.store.codec import decode, stacked_shape
 from tda_plugins.store.layout import StoreError
 from tda_plugins.store.shardfile import ShardFile
@@ -121,7 +122,7 @@ def read_chunk(paths: list[Path], layers: list[str]) -> tuple[Tensor, dict[str, 
     every shard is read into chunk buffers.
     One whose representation changes between its shards (a store keeps the smaller form
     per micro-batch) is read a shard at a time and stacked as
-    :func:`~tda_plugins.grads.factors.stack_examples` does."""
+    :func:`~tda_plugins.grads.dense.stack_examples` does."""
     shards = [ShardContents.read(path, layers) for path in paths]
     if len(shards) == 1:
         return _mapped_shard(shards[0], layers)

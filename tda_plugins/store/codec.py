@@ -13,7 +13,10 @@ from functools import singledispatch
 
 from torch import Tensor
 
-from tda_plugins.grads.factors import DenseGrad, EmbeddingFactors, PerExampleGrad, TokenFactors
+from tda_plugins.grads.base import PerExampleGrad
+from tda_plugins.grads.dense import DenseGrad
+from tda_plugins.grads.embedding import EmbeddingFactors
+from tda_plugins.grads.tokens import TokenFactors
 
 
 @singledispatch
@@ -83,7 +86,7 @@ def decode(kind: str, tensors: dict[str, Tensor], attrs: dict[str, str]) -> PerE
 def stacked_shape(kind: str, field: str, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
     """The shape of field ``field`` of representation ``kind`` for several micro-batches
     stacked along the example axis (axis 0), from each one's stored shape (as
-    :func:`~tda_plugins.grads.factors.stack_examples` stacks them): a token field's
+    :func:`~tda_plugins.grads.dense.stack_examples` stacks them): a token field's
     axis 1 is the longest one's."""
     token = field in _format(kind).token_fields
     tails = {shape[2:] if token else shape[1:] for shape in shapes}

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from tda_plugins.grads.factors import PerExampleGrad
+from tda_plugins.grads.base import PerExampleGrad
 from tda_plugins.store.chunks import ShardContents, read_chunk
 from tda_plugins.store.fingerprint import fingerprint_differences
 from tda_plugins.store.index import file_checksum, read_index

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from tda_plugins.grads.factors import PerExampleGrad
+from tda_plugins.grads.base import PerExampleGrad
 
 
 class LayerAdapter(ABC):

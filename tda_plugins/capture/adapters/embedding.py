@@ -7,7 +7,8 @@ from torch import Tensor, nn
 
 from tda_plugins.capture.adapters.base import LayerAdapter, register_adapter
 from tda_plugins.capture.adapters.linear import trainable
-from tda_plugins.grads.factors import EmbeddingFactors, PerExampleGrad
+from tda_plugins.grads.base import PerExampleGrad
+from tda_plugins.grads.embedding import EmbeddingFactors
 
 
 @register_adapter(nn.Embedding)

@@ -6,7 +6,10 @@ import torch
 from torch import Tensor, nn
 
 from tda_plugins.capture.adapters.base import LayerAdapter, register_adapter
-from tda_plugins.grads.factors import DenseGrad, PerExampleGrad, TokenFactors, accumulation_dtype
+from tda_plugins.grads.base import PerExampleGrad
+from tda_plugins.grads.blocks import accumulation_dtype
+from tda_plugins.grads.dense import DenseGrad
+from tda_plugins.grads.tokens import TokenFactors
 
 
 def trainable(module: nn.Module, names: tuple[str, ...]) -> dict[str, nn.Parameter]:

@@ -18,7 +18,9 @@ from torch.func import functional_call
 
 from tda_plugins.capture.adapters.base import LayerAdapter, register_adapter
 from tda_plugins.capture.adapters.linear import trainable
-from tda_plugins.grads.factors import DenseGrad, PerExampleGrad, accumulation_dtype
+from tda_plugins.grads.base import PerExampleGrad
+from tda_plugins.grads.blocks import accumulation_dtype
+from tda_plugins.grads.dense import DenseGrad
 
 
 @register_adapter(nn.LayerNorm, nn.RMSNorm, suffixes=("RMSNorm",))
