@@ -18,9 +18,6 @@ ranks do. What is guaranteed on the CPU at the same thread count:
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,10 +29,9 @@ from tda_plugins.cli import main
 from tda_plugins.precondition.statistics import load_curvature
 from tda_plugins.store import StoreReader
 from tests.cli_ranks_worker import BATCH, CHUNK, METHODS
+from tests.launch import torchrun
 from tests.models import tiny_causal_lm
 from tests.test_cli import random_sequences, write_examples
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(*argv: object) -> None:
@@ -68,12 +64,7 @@ def launched(tmp_path: Path, one_thread: None) -> Path:
         stores = ("--store", tmp_path / "store", "--queries", tmp_path / "queries")
         options = ("--method", method, "--chunk", CHUNK, "--top-k", 3)
         run("attribute", *stores, *options, "--out", tmp_path / f"one-{method}")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    worker = [*command, "--nproc-per-node=2", "tests/cli_ranks_worker.py", str(tmp_path)]
-    result = subprocess.run(worker, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "on 2 rank(s)" in result.stdout
+    assert "on 2 rank(s)" in torchrun("cli_ranks_worker.py", tmp_path)
     return tmp_path
 
 

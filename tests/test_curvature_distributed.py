@@ -4,9 +4,6 @@ under both reduction schedules, with each layer saved by its owner alone."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,10 +15,10 @@ from tda_plugins.precondition import PlanInputs, load_curvature, plan_capture
 from tda_plugins.precondition.plan import assign_owners
 from tda_plugins.precondition.snapshots import KroneckerFactors, latest_set
 from tests.curvature_dist_worker import SCHEDULES, run
+from tests.launch import torchrun
 from tests.models import tiny_causal_lm
 from tests.stores import rel_error
 
-ROOT = Path(__file__).resolve().parent.parent
 #: fp32 products and sums, added in another order (and the DDP all-reduce's rounding).
 TOL = 1e-5
 
@@ -37,17 +34,7 @@ def assert_same(got: dict[str, KroneckerFactors], ref: dict[str, KroneckerFactor
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_ranks_save_owned_layers_whose_union_equals_one_process(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    result = subprocess.run(
-        [*launch, "tests/curvature_dist_worker.py", str(tmp_path / "ddp")],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    torchrun("curvature_dist_worker.py", tmp_path / "ddp")
     run(tmp_path / "one")  # the reference: one process, whole global batches
 
     plan = plan_capture(

@@ -41,6 +41,7 @@ from tda_plugins.precondition import load_curvature
 from tda_plugins.precondition.adam import OPTIMIZER_FILE
 from tda_plugins.store import StoreReader
 from tests.hf_ddp_worker import EXAMPLES, SAVE_AT, STEPS, rows
+from tests.launch import torchrun
 from tests.stores import rel_error
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,18 +64,8 @@ def _run(args: list[str]) -> None:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``<root>/2/<run>``: the two-rank runs; ``<root>/1/<run>``: the one-process runs."""
     root = tmp_path_factory.mktemp("hf-distributed")
-    worker = "tests/hf_ddp_worker.py"
-    _run(
-        [
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={WORLD}",
-            worker,
-            str(root),
-        ]
-    )
-    _run([worker, str(root)])
+    torchrun("hf_ddp_worker.py", root, ranks=WORLD)
+    _run(["tests/hf_ddp_worker.py", str(root)])
     return root
 
 

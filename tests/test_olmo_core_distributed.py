@@ -19,9 +19,6 @@ same Adam moments (gathered from the DTensors under FSDP and HSDP).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -33,6 +30,7 @@ from tda_plugins.precondition.adam import OPTIMIZER_FILE
 from tda_plugins.store import StoreReader
 from tda_plugins.store.io import read_json
 from tda_plugins.store.layout import INDEX_FILE
+from tests.launch import torchrun
 from tests.olmo_core_dist_worker import GLOBAL_BATCH, STEPS, WORLD, save_log, train, write_tokens
 from tests.stores import rel_error
 
@@ -43,23 +41,6 @@ PLACEMENTS = {
     "fsdp": {"(Shard(dim=0),)"},
     "hsdp": {"(Replicate(), Shard(dim=0))"},
 }
-REPO = Path(__file__).resolve().parent.parent
-
-
-def torchrun(folder: Path, mode: str) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={WORLD}",
-        str(REPO / "tests" / "olmo_core_dist_worker.py"),
-        str(folder),
-        mode,
-    ]
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
 
 
 def rank_step_ids(store: Path, rank: int) -> dict[int, list[int]]:
@@ -75,7 +56,7 @@ def rank_step_ids(store: Path, rank: int) -> dict[int, list[int]]:
 @pytest.mark.parametrize("mode", ["ddp", "fsdp", "hsdp"])
 def test_two_ranks_store_what_one_process_stores(tmp_path: Path, mode: str) -> None:
     write_tokens(tmp_path)
-    torchrun(tmp_path, mode)
+    torchrun("olmo_core_dist_worker.py", tmp_path, mode)
     reference = train(tmp_path, "single")
     save_log(reference, tmp_path / "single" / "rank0.pt", keep_params=True)
 

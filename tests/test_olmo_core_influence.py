@@ -18,9 +18,6 @@ the parameters the step started from (kept by ``StepRecorder`` at ``pre_step``).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -41,6 +38,7 @@ from tda_plugins.integrations.olmo_core import (
 from tda_plugins.session import CaptureSettings
 from tda_plugins.store import StoreReader
 from tests import olmo_core_influence_worker as worker
+from tests.launch import torchrun
 from tests.olmo_core_dist_worker import GLOBAL_BATCH, WORLD, write_tokens
 from tests.olmo_core_dist_worker import STEPS as STEPS_DP
 from tests.test_olmo_core import (
@@ -58,7 +56,6 @@ EVERY = 2
 SCORED = [1, 3]  # OLMo-core steps 1, 1 + EVERY
 FP32_TOL = 1e-4
 rng = np.random.default_rng(5)
-REPO = Path(__file__).resolve().parent.parent
 QUERIES = [rng.integers(1, VOCAB, size=n).tolist() for n in (8, 5, 6)]
 
 
@@ -231,7 +228,7 @@ def test_two_ranks_record_what_one_process_records(tmp_path: Path) -> None:
     batches, whose weights stay equal up to fp32 rounding), and rank 0 alone writes a
     report covering both ranks' instances."""
     write_tokens(tmp_path)
-    torchrun(tmp_path)
+    torchrun("olmo_core_influence_worker.py", tmp_path)
     single = worker.train(tmp_path, "single")
     assert sorted(single["metrics"]) == list(range(1, STEPS_DP + 1))
     single_report = json.loads(Path(single["report"]["json"]).read_text())
@@ -255,18 +252,3 @@ def test_two_ranks_record_what_one_process_records(tmp_path: Path) -> None:
         assert {e["id"] for e in summary["cumulative"]} == both
         assert both == {e["id"] for e in single_report["cumulative"]}
         assert len(both) == STEPS_DP * GLOBAL_BATCH
-
-
-def torchrun(folder: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={WORLD}",
-        str(REPO / "tests" / "olmo_core_influence_worker.py"),
-        str(folder),
-    ]
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]

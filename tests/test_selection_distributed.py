@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +38,7 @@ from tda_plugins.data_selection.target import target_gradient
 from tda_plugins.integrations.transformers import DataSelectionCallback, pad_examples
 from tda_plugins.integrations.transformers.selection import causal_lm_token_counts
 from tda_plugins.session import UnsupportedTrainingSetup
+from tests.launch import torchrun
 from tests.models import tiny_causal_lm
 from tests.olmo_core_dist_worker import MODEL, STEPS, WORLD, write_tokens
 from tests.olmo_core_selection_worker import MODES, train
@@ -55,24 +53,6 @@ from tests.selection_helpers import (
 )
 from tests.stores import ManualScale
 from tests.trainers import FP32_TOL, training_args
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def torchrun(script: str, folder: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={WORLD}",
-        str(REPO / "tests" / script),
-        str(folder),
-    ]
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
-
 
 # -- transformers --------------------------------------------------------------------------
 

@@ -50,25 +50,13 @@ from tda_plugins.data_selection.parallel import (
     reduced_to_local,
     rows_of,
 )
-from tda_plugins.grads.base import PerExampleGrad
+from tda_plugins.grads.base import PerExampleGrad, tensors_of
 from tda_plugins.grads.dense import stack_examples
 from tda_plugins.grads.embedding import EmbeddingFactors
 from tda_plugins.grads.ops import rows_sums
 from tda_plugins.grads.tokens import PerTokenGrad, TokenFactors
 
 Layers = dict[str, tuple[nn.Module, LayerAdapter]]
-
-
-def _fields(grads: PerExampleGrad) -> list[Tensor]:
-    """The tensors of a representation, in :meth:`map_tensors` order."""
-    found: list[Tensor] = []
-
-    def note(t: Tensor) -> Tensor:
-        found.append(t)
-        return t
-
-    grads.map_tensors(note)
-    return found
 
 
 @dataclass
@@ -246,7 +234,7 @@ class Surgery:
             if self.forced == "gather" or (self.forced is None and gather <= reduce):
                 self.routes[name] = "gather"
                 every = self._gathered(sides[name], shapes[name])
-                self._hold(sum(t.numel() * t.element_size() for t in _fields(every)))
+                self._hold(sum(t.numel() * t.element_size() for t in tensors_of(every)))
                 parts = local_rows_sums(every, module, adapter)
             else:
                 self.routes[name] = "reduce"
@@ -308,7 +296,7 @@ class Surgery:
         """Bytes a rank receives all-gathering every rank's side padded to ``shape``."""
         lead = 2 if isinstance(grads, PerTokenGrad) else 1
         per_row = sum(
-            int(torch.Size(t.shape[lead:]).numel()) * t.element_size() for t in _fields(grads)
+            int(torch.Size(t.shape[lead:]).numel()) * t.element_size() for t in tensors_of(grads)
         )
         return (self.ranks.world - 1) * shape[0] * shape[1] * per_row
 

@@ -32,7 +32,7 @@ from tda_plugins.grads.routing import Route
 
 
 def tensors_of(grads: PerExampleGrad) -> list[Tensor]:
-    """The tensors a representation holds."""
+    """The tensors a representation holds, in :meth:`PerExampleGrad.map_tensors` order."""
     found: list[Tensor] = []
 
     def note(t: Tensor) -> Tensor:
