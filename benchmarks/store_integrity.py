@@ -1,14 +1,15 @@
-"""What the store's integrity checks cost: shard checksums on write and read, and the
-fingerprint's weight digest.
+"""What the store's integrity checks and its durability modes cost: shard checksums on
+write and read, the fingerprint's weight digest, and a one-pass capture's single sync at
+the end (``durability="end"``) against a sync per step.
 
     python benchmarks/store_integrity.py
 
 Captures the peer harness's Llama-style decoder (hidden 256, 4 layers, vocabulary 4,096,
 linear layers) over 64 and 256 rows of 128 tokens, micro-batches of 32, into a store on
 the local disk, alternating rounds with the XXH3 checksum computed (the default) and
-replaced by a constant (what the store did before), and scores each store (GradDot
-against 8 queries) with and without its verification. Reports each ratio's median over
-the rounds and its range.
+replaced by a constant (what the store did before), and with ``durability="end"`` (what
+``tda capture`` uses), and scores each store (GradDot against 8 queries) with and without
+its verification. Reports each ratio's median over the rounds and its range.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Literal
 from unittest import mock
 
 import torch
@@ -29,7 +31,10 @@ from tda_plugins.methods import method_by_name
 from tda_plugins.store import GradientStore, StoreReader, reader, writer
 from tda_plugins.store.fingerprint import weights_digest
 
-HEADING = "## Store integrity: checksums and fingerprints (benchmarks/store_integrity.py)"
+HEADING = (
+    "## Store integrity and durability: checksums, fingerprints, one sync at the end "
+    "(benchmarks/store_integrity.py)"
+)
 NO_CHECKSUM = "0" * 16
 
 
@@ -47,12 +52,18 @@ def model() -> torch.nn.Module:
     )
 
 
-def capture(net: torch.nn.Module, rows: torch.Tensor, path: Path, checksums: bool) -> float:
+def capture(
+    net: torch.nn.Module,
+    rows: torch.Tensor,
+    path: Path,
+    checksums: bool,
+    durability: Literal["step", "end"] = "step",
+) -> float:
     """Seconds to capture ``rows`` into a new store (one step per micro-batch of 32)."""
     off = mock.patch.object(writer, "file_checksum", lambda _: NO_CHECKSUM)
     start = time.perf_counter()
     with contextlib.nullcontext() if checksums else off:
-        store = GradientStore(path)
+        store = GradientStore(path, durability=durability)
         engine = CaptureEngine(
             net, LayerSelection("linear"), consumers=[store], parameter_grads=False
         )
@@ -75,6 +86,12 @@ def score(path: Path, queries: Path, verify: bool) -> float:
     return time.perf_counter() - start
 
 
+def spread(ratios: list[float], digits: int) -> str:
+    """``median (min-max)`` of ratios."""
+    low, mid, high = min(ratios), statistics.median(ratios), max(ratios)
+    return f"{mid:.{digits}f}x ({low:.{digits}f}-{high:.{digits}f})"
+
+
 def main(argv: list[str]) -> int:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5)
@@ -92,27 +109,29 @@ def main(argv: list[str]) -> int:
         f"(a temporary folder); {rounds} rounds, alternated.",
         "",
         "| rows | capture, checksums on / off: median (range) "
+        "| capture, sync at the end / per step: median (range) "
         "| GradDot scoring, verified / not: median (range) |",
-        "|---:|---:|---:|",
+        "|---:|---:|---:|---:|",
     ]
     for count in args.rows:
         rows = torch.randint(1, 4096, (count, 128), generator=torch.Generator().manual_seed(0))
-        writes, reads = [], []
+        writes, syncs, reads = [], [], []
         with tempfile.TemporaryDirectory(dir=Path.cwd()) as folder:
             queries = Path(folder) / "queries"
             capture(net, rows[:8], queries, checksums=True)
+            runs = {"on": (True, "step"), "off": (False, "step"), "end": (True, "end")}
             for r in range(rounds):
                 times = {}
-                for checksums in (True, False) if r % 2 == 0 else (False, True):  # alternated
-                    name = "on" if checksums else "off"
-                    times[name] = capture(net, rows, Path(folder) / f"{name}{r}", checksums)
+                order = list(runs) if r % 2 == 0 else list(reversed(runs))  # alternated
+                for name in order:
+                    checksums, durability = runs[name]
+                    path = Path(folder) / f"{name}{r}"
+                    times[name] = capture(net, rows, path, checksums, durability)
                 writes.append(times["on"] / times["off"])
+                syncs.append(times["end"] / times["on"])
                 store = Path(folder) / f"on{r}"
                 reads.append(score(store, queries, True) / score(store, queries, False))
-        lines.append(
-            f"| {count} | {statistics.median(writes):.3f}x ({min(writes):.3f}-{max(writes):.3f}) "
-            f"| {statistics.median(reads):.2f}x ({min(reads):.2f}-{max(reads):.2f}) |"
-        )
+        lines.append(f"| {count} | {spread(writes, 3)} | {spread(syncs, 3)} | {spread(reads, 2)} |")
     layers = LayerSelection("linear").resolve(net)
     start = time.perf_counter()
     weights_digest(net, list(layers))

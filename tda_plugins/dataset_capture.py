@@ -112,6 +112,7 @@ def capture_examples(
         unique_ids=True,
         model=model,
         tokenizer=tokenizer,
+        durability="end",  # a one-pass capture: one sync at the end, none per batch
     )
     consumers: list[Any] = [store]
     if settings.curvature:

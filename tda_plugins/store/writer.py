@@ -18,7 +18,10 @@ checkpoint (:meth:`~tda_plugins.session.CaptureSession.save_checkpoint`) wait fo
 it; the trainer callbacks also wait at the end of each step
 (:meth:`~tda_plugins.session.CaptureSession.finish_step`), after the optimizer update.
 A crash can therefore lose the last committed step along with the one in progress; a
-reader opened while the writer is attached may not see the latest commit yet.
+reader opened while the writer is attached may not see the latest commit yet. A one-pass
+capture (``tda capture``, :func:`~tda_plugins.dataset_capture.capture_examples`) asks for
+``durability="end"`` instead: the same writes and index, no fsync until its end, where
+every shard, the folder and the index are synced once.
 
 Integrity: each writer holds an exclusive lock on its rank directory for its lifetime
 (:class:`~tda_plugins.store.lock.WriterLock`), each shard's XXH3 checksum is listed in
@@ -39,7 +42,7 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from safetensors.torch import save_file
@@ -114,6 +117,12 @@ class GradientStore(CaptureConsumer):
         model: the captured model, for the store's fingerprint (its configuration at the
             start, its captured weights at the end); ``None``: nothing to compare later.
         tokenizer: the tokenizer, for the fingerprint (optional).
+        durability: ``"step"`` (training): each commit is on disk shortly after it is
+            made, so a crash or power loss keeps every committed step. ``"end"`` (one-pass
+            captures, which a failure restarts anyway): no fsync until the end, where
+            every shard, the folder and the index are synced once; a process that dies
+            keeps what the page cache holds, a power loss may lose the unfinished capture
+            (its checksums then refuse damaged shards on read).
     """
 
     def __init__(
@@ -127,7 +136,11 @@ class GradientStore(CaptureConsumer):
         unique_ids: bool = False,
         model: nn.Module | None = None,
         tokenizer: Any = None,
+        durability: Literal["step", "end"] = "step",
     ):
+        if durability not in ("step", "end"):
+            raise ValueError(f"durability must be 'step' or 'end', got {durability!r}")
+        self.durability = durability
         self.root = Path(path)
         self.rank = rank
         self.keep_tokens = keep_tokens
@@ -236,9 +249,12 @@ class GradientStore(CaptureConsumer):
         path = self._dir / name
         shard = _Written(name, record.step, record.index, tuple(ids))
 
+        durable = self.durability == "step"
+
         def write() -> None:
             write_renamed(path, lambda tmp: save_file(tensors, tmp, metadata))
-            fsync_path(path)
+            if durable:
+                fsync_path(path)
             shard.digest = file_checksum(path)
 
         self._writing = self._sync.submit(write)
@@ -249,6 +265,8 @@ class GradientStore(CaptureConsumer):
 
     def on_end(self) -> None:
         self.commit()
+        if self.durability == "end":
+            self._sync.submit(self._sync_everything)
         if self.model is not None and self.config is not None:
             digest = weights_digest(self.model, self.config.layers)
             end = {"weights_sha256": digest, "last_step": max(self._steps, default=None)}
@@ -277,14 +295,26 @@ class GradientStore(CaptureConsumer):
         pending, self._pending = self._pending, []
         self._steps.update(w.step for w in pending)
 
+        durable = self.durability == "step"
+
         def publish() -> None:  # the shards' writes, fsyncs and checksums ran before this
             with self._shards_lock:
                 self._shards.extend(w.entry() for w in pending)
                 shards = list(self._shards)
-            fsync_path(self._dir)
-            write_index(self._dir / INDEX_FILE, shards)
+            if durable:
+                fsync_path(self._dir)
+            write_index(self._dir / INDEX_FILE, shards, durable=durable)
 
         self._sync.submit(publish)
+
+    def _sync_everything(self) -> None:
+        """``durability="end"``: every listed shard, the folder and the index to disk."""
+        with self._shards_lock:
+            shards = list(self._shards)
+        for shard in shards:
+            fsync_path(shard.path(self._dir))
+        fsync_path(self._dir)
+        write_index(self._dir / INDEX_FILE, shards)
 
     def flush(self) -> None:
         """Wait until every commit so far is on disk (raising a background failure)."""
