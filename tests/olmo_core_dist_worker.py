@@ -26,7 +26,7 @@ import faulthandler
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -101,12 +101,26 @@ class StepLog(Callback):
         self.params.append({n: _full(p) for n, p in model.named_parameters()})
 
 
+def loader_and_module(
+    folder: Path, mode: str, dp_config: TransformerDataParallelConfig | None
+) -> tuple[Any, TransformerTrainModule]:
+    """The data loader of ``folder``'s tokens for ``mode`` and a train module of
+    :data:`MODEL` with two micro-batches per rank (what every OLMo-core worker trains)."""
+    world = 1 if mode == "single" else WORLD
+    dataset = dataset_config(folder, mode).build()  # type: ignore[arg-type]
+    loader = NumpyDataLoaderConfig(global_batch_size=GLOBAL_BATCH * SEQ, seed=0).build(dataset)
+    module = TransformerTrainModuleConfig(
+        rank_microbatch_size=GLOBAL_BATCH // world // 2 * SEQ,  # two micro-batches per rank
+        max_sequence_length=SEQ,
+        optim=AdamWConfig(lr=LEARNING_RATE),
+        dp_config=dp_config,
+    ).build(MODEL.build(init_device="cpu"), device=torch.device("cpu"))
+    return loader, module
+
+
 def train(folder: Path, mode: Mode) -> StepLog:
     """Train :data:`STEPS` steps, capturing into ``folder/mode/grads``."""
     torch.manual_seed(0)
-    world = 1 if mode == "single" else WORLD
-    dataset = dataset_config(folder, mode).build()
-    loader = NumpyDataLoaderConfig(global_batch_size=GLOBAL_BATCH * SEQ, seed=0).build(dataset)
     dp_config = (
         None
         if mode == "single"
@@ -115,12 +129,7 @@ def train(folder: Path, mode: Mode) -> StepLog:
             name=DataParallelType(mode), num_replicas=WORLD if mode == "hsdp" else None
         )
     )
-    module = TransformerTrainModuleConfig(
-        rank_microbatch_size=GLOBAL_BATCH // world // 2 * SEQ,  # two micro-batches per rank
-        max_sequence_length=SEQ,
-        optim=AdamWConfig(lr=LEARNING_RATE),
-        dp_config=dp_config,
-    ).build(MODEL.build(init_device="cpu"), device=torch.device("cpu"))
+    loader, module = loader_and_module(folder, mode, dp_config)
     settings = CaptureSettings(store_dir=str(folder / mode / "grads"), layers="all")
     log = StepLog()
     config = TrainerConfig(

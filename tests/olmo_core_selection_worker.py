@@ -26,30 +26,24 @@ import numpy as np
 import olmo_core.distributed.parallel as olmo_parallel
 import torch
 import torch.distributed as dist
-from olmo_core.data import NumpyDataLoaderConfig
 from olmo_core.distributed.parallel import DataParallelType
-from olmo_core.optim import AdamWConfig
 from olmo_core.train import Duration, TrainerConfig
 from olmo_core.train.callbacks import Callback
 from olmo_core.train.train_module import (
     TransformerDataParallelConfig,
     TransformerTrainModule,
-    TransformerTrainModuleConfig,
 )
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from tda_plugins.integrations.olmo_core import DataSelectionCallback
 from tests.olmo_core_dist_worker import (
-    GLOBAL_BATCH,
     HANG_SECONDS,
-    LEARNING_RATE,
-    MODEL,
     SEQ,
     STEPS,
     VOCAB,
     WORLD,
-    dataset_config,
+    loader_and_module,
 )
 
 MODES = ("ddp", "fsdp", "hsdp")
@@ -103,15 +97,7 @@ def train(folder: Path, mode: str) -> dict[str, Any]:
     # OLMo-core builds its device mesh once per process; each mode of this process builds
     # its own (the module-level mesh has no public reset).
     olmo_parallel._WORLD_MESH = None
-    world = 1 if mode == "single" else WORLD
-    dataset = dataset_config(folder, mode).build()
-    loader = NumpyDataLoaderConfig(global_batch_size=GLOBAL_BATCH * SEQ, seed=0).build(dataset)
-    module = TransformerTrainModuleConfig(
-        rank_microbatch_size=GLOBAL_BATCH // world // 2 * SEQ,
-        max_sequence_length=SEQ,
-        optim=AdamWConfig(lr=LEARNING_RATE),
-        dp_config=dp_config(mode),
-    ).build(MODEL.build(init_device="cpu"), device=torch.device("cpu"))
+    loader, module = loader_and_module(folder, mode, dp_config(mode))
     selection = DataSelectionCallback(TARGET, fraction=FRACTION)
     audit = Audit()
     config = TrainerConfig(
