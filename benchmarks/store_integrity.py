@@ -1,15 +1,17 @@
-"""What the store's integrity checks and its durability modes cost: shard checksums on
-write and read, the fingerprint's weight digest, and a one-pass capture's single sync at
-the end (``durability="end"``) against a sync per step.
+"""What the store's integrity checks cost, and what a one-pass capture's queue for the
+disk buys: shard checksums on write and read, the fingerprint's weight digest, and shards
+queued for the disk (``in_flight_bytes``, what ``tda capture`` uses) against one at a time
+(what training uses), on the local disk and on a slow one.
 
     python benchmarks/store_integrity.py
 
 Captures the peer harness's Llama-style decoder (hidden 256, 4 layers, vocabulary 4,096,
 linear layers) over 64 and 256 rows of 128 tokens, micro-batches of 32, into a store on
-the local disk, alternating rounds with the XXH3 checksum computed (the default) and
-replaced by a constant (what the store did before), and with ``durability="end"`` (what
-``tda capture`` uses), and scores each store (GradDot against 8 queries) with and without
-its verification. Reports each ratio's median over the rounds and its range.
+the local disk, alternating rounds: the XXH3 checksum computed (the default) and replaced
+by a constant (what the store did before); shards queued and one at a time, on the local
+disk and with each fsync made ``--slow-fsync`` seconds longer (a slow disk); and scores
+each store (GradDot against 8 queries) with and without its verification. Reports each
+ratio's median over the rounds and its range.
 """
 
 from __future__ import annotations
@@ -20,19 +22,20 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Any
 from unittest import mock
 
 import torch
 from common import base_parser, causal_lm, command_line, machine_info, publish, utc_now
 
 from tda_plugins import CaptureEngine, LayerSelection, causal_lm_example_losses
+from tda_plugins.dataset_capture import IN_FLIGHT_BYTES
 from tda_plugins.methods import method_by_name
 from tda_plugins.store import GradientStore, StoreReader, reader, writer
 from tda_plugins.store.fingerprint import weights_digest
 
 HEADING = (
-    "## Store integrity and durability: checksums, fingerprints, one sync at the end "
+    "## Store integrity and the disk queue: checksums, fingerprints, shards queued "
     "(benchmarks/store_integrity.py)"
 )
 NO_CHECKSUM = "0" * 16
@@ -56,14 +59,26 @@ def capture(
     net: torch.nn.Module,
     rows: torch.Tensor,
     path: Path,
-    checksums: bool,
-    durability: Literal["step", "end"] = "step",
+    checksums: bool = True,
+    queued: bool = False,
+    slow_fsync: float = 0.0,
 ) -> float:
-    """Seconds to capture ``rows`` into a new store (one step per micro-batch of 32)."""
-    off = mock.patch.object(writer, "file_checksum", lambda _: NO_CHECKSUM)
+    """Seconds to capture ``rows`` into a new store (one step per micro-batch of 32), its
+    shards ``queued`` for the disk or one at a time, each fsync ``slow_fsync`` s longer."""
+    real_fsync = writer.fsync_path
+
+    def slow(target: Path) -> None:
+        time.sleep(slow_fsync)
+        real_fsync(target)
+
+    patches = contextlib.ExitStack()
+    if not checksums:
+        patches.enter_context(mock.patch.object(writer, "file_checksum", lambda _: NO_CHECKSUM))
+    if slow_fsync:
+        patches.enter_context(mock.patch.object(writer, "fsync_path", slow))
     start = time.perf_counter()
-    with contextlib.nullcontext() if checksums else off:
-        store = GradientStore(path, durability=durability)
+    with patches:
+        store = GradientStore(path, in_flight_bytes=IN_FLIGHT_BYTES if queued else None)
         engine = CaptureEngine(
             net, LayerSelection("linear"), consumers=[store], parameter_grads=False
         )
@@ -96,6 +111,9 @@ def main(argv: list[str]) -> int:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--rows", type=int, nargs="+", default=[64, 256])
+    p.add_argument(
+        "--slow-fsync", type=float, default=0.5, help="seconds added to each fsync (a slow disk)"
+    )
     args = p.parse_args(argv)
     rounds = 1 if args.quick else args.rounds
     torch.set_num_threads(1)
@@ -109,29 +127,38 @@ def main(argv: list[str]) -> int:
         f"(a temporary folder); {rounds} rounds, alternated.",
         "",
         "| rows | capture, checksums on / off: median (range) "
-        "| capture, sync at the end / per step: median (range) "
+        "| capture, shards queued / one at a time: median (range) "
+        f"| the same, each fsync +{args.slow_fsync:g} s (a slow disk) "
         "| GradDot scoring, verified / not: median (range) |",
-        "|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|",
     ]
+    runs: dict[str, dict[str, Any]] = {
+        "on": {},
+        "off": {"checksums": False},
+        "queued": {"queued": True},
+        "slow": {"slow_fsync": args.slow_fsync},
+        "slow-queued": {"queued": True, "slow_fsync": args.slow_fsync},
+    }
     for count in args.rows:
         rows = torch.randint(1, 4096, (count, 128), generator=torch.Generator().manual_seed(0))
-        writes, syncs, reads = [], [], []
+        writes, queues, slow_queues, reads = [], [], [], []
         with tempfile.TemporaryDirectory(dir=Path.cwd()) as folder:
             queries = Path(folder) / "queries"
-            capture(net, rows[:8], queries, checksums=True)
-            runs = {"on": (True, "step"), "off": (False, "step"), "end": (True, "end")}
+            capture(net, rows[:8], queries)
             for r in range(rounds):
                 times = {}
                 order = list(runs) if r % 2 == 0 else list(reversed(runs))  # alternated
                 for name in order:
-                    checksums, durability = runs[name]
-                    path = Path(folder) / f"{name}{r}"
-                    times[name] = capture(net, rows, path, checksums, durability)
+                    times[name] = capture(net, rows, Path(folder) / f"{name}{r}", **runs[name])
                 writes.append(times["on"] / times["off"])
-                syncs.append(times["end"] / times["on"])
+                queues.append(times["queued"] / times["on"])
+                slow_queues.append(times["slow-queued"] / times["slow"])
                 store = Path(folder) / f"on{r}"
                 reads.append(score(store, queries, True) / score(store, queries, False))
-        lines.append(f"| {count} | {spread(writes, 3)} | {spread(syncs, 3)} | {spread(reads, 2)} |")
+        lines.append(
+            f"| {count} | {spread(writes, 3)} | {spread(queues, 3)} "
+            f"| {spread(slow_queues, 3)} | {spread(reads, 2)} |"
+        )
     layers = LayerSelection("linear").resolve(net)
     start = time.perf_counter()
     weights_digest(net, list(layers))

@@ -31,6 +31,10 @@ from tda_plugins.session import CaptureSettings, resolve_curvature
 from tda_plugins.store import GradientStore, StoreReader
 
 
+#: Shard bytes a one-pass capture lets wait for the disk before it waits itself.
+IN_FLIGHT_BYTES = 256 * 2**20
+
+
 def capture_examples(
     model: Any,
     examples: Any,
@@ -112,7 +116,7 @@ def capture_examples(
         unique_ids=True,
         model=model,
         tokenizer=tokenizer,
-        durability="end",  # a one-pass capture: one sync at the end, none per batch
+        in_flight_bytes=IN_FLIGHT_BYTES,  # a slow disk stalls the capture only when full
     )
     consumers: list[Any] = [store]
     if settings.curvature:

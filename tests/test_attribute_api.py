@@ -131,3 +131,23 @@ def test_the_transformers_callbacks_load_lazily_from_the_package() -> None:
         "assert use_id_column is transformers.use_id_column\n"
     )
     subprocess.run([sys.executable, "-c", script], check=True)
+
+
+def test_capture_examples_queues_its_shards_for_the_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A one-pass capture lets shards queue for the disk (training stores do not)."""
+    from tda_plugins import dataset_capture
+
+    made: list[GradientStore] = []
+
+    class Recording(GradientStore):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            made.append(self)
+
+    monkeypatch.setattr(dataset_capture, "GradientStore", Recording)
+    rows = [{"input_ids": [2, 3, 4, 5]}, {"input_ids": [6, 7, 8]}]
+    tda_plugins.capture_examples(tiny_causal_lm("llama"), rows, tmp_path / "q", progress=False)
+    assert [s.in_flight_bytes for s in made] == [dataset_capture.IN_FLIGHT_BYTES]
+    assert GradientStore(tmp_path / "other").in_flight_bytes is None

@@ -462,9 +462,9 @@ class DiskLog:
             real_write(path, fill)
             self.events.append(("write", path.name))
 
-        def publish(path: Path, entries: list[ShardEntry], durable: bool = True) -> None:
+        def publish(path: Path, entries: list[ShardEntry]) -> None:
             self.events.append(("index", ",".join(e.file for e in entries)))
-            real_index(path, entries, durable)
+            real_index(path, entries)
 
         monkeypatch.setattr(writer, "fsync_path", fsync)
         monkeypatch.setattr(writer, "write_renamed", write)
@@ -544,6 +544,34 @@ def test_a_micro_batch_waits_for_the_previous_shards_write_so_one_is_held_at_mos
     assert disk.position(("returned", "micro-batch 0")) < disk.position(first)
     assert disk.position(first) < disk.position(("returned", "micro-batch 1"))
     assert indexed_files(tmp_path) == {shard_name(0, 0), shard_name(0, 1)}
+
+
+@pytest.mark.parametrize("budget", [2**30, 0])
+def test_queued_shards_wait_for_the_disk_only_past_the_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget: int
+) -> None:
+    """With ``in_flight_bytes`` (one-pass captures) micro-batches go on while earlier shards
+    wait for a held disk, as long as their bytes stay within the budget (1 GiB: all three
+    return before any write); past it the next one waits for the oldest (0: the second
+    waits for the first shard's write). Everything is listed once the disk is released."""
+    disk = DiskLog(monkeypatch)
+    disk.release.clear()
+    threading.Timer(0.3, disk.release.set).start()
+    model = tiny_causal_lm("llama")
+    store = GradientStore(tmp_path, in_flight_bytes=budget)
+    with CaptureEngine(model, consumers=[store]) as engine:
+        for k in range(3):
+            summed_loss(model, lm_batch(2, 8, seed=k)).backward()
+            disk.events.append(("returned", f"micro-batch {k}"))
+        engine.optimizer_step()
+        engine.end()
+    first = disk.position(("write", shard_name(0, 0)))
+    if budget:
+        assert disk.position(("returned", "micro-batch 2")) < first
+    else:
+        assert disk.position(("returned", "micro-batch 0")) < first
+        assert first < disk.position(("returned", "micro-batch 1"))
+    assert indexed_files(tmp_path) == {shard_name(0, k) for k in range(3)}
 
 
 def test_a_failed_background_fsync_is_raised_and_nothing_after_it_is_published(

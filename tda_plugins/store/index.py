@@ -24,7 +24,7 @@ from typing import Any
 
 import xxhash
 
-from tda_plugins.store.io import atomic_write_json, json_bytes, read_json, write_renamed
+from tda_plugins.store.io import atomic_write_json, read_json
 from tda_plugins.store.layout import SHARD_PATTERN, StoreError, shard_name
 
 _CHECKSUM = re.compile(r"[0-9a-f]{16}")
@@ -125,11 +125,6 @@ def read_index(path: Path) -> list[ShardEntry]:
     return entries
 
 
-def write_index(path: Path, entries: list[ShardEntry], durable: bool = True) -> None:
-    """Replace the index atomically (a reader sees the old or the new one, never a mix);
-    ``durable``: on disk when this returns (else in the page cache only)."""
-    document = {"shards": [e.to_json() for e in entries]}
-    if durable:
-        atomic_write_json(path, document)
-    else:
-        write_renamed(path, lambda tmp: tmp.write_bytes(json_bytes(document)))
+def write_index(path: Path, entries: list[ShardEntry]) -> None:
+    """Replace the index atomically (a reader sees the old or the new one, never a mix)."""
+    atomic_write_json(path, {"shards": [e.to_json() for e in entries]})

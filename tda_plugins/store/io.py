@@ -60,15 +60,11 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     atomic_write(path, lambda tmp: tmp.write_bytes(data))
 
 
-def json_bytes(value: Any) -> bytes:
-    """``value`` as indented JSON (strict: NaN/inf are an error, not the non-JSON tokens
-    ``json`` would write)."""
-    return (json.dumps(value, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
-
-
 def atomic_write_json(path: Path, value: Any) -> None:
-    """:func:`atomic_write_bytes` of ``value`` as :func:`json_bytes`."""
-    atomic_write_bytes(path, json_bytes(value))
+    """:func:`atomic_write_bytes` of ``value`` as indented JSON (strict: NaN/inf are an
+    error, not the non-JSON tokens ``json`` would write)."""
+    text = json.dumps(value, indent=1, sort_keys=True, allow_nan=False)
+    atomic_write_bytes(path, (text + "\n").encode())
 
 
 def read_json(path: Path) -> Any:

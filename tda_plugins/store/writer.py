@@ -19,9 +19,10 @@ it; the trainer callbacks also wait at the end of each step
 (:meth:`~tda_plugins.session.CaptureSession.finish_step`), after the optimizer update.
 A crash can therefore lose the last committed step along with the one in progress; a
 reader opened while the writer is attached may not see the latest commit yet. A one-pass
-capture (``tda capture``, :func:`~tda_plugins.dataset_capture.capture_examples`) asks for
-``durability="end"`` instead: the same writes and index, no fsync until its end, where
-every shard, the folder and the index are synced once.
+capture (``tda capture``, :func:`~tda_plugins.dataset_capture.capture_examples`) lets
+shards queue for the disk instead (``in_flight_bytes``): the next micro-batch waits only
+once that many bytes are not yet written, so a disk slower than the capture stalls it
+only when the queue is full; what is listed is on disk all the same.
 
 Integrity: each writer holds an exclusive lock on its rank directory for its lifetime
 (:class:`~tda_plugins.store.lock.WriterLock`), each shard's XXH3 checksum is listed in
@@ -39,10 +40,11 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -117,12 +119,10 @@ class GradientStore(CaptureConsumer):
         model: the captured model, for the store's fingerprint (its configuration at the
             start, its captured weights at the end); ``None``: nothing to compare later.
         tokenizer: the tokenizer, for the fingerprint (optional).
-        durability: ``"step"`` (training): each commit is on disk shortly after it is
-            made, so a crash or power loss keeps every committed step. ``"end"`` (one-pass
-            captures, which a failure restarts anyway): no fsync until the end, where
-            every shard, the folder and the index are synced once; a process that dies
-            keeps what the page cache holds, a power loss may lose the unfinished capture
-            (its checksums then refuse damaged shards on read).
+        in_flight_bytes: ``None`` (training): a micro-batch waits until the previous
+            one's shard is on disk, so one shard's tensors are held at most and at most
+            one committed step is not yet durable. A number: shards queue for the disk
+            until their tensors pass that many bytes (then the oldest is waited for).
     """
 
     def __init__(
@@ -136,11 +136,11 @@ class GradientStore(CaptureConsumer):
         unique_ids: bool = False,
         model: nn.Module | None = None,
         tokenizer: Any = None,
-        durability: Literal["step", "end"] = "step",
+        in_flight_bytes: int | None = None,
     ):
-        if durability not in ("step", "end"):
-            raise ValueError(f"durability must be 'step' or 'end', got {durability!r}")
-        self.durability = durability
+        if in_flight_bytes is not None and in_flight_bytes < 0:
+            raise ValueError(f"in_flight_bytes must be >= 0 or None, got {in_flight_bytes}")
+        self.in_flight_bytes = in_flight_bytes
         self.root = Path(path)
         self.rank = rank
         self.keep_tokens = keep_tokens
@@ -158,7 +158,8 @@ class GradientStore(CaptureConsumer):
         self._step_ids: tuple[int, set[int]] = (-1, set())
         self._pending: list[_Written] = []
         self._sync = BackgroundSync(f"the gradient store {self.root}")
-        self._writing: Future[None] | None = None  # the last shard's background write
+        #: Shards not known to be on disk yet: their background write and tensor bytes.
+        self._in_flight: deque[tuple[Future[None], int]] = deque()
         self._shards_lock = threading.Lock()  # _shards grows on the background thread
         self.config: CaptureConfig | None = None
         self._layers: dict[str, Any] = {}
@@ -209,9 +210,7 @@ class GradientStore(CaptureConsumer):
         self._lock.check()
         ids = record.example_ids.tolist()
         self._check_ids(record.step, ids)
-        # hold at most one earlier micro-batch's tensors (the jobs run in order: once that
-        # shard is written, every earlier commit is on disk too)
-        self._sync.wait_for(self._writing)
+        self._wait_for_room()
         cpu = record.to("cpu", non_blocking=False)
         tensors = {"example_ids": cpu.example_ids.contiguous()}
         layers: dict[str, Any] = {}
@@ -249,24 +248,32 @@ class GradientStore(CaptureConsumer):
         path = self._dir / name
         shard = _Written(name, record.step, record.index, tuple(ids))
 
-        durable = self.durability == "step"
-
         def write() -> None:
             write_renamed(path, lambda tmp: save_file(tensors, tmp, metadata))
-            if durable:
-                fsync_path(path)
+            fsync_path(path)
             shard.digest = file_checksum(path)
 
-        self._writing = self._sync.submit(write)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        self._in_flight.append((self._sync.submit(write), nbytes))
         self._pending.append(shard)
+
+    def _wait_for_room(self) -> None:
+        """Before a micro-batch: wait for the oldest shards until at most the budget is in
+        flight (none allowed by default: the previous shard is then on disk, and with it
+        every earlier commit, as the jobs run in order)."""
+        budget = self.in_flight_bytes or 0
+        while self._in_flight and (
+            self._in_flight[0][0].done()
+            or self.in_flight_bytes is None
+            or sum(n for _, n in self._in_flight) > budget
+        ):
+            self._sync.wait_for(self._in_flight.popleft()[0])
 
     def on_optimizer_step(self, step: int, records: list[MicroBatchRecord]) -> None:
         self.commit()
 
     def on_end(self) -> None:
         self.commit()
-        if self.durability == "end":
-            self._sync.submit(self._sync_everything)
         if self.model is not None and self.config is not None:
             digest = weights_digest(self.model, self.config.layers)
             end = {"weights_sha256": digest, "last_step": max(self._steps, default=None)}
@@ -295,26 +302,14 @@ class GradientStore(CaptureConsumer):
         pending, self._pending = self._pending, []
         self._steps.update(w.step for w in pending)
 
-        durable = self.durability == "step"
-
         def publish() -> None:  # the shards' writes, fsyncs and checksums ran before this
             with self._shards_lock:
                 self._shards.extend(w.entry() for w in pending)
                 shards = list(self._shards)
-            if durable:
-                fsync_path(self._dir)
-            write_index(self._dir / INDEX_FILE, shards, durable=durable)
+            fsync_path(self._dir)
+            write_index(self._dir / INDEX_FILE, shards)
 
         self._sync.submit(publish)
-
-    def _sync_everything(self) -> None:
-        """``durability="end"``: every listed shard, the folder and the index to disk."""
-        with self._shards_lock:
-            shards = list(self._shards)
-        for shard in shards:
-            fsync_path(shard.path(self._dir))
-        fsync_path(self._dir)
-        write_index(self._dir / INDEX_FILE, shards)
 
     def flush(self) -> None:
         """Wait until every commit so far is on disk (raising a background failure)."""
