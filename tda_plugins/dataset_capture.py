@@ -30,7 +30,6 @@ from tda_plugins.ranks import Ranks
 from tda_plugins.session import CaptureSettings, resolve_curvature
 from tda_plugins.store import GradientStore, StoreReader
 
-
 #: Shard bytes a one-pass capture lets wait for the disk before it waits itself.
 IN_FLIGHT_BYTES = 256 * 2**20
 

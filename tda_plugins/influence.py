@@ -205,8 +205,9 @@ class InfluenceLogger(CaptureConsumer):
         atomic_write_json(out / "influence.json", summary)
         paths = {"json": out / "influence.json"}
         if scores.values.numel():
+            names = {q: f"q{j}" for j, q in enumerate(query_ids.tolist())}  # as logged
             paths["html"] = write_html(
-                out / "influence.html", scores, train_texts, query_texts, top_k
+                out / "influence.html", scores, train_texts, query_texts, top_k, names
             )
         paths["png"] = _plot(out / "influence.png", self.history, query_ids)
         return paths

@@ -92,7 +92,9 @@ def test_report_files_exist_and_name_stored_example_ids(run: dict) -> None:
         for j, (mean, top) in enumerate(zip(h["mean"], h["max"], strict=True)):
             assert mean == pytest.approx(logged[h["step"]][f"influence/q{j}_mean"])
             assert top == pytest.approx(logged[h["step"]][f"influence/q{j}_max"])
-    assert str(summary["query_ids"][0]) in Path(report["html"]).read_text()
+    page = Path(report["html"]).read_text()
+    for j, query_id in enumerate(summary["query_ids"]):  # named as the logs name them
+        assert f"Query q{j} (id {query_id})" in page
 
 
 class _OtherRankScored:

@@ -41,14 +41,21 @@ def _table(kind: str, rows: list[dict], texts: dict[int, str]) -> str:
 
 
 def render_html(
-    scores: Scores, train_texts: dict[int, str], query_texts: dict[int, str], k: int = 10
+    scores: Scores,
+    train_texts: dict[int, str],
+    query_texts: dict[int, str],
+    k: int = 10,
+    query_names: dict[int, str] | None = None,
 ) -> str:
-    """The report page as a string (texts are escaped; missing texts are marked)."""
+    """The report page as a string (texts are escaped; missing texts are marked); each
+    query is headed by its name where ``query_names`` gives one (as the logs call it)."""
     sections = []
     for entry in scores.top_k(k):
         qid = entry["query_id"]
+        name = (query_names or {}).get(qid)
+        title = f"Query {escape(name)} (id {qid})" if name else f"Query {qid}"
         sections.append(
-            f"<div class='query'><h2>Query {qid}</h2>{_text(query_texts, qid, 2000)}"
+            f"<div class='query'><h2>{title}</h2>{_text(query_texts, qid, 2000)}"
             f"{_table('helpful', entry['helpful'], train_texts)}"
             f"{_table('harmful', entry['harmful'], train_texts)}</div>"
         )
@@ -68,9 +75,11 @@ def write_html(
     train_texts: dict[int, str],
     query_texts: dict[int, str],
     k: int = 10,
+    query_names: dict[int, str] | None = None,
 ) -> Path:
     """Write :func:`render_html` to ``path`` atomically; returns the path."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(out, render_html(scores, train_texts, query_texts, k).encode())
+    page = render_html(scores, train_texts, query_texts, k, query_names)
+    atomic_write_bytes(out, page.encode())
     return out
