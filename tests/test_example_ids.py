@@ -188,3 +188,20 @@ def test_a_bad_id_column_is_refused_before_training(
     )
     with pytest.raises(ValueError, match=message):
         use_id_column(trainer)
+
+
+def test_a_plain_list_dataset_carries_its_ids_through_the_column_removal(tmp_path: Path) -> None:
+    """A dataset that is not a ``datasets.Dataset`` has its unused columns removed by the
+    trainer's collator wrapper, around ours: the id column is kept there too."""
+    rows = _tokenized_rows(duplicate=False)
+    store = tmp_path / "store"
+    trainer = Trainer(
+        model=_llama(),
+        args=training_args(tmp_path / "out", max_steps=4, remove_unused_columns=True),
+        train_dataset=rows,  # type: ignore[arg-type]
+        data_collator=pad_rows,
+        callbacks=[GradientCaptureCallback(store_dir=str(store), curvature=False)],
+    )
+    use_id_column(trainer)
+    trainer.train()
+    assert sorted(stored_grads_by_id(StoreReader(store))) == sorted(IDS)
