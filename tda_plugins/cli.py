@@ -103,6 +103,12 @@ def _add_capture(sub: Any) -> None:
         help="truncate examples to this many tokens (default and most: the model's positions; "
         "512 for a model without a positions limit)",
     )
+    p.add_argument(
+        "--eos",
+        action="store_true",
+        help="end text and completion rows in the tokenizer's end-of-sequence token, as "
+        "TRL's SFTTrainer trains them",
+    )
     p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="model dtype")
     p.add_argument(
         "--device",
@@ -298,6 +304,7 @@ def _capture_on(args: argparse.Namespace, ranks: Ranks) -> None:
         append=args.append,
         metadata={**source.metadata(), "data": str(args.data)},
         ranks=ranks,
+        eos=args.eos,
     )
     if ranks.rank == 0:
         print(f"wrote the examples of {args.data} to {args.out} ({ranks.size} rank(s))")

@@ -47,6 +47,7 @@ def capture_examples(
     metadata: dict[str, Any] | None = None,
     ranks: Ranks | None = None,
     progress: bool = True,
+    eos: bool = False,
     **options: Any,
 ) -> StoreReader:
     """Write every example's exact gradient (its own summed token loss) to the store ``out``.
@@ -68,6 +69,9 @@ def capture_examples(
         metadata: free-form entries for ``store.json``.
         ranks: the ranks of a ``torchrun`` launch (``None``: this process alone).
         progress: show a progress bar (rank 0).
+        eos: end text and completion rows in the tokenizer's end-of-sequence token, as
+            TRL's ``SFTTrainer`` does: a row copied from an SFT training set then gets the
+            tokens (and the content-hash id) it was trained with.
 
     Returns:
         A reader of the written store.
@@ -84,7 +88,7 @@ def capture_examples(
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     source = str(examples) if isinstance(examples, str | Path) else "examples"
     rows = tokenize_rows(
-        numbered_rows(examples), tokenizer, _length(model, max_length), vocab, source
+        numbered_rows(examples), tokenizer, _length(model, max_length), vocab, source, eos
     )
     pad_id = getattr(tokenizer, "pad_token_id", None) or 0
     planned = []  # every batch and its ids first: bad ids are refused before any write

@@ -60,8 +60,29 @@ def _text(row: dict[str, Any], key: str, line: int) -> str:
     return value
 
 
+def _with_eos(text: str, tokenizer: Any, line: int) -> str:
+    """``text`` ending in the tokenizer's end-of-sequence token (added if missing), as
+    TRL's ``SFTTrainer`` makes non-conversational rows."""
+    eos = getattr(tokenizer, "eos_token", None)
+    if not isinstance(eos, str) or not eos:
+        raise ValueError(f"line {line}: the tokenizer has no end-of-sequence token to append")
+    return text if text.endswith(eos) else text + eos
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def _tokenize(
-    row: dict[str, Any], tokenizer: Any, max_length: int, line: int, vocab: int | None
+    row: dict[str, Any],
+    tokenizer: Any,
+    max_length: int,
+    line: int,
+    vocab: int | None,
+    eos: bool = False,
 ) -> Example:
     if not isinstance(row, dict):
         raise ValueError(f"line {line}: an example must be a JSON object")
@@ -94,15 +115,19 @@ def _tokenize(
         )
     if "text" in row:
         text = _text(row, "text", line)
+        text = _with_eos(text, tokenizer, line) if eos else text
         ids = tokenizer(text, truncation=True, max_length=max_length)["input_ids"]
         return Example(ids, list(ids), text, example_id)
     if "prompt" in row and "completion" in row:
         prompt_text, completion_text = _text(row, "prompt", line), _text(row, "completion", line)
+        completion_text = _with_eos(completion_text, tokenizer, line) if eos else completion_text
+        # As TRL does: prompt and completion tokenized together (tokens may merge across
+        # the boundary); the loss starts where the prompt's own tokens stop matching.
         prompt = tokenizer(prompt_text)["input_ids"]
-        completion = tokenizer(completion_text, add_special_tokens=False)["input_ids"]
-        ids = (prompt + completion)[:max_length]
-        labels = ([-100] * len(prompt) + completion)[:max_length]
-        return Example(ids, labels, prompt_text + completion_text, example_id)
+        ids = tokenizer(prompt_text + completion_text)["input_ids"]
+        start = _common_prefix(prompt, ids)
+        labels = ([-100] * start + ids[start:])[:max_length]
+        return Example(ids[:max_length], labels, prompt_text + completion_text, example_id)
     messages = row["messages"]
     if not isinstance(messages, list) or not all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
@@ -146,13 +171,15 @@ def tokenize_rows(
     max_length: int,
     vocab_size: int | None = None,
     source: str = "examples",
+    eos: bool = False,
 ) -> list[Example]:
     """Tokenize numbered rows (token ids checked against ``vocab_size`` when given);
-    errors name ``source`` and the row."""
+    errors name ``source`` and the row. ``eos``: text and completion rows end in the
+    tokenizer's end-of-sequence token, as TRL's ``SFTTrainer`` trains them."""
     examples = []
     for number, row in rows:
         try:
-            example = _tokenize(row, tokenizer, max_length, number, vocab_size)
+            example = _tokenize(row, tokenizer, max_length, number, vocab_size, eos)
         except ValueError as exc:
             raise ValueError(f"{source}: {exc}") from exc
         if len(example.input_ids) < 2:

@@ -1,0 +1,73 @@
+"""``tda capture --eos`` tokenizes text and prompt/completion rows exactly as TRL's
+``SFTTrainer`` trains them (oracle: the trainer's own processed dataset), with a byte-level
+BPE tokenizer whose tokens merge across the prompt/completion boundary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from datasets import Dataset
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from trl import SFTConfig, SFTTrainer
+
+from tda_plugins.integrations.transformers.data import numbered_rows, tokenize_rows
+from tests.trainers import training_args
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Attribution asks which training examples explain a prediction.",
+    "A gradient store keeps every example's exact gradient on disk.",
+    "Selection drops the examples that hurt the target task.",
+]
+PAIRS = [
+    {"prompt": "Question: what does the store keep?", "completion": " Exact gradients."},
+    {"prompt": "Say hello:", "completion": "hello there"},
+    {"prompt": "The quick bro", "completion": "wn fox jumps."},  # "brown" merges across
+]
+
+
+def bpe_tokenizer() -> PreTrainedTokenizerFast:
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(
+        TEXTS * 4 + [p["prompt"] + p["completion"] for p in PAIRS],
+        trainers.BpeTrainer(
+            vocab_size=320,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
+
+
+@pytest.mark.parametrize("rows", [[{"text": t} for t in TEXTS], PAIRS], ids=["text", "pairs"])
+def test_eos_rows_tokenize_as_sft_trainer_trains_them(
+    tmp_path: Path, rows: list[dict[str, str]]
+) -> None:
+    tokenizer = bpe_tokenizer()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
+    trainer = SFTTrainer(
+        model=model,
+        args=training_args(tmp_path, config_cls=SFTConfig),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+    )
+    ours = tokenize_rows(numbered_rows(rows), tokenizer, 512, eos=True)
+    for trained, example in zip(trainer.train_dataset, ours, strict=True):
+        assert example.input_ids == trained["input_ids"]
+        assert example.labels == trained.get("labels", trained["input_ids"])
