@@ -177,8 +177,8 @@ def _add_attribute(sub: Any) -> None:
     p.add_argument(
         "--damping",
         type=non_negative_float,
-        default=0.1,
-        help="damping relative to the mean eigenvalue (kfac/ekfac/logra)",
+        default=None,
+        help="damping relative to the mean eigenvalue (kfac/ekfac/logra; default 0.1)",
     )
     p.add_argument(
         "--learning-rate",
@@ -319,7 +319,7 @@ def _attribute_on(args: argparse.Namespace, ranks: Ranks) -> None:
     """``tda attribute`` on this rank: each rank scores its part of the store on
     ``ranks.device``; rank 0 writes the merged scores, top-k and report."""
     store, queries = StoreReader(args.store), StoreReader(args.queries)
-    options: dict[str, Any] = {"damping": args.damping}
+    options: dict[str, Any] = {} if args.damping is None else {"damping": args.damping}
     if args.method == "tracin":
         options["learning_rate"] = args.learning_rate
         options["extra"] = tuple(

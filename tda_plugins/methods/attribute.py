@@ -35,17 +35,23 @@ def attribute(
         progress: show a progress bar.
         ranks: the ranks to spread the scoring over (under ``torchrun``: each scores a part
             of the store, every rank gets the whole result); ``None``: this process alone.
-        **options: the method's own options (``damping=0.1``, TracIn's
-            ``learning_rate`` and ``extra`` checkpoints).
+        **options: the method's own options (``damping=0.1`` for the curvature methods,
+            refused for the others; TracIn's ``learning_rate`` and ``extra`` checkpoints).
 
     Returns:
         :class:`Scores` (``(N, M)``, higher = more helpful; each example's gradient is that
         of its own summed token loss), with the stores' texts where they hold them:
         ``scores.top_k(10)``, ``scores.to_pandas()``, ``scores.to_dataset()``.
     """
+    scorer = method_by_name(method, **options)
+    if "damping" in options and not scorer.preconditioner.needs_curvature:
+        raise ValueError(
+            f"damping applies to the curvature methods (kfac, ekfac, logra); {method!r} has "
+            "no curvature to damp: leave damping out"
+        )
     train = store if isinstance(store, StoreReader) else StoreReader(store)
     query = queries if isinstance(queries, StoreReader) else StoreReader(queries)
-    scores = method_by_name(method, **options).score(
+    scores = scorer.score(
         train, query, chunk_examples, progress, allow_mismatch=allow_mismatch, ranks=ranks
     )
     return replace(scores, train_texts=train.texts(), query_texts=query.texts())

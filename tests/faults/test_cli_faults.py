@@ -97,6 +97,10 @@ def attribute(*extra: object, method: str = "graddot") -> Case:
 
 #: case -> (arguments, fragments the error line must contain)
 BAD_INPUT: dict[str, tuple[Case, tuple[str, ...]]] = {
+    "--damping for a method without curvature": (
+        attribute("--damping", "0.5"),
+        ("damping applies to the curvature methods", "'graddot'"),
+    ),
     "token id past the vocabulary": (
         capture(data=[{"input_ids": [1, 2, VOCAB + 5]}]),
         ("line 1", f"token id {VOCAB + 5}", "vocabulary"),
