@@ -65,4 +65,4 @@ def test_capture_selection_and_influence_share_a_trainer(tmp_path: Path) -> None
     )
     assert [h.step for h in selection.history] == list(range(STEPS))
     assert all(int(h.dropped.sum()) == 2 for h in selection.history)
-    assert len(influence.logger.history) == STEPS
+    assert len(influence.influence_log.history) == STEPS

@@ -32,9 +32,9 @@ from tda_plugins.grads.projection import Projector
 from tda_plugins.methods import method_by_name
 from tda_plugins.methods.base import QUERY_CACHE_BYTES, SCORE_GROUP_BYTES
 from tda_plugins.precondition import (
-    EKFAC,
     PRECONDITIONERS,
     CurvatureAccumulator,
+    EKFACPreconditioner,
     KroneckerFactors,
     load_curvature,
     snapshots,
@@ -437,7 +437,7 @@ def test_ekfac_eigenvalues_are_the_empirical_fisher_diagonal_in_the_kronecker_ba
     """Lambda = diag(Q^T F Q), Q = U_S kron U_A, F = mean_n vec(dW_n) vec(dW_n)^T over the
     stored examples, with dW_n from one backward per unpadded example; the eigenbases
     diagonalize the store's A and S."""
-    ekfac = EKFAC(DAMPING)
+    ekfac = EKFACPreconditioner(DAMPING)
     ekfac.fit(StoreReader(toy.store))
     curvature = load_curvature(toy.store)
     grads = oracle_layer_grads(toy.model, toy.batches, TOY_LAYERS, fp64_summed_loss)
@@ -543,7 +543,7 @@ def test_ekfac_on_fp32_gradients_matches_the_fp64_rotation(tmp_path: Path) -> No
     product in fp64, with the bases of fp64 eigendecompositions of the stored factors) to
     fp32 precision; the fit keeps its bases in fp32, the gradients' accumulation dtype."""
     store, queries = fp32_llama_stores(tmp_path)
-    ekfac = EKFAC(DAMPING)
+    ekfac = EKFACPreconditioner(DAMPING)
     ekfac.fit(store)
     chunk, query = store.load_all(), queries.load_all()
     curvature = load_curvature(store.root)
@@ -607,13 +607,15 @@ def test_ekfac_scored_in_its_eigenbasis_equals_the_dense_reference(llama: Llama)
     query back; forced for every layer here, the scores still equal the dense reference."""
     store, queries = llama.store("train"), llama.store("query")
     method = method_by_name("ekfac")
-    fit = EKFAC.fit
+    fit = EKFACPreconditioner.fit
 
-    def fit_then_prefer_the_eigenbasis(self: EKFAC, *args: Any, **kwargs: Any) -> None:
+    def fit_then_prefer_the_eigenbasis(
+        self: EKFACPreconditioner, *args: Any, **kwargs: Any
+    ) -> None:
         fit(self, *args, **kwargs)
         self._train_rotation = dict.fromkeys(self._train_rotation, 0.0)
 
-    with mock.patch.object(EKFAC, "fit", fit_then_prefer_the_eigenbasis):
+    with mock.patch.object(EKFACPreconditioner, "fit", fit_then_prefer_the_eigenbasis):
         scores = method.score(store, queries, chunk_examples=1)
     assert method.preconditioner._in_eigenbasis == set(store.layer_names)
     expected = dense_scores(

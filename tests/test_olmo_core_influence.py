@@ -206,7 +206,7 @@ def test_unsupported_setups_are_refused_before_any_step(tmp_path: Path) -> None:
     callbacks = {"influence": influence, "recorder": recorder}
     with pytest.raises(UnsupportedTrainingSetup, match="use LMLossImplementation"):
         fit(tmp_path, callbacks, 1, tmp_path / "run", model=fused)
-    assert recorder.steps == [] and influence.logger.history == [] and influence.report == {}
+    assert recorder.steps == [] and influence.influence_log.history == [] and influence.report == {}
 
 
 def test_bad_arguments_are_refused_when_the_callback_is_made() -> None:

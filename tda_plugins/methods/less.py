@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tda_plugins.grads.base import PerExampleGrad
 from tda_plugins.methods.base import AttributionMethod, register_method
-from tda_plugins.precondition.adam import AdamPreconditioner
+from tda_plugins.precondition.adam import AdamUpdate
 from tda_plugins.ranks import Ranks
 from tda_plugins.store.reader import StoreReader
 
@@ -30,7 +30,7 @@ class LESS(AttributionMethod):
                 f"{ranks.device}; use --device cpu"
             )
         super().prepare(store, queries, progress, allow_mismatch=allow_mismatch, ranks=ranks)
-        self.adam = AdamPreconditioner(store.root)
+        self.adam = AdamUpdate(store.root)
 
     def train_side(self, layer: str, grads: PerExampleGrad) -> PerExampleGrad:
         return self.adam(layer, grads)

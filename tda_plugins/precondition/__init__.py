@@ -1,7 +1,7 @@
 """Preconditioners (identity, K-FAC, EK-FAC) and the inline curvature statistics."""
 
 from tda_plugins.precondition.base import PRECONDITIONERS, Identity, Preconditioner
-from tda_plugins.precondition.kfac import EKFAC, KFAC
+from tda_plugins.precondition.kfac import EKFACPreconditioner, KFACPreconditioner
 from tda_plugins.precondition.plan import (
     CapturePlan,
     CurvatureBudgetError,
@@ -13,13 +13,13 @@ from tda_plugins.precondition.snapshots import KroneckerFactors
 from tda_plugins.precondition.statistics import CurvatureAccumulator, load_curvature
 
 __all__ = [
-    "EKFAC",
-    "KFAC",
     "PRECONDITIONERS",
     "CapturePlan",
     "CurvatureAccumulator",
     "CurvatureBudgetError",
+    "EKFACPreconditioner",
     "Identity",
+    "KFACPreconditioner",
     "KroneckerFactors",
     "PlanInputs",
     "Preconditioner",

@@ -85,7 +85,7 @@ def save_adam_state(
     atomic_write_bytes(Path(root) / OPTIMIZER_FILE, save(tensors, metadata=meta))
 
 
-class AdamPreconditioner:
+class AdamUpdate:
     """Turns stored per-example gradients into Adam updates (``optimizer.safetensors``)."""
 
     def __init__(self, root: str | Path):

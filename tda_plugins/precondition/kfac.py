@@ -146,7 +146,7 @@ def _check_shape(grads: PerExampleGrad, shape: tuple[int, int], layer: str) -> N
 
 
 @register_preconditioner("kfac")
-class KFAC(Preconditioner):
+class KFACPreconditioner(Preconditioner):
     """Kronecker-factored damped inverse, each factor damped separately."""
 
     needs_curvature = True
@@ -191,7 +191,7 @@ class KFAC(Preconditioner):
 
 
 @register_preconditioner("ekfac")
-class EKFAC(Preconditioner):
+class EKFACPreconditioner(Preconditioner):
     """Eigenvalue-corrected K-FAC: Kronecker eigenbasis, per-entry corrected eigenvalues."""
 
     needs_curvature = True

@@ -146,7 +146,7 @@ class InfluenceLoggingCallback(Callback):
         self._decode = _decoder(self.tokenizer)
         pool_batch(self.queries)  # refuses bad queries now, before any training
         #: The scores so far (replaced at the first step by one that gathers over ranks).
-        self.logger = InfluenceLogger(self.method)
+        self.influence_log = InfluenceLogger(self.method)
         #: The report's files, by kind (``json``, ``html``, ``png``), once written.
         self.report: dict[str, Path] = {}
         self._engine: CaptureEngine | None = None
@@ -171,18 +171,18 @@ class InfluenceLoggingCallback(Callback):
         # the store's 0-based numbering, as every engine; reports show step + 1, the trainer's
         self._engine.resume_at_step(step - 1)
         if (step - 1) % self.every_n_steps:
-            self.logger.set_queries(None)
+            self.influence_log.set_queries(None)
             return
-        self.logger.set_queries(self._query_gradients(), self._learning_rate())
+        self.influence_log.set_queries(self._query_gradients(), self._learning_rate())
 
     def pre_optim_step(self) -> None:
         if self._engine is None:
             return
-        scored = len(self.logger.history)
+        scored = len(self.influence_log.history)
         self._engine.optimizer_step()
-        if len(self.logger.history) == scored:
+        if len(self.influence_log.history) == scored:
             return
-        for name, value in self.logger.metrics().items():
+        for name, value in self.influence_log.metrics().items():
             # gathered over the ranks already: the same value on every rank
             self.trainer.record_metric(name, value, reduce_type=None)
 
@@ -191,7 +191,7 @@ class InfluenceLoggingCallback(Callback):
             return
         self._engine.end()  # every rank: the end gathers the report's token ids
         self._release()
-        if self.logger.gather.rank == 0:
+        if self.influence_log.gather.rank == 0:
             self._write_report()
 
     def close(self) -> None:
@@ -213,12 +213,12 @@ class InfluenceLoggingCallback(Callback):
         ignore_index = int(self._train_module.label_ignore_index)
         self._query_batch = pool_batch(self.queries, ignore_index)
         self._query_losses = partial(summed_token_losses, ignore_index=ignore_index)
-        self.logger = InfluenceLogger(self.method, rank_gather())
+        self.influence_log = InfluenceLogger(self.method, rank_gather())
         engine = CaptureEngine(
             model,
             self._settings.selection(),
             self._settings.projection_config(),
-            [self.logger],
+            [self.influence_log],
             OLMoCoreLossNormalization(),
         ).attach()
         self._ids_hook = model.register_forward_pre_hook(
@@ -278,8 +278,8 @@ class InfluenceLoggingCallback(Callback):
     def _write_report(self) -> None:
         rows = pool_rows(self.queries)
         query_ids = torch.arange(len(rows))
-        train_texts, query_texts = self.logger.report_texts(query_ids, rows, self._decode)
-        self.report = self.logger.write_report(
+        train_texts, query_texts = self.influence_log.report_texts(query_ids, rows, self._decode)
+        self.report = self.influence_log.write_report(
             self._report_directory(), query_ids, train_texts, query_texts, self.top_k
         )
 

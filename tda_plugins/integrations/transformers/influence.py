@@ -58,7 +58,7 @@ class InfluenceLoggingCallback(PoolCallback):
     ):
         super().__init__(queries, every_n_steps, options)
         self.method = method
-        self.logger = InfluenceLogger(method)
+        self.influence_log = InfluenceLogger(method)
         self.top_k = top_k
         self.report_dir = report_dir
         self.report: dict[str, Path] = {}
@@ -73,15 +73,15 @@ class InfluenceLoggingCallback(PoolCallback):
         **kwargs: Any,
     ) -> None:
         model = check_trainer_setup(args, model)
-        self.logger = InfluenceLogger(self.method, rank_gather())
-        self.attach(args, model, state, processing_class).add_consumer(self.logger)
+        self.influence_log = InfluenceLogger(self.method, rank_gather())
+        self.attach(args, model, state, processing_class).add_consumer(self.influence_log)
 
     def use_pool(self, pooled: MicroBatchRecord | None, lr_scheduler: Any) -> None:
         rate = float(lr_scheduler.get_last_lr()[0]) if lr_scheduler is not None else 1.0
-        self.logger.set_queries(pooled, rate)
+        self.influence_log.set_queries(pooled, rate)
 
     def step_metrics(self) -> dict[str, float]:
-        return self.logger.metrics()
+        return self.influence_log.metrics()
 
     def on_train_end(
         self,
@@ -94,17 +94,17 @@ class InfluenceLoggingCallback(PoolCallback):
         if self.engine is None:
             return
         self.detach()  # every rank: the end gathers the report's token ids
-        if self.logger.gather.rank != 0:
+        if self.influence_log.gather.rank != 0:
             return
         query_ids = content_hash(self.pool["input_ids"], self.pool["attention_mask"])
         query_tokens = [
             ids[m.bool()].tolist()
             for ids, m in zip(self.pool["input_ids"], self.pool["attention_mask"], strict=True)
         ]
-        train_texts, query_texts = self.logger.report_texts(
+        train_texts, query_texts = self.influence_log.report_texts(
             query_ids, query_tokens, getattr(processing_class, "decode", None)
         )
         directory = self.report_dir or str(Path(str(args.output_dir)) / "influence")
-        self.report = self.logger.write_report(
+        self.report = self.influence_log.write_report(
             directory, query_ids, train_texts, query_texts, self.top_k
         )
