@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from datasets import Dataset
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from tda_plugins import LayerSelection
 from tda_plugins.api import capture_batch
@@ -133,3 +134,32 @@ def test_a_rank_without_examples_joins_the_step_with_an_empty_share() -> None:
         "influence/q2_mean": 1.0,
         "influence/q2_max": 3.0,
     }
+
+
+class _LogRecorder(TrainerCallback):
+    """Stands in for a ``report_to`` integration: keeps the logs it is handed."""
+
+    def __init__(self) -> None:
+        self.logs: list[dict[str, float]] = []
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:
+        self.logs.append(dict(logs or {}))
+
+
+def test_add_to_puts_the_callback_before_the_integrations_that_report_its_metrics(
+    tmp_path: Path,
+) -> None:
+    recorder = _LogRecorder()
+    queries = [{"input_ids": r} for r in token_rows(2, seed=9)]
+    trainer = Trainer(
+        model=tiny_causal_lm("llama", torch.float32),
+        args=training_args(tmp_path, max_steps=2, logging_strategy="steps", logging_steps=1),
+        train_dataset=Dataset.from_list([{"input_ids": r} for r in token_rows(4)]),
+        data_collator=pad_rows,
+        callbacks=[recorder],
+    )
+    influence = InfluenceLoggingCallback(queries=queries, layers="linear").add_to(trainer)
+    assert trainer.callback_handler.callbacks[0] is influence
+    trainer.train()
+    logged = [entry for entry in recorder.logs if "loss" in entry]
+    assert logged and all("influence/q0_mean" in entry for entry in logged)

@@ -12,7 +12,12 @@ from tda_plugins.api import capture_batch, evaluating
 from tda_plugins.capture import CaptureEngine
 from tda_plugins.integrations.transformers.data import ExamplePool, Examples
 from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
-from tda_plugins.integrations.transformers.setup import adapt_settings, log_metrics, settings_from
+from tda_plugins.integrations.transformers.setup import (
+    adapt_settings,
+    log_metrics,
+    put_first,
+    settings_from,
+)
 
 
 class PoolCallback(TrainerCallback):
@@ -36,7 +41,7 @@ class PoolCallback(TrainerCallback):
 
     def add_to(self, trainer: Any) -> PoolCallback:
         """Put this callback first in ``trainer``'s list, so ``report_to`` sees its metrics."""
-        trainer.callback_handler.callbacks.insert(0, self)
+        put_first(trainer, self)
         return self
 
     def attach(

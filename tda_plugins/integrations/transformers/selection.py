@@ -31,6 +31,7 @@ from tda_plugins.integrations.transformers.setup import (
     adapt_settings,
     check_trainer_setup,
     log_metrics,
+    put_first,
     unwrap_optimizer,
     uses_fused_head,
 )
@@ -162,7 +163,7 @@ class DataSelectionCallback(TrainerCallback):
 
     def add_to(self, trainer: Any) -> DataSelectionCallback:
         """Put this callback first in ``trainer``'s list, so ``report_to`` sees its metrics."""
-        trainer.callback_handler.callbacks.insert(0, self)
+        put_first(trainer, self)
         return self
 
     def on_train_begin(

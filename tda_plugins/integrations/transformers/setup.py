@@ -93,6 +93,13 @@ def pad_examples(examples: list[dict[str, Any]], pad_id: int = 0) -> dict[str, T
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def put_first(trainer: Any, callback: Any) -> None:
+    """Put ``callback`` first in ``trainer``'s callback list (``add_to``), so that the
+    metrics it adds at ``on_log`` reach the ``report_to`` integrations, which run in list
+    order: the one place a callback edits the trainer's list."""
+    trainer.callback_handler.callbacks.insert(0, callback)
+
+
 def log_metrics(
     state: TrainerState, logs: dict[str, float] | None, metrics: dict[str, float]
 ) -> None:
