@@ -72,8 +72,9 @@ Case = Callable[[Setup, Path], list[object]]
 def capture(
     model: str = "llama", data: list[object] | None = None, extra: tuple[str, ...] = ()
 ) -> Case:
-    """``tda capture`` of ``setup.data`` (or of the rows ``data``) into ``tmp/out``; a
-    ``model`` other than llama/gpt2 is an empty folder of that name."""
+    """``tda capture`` of ``setup.data`` (or of the rows ``data``) into ``tmp/out``, then
+    ``extra`` (without it, ``--out`` is the last argument); a ``model`` other than
+    llama/gpt2 is an empty folder of that name."""
 
     def argv(s: Setup, tmp: Path) -> list[object]:
         source = s.data if data is None else write_jsonl(tmp / "d.jsonl", data)
@@ -141,31 +142,15 @@ BAD_INPUT: dict[str, tuple[Case, tuple[str, ...]]] = {
         ("no transformers model", "missing config.json"),
     ),
     "--out is a file": (
-        lambda s, tmp: [
-            "capture",
-            "--model",
-            s.llama,
-            "--data",
-            s.data,
-            "--out",
-            write_jsonl(tmp / "out", []),
-        ],
+        lambda s, tmp: [*capture()(s, tmp)[:-1], write_jsonl(tmp / "out", [])],
         ("is a file",),
     ),
     "--out is a folder of other files": (
-        lambda s, tmp: [
-            "capture",
-            "--model",
-            s.llama,
-            "--data",
-            s.data,
-            "--out",
-            write_jsonl(tmp / "mine" / "x.txt", []).parent,
-        ],
+        lambda s, tmp: [*capture()(s, tmp)[:-1], write_jsonl(tmp / "mine" / "x.txt", []).parent],
         ("holds no gradient store",),
     ),
     "capture into a store without --append": (
-        lambda s, tmp: ["capture", "--model", s.llama, "--data", s.data, "--out", s.store],
+        lambda s, tmp: [*capture()(s, tmp)[:-1], s.store],
         ("already holds steps", "--append"),
     ),
     "queries of another model": (
