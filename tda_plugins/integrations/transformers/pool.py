@@ -6,21 +6,20 @@ from __future__ import annotations
 from typing import Any
 
 from torch import nn
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from tda_plugins.api import capture_batch, evaluating
 from tda_plugins.capture import CaptureEngine
 from tda_plugins.integrations.transformers.data import ExamplePool, Examples
 from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
 from tda_plugins.integrations.transformers.setup import (
+    MetricsCallback,
     adapt_settings,
-    log_metrics,
-    put_first,
     settings_from,
 )
 
 
-class PoolCallback(TrainerCallback):
+class PoolCallback(MetricsCallback):
     """Base of the callbacks that score each step against a pool of examples (queries or a
     target set) whose gradients are captured at the current weights before the step.
 
@@ -38,11 +37,6 @@ class PoolCallback(TrainerCallback):
         self.pool = self.examples.batch() if self.examples.tokenized else {}
         self.every_n_steps = every_n_steps
         self.engine: CaptureEngine | None = None
-
-    def add_to(self, trainer: Any) -> PoolCallback:
-        """Put this callback first in ``trainer``'s list, so ``report_to`` sees its metrics."""
-        put_first(trainer, self)
-        return self
 
     def attach(
         self,
@@ -106,20 +100,6 @@ class PoolCallback(TrainerCallback):
     ) -> None:
         if self.engine is not None:
             self.engine.optimizer_step()
-
-    def step_metrics(self) -> dict[str, float]:
-        """Metrics of the latest step for the trainer's logs."""
-        return {}
-
-    def on_log(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        logs: dict[str, float] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        log_metrics(state, logs, self.step_metrics())
 
     def detach(self) -> None:
         """Finish pending micro-batches and unhook."""

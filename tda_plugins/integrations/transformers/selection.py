@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from tda_plugins.api import causal_lm_losses
 from tda_plugins.capture import MicroBatchRecord
@@ -28,10 +28,9 @@ from tda_plugins.data_selection.session import DEFAULT_FIX
 from tda_plugins.integrations.transformers.data import ExamplePool, Examples
 from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
 from tda_plugins.integrations.transformers.setup import (
+    MetricsCallback,
     adapt_settings,
     check_trainer_setup,
-    log_metrics,
-    put_first,
     unwrap_optimizer,
     uses_fused_head,
 )
@@ -79,7 +78,7 @@ class ClippingTakeover(CaptureConsumer):
         self.args.max_grad_norm = self.max_grad_norm
 
 
-class DataSelectionCallback(TrainerCallback):
+class DataSelectionCallback(MetricsCallback):
     """Online data selection for ``Trainer``/``SFTTrainer`` (LoRA or full fine-tuning).
 
     At every optimizer step, scores the step's examples (all micro-batches of the
@@ -160,11 +159,6 @@ class DataSelectionCallback(TrainerCallback):
     def history(self) -> list[StepSelection]:
         """One :class:`StepSelection` per optimizer step so far (the global outcome)."""
         return [] if self.session is None else self.session.history
-
-    def add_to(self, trainer: Any) -> DataSelectionCallback:
-        """Put this callback first in ``trainer``'s list, so ``report_to`` sees its metrics."""
-        put_first(trainer, self)
-        return self
 
     def on_train_begin(
         self,
@@ -269,16 +263,6 @@ class DataSelectionCallback(TrainerCallback):
         if self._grad_norm is not None:
             metrics["selection/grad_norm"] = float(self._grad_norm)
         return metrics
-
-    def on_log(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        logs: dict[str, float] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        log_metrics(state, logs, self.step_metrics())
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

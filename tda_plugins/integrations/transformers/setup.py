@@ -7,11 +7,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch import Tensor, nn
-from transformers import TrainerState, TrainingArguments
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from tda_plugins.integrations.transformers.refusals import TRAINER_CHECKS
 from tda_plugins.session import CaptureSettings, UnsupportedTrainingSetup
@@ -93,13 +93,6 @@ def pad_examples(examples: list[dict[str, Any]], pad_id: int = 0) -> dict[str, T
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def put_first(trainer: Any, callback: Any) -> None:
-    """Put ``callback`` first in ``trainer``'s callback list (``add_to``), so that the
-    metrics it adds at ``on_log`` reach the ``report_to`` integrations, which run in list
-    order: the one place a callback edits the trainer's list."""
-    trainer.callback_handler.callbacks.insert(0, callback)
-
-
 def log_metrics(
     state: TrainerState, logs: dict[str, float] | None, metrics: dict[str, float]
 ) -> None:
@@ -111,3 +104,29 @@ def log_metrics(
     logs.update(metrics)
     if state.log_history and state.log_history[-1].get("step") == state.global_step:
         state.log_history[-1].update(metrics)
+
+
+class MetricsCallback(TrainerCallback):
+    """Base of the callbacks that add their metrics to the trainer's logs (influence,
+    selection): :meth:`step_metrics` goes into every training-loss log entry at
+    ``on_log``, and :meth:`add_to` puts the callback first in the trainer's list (the one
+    place a callback edits it), so the ``report_to`` integrations after it see them."""
+
+    def add_to(self, trainer: Any) -> Self:
+        """Put this callback first in ``trainer``'s list, so ``report_to`` sees its metrics."""
+        trainer.callback_handler.callbacks.insert(0, self)
+        return self
+
+    def step_metrics(self) -> dict[str, float]:
+        """Metrics of the latest step for the trainer's logs."""
+        return {}
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        log_metrics(state, logs, self.step_metrics())
