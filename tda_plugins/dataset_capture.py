@@ -27,7 +27,7 @@ from tda_plugins.api import causal_lm_example_losses
 from tda_plugins.capture import CaptureEngine, content_hash
 from tda_plugins.precondition import CurvatureAccumulator
 from tda_plugins.ranks import Ranks
-from tda_plugins.session import CaptureSettings, resolve_curvature
+from tda_plugins.session import CaptureSettings, resolve_curvature, settings_from
 from tda_plugins.store import GradientStore, StoreReader
 
 #: Shard bytes a one-pass capture lets wait for the disk before it waits itself.
@@ -83,7 +83,10 @@ def capture_examples(
     from tda_plugins.integrations.transformers.data import batches, numbered_rows, tokenize_rows
 
     ranks = ranks or Ranks(next(model.parameters()).device)
-    settings = _settings(settings, options, out)
+    if settings is None:
+        settings = settings_from(None, {**options, "store_dir": str(out)})
+    else:
+        settings = dataclasses.replace(settings_from(settings, options), store_dir=str(out))
     inputs_device = model.get_input_embeddings().weight.device
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     source = str(examples) if isinstance(examples, str | Path) else "examples"
@@ -171,16 +174,6 @@ def capture_examples(
         }
         store.write_examples(texts)
     return StoreReader(out)
-
-
-def _settings(
-    settings: CaptureSettings | None, options: dict[str, Any], out: str | Path
-) -> CaptureSettings:
-    if settings is not None and options:
-        raise TypeError("pass either settings or keyword options, not both")
-    if settings is None:
-        return CaptureSettings(store_dir=str(out), **options)
-    return dataclasses.replace(settings, store_dir=str(out))
 
 
 def _length(model: Any, max_length: int | None) -> int:

@@ -129,6 +129,20 @@ def has_adam_moments(optimizer: torch.optim.Optimizer | None) -> bool:
     return all("betas" in g and "eps" in g for g in optimizer.param_groups)
 
 
+def settings_from(settings: CaptureSettings | None, options: dict[str, Any]) -> CaptureSettings:
+    """``settings``, or a :class:`CaptureSettings` of the keyword ``options`` (unknown
+    names refused, naming the known ones); not both."""
+    if settings is not None and options:
+        raise TypeError("pass either a CaptureSettings or keyword options, not both")
+    if settings is not None:
+        return settings
+    known = {f.name for f in dataclasses.fields(CaptureSettings)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(f"unknown capture options {unknown}; known: {sorted(known)}")
+    return CaptureSettings(**options)
+
+
 #: ``curvature="auto"`` accumulates K-FAC statistics up to this many bytes per rank in
 #: memory (twice that on disk, in fp64). SmolLM2-135M with LoRA on q/v needs 118 MiB, on
 #: every linear layer 1.1 GiB; with ``projection="factor"`` under 1 MiB.

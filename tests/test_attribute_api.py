@@ -151,3 +151,12 @@ def test_capture_examples_queues_its_shards_for_the_disk(
     tda_plugins.capture_examples(tiny_causal_lm("llama"), rows, tmp_path / "q", progress=False)
     assert [s.in_flight_bytes for s in made] == [dataset_capture.IN_FLIGHT_BYTES]
     assert GradientStore(tmp_path / "other").in_flight_bytes is None
+
+
+def test_capture_options_are_checked_by_name(tmp_path: Path) -> None:
+    """A misspelt option is refused, naming the known ones, before anything is written."""
+    with pytest.raises(TypeError, match=r"unknown capture options \['layerz'\].*'layers'"):
+        tda_plugins.capture_examples(
+            tiny_causal_lm("llama"), [{"input_ids": [2, 3, 4]}], tmp_path / "q", layerz="all"
+        )
+    assert not (tmp_path / "q").exists()

@@ -22,10 +22,9 @@ from tda_plugins.integrations.transformers.setup import (
     adapt_settings,
     check_trainer_setup,
     process_index,
-    settings_from,
     unwrap_optimizer,
 )
-from tda_plugins.session import CaptureSession, CaptureSettings
+from tda_plugins.session import CaptureSession, CaptureSettings, settings_from
 
 
 class GradientCaptureCallback(TrainerCallback):

@@ -15,8 +15,8 @@ from tda_plugins.integrations.transformers.normalization import CausalLMNormaliz
 from tda_plugins.integrations.transformers.setup import (
     MetricsCallback,
     adapt_settings,
-    settings_from,
 )
+from tda_plugins.session import settings_from
 
 
 class PoolCallback(MetricsCallback):

@@ -67,18 +67,6 @@ def unwrap_optimizer(optimizer: Any) -> Any:
     return getattr(optimizer, "optimizer", optimizer)
 
 
-def settings_from(settings: CaptureSettings | None, options: dict[str, Any]) -> CaptureSettings:
-    if settings is not None and options:
-        raise TypeError("pass either a CaptureSettings or keyword options, not both")
-    if settings is not None:
-        return settings
-    known = {f.name for f in dataclasses.fields(CaptureSettings)}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise TypeError(f"unknown capture options {unknown}; known: {sorted(known)}")
-    return CaptureSettings(**options)
-
-
 def pad_examples(examples: list[dict[str, Any]], pad_id: int = 0) -> dict[str, Tensor]:
     """Right-padded causal-LM batch from rows with ``input_ids`` (and optional ``labels``)."""
     length = max(len(e["input_ids"]) for e in examples)
