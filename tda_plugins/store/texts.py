@@ -47,14 +47,18 @@ class TextRecorder(CaptureConsumer):
             self._lines.append(json.dumps({"id": example_id, "text": text}) + "\n")
 
     def on_optimizer_step(self, step: int, records: list[MicroBatchRecord]) -> None:
+        self._append()
+
+    def on_end(self) -> None:
+        self._append()
+
+    def _append(self) -> None:
+        """Append the texts gathered since the last call."""
         if not self._lines:
             return
         with self.path.open("a", encoding="utf-8") as out:
             out.writelines(self._lines)
         self._lines = []
-
-    def on_end(self) -> None:
-        self.on_optimizer_step(-1, [])
 
 
 def read_texts(root: Path) -> dict[int, str]:
