@@ -351,15 +351,18 @@ def make_trainer(
     rows: Tensor,
     args: TrainingArguments,
     callbacks: Sequence[TrainerCallback],
+    processing_class: Any = None,
 ) -> Trainer:
-    """A ``Trainer`` over ``rows`` (fixed-length token rows) with ``callbacks`` in order;
-    the end-of-run metrics are not printed."""
+    """A ``Trainer`` over ``rows`` (fixed-length token rows) with ``callbacks`` in order
+    (and ``processing_class``, the tokenizer callbacks get); the end-of-run metrics are
+    not printed."""
     trainer = Trainer(
         model=model,
         args=args,
         train_dataset=RowDataset(rows),
         data_collator=collate_rows,
         callbacks=list(callbacks),
+        processing_class=processing_class,
     )
     trainer.remove_callback(PrinterCallback)
     return trainer

@@ -9,7 +9,8 @@ linear layer but the head), and alternates short ``trainer.train()`` runs of
 * ``capture``: with ``GradientCaptureCallback(layers="lora", projection="factor", k_a=16,
   k_g=16, curvature=True)`` writing a new gradient store on local disk each run (factor-
   projected per-example gradients of every adapter, crash-safe shards committed at every
-  step, inline K-FAC statistics of the projected factors).
+  step, inline K-FAC statistics of the projected factors, each example's decoded text:
+  both runs get a word-level tokenizer over the token ids as their ``processing_class``).
 
 A ``TrainerCallback`` first in the list times each step from ``on_step_begin`` to
 ``on_step_end`` (batch loading outside; forward, backward, the callback's commit,
@@ -74,8 +75,9 @@ from common import (
     verdict,
     with_lora,
 )
+from tokenizers import Tokenizer, models, pre_tokenizers
 from torch import nn
-from transformers import TrainerCallback
+from transformers import PreTrainedTokenizerFast, TrainerCallback
 
 from tda_plugins import LayerSelection
 from tda_plugins.integrations.transformers import GradientCaptureCallback
@@ -187,6 +189,15 @@ def training_rows(settings: Settings, steps: int) -> torch.Tensor:
     return token_rows(steps * settings.batch, settings.seq, vocab, seed=4)
 
 
+def id_tokenizer(vocab: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over every token id (``"w<i>"`` is id ``i``): the capture
+    stores each example's decoded text, as it does with a run's real tokenizer."""
+    words = {f"w{i}": i for i in range(vocab)}
+    model = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    model.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=model, pad_token="w0")
+
+
 def capture_callback(store_dir: Path, settings: Settings) -> GradientCaptureCallback:
     """The measured callback, writing a new store at ``store_dir``."""
     return GradientCaptureCallback(
@@ -217,9 +228,13 @@ def train_run(
     if config == CAPTURE:
         callbacks.append(capture_callback(store, settings))
     args = training_args(work / f"out-{tag}", steps, settings.batch)
-    make_trainer(model, training_rows(settings, steps), args, callbacks).train()
+    rows = training_rows(settings, steps)
+    vocab = int((QUICK_MODEL if settings.quick else MODEL)["vocab_size"])
+    make_trainer(model, rows, args, callbacks, id_tokenizer(vocab)).train()
     if config == CAPTURE and StoreReader(store).steps != list(range(steps)):
         raise RuntimeError(f"the capture run {tag} did not commit all {steps} steps to {store}")
+    if config == CAPTURE and len(StoreReader(store).texts()) != len(rows):
+        raise RuntimeError(f"the capture run {tag} did not store every example's text")
     return timer
 
 
