@@ -278,7 +278,10 @@ class CaptureSession:
         if self.curvature is not None:
             own = (*own, self.curvature)
         if settings.store_texts and callable(getattr(tokenizer, "decode", None)):
-            own = (*own, TextRecorder(settings.store_dir, rank, tokenizer))
+            own = (
+                *own,
+                TextRecorder(settings.store_dir, rank, tokenizer, tokens=settings.keep_tokens),
+            )
         self.engine = CaptureEngine(
             model,
             settings.selection(),

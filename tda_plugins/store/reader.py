@@ -26,7 +26,7 @@ from tda_plugins.store.layout import (
     StoreError,
     read_store_header,
 )
-from tda_plugins.store.texts import read_texts
+from tda_plugins.store.texts import TokenTexts, read_texts, read_token_texts
 
 
 @dataclass
@@ -158,6 +158,11 @@ class StoreReader:
                 f"{'; '.join(differences)}. Capture the queries with the trained model, or "
                 "pass --allow-mismatch (allow_mismatch=True) to score them anyway"
             )
+
+    def token_texts(self) -> dict[int, TokenTexts]:
+        """Example id -> its tokens, where the capture kept per-token factors and a
+        tokenizer (else empty)."""
+        return read_token_texts(self.root)
 
     def texts(self) -> dict[int, str]:
         """Example id -> text, where the capture saved texts (else empty)."""
