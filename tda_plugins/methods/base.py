@@ -32,7 +32,7 @@ from tda_plugins.grads.ops import (
 )
 from tda_plugins.heap import release_free_heap
 from tda_plugins.methods.scores import Scores
-from tda_plugins.precondition.base import Identity, Preconditioner
+from tda_plugins.precondition.base import PRECONDITIONERS, Preconditioner
 from tda_plugins.ranks import Ranks, on_device
 from tda_plugins.registry import Registry
 from tda_plugins.store.layout import StoreError
@@ -54,9 +54,14 @@ class AttributionMethod(ABC):
     name: ClassVar[str]
     #: Unit-normalize train and query gradients (over all layers) before the dot.
     normalize: ClassVar[bool] = False
+    #: The registered preconditioner (``precondition/``) applied to the queries; what it
+    #: needs from the store (``needs_curvature``) is read from it, not from the method.
+    preconditioner_name: ClassVar[str] = "identity"
 
     def __init__(self, damping: float = 0.1):
-        self.preconditioner: Preconditioner = Identity(damping)
+        self.preconditioner: Preconditioner = PRECONDITIONERS.create(
+            self.preconditioner_name, damping=damping
+        )
 
     def prepare(
         self,

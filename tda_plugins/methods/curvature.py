@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from tda_plugins.methods.base import AttributionMethod, register_method
-from tda_plugins.precondition.kfac import EKFACPreconditioner, KFACPreconditioner
 from tda_plugins.ranks import Ranks
 from tda_plugins.store.layout import StoreError
 from tda_plugins.store.reader import StoreReader
@@ -13,18 +12,14 @@ from tda_plugins.store.reader import StoreReader
 class KFAC(AttributionMethod):
     """``<(S + l_S)^{-1} G_q (A + l_A)^{-1}, G_z>`` per layer (damping relative, default 0.1)."""
 
-    def __init__(self, damping: float = 0.1):
-        super().__init__(damping)
-        self.preconditioner = KFACPreconditioner(damping)
+    preconditioner_name = "kfac"
 
 
 @register_method("ekfac")
 class EKFAC(AttributionMethod):
     """EK-FAC: the K-FAC eigenbasis with eigenvalues corrected on the stored gradients."""
 
-    def __init__(self, damping: float = 0.1):
-        super().__init__(damping)
-        self.preconditioner = EKFACPreconditioner(damping)
+    preconditioner_name = "ekfac"
 
 
 @register_method("logra")

@@ -31,8 +31,6 @@ class Preconditioner(ABC):
     name: ClassVar[str]
     #: Needs the inline K-FAC statistics saved in the store.
     needs_curvature: ClassVar[bool] = False
-    #: Needs a pass over the stored per-example gradients (EK-FAC eigenvalue correction).
-    needs_store_pass: ClassVar[bool] = False
     #: Returns dense ``(B2, D)`` queries whatever their input form (an elementwise step
     #: breaks the factor structure), so scoring takes the queries in groups that fit.
     dense_queries: ClassVar[bool] = False

@@ -195,7 +195,6 @@ class EKFACPreconditioner(Preconditioner):
     """Eigenvalue-corrected K-FAC: Kronecker eigenbasis, per-entry corrected eigenvalues."""
 
     needs_curvature = True
-    needs_store_pass = True
     dense_queries = True
 
     def fit(
