@@ -29,8 +29,8 @@ from tda_plugins.methods import (
     TrainingStep,
     TrainingTrajectory,
     attribute,
-    metagradient,
 )
+from tda_plugins.methods.metagradient import metagradient
 from tda_plugins.queries import QueryCollector, score_record
 
 __version__ = "0.1.0"

@@ -33,8 +33,6 @@ from tda_plugins.methods.training_run import (
 )
 from tests.models import VOCAB, tiny_causal_lm, with_lora
 
-torch.set_default_dtype(torch.float64)
-
 
 class ToyLM(nn.Module):
     """Dense features -> tanh layer -> logits; every weight gets a gradient from every
@@ -43,8 +41,8 @@ class ToyLM(nn.Module):
     def __init__(self, features: int = 3, hidden: int = 4, classes: int = 5):
         super().__init__()
         torch.manual_seed(0)
-        self.hidden = nn.Linear(features, hidden)
-        self.head = nn.Linear(hidden, classes)
+        self.hidden = nn.Linear(features, hidden, dtype=torch.float64)
+        self.head = nn.Linear(hidden, classes, dtype=torch.float64)
 
     def forward(self, x: Tensor) -> SimpleNamespace:
         return SimpleNamespace(logits=self.head(torch.tanh(self.hidden(x))))
@@ -58,7 +56,10 @@ def toy_examples(ids: Sequence[int], length: int = 5) -> dict[int, dict[str, Ten
         gen = torch.Generator().manual_seed(1000 + i)
         labels = torch.randint(0, 5, (1, length), generator=gen)
         labels[0, length - i % 3 :] = -100
-        out[i] = {"x": torch.randn(1, length, 3, generator=gen), "labels": labels}
+        out[i] = {
+            "x": torch.randn(1, length, 3, generator=gen, dtype=torch.float64),
+            "labels": labels,
+        }
     return out
 
 
@@ -287,7 +288,7 @@ def unrolled(
     decay groups, no recomputation), then one backward per query."""
     trainable = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     ids = run.example_ids()
-    weights = torch.ones(len(ids), requires_grad=True)
+    weights = torch.ones(len(ids), dtype=torch.float64, requires_grad=True)
     beta1, beta2, eps = 0.9, 0.999, 1e-8
 
     def losses(params: dict[str, Tensor], batch: MicroBatch) -> Tensor:
@@ -492,7 +493,10 @@ def unlabeled_last_step(labels: Tensor | None) -> TrainingTrajectory:
         ({"adam_denominator": "exactly"}, "unknown adam_denominator"),
         ({"loss_convention": "mean"}, "unknown loss convention"),
         ({"queries": []}, "no query example"),
-        ({"initial_state": {"head.weight": torch.zeros(5, 4)}}, "lacks trainable parameters"),
+        (
+            {"initial_state": {"head.weight": torch.zeros(5, 4, dtype=torch.float64)}},
+            "lacks trainable parameters",
+        ),
         (
             {"optimizer": AdamWSettings(weight_decay={"hiden.weight": 0.1}, max_grad_norm=None)},
             "not trainable",

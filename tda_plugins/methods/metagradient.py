@@ -10,6 +10,7 @@ small fine-tunes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -283,6 +284,8 @@ def loss_weight_derivatives(
     loss_fn: LossFn | None = None,
     adam_denominator: str = "exact",
     initial_state: Mapping[str, Tensor] | None = None,
+    trained_state: Mapping[str, Tensor] | None = None,
+    replay_tolerance: float = 1e-3,
     state_device: torch.device | str | None = None,
     progress: bool = False,
 ) -> WeightDerivatives:
@@ -317,6 +320,14 @@ def loss_weight_derivatives(
         initial_state: the trainable parameters' values before the first step, by name as
             in ``model.named_parameters()`` (other entries are ignored); default: the
             module's current values.
+        trained_state: the trainable parameters' values the run ended at: the replay's
+            final weights must lie within ``replay_tolerance`` of the run's displacement
+            ``||theta_T - theta_0||`` from them, else the trajectory is refused (after the
+            replay, before the backward): a missing step, a wrong learning rate, loss
+            convention or clipping, or dropout in the run.
+        replay_tolerance: see ``trained_state``. A transformers ``Trainer`` run in fp64
+            (whose loss is taken in fp32) replays to 5e-7; leaving out its weight decay
+            of 0.1 misses by 3e-3, its clipping by 9e-2. Raise it for runs in bf16.
         state_device: where the replay keeps each step's state (``"cpu"`` to offload);
             default: the model's device.
         progress: progress bars over the replay's and the backward's steps.
@@ -344,11 +355,18 @@ def loss_weight_derivatives(
     if sum(b.size for b in batches) == 0:
         raise ValueError("no query example: give at least one query micro-batch")
     query_ids = torch.cat([b.example_ids.cpu().long() for b in batches])
-    start = _initial_params(model, run.names, initial_state)
+    start = (
+        [p.detach() for n, p in model.named_parameters() if p.requires_grad]
+        if initial_state is None
+        else _values_by_name(model, run.names, initial_state, "initial_state")
+    )
     # PyTorch's fused attention kernels have no double backward; its math kernel has
     with evaluating(model), sdpa_kernel(SDPBackend.MATH):
         plan.require_second_derivatives(start)
         saved, final = plan.replay(start, state_device, progress)
+        if trained_state is not None:
+            ends = _values_by_name(model, run.names, trained_state, "trained_state")
+            _require_reproduced(start, final, ends, replay_tolerance)
         adjoints = plan.query_adjoints(final, batches)
         dtype = torch.promote_types(final[0].dtype, torch.float32)
         out = torch.zeros(len(plan.train_ids), len(query_ids), dtype=dtype, device=run.device)
@@ -375,25 +393,47 @@ def metagradient(
     return loss_weight_derivatives(model, trajectory, queries, **options).scores()
 
 
-def _initial_params(
-    model: nn.Module, names: list[str], initial_state: Mapping[str, Tensor] | None
+def _values_by_name(
+    model: nn.Module, names: list[str], state: Mapping[str, Tensor], what: str
 ) -> list[Tensor]:
+    """The trainable parameters' values in ``state``, on the model's devices and dtypes."""
     params = dict(model.named_parameters())
-    if initial_state is None:
-        return [params[n].detach() for n in names]
-    missing = [n for n in names if n not in initial_state]
+    missing = [n for n in names if n not in state]
     if missing:
         raise ValueError(
-            f"initial_state lacks trainable parameters {missing[:3]} ({len(missing)} in all): "
-            "give every trainable parameter's value before the first step"
+            f"{what} lacks trainable parameters {missing[:3]} ({len(missing)} in all): give "
+            "every trainable parameter's value, by its model.named_parameters() name"
         )
     out = []
     for n in names:
-        value = initial_state[n]
+        value = state[n]
         if value.shape != params[n].shape:
             raise ValueError(
-                f"initial_state[{n!r}] has shape {tuple(value.shape)}, the model's parameter "
+                f"{what}[{n!r}] has shape {tuple(value.shape)}, the model's parameter "
                 f"{tuple(params[n].shape)}"
             )
         out.append(value.detach().to(device=params[n].device, dtype=params[n].dtype))
     return out
+
+
+def _require_reproduced(
+    start: list[Tensor], replayed: list[Tensor], trained: list[Tensor], tolerance: float
+) -> None:
+    """Refuse a replay that ends farther than ``tolerance * ||trained - start||`` from the
+    trained weights."""
+    moved = _distance(trained, start)
+    error = _distance(replayed, trained)
+    if not error <= tolerance * moved:
+        raise ValueError(
+            f"the replay does not reproduce the run: it ends {error:.3g} from the trained "
+            f"weights, {error / max(moved, 1e-300):.3g} of the run's displacement {moved:.3g} "
+            f"(tolerance {tolerance}); check that every step is recorded with its learning "
+            "rate, the loss convention, clipping and weight decay, and that the run had no "
+            "dropout"
+        )
+
+
+def _distance(a: list[Tensor], b: list[Tensor]) -> float:
+    return math.sqrt(
+        sum(float((x.double() - y.double()).square().sum()) for x, y in zip(a, b, strict=True))
+    )

@@ -123,7 +123,9 @@ class AdamWSettings:
         cls, optimizer: torch.optim.Optimizer, model: nn.Module, *, max_grad_norm: float | None
     ) -> AdamWSettings:
         """The settings of a ``torch.optim.AdamW`` over ``model``'s parameters (its param
-        groups' decays by parameter name); every group must share betas and eps."""
+        groups' decays by parameter name); every group must share betas and eps.
+        accelerate's wrapper (a ``Trainer``'s ``trainer.optimizer``) is unwrapped."""
+        optimizer = getattr(optimizer, "optimizer", optimizer)
         if type(optimizer) is not torch.optim.AdamW:
             raise ValueError(
                 f"the metagradient replays torch.optim.AdamW, got {type(optimizer).__name__} "
