@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -629,3 +629,58 @@ def test_refusals_of_the_inputs() -> None:
             loss_convention="sum",
             loss_fn=lambda m, b: CountingLoss()(m, b).sum(),
         )
+
+
+class SavedBytes:
+    """Bytes of the tensors autograd graphs hold for their backward, live and at peak
+    (``saved_tensors_hooks``: each saved tensor is counted until its graph lets it go)."""
+
+    def __init__(self) -> None:
+        self.live = self.peak = 0
+
+    def pack(self, tensor: Tensor) -> Held:
+        return Held(tensor, self)
+
+    def unpack(self, held: Held) -> Tensor:
+        return held.tensor
+
+
+class Held:
+    def __init__(self, tensor: Tensor, owner: SavedBytes):
+        self.tensor, self.owner = tensor, owner
+        self.size = tensor.numel() * tensor.element_size()
+        owner.live += self.size
+        owner.peak = max(owner.peak, owner.live)
+
+    def __del__(self) -> None:
+        self.owner.live -= self.size
+
+
+def peak_graph_bytes(compute: Callable[[], object]) -> int:
+    saved = SavedBytes()
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        compute()
+    return saved.peak
+
+
+def test_the_backward_holds_one_micro_batch_graph_not_the_run() -> None:
+    """The graphs alive at once do not grow with the number of steps (the whole run as one
+    graph does)."""
+    model = ToyLM()
+    runs = {n: trajectory(TOY, steps=n, micro=2, size=3, lrs=[0.01] * n) for n in (2, 6)}
+    ours = {
+        n: peak_graph_bytes(
+            lambda run=run: method(model, run, TOY_QUERIES, "window_mean", 0.1, None)
+        )
+        for n, run in runs.items()
+    }
+    whole = {
+        n: peak_graph_bytes(
+            lambda run=run: unrolled(
+                model, run, TOY_QUERIES, "window_mean", 0.1, None, detach_v=False
+            )
+        )
+        for n, run in runs.items()
+    }
+    assert ours[6] == ours[2] > 0
+    assert whole[6] > 2 * whole[2]
