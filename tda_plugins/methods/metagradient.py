@@ -337,8 +337,8 @@ def loss_weight_derivatives(
 
     Cost (docs/design.md section 13.5): the replay is one training run; the backward,
     per step and micro-batch, a forward, a backward with its graph and, per query, a
-    backward through that graph: for one query about 4x the training run's compute, about
-    2x more per further query.
+    backward through that graph: for one query about 4-5x the training run's compute,
+    about 2.5x more per further query.
     Memory: 4 copies of the trainable weights per step (weights, ``m``, ``v``, gradient),
     3 more per query (the adjoints), and one micro-batch's double-backward graph.
     """
