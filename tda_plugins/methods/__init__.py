@@ -1,6 +1,6 @@
 """Attribution methods behind one interface, registered by name."""
 
-from tda_plugins.methods import curvature, gradient, less
+from tda_plugins.methods import adamw_influence, curvature, gradient, less
 from tda_plugins.methods.attribute import attribute
 from tda_plugins.methods.base import METHODS, AttributionMethod, method_by_name, register_method
 from tda_plugins.methods.gradient import Checkpoint
@@ -11,6 +11,7 @@ __all__ = [
     "AttributionMethod",
     "Checkpoint",
     "Scores",
+    "adamw_influence",
     "attribute",
     "curvature",
     "gradient",
