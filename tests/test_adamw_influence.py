@@ -33,8 +33,9 @@ from transformers import Trainer, TrainerCallback
 from tda_plugins import LayerSelection, causal_lm_example_losses
 from tda_plugins.capture import content_hash
 from tda_plugins.capture.normalization import SummedLoss
+from tda_plugins.cli import main as cli_main
 from tda_plugins.integrations.transformers import GradientCaptureCallback
-from tda_plugins.methods import method_by_name
+from tda_plugins.methods import Scores, method_by_name
 from tda_plugins.session import CaptureSession, CaptureSettings, UnsupportedTrainingSetup
 from tda_plugins.store import StoreError, StoreReader
 from tda_plugins.trajectory import TrajectoryReader
@@ -501,3 +502,32 @@ def test_recording_changes_nothing_of_the_run_or_of_other_methods(tmp_path: Path
     for method in ("graddot", "tracin", "less"):
         got, expected = (method_by_name(method).score(r.store, queries) for r in runs)
         assert torch.equal(got.values, expected.values), method
+
+
+def test_tda_attribute_scores_with_the_trajectory_methods(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``tda attribute --method adamw_own_step`` writes the scores of
+    ``adamw_influence(own_step=True)``; on a store without a trajectory, ``adamw_influence``
+    exits 2 with one line naming the fix. Token-level scores are refused."""
+    run = train(tmp_path, "lora")
+    queries = capture_queries(run, tmp_path / "queries")
+    args = ["attribute", "--store", run.store_dir, "--queries", queries.root]
+    assert (
+        cli_main([str(a) for a in [*args, "--method", "adamw_own_step", "--out", tmp_path / "s"]])
+        == 0
+    )
+    expected = method_by_name("adamw_influence", own_step=True).score(run.store, queries)
+    assert torch.equal(Scores.load(tmp_path / "s").values, expected.values)
+    with pytest.raises(ValueError, match="no token-level scores"):  # they would be GradDot's
+        method_by_name("adamw_influence").token_scores(run.store, queries, [0])
+
+    capsys.readouterr()  # the progress bars of the run above
+    plain = train(tmp_path / "plain", "lora", capture={"record_trajectory": False})
+    args = ["attribute", "--store", plain.store_dir, "--queries", queries.root]
+    out = tmp_path / "none"
+    code = cli_main(
+        [str(a) for a in [*args, "--method", "adamw_influence", "--out", out, "--allow-mismatch"]]
+    )
+    error = capsys.readouterr().err.strip()
+    assert code == 2 and "record_trajectory=True" in error and "\n" not in error

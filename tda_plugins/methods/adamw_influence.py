@@ -174,6 +174,16 @@ class AdamWInfluence(AttributionMethod):
         scores.require_finite()
         return scores
 
+    def token_scores(
+        self, store: StoreReader, queries: StoreReader, train_ids: list[int]
+    ) -> dict[int, Tensor]:
+        """Not provided: the shared per-token path scores the plain gradients, which would
+        be GradDot's token scores under this method's name."""
+        raise ValueError(
+            f"{self.name} has no token-level scores; use graddot's (its per-token scores "
+            "split the plain gradient dot), or score whole examples"
+        )
+
     def _step_scores(
         self,
         store: StoreReader,
