@@ -8,6 +8,7 @@ id). A damaged or crafted store is a :class:`StoreError`, never a wrong score.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,6 +126,20 @@ class StoreReader:
     def steps(self) -> list[int]:
         """Distinct committed optimizer steps, ascending."""
         return sorted({s.step for s in self._shards})
+
+    def step_example_ids(self) -> dict[int, list[int]]:
+        """Committed step -> its example ids in store order (from the indexes alone)."""
+        out: dict[int, list[int]] = {}
+        for shard in self._shards:
+            out.setdefault(shard.step, []).extend(shard.example_ids)
+        return out
+
+    def at_step(self, step: int) -> StoreReader:
+        """A view of this store holding optimizer step ``step`` alone (its chunks are read
+        exactly as :meth:`iter_chunks` reads them)."""
+        view = copy.copy(self)
+        view._shards = [s for s in self._shards if s.step == step]
+        return view
 
     def require_compatible(self, other: StoreReader, allow_mismatch: bool = False) -> None:
         """Raise unless ``other`` (queries) was captured with the same layers, projection
