@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from tda_plugins.methods.base import AttributionMethod, register_method
-from tda_plugins.precondition.kfac import EKFACPreconditioner, KFACPreconditioner
+from tda_plugins.precondition.ekfac import EKFACPreconditioner
+from tda_plugins.precondition.kfac import KFACPreconditioner
 from tda_plugins.ranks import Ranks
 from tda_plugins.store.layout import StoreError
 from tda_plugins.store.reader import StoreReader
