@@ -12,7 +12,7 @@ example's gradient of its own summed token loss; higher = more helpful to the qu
 from __future__ import annotations
 
 from abc import ABC
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from tda_plugins.grads.base import PerExampleGrad, values_dtype
 from tda_plugins.grads.blocks import spans
+from tda_plugins.grads.dense import sum_of_uses
 from tda_plugins.grads.ops import (
     QueryGradients,
     example_norms,
@@ -117,7 +118,7 @@ class AttributionMethod(ABC):
         _require_queries(queries)
         chunk = chunk_examples or default_chunk(queries.num_examples)
         # layer groups and the query cache follow the whole store, as in one process
-        groups = layer_groups(store, queries, chunk)
+        groups = layer_groups(store, queries, chunk, self.preconditioner.tied_units)
         part = ranks.part(store, chunk)
         examples = 0 if part is None else part.num_examples
         show = progress and ranks.rank == 0
@@ -165,11 +166,7 @@ class AttributionMethod(ABC):
         leave ``query`` as soon as its prepared side exists, so that the two are not held
         together for every layer (a preconditioned side is a second copy)."""
         layers = list(query.layers)
-        sides = {}
-        for name in layers:
-            grads = query.layers.pop(name) if release else query.layers[name]
-            sides[name] = self.query_side(name, grads.select(rows))
-            del grads
+        sides = self._query_sides(query, rows, release)
         # materialized queries are worth keeping only for a second training chunk
         cache = QUERY_CACHE_BYTES if source.store.num_examples > source.chunk else 0
         prepared = QueryGradients(sides, cache)
@@ -194,6 +191,28 @@ class AttributionMethod(ABC):
             prepared.sq_norms() if self.normalize else None,
         )
 
+    def _query_sides(
+        self, query: StoreChunk, rows: slice, release: bool
+    ) -> dict[str, PerExampleGrad]:
+        """Each layer's query side of the queries ``rows``; the uses of a tied weight
+        (:attr:`~tda_plugins.precondition.base.Preconditioner.tied_units`) share one,
+        prepared from the sum of their query gradients, so that their dots with each use's
+        training gradients add up to the weight's. ``release``: each loaded query leaves
+        ``query`` once its side exists."""
+        unit_of = {n: unit for unit in self.preconditioner.tied_units for n in unit}
+        sides: dict[str, PerExampleGrad] = {}
+        for name in list(query.layers):
+            if name in sides:
+                continue
+            unit = unit_of.get(name, (name,))
+            uses = [
+                (query.layers.pop(n) if release else query.layers[n]).select(rows) for n in unit
+            ]
+            side = self.query_side(name, sum_of_uses(uses))
+            del uses
+            sides.update(dict.fromkeys(unit, side))
+        return sides
+
     def token_scores(
         self, store: StoreReader, queries: StoreReader, train_ids: list[int]
     ) -> dict[int, Tensor]:
@@ -203,7 +222,7 @@ class AttributionMethod(ABC):
         """
         self.prepare(store, queries)
         query = _load_queries(queries)
-        q_layers = {n: self.query_side(n, g) for n, g in query.layers.items()}
+        q_layers = self._query_sides(query, slice(None), release=False)
         q_norms = example_norms(q_layers) if self.normalize else None
         wanted = set(train_ids)
         out: dict[int, Tensor] = {}
@@ -299,21 +318,31 @@ class _Totals:
 SCORE_GROUP_BYTES = 1 << 29
 
 
-def layer_groups(store: StoreReader, queries: StoreReader, chunk: int) -> list[list[str]]:
+def layer_groups(
+    store: StoreReader,
+    queries: StoreReader,
+    chunk: int,
+    units: Sequence[tuple[str, ...]] = (),
+) -> list[list[str]]:
     """Consecutive layers whose stored gradients, every query's and a training chunk's of
     ``chunk`` examples, fit :data:`SCORE_GROUP_BYTES` together (at least one layer a
-    group); sizes from the shards' headers."""
+    group); sizes from the shards' headers. The layers of each of ``units`` (the uses of
+    a tied weight) go in one group, at the place of the first."""
     train, query = store.layer_nbytes(), queries.layer_nbytes()
     rows = min(chunk, max(store.num_examples, 1))
+    unit_of = {n: unit for unit in units for n in unit}
     groups: list[list[str]] = []
     used = 0
     for name in store.layer_names:
-        size = rows * train[name] + queries.num_examples * query[name]
+        unit = unit_of.get(name, (name,))
+        if name != unit[0]:
+            continue
+        size = sum(rows * train[n] + queries.num_examples * query[n] for n in unit)
         if groups and used + size <= SCORE_GROUP_BYTES:
-            groups[-1].append(name)
+            groups[-1].extend(unit)
             used += size
         else:
-            groups.append([name])
+            groups.append(list(unit))
             used = size
     return groups
 
