@@ -196,6 +196,21 @@ def _add_attribute(sub: Any) -> None:
         metavar=("STORE", "QUERIES", "LR"),
         help="tracin: another checkpoint",
     )
+    p.add_argument(
+        "--exclude-params",
+        nargs="+",
+        default=[],
+        metavar="PATTERN",
+        help="graddot/gradcos/tracin/less: leave out of both sides every parameter whose "
+        "name within its layer (bias, weight) or full name <layer>.<name> matches a glob "
+        "pattern, e.g. --exclude-params bias '*.ln_*'",
+    )
+    p.add_argument(
+        "--layer-norm",
+        action="store_true",
+        help="graddot/gradcos/tracin/less: unit-normalize each layer's gradient per example "
+        "before the dot, so that every layer weighs alike",
+    )
     p.add_argument("--top-k", type=positive_int, default=10, help="examples per query in the top-k")
     p.add_argument(
         "--tokens",
@@ -336,6 +351,10 @@ def _attribute_on(args: argparse.Namespace, ranks: Ranks) -> None:
         )
     elif args.checkpoint:
         raise ValueError("--checkpoint applies to --method tracin only")
+    if args.exclude_params:
+        options["exclude_params"] = tuple(args.exclude_params)
+    if args.layer_norm:
+        options["normalize_layers"] = True
     if args.tokens:
         require_token_scores(store, args.method)
     start = time.perf_counter()

@@ -173,9 +173,11 @@ class CaptureEngine:
 
     @property
     def config(self) -> CaptureConfig:
-        """Layers and projection of this capture (layers are known after :meth:`attach`)."""
+        """Layers, projection and parameter layouts of this capture (layers are known after
+        :meth:`attach`)."""
         projection = None if self.projector is None else self.projector.config
-        return CaptureConfig(tuple(self._layers), projection)
+        layouts = {name: adapter.parameter_layout(m) for name, (m, adapter) in self._layers.items()}
+        return CaptureConfig(tuple(self._layers), projection, parameters=layouts)
 
     @property
     def step(self) -> int:
