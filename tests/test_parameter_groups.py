@@ -33,7 +33,7 @@ from tda_plugins.grads import DenseGrad, Route, TokenFactors
 from tda_plugins.grads import routing as routing_module
 from tda_plugins.grads.parameters import ParameterLayout, keep_parameters
 from tda_plugins.influence import InfluenceLogger
-from tda_plugins.methods import Checkpoint, Scores, method_by_name
+from tda_plugins.methods import METHODS, Checkpoint, Scores, method_by_name
 from tda_plugins.precondition.adam import save_adam_state
 from tda_plugins.store import StoreReader
 from tests.models import lm_batch, tiny_causal_lm
@@ -632,3 +632,15 @@ def test_olmo_core_influence_callback_takes_the_groups() -> None:
     )
     groups = callback.influence_log.groups
     assert (groups.exclude, groups.normalize_layers) == (("*.w_out.*",), True)
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_every_method_takes_the_groups_or_refuses_them_by_name(name: str) -> None:
+    """A registered method either takes ``exclude_params`` or refuses it with a
+    ``ValueError`` naming why (the CLI's one-line error), never a bare ``TypeError``."""
+    cls = METHODS[name]
+    if cls.no_parameter_groups is None:
+        assert method_by_name(name, exclude_params=("bias",)).groups.active
+    else:
+        with pytest.raises(ValueError, match="takes no exclude_params"):
+            method_by_name(name, exclude_params=("bias",))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -101,8 +102,13 @@ class AdamWInfluence(AttributionMethod):
 
     own_step: bool = False
 
-    def __init__(self, damping: float = 0.1, own_step: bool | None = None):
-        super().__init__(damping)
+    no_parameter_groups = (
+        "its reverse sweep moves each layer's whole query side through the recorded Adam "
+        "terms, which are kept per layer, not per parameter group"
+    )
+
+    def __init__(self, damping: float = 0.1, own_step: bool | None = None, **groups: Any):
+        super().__init__(damping, **groups)
         if own_step is not None:
             self.own_step = own_step
 
