@@ -17,7 +17,7 @@ extremes are the running top-k helpful and harmful examples.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -29,6 +29,8 @@ from tda_plugins.capture.config import CaptureConfig
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.records import MicroBatchRecord
 from tda_plugins.distributed import OneProcess, RankGather
+from tda_plugins.grads.base import PerExampleGrad
+from tda_plugins.grads.dense import sum_of_uses
 from tda_plugins.grads.ops import QueryGradients
 from tda_plugins.methods.groups import ParameterGroups, ScoringSpace
 from tda_plugins.methods.scores import Scores
@@ -95,6 +97,7 @@ class InfluenceLogger(CaptureConsumer):
         #: The groups resolved against the engine's layers (at :meth:`on_attach`).
         self.space = ScoringSpace(normalize_layers=self.groups.normalize_layers)
         self._resolved = False
+        self.ties: tuple[tuple[str, ...], ...] = ()
         self.queries: QueryGradients | None = None
         self.learning_rate = 1.0
         self.history: list[StepInfluence] = []
@@ -104,6 +107,26 @@ class InfluenceLogger(CaptureConsumer):
     def on_attach(self, config: CaptureConfig) -> None:
         self.space = self.groups.resolve(config)
         self._resolved = True
+        self.ties = config.tied
+        if self.ties and (self.method == "gradcos" or self.groups.normalize_layers):
+            unit = " and ".join(self.ties[0])
+            raise ValueError(
+                f"the captured layers {unit} share one weight, which a cosine or per-layer "
+                "normalization would count as two: log influence with method='graddot' "
+                "(which counts it once), or capture one of the two uses (e.g. "
+                "layers='linear')"
+            )
+
+    def _query_layers(self, layers: Mapping[str, PerExampleGrad]) -> dict[str, PerExampleGrad]:
+        """A query record's layers as scored: the parameter groups applied, and the uses
+        of a tied weight given one side, the sum of their gradients (so that the dots
+        with each use's training gradients add up to the weight's)."""
+        out = self.space.apply(layers)
+        for unit in self.ties:
+            kept = [n for n in unit if n in out]  # a use left out by exclude_params is gone
+            shared = sum_of_uses([out[n] for n in kept])
+            out.update(dict.fromkeys(kept, shared))
+        return out
 
     def set_queries(
         self,
@@ -123,7 +146,7 @@ class InfluenceLogger(CaptureConsumer):
                 "resolves against the capture engine's layers: attach it to the engine "
                 "(consumers=[...] or engine.add_consumer) before setting queries"
             )
-        self.queries = None if queries is None else query_gradients(queries, self.space.apply)
+        self.queries = None if queries is None else query_gradients(queries, self._query_layers)
         self.learning_rate = learning_rate
 
     def on_optimizer_step(self, step: int, records: list[MicroBatchRecord]) -> None:

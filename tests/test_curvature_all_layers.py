@@ -25,10 +25,12 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from tda_plugins import LayerSelection, ProjectionConfig
+from tda_plugins.api import capture_batch
 from tda_plugins.capture.normalization import SummedLoss
 from tda_plugins.cli import main
 from tda_plugins.grads.dense import sum_of_uses
 from tda_plugins.grads.projection import Projector
+from tda_plugins.influence import InfluenceLogger
 from tda_plugins.methods import Scores, method_by_name
 from tda_plugins.precondition import (
     PRECONDITIONERS,
@@ -293,6 +295,51 @@ def test_scores_on_all_layers_equal_the_dense_reference(
     ids = [s.load_all().example_ids for s in (captured.store, captured.queries)]
     got = scores_by_id(scores, *ids)
     assert rel_error(got, captured.scores(method)) < SCORE_TOL
+
+
+@pytest.mark.parametrize("method", ["graddot", "tracin"])
+def test_first_order_scores_count_a_tied_weight_once(captured: Captured, method: str) -> None:
+    """GradDot (and TracIn at learning rate 1) over every layer equal the dot product of
+    the oracle per-example gradients of every parameter, a tied weight's once: its two
+    uses share one query side, so the terms between them are counted."""
+    scores = method_by_name(method).score(captured.store, captured.queries)
+    ids = [s.load_all().example_ids for s in (captured.store, captured.queries)]
+    expected = sum(captured.train[u] @ captured.query[u].T for u in captured.units)
+    assert rel_error(scores_by_id(scores, *ids), expected) < SCORE_TOL
+
+
+@pytest.mark.parametrize(
+    ("method", "options"), [("gradcos", {}), ("less", {}), ("graddot", {"normalize_layers": True})]
+)
+def test_per_layer_normalizing_methods_refuse_a_tied_weight(
+    captured: Captured, method: str, options: dict[str, Any]
+) -> None:
+    """A method that normalizes or transforms each layer on its own cannot count a tied
+    weight once: it refuses a store that holds both uses, with the way out."""
+    tied = any(len(u) > 1 for u in captured.units)
+    assert bool(captured.store.config.tied) == tied
+    if not tied:
+        return  # an untied model: nothing to refuse (GradCos is scored in test_methods.py)
+    with pytest.raises(StoreError, match=r"share one weight.*capture one of the two uses"):
+        method_by_name(method, **options).score(captured.store, captured.queries)
+
+
+def test_live_graddot_counts_a_tied_weight_once_and_cosine_refuses_it(
+    captured: Captured,
+) -> None:
+    """Live influence (``InfluenceLogger``) over every layer: GradDot equals the oracle
+    dot of every parameter's gradient, a tied weight's once; a cosine, which would count
+    the two uses apart, is refused when the logger attaches, before any step."""
+    model = captured.model
+    logger = InfluenceLogger("graddot")
+    logger.on_attach(captured.store.config)
+    logger.set_queries([capture_batch(model, b, layers=ALL) for b in query_batches()])
+    logger.on_optimizer_step(0, [capture_batch(model, b, layers=ALL) for b in train_batches()])
+    expected = sum(captured.train[u] @ captured.query[u].T for u in captured.units)
+    assert rel_error(logger.history[0].scores.double(), expected) < SCORE_TOL
+    if captured.store.config.tied:
+        with pytest.raises(ValueError, match="share one weight"):
+            InfluenceLogger("gradcos").on_attach(captured.store.config)
 
 
 # -- LoGra -------------------------------------------------------------------------------------

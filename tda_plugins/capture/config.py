@@ -23,12 +23,17 @@ class CaptureConfig:
             (what scoring needs to leave some of them out); ``None`` where not known (a
             store written before they were recorded). Not compared (``==``,
             :meth:`differences`): captures of the same layers and shapes have the same.
+        tied: the groups of captured layers that share a parameter (a tied embedding and
+            head), each in model order: their per-example gradients add up to that
+            parameter's, which scoring must count as one (section 7.1 of docs/design.md).
+            Empty where none, or in a store written before ties were recorded.
     """
 
     layers: tuple[str, ...]
     projection: ProjectionConfig | None
     loss_convention: str = "sum"
     parameters: Mapping[str, ParameterLayout] | None = field(default=None, compare=False)
+    tied: tuple[tuple[str, ...], ...] = field(default=(), compare=False)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -38,6 +43,8 @@ class CaptureConfig:
         }
         if self.parameters is not None:
             out["parameters"] = {name: p.to_json() for name, p in self.parameters.items()}
+        if self.tied:
+            out["tied"] = [list(unit) for unit in self.tied]
         return out
 
     @classmethod
@@ -51,6 +58,7 @@ class CaptureConfig:
             parameters=None
             if parameters is None
             else {name: ParameterLayout.from_json(p) for name, p in parameters.items()},
+            tied=tuple(tuple(unit) for unit in value.get("tied", [])),
         )
 
     def differences(self, other: CaptureConfig) -> list[str]:

@@ -38,6 +38,7 @@ from tda_plugins.methods.base import (
     AttributionMethod,
     default_chunk,
     register_method,
+    require_tie_support,
 )
 from tda_plugins.methods.scores import Scores
 from tda_plugins.ranks import Ranks, on_device
@@ -136,6 +137,7 @@ class AdamWInfluence(AttributionMethod):
             )
         release_free_heap()
         store.require_compatible(queries, allow_mismatch)
+        require_tie_support(store, supported=False)
         trajectory = TrajectoryReader(store.root)
         trajectory.require_covers(store)
         if queries.num_examples == 0:

@@ -64,6 +64,11 @@ class AttributionMethod(ABC):
     #: Why the method refuses parameter groups (``exclude_params``, ``normalize_layers``);
     #: ``None``: it takes them.
     no_parameter_groups: ClassVar[str | None] = None
+    #: The score is linear in each side's raw gradient, so the uses of a tied weight are
+    #: scored as the one parameter they share by giving them one query side (the sum of
+    #: their query gradients); a method that normalizes or transforms the training side
+    #: per layer cannot, and refuses stores with tied layers.
+    scores_tied_weights: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -105,7 +110,11 @@ class AttributionMethod(ABC):
         matches nothing fails before any work."""
         store.require_compatible(queries, allow_mismatch)
         self.space = self.groups.resolve(store.config, queries.config)
+        require_tie_support(store, self.scores_tied_weights and not self.groups.normalize_layers)
         self.preconditioner.fit(store, progress, ranks=ranks or Ranks())
+        #: The tied units as recorded by the capture, and as the curvature statistics tie
+        #: them (older stores record them only there).
+        self.ties = list(dict.fromkeys([*store.config.tied, *self.preconditioner.tied_units]))
 
     def train_side(self, layer: str, grads: PerExampleGrad) -> PerExampleGrad:
         """Transform of the training gradients: LESS's Adam step, or the preconditioner's
@@ -158,7 +167,7 @@ class AttributionMethod(ABC):
             queries,
             chunk,
             self.space.layers(store.layer_names),
-            self.preconditioner.tied_units,
+            self.ties,
         )
         part = ranks.part(store, chunk)
         examples = 0 if part is None else part.num_examples
@@ -240,7 +249,7 @@ class AttributionMethod(ABC):
         prepared from the sum of their query gradients, so that their dots with each use's
         training gradients add up to the weight's. ``release``: each loaded query leaves
         ``query`` once its side exists."""
-        unit_of = {n: unit for unit in self.preconditioner.tied_units for n in unit}
+        unit_of = {n: unit for unit in self.ties for n in unit}
         sides: dict[str, PerExampleGrad] = {}
         for name in list(query.layers):
             if name in sides:
@@ -398,6 +407,19 @@ def layer_groups(
 #: this at most doubles that layer's materialization work). A store read in one chunk
 #: keeps none: each query is then built once either way.
 QUERY_CACHE_BYTES = 1 << 29
+
+
+def require_tie_support(store: StoreReader, supported: bool) -> None:
+    """Refuse a store holding the uses of a tied weight (an embedding and the head that
+    shares its weight) for a method that cannot score them as one parameter."""
+    if store.config.tied and not supported:
+        unit = " and ".join(store.config.tied[0])
+        raise StoreError(
+            f"{store.root} holds {unit}, which share one weight; this method normalizes or "
+            "transforms each layer's gradient on its own and would miss the terms between "
+            "the two uses: score with graddot, tracin, kfac, ekfac or logra (which count the "
+            "shared weight once), or capture one of the two uses only (e.g. --layers linear)"
+        )
 
 
 def default_chunk(queries: int) -> int:

@@ -24,6 +24,7 @@ class GradCos(AttributionMethod):
     """``<g_q, g_z> / (|g_q| |g_z|)``: cosine over all captured layers together."""
 
     normalize = True
+    scores_tied_weights = False
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from tda_plugins.capture.adapters import LayerAdapter
 from tda_plugins.capture.adapters.linear import LinearAdapter
+from tda_plugins.capture.layers import tied_units
 from tda_plugins.grads.projection import ProjectionConfig
 
 #: How a factor is kept: a dense symmetric matrix, its diagonal, or not at all.
@@ -101,22 +102,6 @@ def _numel(shape: tuple[int, ...]) -> int:
     for n in shape:
         out *= n
     return out
-
-
-def units_of(layers: Layers) -> dict[str, tuple[str, ...]]:
-    """Layer -> the selected layers that share one of its captured parameters (itself
-    included, in model order), for every layer that shares one (tied weights)."""
-    owners: dict[int, list[str]] = {}
-    for name, (module, adapter) in layers.items():
-        for p in adapter.captured_parameters(module).values():
-            owners.setdefault(id(p), []).append(name)
-    units: dict[str, set[str]] = {}
-    for names in owners.values():
-        if len(names) > 1:
-            for name in names:
-                units.setdefault(name, set()).update(names)
-    order = list(layers)
-    return {n: tuple(sorted(u, key=order.index)) for n, u in units.items()}
 
 
 def tie_problem(unit: tuple[str, ...], layers: Layers, projection: ProjectionConfig | None) -> str:
@@ -192,7 +177,7 @@ def layer_specs(
     vocab: int | None = None,
 ) -> dict[str, FactorSpec | str]:
     """:func:`factor_spec` of every layer of ``layers``, tied units validated together."""
-    units = units_of(layers)
+    units = tied_units(layers)
     out: dict[str, FactorSpec | str] = {}
     for name in layers:
         unit = units.get(name, ())
