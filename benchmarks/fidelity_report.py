@@ -184,8 +184,8 @@ def report(
 Command: `{command_line(SCRIPT, argv)}`
 
 Date: {utc_now()}. Machine: {machine_info()}; {load_text(loads)}. Leave-one-out runs: \
-{config.removed + 3} training runs of {loo.seconds:.1f} s each (cached); attribution and \
-diagnostics: {run.seconds:.0f} s.
+{config.removed + 3} training runs of {loo.seconds:.1f} s each (cached; wall time in the \
+worker process that made it); attribution and diagnostics: {run.seconds:.0f} s.
 
 Protocol (dattri-LLM appendix B.2, small): `GPT2LMHeadModel` from a config (byte \
 vocabulary {VOCAB}, n_embd={config.n_embd}, n_layer={config.n_layer}, \
