@@ -79,7 +79,7 @@ class Decision:
 
     Attributes:
         keep: per unit, the ``(N,)`` kept mask of the global batch (``granularity="global"``:
-            one mask, the same object for every unit).
+            one mask for every unit).
         counts: ``(N,)`` fp64 loss tokens of every example.
         sizes: each rank's number of examples.
         offset: where this rank's examples start in the global order.
@@ -99,12 +99,13 @@ class Decision:
         return mask[self.offset : self.offset + self.size]
 
 
-def _kept(rule: DropRule, scores: Tensor, finite: Tensor) -> Tensor:
-    """``(N,)`` kept mask: the rule over the finite scores; none kept if none is finite."""
+def _kept(rule: DropRule, scores: Tensor, finite: Tensor, count: int | None) -> Tensor:
+    """``(N,)`` kept mask: the rule over the finite scores (``count``: how many it drops,
+    for a ranked rule); none kept if none is finite."""
     keep = torch.zeros_like(finite)
     rows = finite.nonzero().flatten()
     if rows.numel():
-        keep[rows] = rule.keep(scores[rows])
+        keep[rows] = rule.keep(scores[rows], count)
     return keep
 
 
@@ -117,9 +118,11 @@ def decide(
     rule: DropRule,
     per_layer: bool,
     ranks: Ranks,
+    count: int | None = None,
 ) -> Decision:
     """Gather this rank's ``(B,)`` ids and loss tokens and its per-unit scores with every
-    other rank's, and apply ``rule`` once to the global batch."""
+    other rank's, and apply ``rule`` once to the global batch (``count``: the number a
+    ranked rule drops, per unit, instead of its own)."""
     parts = [ids.view(torch.float64)[:, None], counts.double()[:, None], scores.dots]
     if scores.squares is not None:
         parts.append(scores.squares)
@@ -143,10 +146,10 @@ def decide(
     else:
         unit_scores = dots.sum(1, keepdim=True) if not per_layer else dots
     if per_layer:
-        keep = [_kept(rule, unit_scores[:, u], finite) for u in range(units)]
+        keep = [_kept(rule, unit_scores[:, u], finite, count) for u in range(units)]
         summed = dots.sum(1)
     else:
-        keep = [_kept(rule, unit_scores[:, 0], finite)] * units
+        keep = [_kept(rule, unit_scores[:, 0], finite, count)]
         summed = unit_scores[:, 0]
     dropped = torch.stack([~k for k in keep]).any(0) if keep else ~finite
     outcome = StepSelection(
