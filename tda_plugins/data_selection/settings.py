@@ -73,9 +73,7 @@ class SelectionSettings:
     def __post_init__(self) -> None:
         self.drop_rule()  # unknown rule, fraction outside [0, 1): refused with the known ones
         if self.score not in (*GRADIENT_SCORES, "loss"):
-            raise ValueError(
-                f"score must be 'dot', 'cosine', 'adam' or 'loss', got {self.score!r}"
-            )
+            raise ValueError(f"score must be 'dot', 'cosine', 'adam' or 'loss', got {self.score!r}")
         if self.granularity not in ("global", "per_layer"):
             raise ValueError(
                 f"granularity must be 'global' or 'per_layer', got {self.granularity!r}"
