@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from tda_plugins.data_selection.parallel import Ranks
-from tda_plugins.data_selection.rules import DropRule
+from tda_plugins.data_selection.rules import DropRule, SetRule
 from tda_plugins.data_selection.scoring import UnitScores
 from tda_plugins.grads.ops import safe_norms
 
@@ -109,6 +109,16 @@ def _kept(rule: DropRule, scores: Tensor, finite: Tensor, count: int | None) -> 
     return keep
 
 
+def _kept_set(rule: SetRule, dots: Tensor, gram: Tensor, finite: Tensor) -> Tensor:
+    """``(N,)`` kept mask of a set rule over the finite examples (``gram``: ``(N, N)``);
+    none kept if none is finite."""
+    keep = torch.zeros_like(finite)
+    rows = finite.nonzero().flatten()
+    if rows.numel():
+        keep[rows] = rule.kept_of(dots[rows], gram.cpu()[rows][:, rows])
+    return keep
+
+
 def decide(
     step: int,
     *,
@@ -119,10 +129,12 @@ def decide(
     per_layer: bool,
     ranks: Ranks,
     count: int | None = None,
+    gram: Tensor | None = None,
 ) -> Decision:
     """Gather this rank's ``(B,)`` ids and loss tokens and its per-unit scores with every
     other rank's, and apply ``rule`` once to the global batch (``count``: the number a
-    ranked rule drops, per unit, instead of its own)."""
+    ranked rule drops, per unit, instead of its own; ``gram``: the ``(B, B)`` Gram matrix
+    a set rule reads, one process only)."""
     parts = [ids.view(torch.float64)[:, None], counts.double()[:, None], scores.dots]
     if scores.squares is not None:
         parts.append(scores.squares)
@@ -148,6 +160,11 @@ def decide(
     if per_layer:
         keep = [_kept(rule, unit_scores[:, u], finite, count) for u in range(units)]
         summed = dots.sum(1)
+    elif isinstance(rule, SetRule):
+        if gram is None or ranks.world > 1:
+            raise ValueError(f"rule {rule.name!r} needs the step's Gram matrix, in one process")
+        keep = [_kept_set(rule, dots.sum(1), gram, finite)]
+        summed = unit_scores[:, 0]
     else:
         keep = [_kept(rule, unit_scores[:, 0], finite, count)]
         summed = unit_scores[:, 0]

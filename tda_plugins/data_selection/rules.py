@@ -9,7 +9,9 @@ mask is empty only when no score is finite (the caller then skips the step).
 Ranked rules (:class:`RankedRule`: ``bottom_fraction``, ``top_fraction``, ``random``) drop
 the first ``floor(fraction * N)`` examples of an order; given a ``count`` instead (a
 replayed schedule, ``SelectionSettings.drop_counts``) they drop that many in the same
-order, so a baseline can keep as many examples per step as another run did.
+order, so a baseline can keep as many examples per step as another run did. A set rule
+(:class:`SetRule`: ``step_cosine``) weighs the examples together, from their dots with the
+target and the Gram matrix of their gradients.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class DropRule(ABC):
     """Decides the examples to keep from their ``(N,)`` scores (higher = more helpful)."""
 
     name: ClassVar[str]
+    #: Whether the rule reads the examples' Gram matrix (:class:`SetRule`).
+    needs_gram: ClassVar[bool] = False
 
     @abstractmethod
     def dropped(self, scores: Tensor, count: int | None = None) -> Tensor:
@@ -152,3 +156,66 @@ class NegativeInBottom(UnrankedRule):
 
     def drops(self, scores: Tensor) -> Tensor:
         return BottomFraction(self.fraction).dropped(scores) & (scores < 0)
+
+
+class SetRule(DropRule):
+    """A rule over the examples together: ``(N,)`` inner products ``d_i = <g_i, T>`` with
+    the target and the ``(N, N)`` Gram matrix ``G_ij = <g_i, g_j>`` of their gradients."""
+
+    needs_gram = True
+
+    def dropped(self, scores: Tensor, count: int | None = None) -> Tensor:
+        raise TypeError(f"rule {self.name!r} decides from the dots and the Gram matrix")
+
+    @abstractmethod
+    def kept_of(self, dots: Tensor, gram: Tensor) -> Tensor:
+        """``(N,)`` bool mask of the examples kept (at least one), from finite values."""
+
+
+@register_rule("step_cosine")
+class StepCosine(SetRule):
+    """Keep the examples whose summed gradient, the direction the optimizer steps in,
+    points most closely along the target: starting from the whole step, drop one at a time
+    the example whose removal raises ``c = cos(sum_{kept} g_i, T)`` the most, while that
+    raises ``c`` by more than ``margin * |c|`` (greedy backward elimination; ``O(N^2)``
+    per removal).
+
+    Dropping example ``i`` raises the cosine when its share of the step's alignment with
+    the target, ``d_i / sum_kept d``, is below its share of the step's squared length,
+    ``sum_{j kept} G_ij / sum_{kept} G``, roughly: examples that lengthen the step more
+    than they turn it towards the target (high-loss noise, another task's gradient) go;
+    examples like the rest of a clean step stay, since removing one of them shortens the
+    step's aligned part as much as its noise. The margin keeps the examples whose removal
+    would barely change the direction.
+
+    Args:
+        margin: least relative rise of the cosine that justifies a drop, ``>= 0``.
+    """
+
+    def __init__(self, margin: float = 0.01):
+        if not margin >= 0:
+            raise ValueError(f"margin must be >= 0, got {margin}")
+        self.margin = margin
+
+    def kept_of(self, dots: Tensor, gram: Tensor) -> Tensor:
+        dots, gram = dots.double(), gram.double()
+        keep = torch.ones(dots.shape[0], dtype=torch.bool)
+        aligned = dots.sum()
+        length = gram.sum()
+        rows = gram.sum(dim=1)  # sum_{j kept} G_ij
+        if length <= 0:
+            return keep
+        current = aligned / length.sqrt()
+        tiny = torch.finfo(torch.float64).tiny
+        while int(keep.sum()) > 1:
+            remaining = length - 2 * rows + gram.diagonal()
+            candidate = (aligned - dots) / remaining.clamp(min=tiny).sqrt()
+            candidate = torch.where(keep & (remaining > 0), candidate, -torch.inf)
+            best = int(torch.argmax(candidate))
+            gain = max(self.margin, 1e-12) * abs(float(current))
+            if not bool(candidate[best] > current + gain):
+                break
+            keep[best] = False
+            aligned, length, current = aligned - dots[best], remaining[best], candidate[best]
+            rows = rows - gram[:, best]
+        return keep

@@ -127,6 +127,11 @@ class DataSelector(CaptureConsumer):
             raise ValueError(f"granularity must be 'global' or 'per_layer', got {granularity!r}")
         if score == "loss" and (example_losses is None or granularity != "global"):
             raise ValueError("score='loss' needs example_losses and granularity='global'")
+        if rule.needs_gram and (score == "loss" or granularity != "global"):
+            raise ValueError(
+                f"rule {rule.name!r} weighs gradients together: it needs a gradient score and "
+                "granularity='global'"
+            )
         self.layers = layers
         self.example_losses = example_losses
         self.drop_counts = None if drop_counts is None else tuple(drop_counts)
@@ -140,6 +145,11 @@ class DataSelector(CaptureConsumer):
             optimizer=optimizer,
             projection=score_projection,
         )
+        if rule.needs_gram and score == "adam" and any(len(u) > 1 for u in self.scorer.units):
+            raise ValueError(
+                f"rule {rule.name!r} with score='adam' on layers that share a parameter (tied "
+                "embeddings) is not supported; use score 'dot' or 'cosine', or untie them"
+            )
         self.ranks = ranks or Ranks.current()
         self.surgery = Surgery(
             layers, self.ranks, float(self.ranks.world) if divide is None else divide
@@ -284,6 +294,7 @@ class DataSelector(CaptureConsumer):
             per_layer=per_layer,
             ranks=self.ranks,
             count=self._drop_count(step),
+            gram=self.scorer.gram(records) if self.rule.needs_gram else None,
         )
         outcome = decision.outcome
         if not outcome.skipped:

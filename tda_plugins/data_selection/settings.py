@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Literal
 
 from tda_plugins.capture.layers import LayerSelection, SelectionKind
-from tda_plugins.data_selection.rules import DropRule, RankedRule, rule_by_name
+from tda_plugins.data_selection.rules import RULES, DropRule, RankedRule, rule_by_name
 from tda_plugins.grads.projection import ProjectionConfig
 
 ScoreMode = Literal["dot", "cosine", "adam", "loss"]
@@ -27,27 +28,31 @@ class SelectionSettings:
     callback built from them fails at construction, before any training.
     """
 
-    rule: str = "bottom_fraction"
+    rule: str = "step_cosine"
     """A registered rule: ``"bottom_fraction"``, ``"top_fraction"``, ``"random"``,
-    ``"threshold"`` or ``"negative_in_bottom"``."""
+    ``"threshold"``, ``"negative_in_bottom"`` or ``"step_cosine"`` (one process: it
+    reads the Gram matrix of the step's gradients)."""
     fraction: float = 0.25
     """Share of a step's examples the fraction rules consider, in ``[0, 1)``."""
     threshold: float = 0.0
     """Score below which ``"threshold"`` drops."""
     seed: int = 0
     """Seed of the ``"random"`` rule's draws."""
+    margin: float = 0.01
+    """``"step_cosine"``: drop an example only if that raises the step's cosine with the
+    target by more than this share of it."""
     drop_counts: tuple[int, ...] | None = None
     """Replay: at optimizer step ``k`` drop exactly ``drop_counts[k]`` examples, in the
     order of a ranked rule (``bottom_fraction``, ``top_fraction``, ``random``), e.g. the
     ``dropped`` column of another run's ``selection.jsonl``, so that a baseline keeps as many
     examples per step as that run; ``None``: the rule's own count."""
-    score: ScoreMode = "dot"
+    score: ScoreMode = "adam"
     """``"dot"`` ``<g_i, T>``, ``"cosine"``, ``"adam"`` ``<g_i, T / (sqrt(v_hat) + eps)>``,
     or ``"loss"``: minus the example's mean token loss in the training forward (no target:
     ``bottom_fraction`` drops the highest losses, ``top_fraction`` the lowest)."""
     granularity: Granularity = "global"
     """``"global"``: one kept set; ``"per_layer"``: each layer keeps its own best examples."""
-    refresh_every: int | None = 1
+    refresh_every: int | None = None
     """Recompute the target gradient every n optimizer steps (and at a run's first step);
     ``None``: every ``ceil(m / (TARGET_SHARE * B))`` steps for ``m`` examples per refresh
     and ``B`` per optimizer step, so that the target's forward and backward average at
@@ -77,6 +82,11 @@ class SelectionSettings:
         if self.granularity not in ("global", "per_layer"):
             raise ValueError(
                 f"granularity must be 'global' or 'per_layer', got {self.granularity!r}"
+            )
+        if self.drop_rule().needs_gram and (self.score == "loss" or self.granularity != "global"):
+            raise ValueError(
+                f"rule {self.rule!r} weighs the step's gradients together: it needs score "
+                "'dot', 'cosine' or 'adam' and granularity='global'"
             )
         if self.score == "loss" and self.granularity == "per_layer":
             raise ValueError(
@@ -123,13 +133,18 @@ class SelectionSettings:
         return max(1, math.ceil(target_examples / (TARGET_SHARE * max(step_examples, 1))))
 
     def drop_rule(self) -> DropRule:
-        """The rule instance (``threshold`` for the threshold rule, ``fraction`` and
-        ``seed`` for ``random``, else ``fraction``)."""
-        if self.rule == "threshold":
-            return rule_by_name(self.rule, value=self.threshold)
-        if self.rule == "random":
-            return rule_by_name(self.rule, fraction=self.fraction, seed=self.seed)
-        return rule_by_name(self.rule, fraction=self.fraction)
+        """The rule instance, given the settings its constructor takes (``fraction``,
+        ``seed``, ``margin``, and ``threshold`` as the threshold rule's ``value``)."""
+        if self.rule not in RULES:
+            return rule_by_name(self.rule)  # refused, naming the known rules
+        given = {
+            "fraction": self.fraction,
+            "seed": self.seed,
+            "value": self.threshold,
+            "margin": self.margin,
+        }
+        taken = inspect.signature(RULES[self.rule]).parameters
+        return rule_by_name(self.rule, **{k: v for k, v in given.items() if k in taken})
 
     def projection(self) -> ProjectionConfig | None:
         """The factor projection scores are taken in (``None``: exact scores)."""

@@ -76,7 +76,7 @@ class DataSelectionCallback(Callback):
         target: the target pool: a ``(P, T)`` tensor of token ids, or token-id lists (any
             lengths). Its loss is each sequence's summed next-token cross-entropy.
         rule, fraction, threshold, score, granularity, refresh_every, target_examples,
-            score_projection, layers, include, exclude, last_n_blocks: the fields of
+            score_projection, margin, layers, include, exclude, last_n_blocks: the fields of
             :class:`~tda_plugins.data_selection.SelectionSettings`, with its defaults
             (``refresh_every``
             counts from the first step of a run or a resumed run; ``score="adam"`` reads
@@ -105,6 +105,7 @@ class DataSelectionCallback(Callback):
     refresh_every: int | None = SelectionSettings.refresh_every
     target_examples: int | None = SelectionSettings.target_examples
     score_projection: int | None = SelectionSettings.score_projection
+    margin: float = SelectionSettings.margin
     log_path: str | None = None
     layers: SelectionKind = "all"
     include: str | None = None
@@ -126,6 +127,7 @@ class DataSelectionCallback(Callback):
             refresh_every=self.refresh_every,
             target_examples=self.target_examples,
             score_projection=self.score_projection,
+            margin=self.margin,
             log_path=self.log_path,
             layers=self.layers,
             include=self.include,

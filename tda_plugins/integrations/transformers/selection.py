@@ -118,7 +118,7 @@ class DataSelectionCallback(MetricsCallback):
             training starts); ``None`` for ``score="loss"`` (the loss baselines, and
             ``rule="random"`` with them), which needs none.
         rule, fraction, threshold, score, granularity, refresh_every, target_examples,
-            score_projection, seed, drop_counts: the fields of
+            score_projection, seed, margin, drop_counts: the fields of
             :class:`~tda_plugins.data_selection.SelectionSettings`, with its defaults.
         log_path: JSONL of every step's global outcome, written by rank 0 (default
             ``<output_dir>/selection.jsonl``).
@@ -141,6 +141,7 @@ class DataSelectionCallback(MetricsCallback):
         score_projection: int | None = SelectionSettings.score_projection,
         log_path: str | None = None,
         seed: int = SelectionSettings.seed,
+        margin: float = SelectionSettings.margin,
         drop_counts: Sequence[int] | None = None,
         **options: Any,
     ):
@@ -160,6 +161,7 @@ class DataSelectionCallback(MetricsCallback):
             score_projection=score_projection,
             log_path=log_path,
             seed=seed,
+            margin=margin,
             drop_counts=None if drop_counts is None else tuple(drop_counts),
             **options,
         )
