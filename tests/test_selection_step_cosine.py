@@ -219,3 +219,33 @@ def test_settings_refuse_what_the_set_rule_cannot_weigh() -> None:
                 score="adam",
                 optimizer=torch.optim.Adam(model.parameters()),
             )
+
+
+def test_data_parallel_ranks_are_refused_before_any_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The rule weighs every pair of the global batch's gradients, which the ranks do not
+    share: a session on 2 ranks refuses at construction, naming the way out, and leaves no
+    hook on the model."""
+    from tda_plugins.data_selection import SelectionSession
+    from tda_plugins.data_selection import session as session_module
+    from tda_plugins.data_selection.parallel import Ranks
+    from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
+    from tda_plugins.integrations.transformers.selection import target_token_counts
+    from tda_plugins.session import UnsupportedTrainingSetup
+
+    monkeypatch.setattr(session_module.Ranks, "current", classmethod(lambda cls: Ranks(2, 0)))
+    model = with_lora(tiny_causal_lm("llama"))
+    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    with pytest.raises(UnsupportedTrainingSetup, match="one process or use a rule over scores"):
+        SelectionSession(
+            SelectionSettings(),
+            model,
+            target=lm_batch(2, 8, seed=2),
+            losses=causal_lm_losses,
+            target_tokens=target_token_counts,
+            normalization=CausalLMNormalization(),
+            token_counts=causal_lm_token_counts,
+        )
+    after = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    assert after == hooks

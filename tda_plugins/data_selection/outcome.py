@@ -135,6 +135,8 @@ def decide(
     other rank's, and apply ``rule`` once to the global batch (``count``: the number a
     ranked rule drops, per unit, instead of its own; ``gram``: the ``(B, B)`` Gram matrix
     a set rule reads, one process only)."""
+    if isinstance(rule, SetRule) and (gram is None or ranks.world > 1):
+        raise ValueError(f"rule {rule.name!r} needs the step's Gram matrix, in one process")
     parts = [ids.view(torch.float64)[:, None], counts.double()[:, None], scores.dots]
     if scores.squares is not None:
         parts.append(scores.squares)
@@ -160,9 +162,7 @@ def decide(
     if per_layer:
         keep = [_kept(rule, unit_scores[:, u], finite, count) for u in range(units)]
         summed = dots.sum(1)
-    elif isinstance(rule, SetRule):
-        if gram is None or ranks.world > 1:
-            raise ValueError(f"rule {rule.name!r} needs the step's Gram matrix, in one process")
+    elif isinstance(rule, SetRule) and gram is not None:
         keep = [_kept_set(rule, dots.sum(1), gram, finite)]
         summed = unit_scores[:, 0]
     else:
