@@ -45,6 +45,7 @@ from tests.olmo_core_dist_worker import (
     WORLD,
     loader_and_module,
 )
+from tests.selection_helpers import PINNED
 
 MODES = ("ddp", "fsdp", "hsdp")
 FRACTION = 0.5
@@ -98,7 +99,7 @@ def train(folder: Path, mode: str) -> dict[str, Any]:
     # its own (the module-level mesh has no public reset).
     olmo_parallel._WORLD_MESH = None
     loader, module = loader_and_module(folder, mode, dp_config(mode))
-    selection = DataSelectionCallback(TARGET, fraction=FRACTION)
+    selection = DataSelectionCallback(TARGET, fraction=FRACTION, **PINNED)
     audit = Audit()
     config = TrainerConfig(
         save_folder=str(folder / mode / "run"),

@@ -41,7 +41,7 @@ from transformers import Trainer, TrainerControl, TrainerState
 from tda_plugins.data_selection import StepSelection
 from tda_plugins.integrations.transformers import DataSelectionCallback
 from tests.models import tiny_causal_lm
-from tests.selection_helpers import SelectionAudit, StepAudit, label_counts
+from tests.selection_helpers import PINNED, SelectionAudit, StepAudit, label_counts
 from tests.trainers import pad_rows, token_rows, training_args
 
 STEPS = 3
@@ -63,7 +63,7 @@ def history_json(history: list[StepSelection]) -> dict[int, dict[str, Any]]:
 
 
 def ddp(out: Path) -> None:
-    selection = DataSelectionCallback(target_rows(), fraction=FRACTION, layers="all")
+    selection = DataSelectionCallback(target_rows(), fraction=FRACTION, layers="all", **PINNED)
     audit = SelectionAudit()
     args = training_args(
         out / "trainer",
@@ -111,7 +111,7 @@ def fsdp(out: Path) -> None:
         ddp_backend="gloo",
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    selection = DataSelectionCallback(target_rows(), fraction=FRACTION, layers="all")
+    selection = DataSelectionCallback(target_rows(), fraction=FRACTION, layers="all", **PINNED)
     state, control = TrainerState(), TrainerControl()
     selection.on_train_begin(args, state, control, model=model, optimizer=optimizer)
     assert selection.session is not None

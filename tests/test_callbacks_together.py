@@ -19,6 +19,7 @@ from tda_plugins.integrations.transformers import (
 )
 from tda_plugins.store import StoreReader
 from tests.models import tiny_causal_lm
+from tests.selection_helpers import PINNED
 from tests.trainers import (
     RecordingCollator,
     WeightSnapshots,
@@ -36,7 +37,10 @@ def test_capture_selection_and_influence_share_a_trainer(tmp_path: Path) -> None
     each with its oracle gradient; selection and influence ran at every step."""
     collator, snapshots = RecordingCollator(), WeightSnapshots()
     selection = DataSelectionCallback(
-        target=[{"input_ids": r} for r in token_rows(2, seed=7)], fraction=0.5, layers="all"
+        target=[{"input_ids": r} for r in token_rows(2, seed=7)],
+        fraction=0.5,
+        layers="all",
+        **PINNED,
     )
     influence = InfluenceLoggingCallback(
         queries=[{"input_ids": r} for r in token_rows(2, seed=9)], layers="all"

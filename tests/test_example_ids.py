@@ -25,6 +25,7 @@ from tda_plugins.integrations.transformers import (
 from tda_plugins.store import StoreReader
 from tda_plugins.store.texts import TokenTexts
 from tests.models import tiny_causal_lm, with_lora
+from tests.selection_helpers import PINNED
 from tests.trainers import (
     pad_rows,
     prompt_completion_pairs,
@@ -168,7 +169,7 @@ def test_sft_trainer_stores_the_id_column(tmp_path: Path, form: str) -> None:
 def test_selection_log_names_the_id_column(tmp_path: Path) -> None:
     rows = _tokenized_rows(duplicate=False)
     target = [{"input_ids": r} for r in token_rows(2, seed=5)]
-    selection = DataSelectionCallback(target=target, fraction=0.5, layers="all")
+    selection = DataSelectionCallback(target=target, fraction=0.5, layers="all", **PINNED)
     trainer = Trainer(
         model=_llama(),
         args=training_args(tmp_path / "out", max_steps=4, remove_unused_columns=True),

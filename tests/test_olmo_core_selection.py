@@ -40,6 +40,7 @@ from tda_plugins.integrations.olmo_core import DataSelectionCallback, Unsupporte
 from tda_plugins.integrations.olmo_core.pool import pool_batch
 from tda_plugins.integrations.olmo_core.selection import loss_token_counts
 from tests.oracle import max_rel_error
+from tests.selection_helpers import PINNED
 from tests.test_olmo_core import BATCH, MODEL, SEQ, VOCAB, dataset_config
 
 FP32_TOL = 1e-4
@@ -197,7 +198,7 @@ def test_grad_after_selection_is_a_fresh_backward_over_the_kept_instances(
     """Every step drops the 2 instances the oracle's scores rank lowest (logged by their
     OLMo-core batch index), and every parameter's ``.grad`` after the selection equals
     the fresh backward over the other 2 alone, normalized by their own label tokens."""
-    selection = DataSelectionCallback(target, fraction=FRACTION, score=score)
+    selection = DataSelectionCallback(target, fraction=FRACTION, **{**PINNED, "score": score})
     run = train(tmp_path, selection, micro_batch)
     history = selection.history
     assert [h.step for h in history] == list(range(STEPS))
@@ -223,7 +224,7 @@ def test_grad_after_selection_is_a_fresh_backward_over_the_kept_instances(
 def test_dropping_nothing_leaves_grad_unchanged(tmp_path: Path) -> None:
     """``fraction=0``: no instance is dropped and every ``.grad`` is bit for bit what the
     backward left (two micro-batches per step)."""
-    selection = DataSelectionCallback(TARGET_LISTS, fraction=0.0)
+    selection = DataSelectionCallback(TARGET_LISTS, fraction=0.0, **PINNED)
     run = train(tmp_path, selection, BATCH // 2)
     assert len(selection.history) == STEPS
     assert not any(h.dropped.any() for h in selection.history)

@@ -45,6 +45,7 @@ from tests.olmo_core_selection_worker import MODES, train
 from tests.oracle import max_rel_error
 from tests.selection_ddp_worker import FORCED, FRACTION, target_rows
 from tests.selection_helpers import (
+    PINNED,
     SelectionAudit,
     StepAudit,
     assert_trainer_grads_match_fresh,
@@ -222,7 +223,7 @@ def test_sharded_layouts_it_cannot_edit_exactly_are_refused_before_step_0(
     try:
         model = tiny_causal_lm("llama", torch.float32)
         fully_shard(model, **options)
-        selection = DataSelectionCallback(target_rows(), layers="all")
+        selection = DataSelectionCallback(target_rows(), layers="all", **PINNED)
         hooks = {
             n: (len(m._forward_hooks), len(m._forward_pre_hooks)) for n, m in model.named_modules()
         }

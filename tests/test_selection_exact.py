@@ -50,6 +50,7 @@ from tda_plugins.session import UnsupportedTrainingSetup
 from tests.models import lm_batch, tiny_causal_lm, with_lora
 from tests.oracle import loop_oracle, max_rel_error
 from tests.selection_helpers import (
+    PINNED,
     SelectionAudit,
     StepAudit,
     assert_trainer_grads_match_fresh,
@@ -598,7 +599,9 @@ def train_with_selection(
     """``Trainer`` (fp32, 3 steps, batch 2, ``max_grad_norm=0.05``, logging every step)
     with ``first`` (a probe), ``DataSelectionCallback(fraction=0.5, **selection_options)``
     then the audit."""
-    selection = DataSelectionCallback(target_rows(), fraction=0.5, **selection_options)
+    selection = DataSelectionCallback(
+        target_rows(), fraction=0.5, **{**PINNED, **selection_options}
+    )
     audit = SelectionAudit()
     trainer = Trainer(
         model=build_model(spec, torch.float32),
@@ -745,7 +748,7 @@ def sft_with_selection(tmp_path: Path, model: nn.Module, **options: Any) -> Sele
 
     pairs = prompt_completion_pairs(16)
     targets = [{"input_ids": list(p.tokens()), "labels": p.labels()} for p in pairs[-3:]]
-    selection = DataSelectionCallback(targets, fraction=0.5, **options)
+    selection = DataSelectionCallback(targets, fraction=0.5, **{**PINNED, **options})
     audit = SelectionAudit()
     args = training_args(
         tmp_path / "out",

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from tda_plugins.data_selection.parallel import Ranks
-from tda_plugins.data_selection.rules import DropRule
+from tda_plugins.data_selection.rules import DropRule, SetRule
 from tda_plugins.data_selection.scoring import UnitScores
 from tda_plugins.grads.ops import safe_norms
 
@@ -79,7 +79,7 @@ class Decision:
 
     Attributes:
         keep: per unit, the ``(N,)`` kept mask of the global batch (``granularity="global"``:
-            one mask, the same object for every unit).
+            one mask for every unit).
         counts: ``(N,)`` fp64 loss tokens of every example.
         sizes: each rank's number of examples.
         offset: where this rank's examples start in the global order.
@@ -99,12 +99,23 @@ class Decision:
         return mask[self.offset : self.offset + self.size]
 
 
-def _kept(rule: DropRule, scores: Tensor, finite: Tensor) -> Tensor:
-    """``(N,)`` kept mask: the rule over the finite scores; none kept if none is finite."""
+def _kept(rule: DropRule, scores: Tensor, finite: Tensor, count: int | None) -> Tensor:
+    """``(N,)`` kept mask: the rule over the finite scores (``count``: how many it drops,
+    for a ranked rule); none kept if none is finite."""
     keep = torch.zeros_like(finite)
     rows = finite.nonzero().flatten()
     if rows.numel():
-        keep[rows] = rule.keep(scores[rows])
+        keep[rows] = rule.keep(scores[rows], count)
+    return keep
+
+
+def _kept_set(rule: SetRule, dots: Tensor, gram: Tensor, finite: Tensor) -> Tensor:
+    """``(N,)`` kept mask of a set rule over the finite examples (``gram``: ``(N, N)``);
+    none kept if none is finite."""
+    keep = torch.zeros_like(finite)
+    rows = finite.nonzero().flatten()
+    if rows.numel():
+        keep[rows] = rule.kept_of(dots[rows], gram.cpu()[rows][:, rows])
     return keep
 
 
@@ -117,9 +128,15 @@ def decide(
     rule: DropRule,
     per_layer: bool,
     ranks: Ranks,
+    count: int | None = None,
+    gram: Tensor | None = None,
 ) -> Decision:
     """Gather this rank's ``(B,)`` ids and loss tokens and its per-unit scores with every
-    other rank's, and apply ``rule`` once to the global batch."""
+    other rank's, and apply ``rule`` once to the global batch (``count``: the number a
+    ranked rule drops, per unit, instead of its own; ``gram``: the ``(B, B)`` Gram matrix
+    a set rule reads, one process only)."""
+    if isinstance(rule, SetRule) and (gram is None or ranks.world > 1):
+        raise ValueError(f"rule {rule.name!r} needs the step's Gram matrix, in one process")
     parts = [ids.view(torch.float64)[:, None], counts.double()[:, None], scores.dots]
     if scores.squares is not None:
         parts.append(scores.squares)
@@ -143,10 +160,13 @@ def decide(
     else:
         unit_scores = dots.sum(1, keepdim=True) if not per_layer else dots
     if per_layer:
-        keep = [_kept(rule, unit_scores[:, u], finite) for u in range(units)]
+        keep = [_kept(rule, unit_scores[:, u], finite, count) for u in range(units)]
         summed = dots.sum(1)
+    elif isinstance(rule, SetRule) and gram is not None:
+        keep = [_kept_set(rule, dots.sum(1), gram, finite)]
+        summed = unit_scores[:, 0]
     else:
-        keep = [_kept(rule, unit_scores[:, 0], finite)] * units
+        keep = [_kept(rule, unit_scores[:, 0], finite, count)]
         summed = unit_scores[:, 0]
     dropped = torch.stack([~k for k in keep]).any(0) if keep else ~finite
     outcome = StepSelection(

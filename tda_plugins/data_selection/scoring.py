@@ -5,6 +5,9 @@ share a parameter), from the gradients the training backward captured.
     cosine:  s_i = <g_i, T> / (|g_i| |T|)       (a zero gradient scores 0)
     adam:    s_i = <g_i, P T>, P = 1 / (sqrt(v_hat) + eps)   (the optimizer's current state)
 
+A rule that weighs the examples together (``step_cosine``) also gets the step's Gram
+matrix ``<g_i, g_j>`` (``<g_i, P g_j>`` for ``adam``), over every captured parameter.
+
 ``g_i`` is example ``i``'s own summed-token-loss gradient (each record's ``loss_scale``
 applied). A tied parameter's target is its full gradient in each sharing layer, so a unit's
 dot is the sum of its layers' dots; its cosine norm is taken over the parameter itself.
@@ -24,7 +27,8 @@ from tda_plugins.data_selection.parallel import gathered
 from tda_plugins.data_selection.settings import ScoreMode
 from tda_plugins.data_selection.target import Target
 from tda_plugins.grads.base import PerExampleGrad
-from tda_plugins.grads.ops import dots_with, sq_norms
+from tda_plugins.grads.dense import DenseGrad
+from tda_plugins.grads.ops import cross_gram, dots_with, sq_norms
 from tda_plugins.grads.projection import ProjectionConfig, Projector
 
 Layers = dict[str, tuple[nn.Module, LayerAdapter]]
@@ -43,6 +47,11 @@ class UnitScores:
     dots: Tensor
     squares: Tensor | None = None
     target_squares: Tensor | None = None
+
+
+def _scale(record: MicroBatchRecord) -> Tensor:
+    """The record's ``loss_scale`` as a host fp64 tensor (a number, or one per example)."""
+    return torch.as_tensor(record.loss_scale, dtype=torch.float64).detach().cpu()
 
 
 class Scorer:
@@ -182,6 +191,43 @@ class Scorer:
         return torch.cat(list(distinct.values())).double().pow(2).sum()
 
     # -- the step ----------------------------------------------------------------------
+
+    def gram(self, records: list[MicroBatchRecord]) -> Tensor:
+        """``(B, B)`` fp64 inner products of this rank's examples' gradients over every
+        captured parameter, in the metric of the score (``P`` for ``adam``; under a
+        projection, of the projected gradients). Cost per layer and pair of micro-batches:
+        the cheaper of the ghost product and the materialized one
+        (:func:`~tda_plugins.grads.ops.cross_gram`); a tied unit is materialized (not
+        under ``adam``: refused where the rule is chosen)."""
+        sizes = [r.batch_size for r in records]
+        starts = [sum(sizes[:k]) for k in range(len(sizes))]
+        out = torch.zeros(sum(sizes), sum(sizes), dtype=torch.float64)
+        for unit in self.units:
+            if len(unit) > 1 and self.projector is None:
+                per_layer = {
+                    n: torch.cat([r.layers[n].grads.materialize() * r.loss_scale for r in records])
+                    for n in unit
+                }
+                grads = self._in_parameters(unit, per_layer).double().cpu()
+                out += grads @ grads.T
+                continue
+            for name in unit:
+                for i, first in enumerate(records):
+                    left = self._in_metric(name, self.grads(first, name))
+                    for j, second in enumerate(records):
+                        block = cross_gram(left, self.grads(second, name)).double().cpu()
+                        block *= _scale(first).view(-1, 1) * _scale(second).view(1, -1)
+                        out[starts[i] : starts[i] + sizes[i], starts[j] : starts[j] + sizes[j]] += (
+                            block
+                        )
+        return out
+
+    def _in_metric(self, name: str, grads: PerExampleGrad) -> PerExampleGrad:
+        """``grads`` with the score's metric applied (``P g`` for ``adam``, else as is)."""
+        if self.score != "adam":
+            return grads
+        values = grads.materialize()
+        return DenseGrad(values * self._adam_scale(name, values[0]).to(values.dtype))
 
     def scores(
         self, records: list[MicroBatchRecord], target: Target, *, per_unit: bool

@@ -26,7 +26,7 @@ not a wide LM head).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import ClassVar
@@ -40,8 +40,8 @@ from tda_plugins.capture.records import MicroBatchRecord
 from tda_plugins.data_selection.outcome import Decision, StepSelection, append_log, decide
 from tda_plugins.data_selection.parallel import Ranks
 from tda_plugins.data_selection.rules import DropRule
-from tda_plugins.data_selection.scoring import Scorer
-from tda_plugins.data_selection.settings import Granularity, ScoreMode
+from tda_plugins.data_selection.scoring import Scorer, UnitScores
+from tda_plugins.data_selection.settings import GRADIENT_SCORES, Granularity, ScoreMode
 from tda_plugins.data_selection.surgery import Surgery
 from tda_plugins.data_selection.target import ShardedTarget, Target
 from tda_plugins.grads.base import values_dtype
@@ -51,6 +51,8 @@ from tda_plugins.grads.routing import Route, choose_route
 from tda_plugins.grads.workspace import Workspace
 
 TokenCounter = Callable[[MicroBatchRecord], Tensor]
+#: ``record -> (B,)`` each example's summed token loss in the training forward.
+ExampleLosses = Callable[[MicroBatchRecord], Tensor]
 
 #: Most bytes of one example's gradient in a layer whose per-example gradients selection
 #: builds once (about a core's L2 cache). Past it the batched product's output leaves the
@@ -72,7 +74,9 @@ class DataSelector(CaptureConsumer):
             trainable parameter of the model must belong to one (checked by the caller).
         rule: which examples to drop.
         token_counts: ``record -> (B,)`` number of tokens each example's loss sums over.
-        score: ``"dot"``, ``"cosine"`` or ``"adam"``.
+        score: ``"dot"``, ``"cosine"``, ``"adam"`` (against the target of
+            :meth:`set_target`) or ``"loss"`` (minus each example's mean token loss, from
+            ``example_losses``; no target).
         granularity: ``"global"`` or ``"per_layer"``.
         optimizer: needed for ``score="adam"``.
         log_path: JSONL file receiving one line per step (the global outcome); give it on
@@ -93,6 +97,9 @@ class DataSelector(CaptureConsumer):
         ranks: the data-parallel ranks (default: from ``torch.distributed``).
         divide: ``F``, the trainer's gradient divisor over ranks (``.grad`` = the sum of
             the ranks' backward passes / ``F``; default: the world size).
+        example_losses: ``record -> (B,)`` summed token losses (``score="loss"``).
+        drop_counts: at optimizer step ``k`` drop ``drop_counts[k]`` examples (a ranked
+            rule's order); ``None``: the rule's own count.
     """
 
     wants_step_records: ClassVar[bool] = True
@@ -111,12 +118,23 @@ class DataSelector(CaptureConsumer):
         route: Route | None = None,
         ranks: Ranks | None = None,
         divide: float | None = None,
+        example_losses: ExampleLosses | None = None,
+        drop_counts: Sequence[int] | None = None,
     ):
-        if score not in ("dot", "cosine", "adam"):
-            raise ValueError(f"score must be 'dot', 'cosine' or 'adam', got {score!r}")
+        if score not in (*GRADIENT_SCORES, "loss"):
+            raise ValueError(f"score must be 'dot', 'cosine', 'adam' or 'loss', got {score!r}")
         if granularity not in ("global", "per_layer"):
             raise ValueError(f"granularity must be 'global' or 'per_layer', got {granularity!r}")
+        if score == "loss" and (example_losses is None or granularity != "global"):
+            raise ValueError("score='loss' needs example_losses and granularity='global'")
+        if rule.needs_gram and (score == "loss" or granularity != "global"):
+            raise ValueError(
+                f"rule {rule.name!r} weighs gradients together: it needs a gradient score and "
+                "granularity='global'"
+            )
         self.layers = layers
+        self.example_losses = example_losses
+        self.drop_counts = None if drop_counts is None else tuple(drop_counts)
         self.rule = rule
         self.token_counts = token_counts
         self.granularity = granularity
@@ -127,6 +145,11 @@ class DataSelector(CaptureConsumer):
             optimizer=optimizer,
             projection=score_projection,
         )
+        if rule.needs_gram and score == "adam" and any(len(u) > 1 for u in self.scorer.units):
+            raise ValueError(
+                f"rule {rule.name!r} with score='adam' on layers that share a parameter (tied "
+                "embeddings) is not supported; use score 'dot' or 'cosine', or untie them"
+            )
         self.ranks = ranks or Ranks.current()
         self.surgery = Surgery(
             layers, self.ranks, float(self.ranks.world) if divide is None else divide
@@ -144,6 +167,11 @@ class DataSelector(CaptureConsumer):
     @property
     def score(self) -> ScoreMode:
         return self.scorer.score
+
+    @property
+    def needs_target(self) -> bool:
+        """Whether scoring compares gradients with a target (not ``score="loss"``)."""
+        return self.score in GRADIENT_SCORES
 
     @property
     def units(self) -> list[list[str]]:
@@ -248,30 +276,33 @@ class DataSelector(CaptureConsumer):
         if not records:
             return
         missing = self._without_grad(records)
-        if self.target is None:
+        if self.target is None and self.needs_target:
             if missing:  # nothing to select against yet: every example, as autograd would
                 self._keep_all(records, missing)
             return
         captured, records = records, self._built_once(records)
-        target = self.target
-        sharded = isinstance(target, ShardedTarget)
-        scores = self.scorer.scores(records, target, per_unit=sharded)
-        if isinstance(target, ShardedTarget):
-            self.target_peak_bytes = max(self.target_peak_bytes, target.peak_bytes)
-        ids = torch.cat([r.example_ids for r in records])
         counts = torch.cat([self.token_counts(r) for r in records])
+        scores = self._scores(records, counts)
+        ids = torch.cat([r.example_ids for r in records])
+        per_layer = self.granularity == "per_layer"
         decision = decide(
             step,
             ids=ids,
             counts=counts,
             scores=scores,
             rule=self.rule,
-            per_layer=self.granularity == "per_layer",
+            per_layer=per_layer,
             ranks=self.ranks,
+            count=self._drop_count(step),
+            gram=self.scorer.gram(records) if self.rule.needs_gram else None,
         )
         outcome = decision.outcome
         if not outcome.skipped:
-            masks = {name: decision.keep[u] for u, unit in enumerate(self.units) for name in unit}
+            masks = {
+                name: decision.keep[u if per_layer else 0]
+                for u, unit in enumerate(self.units)
+                for name in unit
+            }
             poisoned = bool(outcome.nonfinite.any())
             self.surgery.apply(
                 records, masks, decision, missing, force_rebuild=poisoned, captured=captured
@@ -279,6 +310,30 @@ class DataSelector(CaptureConsumer):
         self.history.append(outcome)
         if self.log_path is not None:
             append_log(self.log_path, outcome)
+
+    def _scores(self, records: list[MicroBatchRecord], counts: Tensor) -> UnitScores:
+        """This rank's examples scored: against the target, or minus their mean token loss
+        (one unit)."""
+        if self.example_losses is not None and self.score == "loss":
+            losses = torch.cat([self.example_losses(r) for r in records]).double()
+            return UnitScores((-losses / counts.to(losses).clamp(min=1))[:, None])
+        target = self.target
+        assert target is not None  # needs_target: checked by the caller
+        scores = self.scorer.scores(records, target, per_unit=isinstance(target, ShardedTarget))
+        if isinstance(target, ShardedTarget):
+            self.target_peak_bytes = max(self.target_peak_bytes, target.peak_bytes)
+        return scores
+
+    def _drop_count(self, step: int) -> int | None:
+        """Examples step ``step`` drops under :attr:`drop_counts` (``None``: the rule's)."""
+        if self.drop_counts is None:
+            return None
+        if step >= len(self.drop_counts):
+            raise ValueError(
+                f"drop_counts has {len(self.drop_counts)} entries, none for step {step + 1}; "
+                "give one count per optimizer step of the run"
+            )
+        return self.drop_counts[step]
 
     def _keep_all(self, records: list[MicroBatchRecord], missing: set[int]) -> None:
         """Build the missing ``.grad`` from every example (one process, before a target)."""

@@ -40,6 +40,7 @@ from tda_plugins.capture.adapters import LayerAdapter
 from tda_plugins.capture.engine import capture_suspended
 from tda_plugins.capture.layers import uncovered_trainable
 from tda_plugins.capture.normalization import LossNormalization
+from tda_plugins.data_selection.losses import ForwardLosses, OutputLosses
 from tda_plugins.data_selection.outcome import StepSelection
 from tda_plugins.data_selection.parallel import Ranks, check_layout, divide_factor, is_sharded
 from tda_plugins.data_selection.selector import DataSelector, TokenCounter
@@ -85,7 +86,7 @@ class SelectionSession:
         model: the model the trainer calls (``fully_shard``-ed or not; for DDP the
             module inside the wrapper or the one ``replicate`` was applied to).
         target: the target pool, tensors with the example axis first (``labels`` in the
-            convention of ``losses``).
+            convention of ``losses``); ``None`` for ``score="loss"``, which needs none.
         losses: ``(model, batch) -> (B,)`` each target example's summed loss.
         target_tokens: ``batch -> (P,)`` loss tokens of each target example.
         normalization: how the trainer normalizes its loss (see ``capture.normalization``).
@@ -98,6 +99,8 @@ class SelectionSession:
         chunk_size: target examples per forward/backward (default: all at once).
         start_step: the optimizer step the run starts at (a resumed run).
         fix: how to cover every trainable parameter (the refusal's way out).
+        output_losses: ``(output, forward kwargs) -> (B,)`` each training example's summed
+            loss from the training forward's output (``score="loss"``).
 
     Raises:
         UnsupportedTrainingSetup: before any step, for uncovered trainable parameters or a
@@ -109,7 +112,7 @@ class SelectionSession:
         settings: SelectionSettings,
         model: nn.Module,
         *,
-        target: Batch,
+        target: Batch | None,
         losses: ExampleLosses,
         target_tokens: TargetTokens,
         normalization: LossNormalization,
@@ -121,9 +124,17 @@ class SelectionSession:
         chunk_size: int | None = None,
         start_step: int = 0,
         fix: str = DEFAULT_FIX,
+        output_losses: OutputLosses | None = None,
     ):
+        if settings.needs_target and target is None:
+            raise ValueError(f"score={settings.score!r} needs a target pool; give target=...")
+        if settings.score == "loss" and output_losses is None:
+            raise UnsupportedTrainingSetup(
+                "score='loss' needs the training examples' losses from the forward, which "
+                "this integration does not provide; use a gradient score"
+            )
         self.settings = settings
-        self.pool = TargetPool(target, settings.target_examples)
+        self.pool = TargetPool(target, settings.target_examples) if target is not None else None
         self.losses = losses
         self.target_tokens = target_tokens
         self.chunk_size = chunk_size
@@ -136,8 +147,17 @@ class SelectionSession:
             normalization,
             parameter_grads=parameter_grads,
         ).attach()
+        self.forward_losses: ForwardLosses | None = None
         try:
+            if settings.score == "loss" and output_losses is not None:
+                self.forward_losses = ForwardLosses(model, output_losses)
             captured = self.engine.captured_layers
+            if settings.drop_rule().needs_gram and self.ranks.world > 1:
+                raise UnsupportedTrainingSetup(
+                    f"rule {settings.rule!r} weighs every pair of the global batch's "
+                    "gradients, which data-parallel ranks do not share; train in one process "
+                    "or use a rule over scores (bottom_fraction, threshold, ...)"
+                )
             check_coverage(model, captured, fix)
             check_layout(model, captured)
             self.divide = divide_factor(model, self.ranks)
@@ -152,9 +172,11 @@ class SelectionSession:
                 score_projection=settings.projection(),
                 ranks=self.ranks,
                 divide=self.divide,
+                example_losses=self.forward_losses.of if self.forward_losses else None,
+                drop_counts=settings.drop_counts,
             )
         except Exception:
-            self.engine.detach()
+            self.close()
             raise
         self.engine.add_consumer(self.selector)
         self.engine.resume_at_step(start_step)
@@ -175,18 +197,19 @@ class SelectionSession:
 
     def refresh_target(self, step: int) -> bool:
         """Before optimizer step ``step``'s first forward: recompute the target if due
-        (every ``refresh_every`` steps from the first step this session sees). The model
-        runs in eval mode, unrecorded by any engine. Returns whether it was recomputed.
+        (every ``refresh_every`` steps from the first step this session sees; ``None``:
+        :meth:`SelectionSettings.refresh_interval` of the last step's batch). The model
+        runs in eval mode, unrecorded by any engine. Returns whether it was recomputed
+        (never for a score without a target).
 
         Raises:
             SelectionError: the refresh's examples have no loss token, or their gradient
                 is not finite (naming them by their position in the pool).
         """
         self.engine.resume_at_step(step)
-        due = (
-            self._target_step is None
-            or (step - self._target_step) % self.settings.refresh_every == 0
-        )
+        if self.pool is None:  # score="loss": no target
+            return False
+        due = self._target_step is None or step - self._target_step >= self._refresh_interval()
         if not due:
             return False
         model = self.model
@@ -218,6 +241,14 @@ class SelectionSession:
         self._target_step = step
         return True
 
+    def _refresh_interval(self) -> int:
+        """Steps between refreshes (``refresh_every=None``: from the last step's global
+        batch size and the pool's examples per refresh)."""
+        history = self.selector.history
+        step_examples = history[-1].example_ids.numel() if history else 1
+        assert self.pool is not None  # a target is refreshed only with a pool
+        return self.settings.refresh_interval(self.pool.per_refresh, step_examples)
+
     def step(self) -> StepSelection | None:
         """After the step's last backward: select and edit ``.grad``. Returns the step's
         outcome (``None`` when there was nothing to select: no micro-batch, or no target
@@ -225,6 +256,8 @@ class SelectionSession:
         is dropped (``None``), so the torch optimizer leaves it and its state unchanged."""
         done = len(self.selector.history)
         self.engine.optimizer_step()
+        if self.forward_losses is not None:
+            self.forward_losses.clear()
         if len(self.selector.history) == done:
             return None
         outcome = self.selector.history[-1]
@@ -237,8 +270,10 @@ class SelectionSession:
     def end(self) -> None:
         """Training finished: deliver pending micro-batches and unhook."""
         self.engine.end()
-        self.engine.detach()
+        self.close()
 
     def close(self) -> None:
         """Unhook without finishing (after an error)."""
         self.engine.detach()
+        if self.forward_losses is not None:
+            self.forward_losses.remove()

@@ -32,7 +32,7 @@ from tda_plugins.data_selection.parallel import Ranks
 from tda_plugins.data_selection.scoring import UnitScores
 from tda_plugins.integrations.transformers import DataSelectionCallback
 from tests.models import tiny_causal_lm
-from tests.selection_helpers import SelectionAudit, assert_trainer_grads_match_fresh
+from tests.selection_helpers import PINNED, SelectionAudit, assert_trainer_grads_match_fresh
 from tests.trainers import FP32_TOL, pad_rows, token_rows, training_args
 
 #: The first token of a poisoned row (no other row starts with it).
@@ -84,7 +84,9 @@ def train(tmp_path: Path, data: list[dict[str, list[int]]], **options: Any) -> t
     selection, audit, snapshots)."""
     model = tiny_causal_lm("llama", torch.float32)
     poison_rows(model)
-    selection = DataSelectionCallback(options.pop("target", target()), layers="all", **options)
+    selection = DataSelectionCallback(
+        options.pop("target", target()), layers="all", **{**PINNED, **options}
+    )
     audit, snapshots = SelectionAudit(), WeightsAndState()
     trainer = Trainer(
         model=model,

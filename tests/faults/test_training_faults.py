@@ -27,6 +27,7 @@ from tda_plugins.methods import method_by_name
 from tda_plugins.store import StoreError, StoreReader
 from tda_plugins.store.layout import rank_dir
 from tests.models import VOCAB, tiny_causal_lm
+from tests.selection_helpers import PINNED
 from tests.stores import capture_store
 from tests.trainers import WeightSnapshots, pad_rows, token_rows, training_args
 
@@ -51,7 +52,9 @@ def clean_rows(count: int, seed: int = 0) -> list[list[int]]:
 
 def selection(**options: Any) -> DataSelectionCallback:
     target = [{"input_ids": r} for r in clean_rows(2, seed=7)]
-    return DataSelectionCallback(target=target, layers="all", **{"fraction": 0.25, **options})
+    return DataSelectionCallback(
+        target=target, layers="all", **{**PINNED, "fraction": 0.25, **options}
+    )
 
 
 def train(
@@ -136,7 +139,9 @@ def test_a_bad_target_is_an_error_at_its_refresh_before_any_update(
     or NaN and drop by position: refused at the first refresh, naming the pool positions,
     before any weight changes."""
     target, message = BAD_TARGETS[case]
-    trainer = train(tmp_path, clean_rows(4), [DataSelectionCallback(target=target, layers="all")])
+    trainer = train(
+        tmp_path, clean_rows(4), [DataSelectionCallback(target=target, layers="all", **PINNED)]
+    )
     initial = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     with pytest.raises(SelectionError, match=message):
         trainer.train()

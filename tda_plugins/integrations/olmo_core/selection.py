@@ -76,12 +76,14 @@ class DataSelectionCallback(Callback):
         target: the target pool: a ``(P, T)`` tensor of token ids, or token-id lists (any
             lengths). Its loss is each sequence's summed next-token cross-entropy.
         rule, fraction, threshold, score, granularity, refresh_every, target_examples,
-            score_projection, layers, include, exclude, last_n_blocks: the fields of
-            :class:`~tda_plugins.data_selection.SelectionSettings` (``refresh_every``
+            score_projection, margin, layers, include, exclude, last_n_blocks: the fields of
+            :class:`~tda_plugins.data_selection.SelectionSettings`, with its defaults
+            (``refresh_every``
             counts from the first step of a run or a resumed run; ``score="adam"`` reads
-            the train module's Adam state). The default layers, ``"all"``, cover a full
-            OLMo-core model; every trainable parameter must be captured, else
-            ``pre_train`` refuses (freeze the others).
+            the train module's Adam state; ``score="loss"`` is refused: this integration
+            does not read the forward's per-instance losses). The default layers,
+            ``"all"``, cover a full OLMo-core model; every trainable parameter must be
+            captured, else ``pre_train`` refuses (freeze the others).
         log_path: JSONL of every step's global outcome (dropped instance indices), written
             by rank 0 (default ``<trainer work_dir>/selection.jsonl``). Its ``step`` is
             OLMo-core's step - 1.
@@ -95,14 +97,15 @@ class DataSelectionCallback(Callback):
     """
 
     target: PoolTokens
-    rule: str = "bottom_fraction"
-    fraction: float = 0.25
-    threshold: float = 0.0
-    score: ScoreMode = "dot"
-    granularity: Granularity = "global"
-    refresh_every: int = 1
-    target_examples: int | None = None
-    score_projection: int | None = None
+    rule: str = SelectionSettings.rule
+    fraction: float = SelectionSettings.fraction
+    threshold: float = SelectionSettings.threshold
+    score: ScoreMode = SelectionSettings.score
+    granularity: Granularity = SelectionSettings.granularity
+    refresh_every: int | None = SelectionSettings.refresh_every
+    target_examples: int | None = SelectionSettings.target_examples
+    score_projection: int | None = SelectionSettings.score_projection
+    margin: float = SelectionSettings.margin
     log_path: str | None = None
     layers: SelectionKind = "all"
     include: str | None = None
@@ -110,6 +113,11 @@ class DataSelectionCallback(Callback):
     last_n_blocks: int | None = None
 
     def __post_init__(self) -> None:
+        if self.score == "loss":
+            raise UnsupportedTrainingSetup(
+                "score='loss' reads each instance's loss from the forward's output, which the "
+                "OLMo-core integration does not provide; use score 'dot', 'cosine' or 'adam'"
+            )
         self._settings = SelectionSettings(
             rule=self.rule,
             fraction=self.fraction,
@@ -119,6 +127,7 @@ class DataSelectionCallback(Callback):
             refresh_every=self.refresh_every,
             target_examples=self.target_examples,
             score_projection=self.score_projection,
+            margin=self.margin,
             log_path=self.log_path,
             layers=self.layers,
             include=self.include,

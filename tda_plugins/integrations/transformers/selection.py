@@ -11,7 +11,7 @@ same drops as one process, see :mod:`~tda_plugins.data_selection.outcome`); on a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
-from tda_plugins.api import causal_lm_losses
+from tda_plugins.api import causal_lm_example_losses, causal_lm_losses
 from tda_plugins.capture import MicroBatchRecord
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.layers import has_lora
@@ -45,6 +45,16 @@ def causal_lm_token_counts(record: MicroBatchRecord) -> Tensor:
     if record.labels is None:
         raise ValueError("data selection needs labels in the model call to count loss tokens")
     return (record.labels[..., 1:] != -100).sum(dim=-1)
+
+
+def causal_lm_output_losses(output: Any, kwargs: Mapping[str, Any]) -> Tensor:
+    """``(B,)`` each example's summed next-token loss from a causal LM's output
+    (``score="loss"``): TRL's fused LM head returns each label's log-probability (zero where
+    ignored), a plain forward its logits, scored against the labels it was called with."""
+    log_probs = getattr(output, "log_probs", None)
+    if isinstance(log_probs, Tensor):
+        return -log_probs.sum(dim=-1)
+    return causal_lm_example_losses(output.logits, kwargs["labels"])
 
 
 def target_token_counts(batch: Mapping[str, Tensor]) -> Tensor:
@@ -105,10 +115,11 @@ class DataSelectionCallback(MetricsCallback):
         target: the target pool: a JSONL path, a ``datasets.Dataset`` or a list of dicts,
             each with ``input_ids`` (optional ``labels``), or ``text``, ``prompt`` +
             ``completion`` or ``messages`` (tokenized with the trainer's tokenizer when
-            training starts).
+            training starts); ``None`` for ``score="loss"`` (the loss baselines, and
+            ``rule="random"`` with them), which needs none.
         rule, fraction, threshold, score, granularity, refresh_every, target_examples,
-            score_projection: the fields of
-            :class:`~tda_plugins.data_selection.SelectionSettings`.
+            score_projection, seed, margin, drop_counts: the fields of
+            :class:`~tda_plugins.data_selection.SelectionSettings`, with its defaults.
         log_path: JSONL of every step's global outcome, written by rank 0 (default
             ``<output_dir>/selection.jsonl``).
         **options: the layer fields of :class:`CaptureSettings` (``layers``, ``include``,
@@ -119,16 +130,19 @@ class DataSelectionCallback(MetricsCallback):
 
     def __init__(
         self,
-        target: Examples,
-        rule: str = "bottom_fraction",
-        fraction: float = 0.25,
-        threshold: float = 0.0,
-        score: str = "dot",
-        granularity: str = "global",
-        refresh_every: int = 1,
-        target_examples: int | None = None,
-        score_projection: int | None = None,
+        target: Examples | None,
+        rule: str = SelectionSettings.rule,
+        fraction: float = SelectionSettings.fraction,
+        threshold: float = SelectionSettings.threshold,
+        score: str = SelectionSettings.score,
+        granularity: str = SelectionSettings.granularity,
+        refresh_every: int | None = SelectionSettings.refresh_every,
+        target_examples: int | None = SelectionSettings.target_examples,
+        score_projection: int | None = SelectionSettings.score_projection,
         log_path: str | None = None,
+        seed: int = SelectionSettings.seed,
+        margin: float = SelectionSettings.margin,
+        drop_counts: Sequence[int] | None = None,
         **options: Any,
     ):
         if options.pop("projection", "none") != "none":
@@ -146,9 +160,16 @@ class DataSelectionCallback(MetricsCallback):
             target_examples=target_examples,
             score_projection=score_projection,
             log_path=log_path,
+            seed=seed,
+            margin=margin,
+            drop_counts=None if drop_counts is None else tuple(drop_counts),
             **options,
         )
-        self.target = ExamplePool(target, "DataSelectionCallback's target")
+        if target is None and self.settings.needs_target:
+            raise ValueError(f"score={score!r} needs a target pool; give target=...")
+        self.target = (
+            ExamplePool(target, "DataSelectionCallback's target") if target is not None else None
+        )
         self.session: SelectionSession | None = None
         self._clipping: ClippingTakeover | None = None
         self._hooks: list[Any] = []
@@ -188,7 +209,7 @@ class DataSelectionCallback(MetricsCallback):
         self.session = SelectionSession(
             self.settings,
             model,
-            target=self.target.batch(processing_class),
+            target=self.target.batch(processing_class) if self.target is not None else None,
             losses=causal_lm_losses,
             target_tokens=target_token_counts,
             normalization=CausalLMNormalization(),
@@ -200,6 +221,7 @@ class DataSelectionCallback(MetricsCallback):
             chunk_size=args.per_device_train_batch_size,
             start_step=state.global_step,
             fix=fix,
+            output_losses=causal_lm_output_losses,
         )
         self._clipping = ClippingTakeover(args)
         self.session.engine.add_consumer(self._clipping)
