@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ class GradCos(AttributionMethod):
     """``<g_q, g_z> / (|g_q| |g_z|)``: cosine over all captured layers together."""
 
     normalize = True
+    scores_tied_weights = False
 
 
 @dataclass(frozen=True)
@@ -40,13 +42,20 @@ class TracIn(AttributionMethod):
 
     The store and queries passed to :meth:`score` are one checkpoint (weighted by
     ``learning_rate``); ``extra`` adds the others. Training ids are aligned across
-    checkpoints; an example missing from a checkpoint contributes nothing there.
+    checkpoints; an example missing from a checkpoint contributes nothing there. Each
+    checkpoint is scored with the same parameter groups.
     """
 
     def __init__(
-        self, damping: float = 0.1, learning_rate: float = 1.0, extra: tuple[Checkpoint, ...] = ()
+        self,
+        damping: float = 0.1,
+        learning_rate: float = 1.0,
+        extra: tuple[Checkpoint, ...] = (),
+        *,
+        exclude_params: str | Sequence[str] = (),
+        normalize_layers: bool = False,
     ):
-        super().__init__(damping)
+        super().__init__(damping, exclude_params=exclude_params, normalize_layers=normalize_layers)
         self.learning_rate = learning_rate
         self.extra = extra
 
@@ -61,8 +70,9 @@ class TracIn(AttributionMethod):
         ranks: Ranks | None = None,
     ) -> Scores:
         checkpoints = (Checkpoint(store, queries, self.learning_rate), *self.extra)
+        groups = self.groups
         per_checkpoint = [
-            GradDot().score(
+            GradDot(exclude_params=groups.exclude, normalize_layers=groups.normalize_layers).score(
                 c.store,
                 c.queries,
                 chunk_examples,

@@ -14,6 +14,7 @@ class LESS(AttributionMethod):
     """Training side: the Adam update each example would cause (saved optimizer state)."""
 
     normalize = True
+    scores_tied_weights = False
 
     def prepare(
         self,
