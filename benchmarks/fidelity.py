@@ -58,6 +58,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+import fidelity_trajectory  # noqa: F401  (registers the trajectory-aware rows)
 import torch
 import transformers
 from common import REPO, Stopwatch, base_parser, load_average, parameter_count, publish
@@ -95,8 +96,16 @@ def make_task(fine: FineTuning, work: Path) -> FidelityTask:
     model = fine.model()
     optimizer = train(config, blocks, model)
 
-    def replay(fresh: nn.Module, hook: StepHook | None) -> torch.optim.Optimizer:
-        return train(config, blocks, fresh, hook=hook)
+    def replay(
+        fresh: nn.Module,
+        hook: StepHook | None,
+        *,
+        after_update: StepHook | None = None,
+        optimizer: torch.optim.AdamW | None = None,
+    ) -> torch.optim.Optimizer:
+        return train(
+            config, blocks, fresh, hook=hook, after_update=after_update, optimizer=optimizer
+        )
 
     run = TrainingRun(
         initial_state=fine.start.state,

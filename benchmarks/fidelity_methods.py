@@ -40,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from attribution import capture_store, micro_batches
@@ -61,13 +61,31 @@ from tda_plugins.integrations.transformers.normalization import CausalLMNormaliz
 from tda_plugins.methods import Scores, method_by_name
 from tda_plugins.store import StoreReader
 
-#: ``replay(model, hook)``: rerun the training run on ``model`` (fresh, holding the
-#: initial weights), calling ``hook`` at each step; returns the trained optimizer.
-Replay = Callable[[nn.Module, StepHook | None], torch.optim.Optimizer]
+
+class Replay(Protocol):
+    """``replay(model, hook, after_update=..., optimizer=...)``: rerun the training run on
+    ``model`` (fresh, holding the initial weights), calling ``hook(step, model)`` after
+    each backward and ``after_update(step, model)`` after each optimizer step, with
+    ``optimizer`` (a fresh AdamW of the run's settings over ``model``; default: its own);
+    returns the trained optimizer."""
+
+    def __call__(
+        self,
+        model: nn.Module,
+        hook: StepHook | None,
+        /,
+        *,
+        after_update: StepHook | None = None,
+        optimizer: torch.optim.AdamW | None = None,
+    ) -> torch.optim.Optimizer: ...
+
 
 #: The layers our methods attribute with: GPT-2's Conv1D layers (``lm_head`` is tied to
 #: ``wte`` and left out, as are the embeddings and norms).
 LAYERS = LayerSelection(kind="linear")
+#: Every layer K-FAC/EK-FAC support: the Conv1D layers, the token and position
+#: embeddings, the norm scales and the tied head (its uses of ``wte`` counted once).
+ALL_LAYERS = LayerSelection(kind="all")
 #: LoGra's factor projection.
 LOGRA_PROJECTION = ProjectionConfig(kind="factor", k_a=32, k_g=32)
 
@@ -156,12 +174,12 @@ class FidelityTask:
     def select(self, scores: Scores) -> Tensor:
         """``(M, N)`` from library :class:`Scores` keyed by content hash: the rows of the
         training blocks in dataset order, the columns of the validation blocks, transposed."""
-        rows = _positions(scores.train_ids, content_hash(self.train))
-        cols = _positions(scores.query_ids, content_hash(self.validation))
+        rows = positions(scores.train_ids, content_hash(self.train))
+        cols = positions(scores.query_ids, content_hash(self.validation))
         return scores.values[rows][:, cols].T.double()
 
 
-def _positions(ids: Tensor, wanted: Tensor) -> Tensor:
+def positions(ids: Tensor, wanted: Tensor) -> Tensor:
     """``(K,)`` index of each of ``wanted``'s ids in ``ids``; an error when one is missing."""
     where = {int(x): i for i, x in enumerate(ids.tolist())}
     missing = [int(x) for x in wanted.tolist() if int(x) not in where]
@@ -191,14 +209,17 @@ def register_attributor(name: str) -> Callable[[Attributor], Attributor]:
 
 
 def trained_stores(
-    task: FidelityTask, projection: ProjectionConfig | None, curvature: bool
+    task: FidelityTask,
+    projection: ProjectionConfig | None,
+    curvature: bool,
+    layers: LayerSelection = LAYERS,
 ) -> tuple[StoreReader, StoreReader]:
     """Training store (with the AdamW moments, and inline K-FAC statistics with
-    ``curvature``) and validation store captured at the trained weights, each example's
-    own summed token loss; written once per task, projection and ``curvature`` under
-    ``task.work``."""
+    ``curvature``) and validation store captured at the trained weights from ``layers``,
+    each example's own summed token loss; written once per task, projection, layers and
+    ``curvature`` under ``task.work``."""
     kind = ("projected" if projection is not None else "full") + ("-kfac" if curvature else "")
-    root = task.work / kind
+    root = task.work / f"{kind}-{layers.kind}"
     if not root.exists():
         model = task.trained_model()
         optimizer = task.trained_optimizer(model)
@@ -209,22 +230,33 @@ def trained_stores(
             projection,
             curvature=curvature,
             optimizer=optimizer,
+            layers=layers,
         )
         capture_store(
-            model, micro_batches(task.validation, task.batch), root / "val", projection, False
+            model,
+            micro_batches(task.validation, task.batch),
+            root / "val",
+            projection,
+            False,
+            layers=layers,
         )
     return StoreReader(root / "train"), StoreReader(root / "val")
 
 
 def store_method(
-    method: str, projection: ProjectionConfig | None, task: FidelityTask, **options: Any
+    method: str,
+    projection: ProjectionConfig | None,
+    task: FidelityTask,
+    layers: LayerSelection = LAYERS,
+    **options: Any,
 ) -> Tensor:
     """``(M, N)`` scores of a registered library method (``options``: its constructor's,
-    such as ``damping``) on stores captured at the trained weights (with the K-FAC
-    statistics only where the method's preconditioner needs them)."""
+    such as ``damping``, ``exclude_params``, ``normalize_layers``) on stores captured at
+    the trained weights from ``layers`` (with the K-FAC statistics only where the
+    method's preconditioner needs them)."""
     attributor = method_by_name(method, **options)
     curvature = attributor.preconditioner.needs_curvature
-    store, queries = trained_stores(task, projection, curvature)
+    store, queries = trained_stores(task, projection, curvature, layers)
     return task.select(attributor.score(store, queries))
 
 
@@ -248,14 +280,24 @@ def per_layer_scores(task: FidelityTask, method: str) -> dict[str, Tensor]:
 for _name in ("graddot", "gradcos", "kfac", "ekfac", "less"):
     register_attributor(_name)(partial(store_method, _name, None))
 register_attributor("logra")(partial(store_method, "logra", LOGRA_PROJECTION))
+for _name in ("kfac", "ekfac"):
+    register_attributor(f"{_name}:all-layers")(
+        partial(store_method, _name, None, layers=ALL_LAYERS)
+    )
+register_attributor("graddot:no-bias")(
+    partial(store_method, "graddot", None, exclude_params=("bias",))
+)
+register_attributor("graddot:layer-norm")(
+    partial(store_method, "graddot", None, normalize_layers=True)
+)
 
 
 # -- ours: TracIn from the training run -------------------------------------------------
 
 
-@register_attributor("tracin")
-def tracin(task: FidelityTask) -> Tensor:
-    """``sum_s lr <g_v(theta_s), g_j(theta_s)>`` over the step ``s`` that trained ``j``.
+def tracin(task: FidelityTask, **groups: Any) -> Tensor:
+    """``sum_s lr <g_v(theta_s), g_j(theta_s)>`` over the step ``s`` that trained ``j``
+    (``groups``: ``InfluenceLogger``'s ``exclude_params`` / ``normalize_layers``).
 
     The engine is attached to a replay of the training run; at each step, after the
     backward and before the update, the validation gradients are taken at the step's
@@ -263,7 +305,7 @@ def tracin(task: FidelityTask) -> Tensor:
     step's captured examples are scored against them (per-example summed token loss,
     converted from the training run's mean loss by ``CausalLMNormalization``).
     """
-    logger = InfluenceLogger("graddot")
+    logger = InfluenceLogger("graddot", **groups)
     model = task.model_factory()
     val = {"input_ids": task.validation, "labels": task.validation}
 
@@ -276,6 +318,17 @@ def tracin(task: FidelityTask) -> Tensor:
 
         task.run.replay(model, before_update)
         engine.end()
+    require_reference(task, model)
+    return task.select(logger.cumulative_scores(content_hash(task.validation)))
+
+
+register_attributor("tracin")(tracin)
+register_attributor("tracin:no-bias")(partial(tracin, exclude_params=("bias",)))
+
+
+def require_reference(task: FidelityTask, model: nn.Module) -> None:
+    """Refuse a captured replay that did not end on the reference weights bit for bit
+    (the capture would have changed the training run it attributes)."""
     trained = model.state_dict()
     drift = max(float((trained[k] - v).abs().max()) for k, v in task.state.items())
     if drift != 0.0:
@@ -283,4 +336,3 @@ def tracin(task: FidelityTask) -> Tensor:
             f"the captured replay ended {drift:.3g} away from the reference weights: capture "
             "changed the training run"
         )
-    return task.select(logger.cumulative_scores(content_hash(task.validation)))

@@ -28,7 +28,9 @@ class Fidelity:
 
     Attributes:
         name: the attributor (and its variant).
-        per_query: ``(M,)`` fp64 Spearman of each validation block.
+        per_query: ``(M,)`` fp64 Spearman of each validation block; NaN for a block the
+            attributor did not score (the mean and the intervals leave it out; a paired
+            interval keeps the blocks both scored).
         resamples: bootstrap resamples of the validation blocks.
         seconds: wall seconds the attributor took (NaN where not timed).
     """
@@ -40,13 +42,19 @@ class Fidelity:
 
     @property
     def mean(self) -> float:
-        """Mean Spearman over validation blocks."""
-        return float(self.per_query.mean())
+        """Mean Spearman over the validation blocks scored."""
+        return float(self.per_query.nanmean())
+
+    @property
+    def scored(self) -> int:
+        """Validation blocks scored (the others' Spearman is NaN)."""
+        return int(self.per_query.isfinite().sum())
 
     def interval(self, minus: Fidelity | None = None) -> tuple[float, float]:
         """Percentile bootstrap 95% interval of the mean, or of the mean difference to
         ``minus`` (paired: the same validation blocks resampled for both)."""
         values = self.per_query if minus is None else self.per_query - minus.per_query
+        values = values[values.isfinite()]
         gen = torch.Generator().manual_seed(0)
         draws = torch.randint(0, values.shape[0], (self.resamples, values.shape[0]), generator=gen)
         means = values[draws].mean(dim=1)
@@ -57,13 +65,18 @@ class Fidelity:
 def fidelity(
     name: str, scores: Tensor, effects: Tensor, resamples: int, seconds: float = float("nan")
 ) -> Fidelity:
-    """Spearman per validation block of ``(M, K)`` scores against ``(M, K)`` effects."""
+    """Spearman per validation block of ``(M, K)`` scores against ``(M, K)`` effects; NaN
+    for a block whose scores are not all finite (one the attributor left out)."""
     if scores.shape != effects.shape:
         raise ValueError(
             f"{name} gave scores of shape {tuple(scores.shape)}, expected "
             f"{tuple(effects.shape)} (validation blocks x removed blocks or subsets)"
         )
-    rho = spearman(scores.T.double(), effects.T.double())
+    scored = scores.isfinite().all(dim=1)
+    if not scored.any():
+        raise ValueError(f"{name} scored no validation block (every row has a NaN)")
+    rho = torch.full((scores.shape[0],), float("nan"), dtype=torch.float64)
+    rho[scored] = spearman(scores[scored].T.double(), effects[scored].T.double())
     return Fidelity(name, rho, resamples, seconds)
 
 

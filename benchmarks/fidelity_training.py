@@ -246,16 +246,21 @@ def train(
     reverse_rows: bool = False,
     hook: StepHook | None = None,
     subset: Tensor | None = None,
+    after_update: StepHook | None = None,
+    optimizer: torch.optim.AdamW | None = None,
 ) -> torch.optim.AdamW:
     """One epoch of AdamW (``config.adamw``, fresh state) over :func:`batches`' rows of
     ``blocks.train``, transformers' mean token loss of each batch.
 
     ``reverse_rows`` (the same gradient in exact arithmetic) is the rounding noise probe.
-    ``hook(step, model)`` runs after each backward, before the optimizer step. Returns the
-    optimizer (its state after the epoch).
+    ``hook(step, model)`` runs after each backward, before the optimizer step;
+    ``after_update(step, model)`` after the optimizer step, before ``.grad`` is cleared.
+    ``optimizer``: a fresh ``config.adamw.optimizer(model)`` made by the caller (a
+    recorder that reads its state); default: one made here. Returns the optimizer (its
+    state after the epoch).
     """
     model.train()
-    optimizer = config.adamw.optimizer(model)
+    optimizer = optimizer if optimizer is not None else config.adamw.optimizer(model)
     with deterministic():
         for step, rows in enumerate(batches(config, blocks, skip, reverse_rows, subset)):
             ids = blocks.train[rows]
@@ -263,6 +268,8 @@ def train(
             if hook is not None:
                 hook(step, model)
             optimizer.step()
+            if after_update is not None:
+                after_update(step, model)
             optimizer.zero_grad(set_to_none=True)
     return optimizer
 
