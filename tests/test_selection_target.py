@@ -7,7 +7,7 @@ import torch
 
 from tda_plugins import LayerSelection
 from tda_plugins.api import causal_lm_losses
-from tda_plugins.data_selection.target import TargetPool, target_gradient
+from tda_plugins.data_selection.target import TargetPool, target_chunks, target_gradient
 from tests.models import lm_batch, tiny_causal_lm
 
 
@@ -83,3 +83,28 @@ def test_target_factors_are_kept_where_smaller_and_give_the_vector() -> None:
                 assert got.factors[name].batch_size == 1 and got.factors[name].tokens == tokens
             torch.testing.assert_close(got[name], grad.flatten())
     assert kept == len(layers)  # every layer of the 8-token target, none of the 40-token one
+
+
+def test_uneven_pool_is_chunked_by_length_and_trimmed_with_the_same_gradient() -> None:
+    """One long example among short ones: the chunks go longest first and are cut after
+    their last attended column (the short ones are no longer padded to the long one), and
+    the target gradient is still ``autograd.grad`` of the summed losses of the padded
+    batch."""
+    model = tiny_causal_lm("llama")
+    batch = lm_batch(batch=5, length=12, lengths=(3, 12, 4, 2, 3))
+    chunks = target_chunks(batch, 2)
+    assert [c["input_ids"].shape[1] for c in chunks] == [12, 3, 2]
+    assert [c["attention_mask"].sum(1).tolist() for c in chunks] == [[12, 4], [3, 3], [2]]
+    layers = LayerSelection("linear").resolve(model)
+    params = {id(p): p for p in model.parameters() if p.requires_grad}
+    expected = dict(
+        zip(
+            params,
+            torch.autograd.grad(causal_lm_losses(model, batch).sum(), list(params.values())),
+            strict=True,
+        )
+    )
+    got = target_gradient(model, layers, batch, causal_lm_losses, 2)
+    for name, (module, adapter) in layers.items():
+        local = {k: expected[id(p)] for k, p in adapter.captured_parameters(module).items()}
+        torch.testing.assert_close(got[name], adapter.flatten(module, local))

@@ -51,7 +51,8 @@ class Target(Mapping[str, Tensor]):
         factors: layer name -> the same gradient as per-token factors, every target
             token a row of one example (``TokenFactors`` of batch 1, ``S`` tokens), for the
             linear layers where that form is the smaller one (``S (N_i + N_o) <= N_i N_o``,
-            ``S`` counting the batch's ``input_ids``; none for a batch without them) and
+            ``S`` counting the ``input_ids`` of the chunks the pass runs,
+            :func:`target_chunks`; none for a batch without them) and
             whose parameters no other layer shares (a tied weight's vector is its whole
             gradient, its factors would be one call site's part of it).
     """
@@ -157,7 +158,11 @@ def target_gradient(
         pass (their weight-gradient products skipped); their vectors are built from the
         factors only when asked for.
     """
-    tokens = int(batch["input_ids"].numel()) if "input_ids" in batch else 0
+    tokens = (
+        sum(int(c["input_ids"].numel()) for c in target_chunks(batch, chunk_size))
+        if "input_ids" in batch
+        else 0
+    )
     candidates = _smaller_as_factors(layers, tokens) if tokens and keep_factors else []
     keeper = _FactorKeeper()
     with contextlib.ExitStack() as stack:
@@ -193,15 +198,43 @@ def _summed_backward(
     chunk_size: int | None,
     weight: float = 1.0,
 ) -> None:
-    """``weight * sum_i L_i`` over ``batch`` backpropagated, ``chunk_size`` examples at a
-    time (nothing for an empty batch)."""
-    size = len(next(iter(batch.values())))
-    step = chunk_size or size
+    """``weight * sum_i L_i`` over ``batch`` backpropagated, in :func:`target_chunks`
+    (nothing for an empty batch)."""
     with torch.enable_grad():
-        for start in range(0, size, max(step, 1)):
-            chunk = {k: v[start : start + step] for k, v in batch.items()}
+        for chunk in target_chunks(batch, chunk_size):
             loss = losses(model, chunk).sum()
             (loss * weight if weight != 1.0 else loss).backward()
+
+
+def target_chunks(batch: Batch, chunk_size: int | None) -> list[dict[str, Tensor]]:
+    """``batch`` in chunks of ``chunk_size`` examples (default: one chunk). With a 2-D
+    ``attention_mask`` the examples go longest first, so that each chunk holds examples of
+    about one length, and each chunk is cut after its last attended column (trailing
+    columns that only pad): a pool with one long example no longer pads every other one to
+    its length. The summed loss is the same."""
+    size = len(next(iter(batch.values())))
+    mask = batch.get("attention_mask")
+    ragged = isinstance(mask, Tensor) and mask.dim() == 2 and size > 0
+    order = (
+        torch.argsort(mask.sum(dim=1), descending=True, stable=True)  # type: ignore[union-attr]
+        if ragged
+        else torch.arange(size)
+    )
+    step = max(chunk_size or size, 1)
+    chunks = []
+    for start in range(0, size, step):
+        rows = order[start : start + step]
+        chunk = {k: v[rows.to(v.device)] for k, v in batch.items()}
+        if ragged:
+            attended = chunk["attention_mask"].any(dim=0).nonzero()
+            length = chunk["attention_mask"].shape[1]
+            width = int(attended.max()) + 1 if attended.numel() else length
+            chunk = {
+                k: v[:, :width] if v.dim() >= 2 and v.shape[1] == length else v
+                for k, v in chunk.items()
+            }
+        chunks.append(chunk)
+    return chunks
 
 
 class ShardedTarget(Target):
