@@ -9,7 +9,8 @@ during the training run, and the exact metagradient (the ceiling reference).
   on the run rebuilt from ``task.run`` (initial weights, each step's rows, AdamW
   settings). The run's loss is transformers' mean token loss of each step's one batch:
   the ``micro_batch_mean`` convention with one micro-batch per step; the trained weights
-  are passed as ``trained_state``, so a replay that does not end on them is refused.
+  are passed as ``trained_state``, so a replay that does not end on them is refused (the
+  row is then listed as one that could not run, with the library's reason).
   Its cost grows with the queries (about 2.5 training runs each), so it is measured on
   :data:`META_QUERIES` validation blocks drawn with a fixed seed; the other blocks' rows
   are NaN, and the metric leaves them out (the paired comparisons use the same blocks).
@@ -28,6 +29,7 @@ from fidelity_methods import (
     register_attributor,
     require_reference,
 )
+from peers.base import Unsupported
 from torch import Tensor, nn
 
 from tda_plugins.capture.identity import content_hash
@@ -120,16 +122,22 @@ def metagradient_scores(task: FidelityTask, denominator: str = "exact") -> Tenso
         MicroBatch(content_hash(part), {"input_ids": part, "labels": part})
         for part in blocks.split(META_QUERY_BATCH)
     ]
-    derivatives = loss_weight_derivatives(
-        task.model_factory(),
-        rebuilt_trajectory(task),
-        queries,
-        optimizer=settings,
-        loss_convention="micro_batch_mean",
-        adam_denominator=denominator,
-        initial_state=task.run.initial_state,
-        trained_state=task.state,
-    )
+    try:
+        derivatives = loss_weight_derivatives(
+            task.model_factory(),
+            rebuilt_trajectory(task),
+            queries,
+            optimizer=settings,
+            loss_convention="micro_batch_mean",
+            adam_denominator=denominator,
+            initial_state=task.run.initial_state,
+            trained_state=task.state,
+        )
+    except ValueError as refused:
+        if "does not reproduce the run" not in str(refused):
+            raise
+        # listed under "could not run" with the library's reason, the other rows kept
+        raise Unsupported(f"tda_plugins.metagradient refused the rebuilt run: {refused}") from None
     scores = derivatives.scores()
     rows = positions(scores.train_ids, content_hash(task.train))
     cols = positions(scores.query_ids, content_hash(blocks))
