@@ -201,9 +201,8 @@ def test_script_scores_every_attributor_on_the_cached_runs(
         loo = fidelity_truth.leave_one_out(fine, cache)
         assert figures["effects"] == loo.effects.tolist()  # read from the cache
         assert figures["reproduced_max_abs"] == 0.0  # the attribution process's run is the same
-        assert {"graddot", "gradcos", "tracin", "kfac", "ekfac", "logra", "less"} == set(
-            figures["methods"]
-        )
+        # every registered attributor ran (no peer library is installed beside the tests)
+        assert set(fidelity_methods.ATTRIBUTORS) == set(figures["methods"])
         assert set(figures["lds"]) == set(figures["methods"])
         for method in figures["methods"]:
             for result in (figures["methods"][method], figures["lds"][method]):
