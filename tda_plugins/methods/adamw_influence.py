@@ -36,7 +36,7 @@ from tda_plugins.heap import release_free_heap
 from tda_plugins.methods.base import (
     QUERY_CACHE_BYTES,
     AttributionMethod,
-    default_chunk,
+    ScoreRun,
     register_method,
     require_tie_support,
 )
@@ -113,30 +113,20 @@ class AdamWInfluence(AttributionMethod):
         if own_step is not None:
             self.own_step = own_step
 
-    def score(
-        self,
-        store: StoreReader,
-        queries: StoreReader,
-        chunk_examples: int | None = None,
-        progress: bool = False,
-        *,
-        allow_mismatch: bool = False,
-        ranks: Ranks | None = None,
-    ) -> Scores:
+    def scores(self, store: StoreReader, queries: StoreReader, run: ScoreRun) -> Scores:
         """``(N, M)`` scores, one row per training example id (see the module docstring).
 
         Cost: one reverse pass over the store and its trajectory per block of layers and
         queries whose dense query gradients fit :data:`QUERY_CACHE_BYTES`; per step, the
         cross-Grams of its examples with the dense query sides (GradDot's work against
         materialized queries) plus ``M D`` multiply-adds per layer to move the sides."""
-        ranks = ranks or Ranks()
-        if ranks.size > 1:
+        if run.ranks.size > 1:
             raise ValueError(
                 f"{self.name} scores in one process (its pass over the steps runs backwards "
                 "through the whole store); run it without torchrun"
             )
         release_free_heap()
-        store.require_compatible(queries, allow_mismatch)
+        store.require_compatible(queries, run.allow_mismatch)
         require_tie_support(store, supported=False)
         trajectory = TrajectoryReader(store.root)
         trajectory.require_covers(store)
@@ -146,8 +136,10 @@ class AdamWInfluence(AttributionMethod):
         rows = _StoreRows(store)
         values = torch.zeros(rows.count, queries.num_examples, dtype=torch.float64)
         blocks = self._blocks(trajectory, queries, store)
-        chunk = chunk_examples or default_chunk(queries.num_examples)
-        bar = tqdm(total=rows.count * len(blocks), desc=f"{self.name} scores", disable=not progress)
+        chunk = run.chunk(queries.num_examples)
+        bar = tqdm(
+            total=rows.count * len(blocks), desc=f"{self.name} scores", disable=not run.progress
+        )
         query_ids = torch.empty(0, dtype=torch.long)
         with bar:
             for layers, cols in blocks:
@@ -156,7 +148,7 @@ class AdamWInfluence(AttributionMethod):
                 index = torch.arange(cols.start, cols.stop)
                 sweeps = {
                     name: _LayerSweep(
-                        query.layers[name].select(index).materialize().to(ranks.device),
+                        query.layers[name].select(index).materialize().to(run.ranks.device),
                         self.own_step,
                     )
                     for name in layers
@@ -168,13 +160,13 @@ class AdamWInfluence(AttributionMethod):
                             AdamTerms.of(
                                 records[step],
                                 name,
-                                trajectory.second_moment(step, name).to(ranks.device),
-                                trajectory.entry_parameters(name).to(ranks.device),
+                                trajectory.second_moment(step, name).to(run.ranks.device),
+                                trajectory.entry_parameters(name).to(run.ranks.device),
                             )
                         )
                         for name in layers
                     }
-                    scored = self._step_scores(store, step, records[step], sides, chunk, ranks)
+                    scored = self._step_scores(store, step, records[step], sides, chunk, run.ranks)
                     for at, dots in scored:
                         values[rows.of(step, at), cols] += dots.cpu()
                     bar.update(len(records[step].example_ids))

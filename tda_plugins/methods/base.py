@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from abc import ABC
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -50,6 +50,29 @@ register_method = METHODS.register
 def method_by_name(name: str, **options: Any) -> AttributionMethod:
     """Instantiate a registered method; unknown names list the known ones."""
     return METHODS.create(name, **options)
+
+
+@dataclass(frozen=True)
+class ScoreRun:
+    """How one scoring call runs (the options of :meth:`AttributionMethod.score`).
+
+    Attributes:
+        chunk_examples: training examples read and scored at once (whole micro-batches);
+            ``None``: :func:`default_chunk` of the query count.
+        progress: show progress bars (on rank 0).
+        allow_mismatch: score queries of another model than the store's.
+        ranks: the processes that share the work and where they compute (default: this
+            process, on the CPU).
+    """
+
+    chunk_examples: int | None = None
+    progress: bool = False
+    allow_mismatch: bool = False
+    ranks: Ranks = field(default_factory=Ranks)
+
+    def chunk(self, queries: int) -> int:
+        """Training examples per chunk against ``queries`` queries."""
+        return self.chunk_examples or default_chunk(queries)
 
 
 class AttributionMethod(ABC):
@@ -94,27 +117,28 @@ class AttributionMethod(ABC):
         self.space = ScoringSpace()
 
     def prepare(
-        self,
-        store: StoreReader,
-        queries: StoreReader,
-        progress: bool = False,
-        *,
-        allow_mismatch: bool = False,
-        ranks: Ranks | None = None,
+        self, store: StoreReader, queries: StoreReader, run: ScoreRun | None = None
     ) -> None:
-        """Validate the pair of stores (``allow_mismatch``: queries of another model than
-        the store's are scored all the same, see
+        """Validate the pair of stores (``run.allow_mismatch``: queries of another model
+        than the store's are scored all the same, see
         :meth:`~tda_plugins.store.StoreReader.require_compatible`) and fit what the method
-        needs (spread over ``ranks``, its results on their device; default: this process,
-        on the CPU). Parameter groups are resolved first, so that a pattern that
-        matches nothing fails before any work."""
-        store.require_compatible(queries, allow_mismatch)
+        needs (spread over ``run.ranks``, its results on their device). The method's own
+        refusals (:meth:`refuse`) come first, then the parameter groups are resolved, so
+        that a pattern that matches nothing fails before any work."""
+        run = run or ScoreRun()
+        self.refuse(store, run)
+        store.require_compatible(queries, run.allow_mismatch)
         self.space = self.groups.resolve(store.config, queries.config)
         require_tie_support(store, self.scores_tied_weights and not self.groups.normalize_layers)
-        self.preconditioner.fit(store, progress, ranks=ranks or Ranks())
+        self.preconditioner.fit(store, run.progress, ranks=run.ranks)
         #: The tied units as recorded by the capture, and as the curvature statistics tie
         #: them (older stores record them only there).
         self.ties = list(dict.fromkeys([*store.config.tied, *self.preconditioner.tied_units]))
+
+    def refuse(self, store: StoreReader, run: ScoreRun) -> None:
+        """Raise, before any work, where the method cannot score ``store`` as ``run``
+        asks; set up what it reads besides the preconditioner. Default: nothing."""
+        return None
 
     def train_side(self, layer: str, grads: PerExampleGrad) -> PerExampleGrad:
         """Transform of the training gradients: LESS's Adam step, or the preconditioner's
@@ -156,11 +180,18 @@ class AttributionMethod(ABC):
         The heap a training or capture pass freed is given back first
         (:func:`~tda_plugins.heap.release_free_heap`), so that scoring's buffers do not
         come on top of it."""
-        ranks = ranks or Ranks()
+        run = ScoreRun(
+            chunk_examples, progress, allow_mismatch=allow_mismatch, ranks=ranks or Ranks()
+        )
+        return self.scores(store, queries, run)
+
+    def scores(self, store: StoreReader, queries: StoreReader, run: ScoreRun) -> Scores:
+        """:meth:`score` with its options in one value: what a method overrides."""
+        ranks = run.ranks
         release_free_heap()
-        self.prepare(store, queries, progress, allow_mismatch=allow_mismatch, ranks=ranks)
+        self.prepare(store, queries, run)
         _require_queries(queries)
-        chunk = chunk_examples or default_chunk(queries.num_examples)
+        chunk = run.chunk(queries.num_examples)
         # layer groups and the query cache follow the whole store, as in one process
         groups = layer_groups(
             store,
@@ -171,7 +202,7 @@ class AttributionMethod(ABC):
         )
         part = ranks.part(store, chunk)
         examples = 0 if part is None else part.num_examples
-        show = progress and ranks.rank == 0
+        show = run.progress and ranks.rank == 0
         bar = tqdm(total=examples, desc=f"{self.name} scores", disable=not show)
         totals = _Totals(queries.num_examples, self.normalize)
         query_ids = torch.empty(0, dtype=torch.long)

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from tda_plugins.methods.base import AttributionMethod, register_method
-from tda_plugins.ranks import Ranks
+from tda_plugins.methods.base import AttributionMethod, ScoreRun, register_method
 from tda_plugins.store.layout import StoreError
 from tda_plugins.store.reader import StoreReader
 
@@ -36,19 +35,10 @@ class EKFAC(AttributionMethod):
 class LoGra(KFAC):
     """LoGra: factor projection in the hook, then K-FAC on the projected factors."""
 
-    def prepare(
-        self,
-        store: StoreReader,
-        queries: StoreReader,
-        progress: bool = False,
-        *,
-        allow_mismatch: bool = False,
-        ranks: Ranks | None = None,
-    ) -> None:
+    def refuse(self, store: StoreReader, run: ScoreRun) -> None:
         projection = store.config.projection
         if projection is None or projection.kind != "factor":
             raise StoreError(
                 f"LoGra needs a store captured with factor projection, but {store.root} has "
                 f"projection={projection}; recapture with --projection factor, or use kfac"
             )
-        super().prepare(store, queries, progress, allow_mismatch=allow_mismatch, ranks=ranks)

@@ -7,9 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tda_plugins.methods.base import AttributionMethod, register_method
+from tda_plugins.methods.base import AttributionMethod, ScoreRun, register_method
 from tda_plugins.methods.scores import Scores
-from tda_plugins.ranks import Ranks
 from tda_plugins.store.layout import StoreError
 from tda_plugins.store.reader import StoreReader
 
@@ -59,26 +58,12 @@ class TracIn(AttributionMethod):
         self.learning_rate = learning_rate
         self.extra = extra
 
-    def score(
-        self,
-        store: StoreReader,
-        queries: StoreReader,
-        chunk_examples: int | None = None,
-        progress: bool = False,
-        *,
-        allow_mismatch: bool = False,
-        ranks: Ranks | None = None,
-    ) -> Scores:
+    def scores(self, store: StoreReader, queries: StoreReader, run: ScoreRun) -> Scores:
         checkpoints = (Checkpoint(store, queries, self.learning_rate), *self.extra)
         groups = self.groups
         per_checkpoint = [
-            GradDot(exclude_params=groups.exclude, normalize_layers=groups.normalize_layers).score(
-                c.store,
-                c.queries,
-                chunk_examples,
-                progress,
-                allow_mismatch=allow_mismatch,
-                ranks=ranks,
+            GradDot(exclude_params=groups.exclude, normalize_layers=groups.normalize_layers).scores(
+                c.store, c.queries, run
             )
             for c in checkpoints
         ]

@@ -40,10 +40,8 @@ from tda_plugins.precondition.fitting import (
     ABSENT,
     SharedInput,
     check_shape,
-    owned_statistics,
+    fit_layers,
     present,
-    statistics_set,
-    units_by_layer,
 )
 from tda_plugins.precondition.sides import Basis, Sides, divided, tied_eigenbasis
 from tda_plugins.ranks import LayerTensors, Ranks, on_device
@@ -130,25 +128,18 @@ class EKFACPreconditioner(Preconditioner):
         self, store: StoreReader, progress: bool = False, *, ranks: Ranks | None = None
     ) -> None:
         ranks = ranks or Ranks()
-        found = statistics_set(store)
-        units = units_by_layer(found, store)
         dtype = store.values_dtype()
         eigh_col = SharedInput(torch.linalg.eigh)
-        local: dict[str, LayerTensors] = {}
-        for name, stats in owned_statistics(store, found, ranks):
-            sides = Sides.of(stats)
-            if name in units:  # combined with the other use once both are shared
-                local[name] = (ABSENT if sides.row is None else sides.row, sides.col)
-            else:
-                local[name] = _decomposed(sides, eigh_col, dtype).tensors()
-        shared = ranks.share(local, store.layer_names)
-        self.eigen = {n: _Eigen.shared(t) for n, t in shared.items() if n not in units}
+        fitted = fit_layers(
+            store, ranks, lambda sides: _decomposed(sides, eigh_col, dtype).tensors()
+        )
+        self.eigen = {n: _Eigen.shared(t) for n, t in fitted.untied().items()}
         self.bases = {n: e.basis for n, e in self.eigen.items()}
-        self.tied_units = list(dict.fromkeys(units.values()))
+        self.tied_units = list(dict.fromkeys(fitted.units.values()))
         for unit in self.tied_units:
-            basis = tied_eigenbasis([Sides(present(shared[n][0]), shared[n][1]) for n in unit])
+            basis = tied_eigenbasis(fitted.tied_uses(unit))
             self.bases.update(dict.fromkeys(unit, _in_dtype(basis, dtype)))
-        self._members = {n: units.get(n, (n,)) for n in store.layer_names}
+        self._members = {n: fitted.units.get(n, (n,)) for n in store.layer_names}
         self._correct(store, progress, ranks)
 
     def _correct(self, store: StoreReader, progress: bool, ranks: Ranks) -> None:

@@ -5,6 +5,7 @@ consecutive layers."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -12,8 +13,9 @@ from torch import Tensor
 
 from tda_plugins.grads.base import PerExampleGrad
 from tda_plugins.precondition.forms import NOT_FACTORED
+from tda_plugins.precondition.sides import Sides
 from tda_plugins.precondition.snapshots import KroneckerFactors, StatisticsSet, read_set
-from tda_plugins.ranks import Ranks
+from tda_plugins.ranks import LayerTensors, Ranks
 from tda_plugins.store.layout import StoreError
 from tda_plugins.store.reader import StoreReader
 
@@ -83,6 +85,48 @@ def owned_statistics(
     for index, name in enumerate(names):
         if ranks.owns(index, len(names)):
             yield name, found.load([name])[name]
+
+
+@dataclass
+class FittedLayers:
+    """Every layer's fitted tensors, each computed by the rank that owns the layer and
+    shared with all (see :func:`fit_layers`).
+
+    Attributes:
+        shared: layer -> its fitted tensors; for a use of a tied weight, its raw
+            ``(row, column)`` statistics instead (``ABSENT`` for no row side), to be
+            combined with the other uses' once all are shared.
+        units: layer -> the tied unit it belongs to, for every layer in one.
+    """
+
+    shared: dict[str, LayerTensors]
+    units: dict[str, tuple[str, ...]]
+
+    def untied(self) -> dict[str, LayerTensors]:
+        """The fitted tensors of the layers in no tied unit."""
+        return {n: t for n, t in self.shared.items() if n not in self.units}
+
+    def tied_uses(self, unit: tuple[str, ...]) -> list[Sides]:
+        """The raw statistics of each use of one tied unit."""
+        return [Sides(present(self.shared[n][0]), self.shared[n][1]) for n in unit]
+
+
+def fit_layers(
+    store: StoreReader, ranks: Ranks, fit: Callable[[Sides], LayerTensors]
+) -> FittedLayers:
+    """Read each captured layer's K-FAC statistics on the rank that owns it, ``fit`` those
+    of the untied layers, and share every result with all ranks (a collective when they
+    are several)."""
+    found = statistics_set(store)
+    units = units_by_layer(found, store)
+    local: dict[str, LayerTensors] = {}
+    for name, stats in owned_statistics(store, found, ranks):
+        sides = Sides.of(stats)
+        if name in units:  # combined with the other uses once all are shared
+            local[name] = (ABSENT if sides.row is None else sides.row, sides.col)
+        else:
+            local[name] = fit(sides)
+    return FittedLayers(ranks.share(local, store.layer_names), units)
 
 
 class SharedInput:

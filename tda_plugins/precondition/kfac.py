@@ -32,10 +32,8 @@ from tda_plugins.precondition.fitting import (
     ABSENT,
     SharedInput,
     check_shape,
-    owned_statistics,
+    fit_layers,
     present,
-    statistics_set,
-    units_by_layer,
 )
 from tda_plugins.precondition.sides import Basis, Sides, damped_inverse, divided, tied_inverse
 from tda_plugins.ranks import LayerTensors, Ranks
@@ -57,30 +55,23 @@ class KFACPreconditioner(Preconditioner):
     def fit(
         self, store: StoreReader, progress: bool = False, *, ranks: Ranks | None = None
     ) -> None:
-        ranks = ranks or Ranks()
-        found = statistics_set(store)
-        units = units_by_layer(found, store)
         # factorized in fp64, kept in the store's accumulation dtype (every product casts
         # them to it), so that fp32 gradients need no fp64 copy of every inverse
         dtype = store.values_dtype()
         invert_col = SharedInput(lambda c: damped_inverse(c, self.damping).to(dtype))
-        local: dict[str, LayerTensors] = {}
-        for name, stats in owned_statistics(store, found, ranks):
-            sides = Sides.of(stats)
-            if name in units:  # combined with the other use once both are shared
-                local[name] = (ABSENT if sides.row is None else sides.row, sides.col)
-                continue
+
+        def fit(sides: Sides) -> LayerTensors:
             row = ABSENT if sides.row is None else damped_inverse(sides.row, self.damping)
-            local[name] = (row.to(dtype), invert_col(sides.col))
-        shared = ranks.share(local, store.layer_names)  # each layer's from its owner
-        self.inverses: dict[str, LayerTensors] = {n: t for n, t in shared.items() if n not in units}
+            return row.to(dtype), invert_col(sides.col)
+
+        fitted = fit_layers(store, ranks or Ranks(), fit)
+        self.inverses: dict[str, LayerTensors] = fitted.untied()
         self.tied: dict[str, tuple[Basis, Tensor]] = {}
-        for unit in dict.fromkeys(units.values()):
-            uses = [Sides(present(shared[n][0]), shared[n][1]) for n in unit]
-            basis, scale = tied_inverse(uses, self.damping)
+        self.tied_units = list(dict.fromkeys(fitted.units.values()))
+        for unit in self.tied_units:
+            basis, scale = tied_inverse(fitted.tied_uses(unit), self.damping)
             basis = Basis(None, basis.col.to(dtype), basis.shape)
             self.tied.update(dict.fromkeys(unit, (basis, scale)))
-        self.tied_units = list(dict.fromkeys(units.values()))
         # the inverse of a sum of two Kronecker terms makes a tied weight's queries dense
         self.dense_queries = bool(self.tied_units)
 
