@@ -47,6 +47,31 @@ def file_checksum(path: Path) -> str:
             return xxhash.xxh3_64_hexdigest(mapped)
 
 
+def verify_checksum(path: Path, expected: str, *, damaged: str) -> None:
+    """Refuse a file whose :func:`file_checksum` is not ``expected``, or that cannot be
+    read; ``damaged`` ends the error: what is damaged and the way out."""
+    try:
+        digest = file_checksum(path)
+    except OSError as error:
+        raise StoreError(f"cannot read {path} ({error}); {damaged}") from error
+    if digest != expected:
+        raise StoreError(
+            f"{path} does not match its checksum (its bytes changed after it was written: "
+            f"disk damage or an edit); {damaged}"
+        )
+
+
+def read_index_json(path: Path, *, damaged: str) -> Any:
+    """An index file's JSON value (``None`` when there is no file); an unreadable one is a
+    :class:`StoreError` ending with ``damaged``."""
+    if not path.exists():
+        return None
+    try:
+        return read_json(path)
+    except ValueError as error:
+        raise StoreError(f"{error}; {damaged}") from error
+
+
 @dataclass(frozen=True)
 class ShardEntry:
     """One committed micro-batch of a rank.
@@ -108,12 +133,9 @@ class ShardEntry:
 
 def read_index(path: Path) -> list[ShardEntry]:
     """The validated entries of an index file, in order (``[]`` when it does not exist)."""
-    if not path.exists():
+    value = read_index_json(path, damaged="the index is damaged: recapture")
+    if value is None:
         return []
-    try:
-        value = read_json(path)
-    except ValueError as error:
-        raise StoreError(f"{error}; the index is damaged: recapture") from error
     if not isinstance(value, dict) or not isinstance(value.get("shards"), list):
         raise StoreError(f"{path} is not a shard index (no 'shards' list); recapture")
     entries = [ShardEntry.from_json(v, f"{path} entry {i}") for i, v in enumerate(value["shards"])]

@@ -19,7 +19,7 @@ from torch import Tensor
 from tda_plugins.grads.base import PerExampleGrad
 from tda_plugins.store.chunks import ShardContents, read_chunk
 from tda_plugins.store.fingerprint import fingerprint_differences
-from tda_plugins.store.index import file_checksum, read_index
+from tda_plugins.store.index import read_index, verify_checksum
 from tda_plugins.store.io import read_json
 from tda_plugins.store.layout import (
     END_FILE,
@@ -217,15 +217,7 @@ class StoreReader:
         """Check a shard file against its checksum, once per reader."""
         if shard.path in self._verified:
             return
-        try:
-            digest = file_checksum(shard.path)
-        except OSError as error:
-            raise StoreError(f"cannot read the shard {shard.path} ({error}); recapture") from error
-        if digest != shard.xxh3:
-            raise StoreError(
-                f"{shard.path} does not match its checksum (its bytes changed after it was "
-                "written: disk damage or an edit); the store is damaged: recapture"
-            )
+        verify_checksum(shard.path, shard.xxh3, damaged="the store is damaged: recapture")
         self._verified.add(shard.path)
 
     def load_all(self, layers: list[str] | None = None) -> StoreChunk:

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tda_plugins.store.index import file_checksum
-from tda_plugins.store.io import atomic_write_json, read_json
+from tda_plugins.store.index import read_index_json, verify_checksum
+from tda_plugins.store.io import atomic_write_json
 from tda_plugins.store.layout import StoreError, rank_dir
 
 FORMAT = "tda-trajectory/1"
@@ -79,27 +79,17 @@ class StepEntry:
     def verify(self, folder: Path) -> Path:
         """The step's file in ``folder``, checked against its checksum."""
         path = folder / self.file
-        try:
-            digest = file_checksum(path)
-        except OSError as error:
-            raise StoreError(f"cannot read the trajectory step {path} ({error})") from error
-        if digest != self.xxh3:
-            raise StoreError(
-                f"{path} does not match its checksum (its bytes changed after it was written); "
-                "the trajectory is damaged: retrain with record_trajectory=True"
-            )
+        damaged = "the trajectory is damaged: retrain with record_trajectory=True"
+        verify_checksum(path, self.xxh3, damaged=damaged)
         return path
 
 
 def read_step_index(folder: Path) -> list[StepEntry]:
     """The validated entries of a trajectory index, ascending by step (``[]`` if none)."""
     path = folder / INDEX_FILE
-    if not path.exists():
+    value = read_index_json(path, damaged="the trajectory index is damaged")
+    if value is None:
         return []
-    try:
-        value = read_json(path)
-    except ValueError as error:
-        raise StoreError(f"{error}; the trajectory index is damaged") from error
     if not isinstance(value, dict) or value.get("format") != FORMAT:
         raise StoreError(f"{path} is not a trajectory index of format {FORMAT}")
     raw = value.get("steps")
