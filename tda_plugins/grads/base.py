@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Literal, Self
+from typing import ClassVar, Literal, Self
 
 import torch
 from torch import Tensor
@@ -87,10 +87,14 @@ def empty_values(grads: PerExampleGrad, rows: int) -> Tensor:
 class PerExampleGrad(ABC):
     """One layer's per-example gradients for a micro-batch of ``B`` examples."""
 
+    #: The field holding the tensor whose first dimension is ``B`` (and, for a per-token
+    #: form, whose second is ``T``).
+    leading: ClassVar[str]
+
     @property
-    @abstractmethod
     def batch_size(self) -> int:
         """``B``, the number of examples."""
+        return int(getattr(self, self.leading).shape[0])
 
     @property
     @abstractmethod

@@ -25,9 +25,7 @@ class DenseGrad(PerExampleGrad):
 
     values: Tensor
 
-    @property
-    def batch_size(self) -> int:
-        return self.values.shape[0]
+    leading = "values"
 
     @property
     def dim(self) -> int:

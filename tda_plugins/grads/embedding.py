@@ -30,13 +30,7 @@ class EmbeddingFactors(PerTokenGrad):
     g: Tensor
     num_embeddings: int
 
-    @property
-    def batch_size(self) -> int:
-        return self.ids.shape[0]
-
-    @property
-    def tokens(self) -> int:
-        return self.ids.shape[1]
+    leading = "ids"
 
     @property
     def dim(self) -> int:

@@ -22,9 +22,9 @@ class PerTokenGrad(PerExampleGrad):
     """A representation that keeps one factor pair per token (``T`` rows per example)."""
 
     @property
-    @abstractmethod
     def tokens(self) -> int:
         """``T``, the number of token rows per example."""
+        return int(getattr(self, self.leading).shape[1])
 
     @abstractmethod
     def _token_pair_products(self, other: Self, rows: slice) -> Tensor:
@@ -92,13 +92,7 @@ class TokenFactors(PerTokenGrad):
     g: Tensor
     bias: bool = False
 
-    @property
-    def batch_size(self) -> int:
-        return self.a.shape[0]
-
-    @property
-    def tokens(self) -> int:
-        return self.a.shape[1]
+    leading = "a"
 
     @property
     def in_dim(self) -> int:
