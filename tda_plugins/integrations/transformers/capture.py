@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
 from tda_plugins.integrations.transformers.setup import (
+    CheckedCallback,
+    TrainStart,
     adapt_settings,
-    check_trainer_setup,
     process_index,
     unwrap_optimizer,
 )
@@ -34,7 +34,7 @@ from tda_plugins.session import (
 )
 
 
-class GradientCaptureCallback(TrainerCallback):
+class GradientCaptureCallback(CheckedCallback):
     """Writes every step's exact per-example gradients (and K-FAC statistics) to a store.
 
     Configure with a :class:`~tda_plugins.session.CaptureSettings` or its fields as
@@ -52,31 +52,21 @@ class GradientCaptureCallback(TrainerCallback):
         self.settings = settings_from(settings, options)
         self.session: CaptureSession | None = None
 
-    def on_train_begin(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        model: nn.Module | None = None,
-        processing_class: Any = None,
-        optimizer: Any = None,
-        **kwargs: Any,
-    ) -> None:
-        model = check_trainer_setup(args, model)
-        if self.settings.record_trajectory and args.fp16:
+    def begin(self, start: TrainStart) -> None:
+        if self.settings.record_trajectory and start.args.fp16:
             raise UnsupportedTrainingSetup(
                 "record_trajectory: fp16 loss scaling rescales .grad before clipping and skips "
                 "steps, which the recorded trajectory does not follow; train in bf16 or fp32"
             )
         self.session = CaptureSession(
-            adapt_settings(self.settings, args, model),
-            model,
+            adapt_settings(self.settings, start.args, start.model),
+            start.model,
             CausalLMNormalization(),
-            rank=process_index(args),
-            start_step=state.global_step,
-            tokenizer=processing_class,
-            optimizer=unwrap_optimizer(optimizer),
-            max_grad_norm=args.max_grad_norm,
+            rank=process_index(start.args),
+            start_step=start.state.global_step,
+            tokenizer=start.tokenizer,
+            optimizer=start.optimizer,
+            max_grad_norm=start.args.max_grad_norm,
         )
 
     def on_pre_optimizer_step(

@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from torch import nn
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from tda_plugins.capture import MicroBatchRecord, content_hash
@@ -14,7 +13,7 @@ from tda_plugins.distributed import OneProcess, RankGather, rank_gather
 from tda_plugins.influence import InfluenceLogger
 from tda_plugins.integrations.transformers.data import Examples
 from tda_plugins.integrations.transformers.pool import PoolCallback
-from tda_plugins.integrations.transformers.setup import check_trainer_setup
+from tda_plugins.integrations.transformers.setup import TrainStart
 
 
 class InfluenceLoggingCallback(PoolCallback):
@@ -72,18 +71,9 @@ class InfluenceLoggingCallback(PoolCallback):
         self.report_dir = report_dir
         self.report: dict[str, Path] = {}
 
-    def on_train_begin(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        model: nn.Module | None = None,
-        processing_class: Any = None,
-        **kwargs: Any,
-    ) -> None:
-        model = check_trainer_setup(args, model)
+    def begin(self, start: TrainStart) -> None:
         self.influence_log = self._logger(rank_gather())
-        self.attach(args, model, state, processing_class).add_consumer(self.influence_log)
+        self.attach(start).add_consumer(self.influence_log)
 
     def _logger(self, gather: RankGather) -> InfluenceLogger:
         return InfluenceLogger(

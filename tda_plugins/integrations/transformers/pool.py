@@ -14,6 +14,7 @@ from tda_plugins.integrations.transformers.data import ExamplePool, Examples
 from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
 from tda_plugins.integrations.transformers.setup import (
     MetricsCallback,
+    TrainStart,
     adapt_settings,
 )
 from tda_plugins.session import settings_from
@@ -38,29 +39,20 @@ class PoolCallback(MetricsCallback):
         self.every_n_steps = every_n_steps
         self.engine: CaptureEngine | None = None
 
-    def attach(
-        self,
-        args: TrainingArguments,
-        model: nn.Module,
-        state: TrainerState,
-        tokenizer: Any = None,
-        parameter_grads: bool = True,
-    ) -> CaptureEngine:
-        """Hook ``model`` with this callback's layers and normalization (no consumer yet);
-        ``parameter_grads`` as :class:`~tda_plugins.capture.engine.CaptureEngine` takes it.
-        A pool given as texts is tokenized with ``tokenizer`` (the trainer's) here."""
+    def attach(self, start: TrainStart) -> CaptureEngine:
+        """Hook the model with this callback's layers and normalization (no consumer yet).
+        A pool given as texts is tokenized with the trainer's tokenizer here."""
         if not self.pool:
-            self.pool = self.examples.batch(tokenizer)
-        self.settings = adapt_settings(self.settings, args, model)
+            self.pool = self.examples.batch(start.tokenizer)
+        self.settings = adapt_settings(self.settings, start.args, start.model)
         engine = CaptureEngine(
-            model,
+            start.model,
             self.settings.selection(),
             self.settings.projection_config(),
             (),
             CausalLMNormalization(),
-            parameter_grads,
         ).attach()
-        engine.resume_at_step(state.global_step)
+        engine.resume_at_step(start.state.global_step)
         self.engine = engine
         return engine
 

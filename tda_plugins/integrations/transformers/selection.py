@@ -29,9 +29,8 @@ from tda_plugins.integrations.transformers.data import ExamplePool, Examples
 from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
 from tda_plugins.integrations.transformers.setup import (
     MetricsCallback,
+    TrainStart,
     adapt_settings,
-    check_trainer_setup,
-    unwrap_optimizer,
     uses_fused_head,
 )
 from tda_plugins.session import CaptureSettings
@@ -181,17 +180,8 @@ class DataSelectionCallback(MetricsCallback):
         """One :class:`StepSelection` per optimizer step so far (the global outcome)."""
         return [] if self.session is None else self.session.history
 
-    def on_train_begin(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        model: nn.Module | None = None,
-        optimizer: Any = None,
-        processing_class: Any = None,
-        **kwargs: Any,
-    ) -> None:
-        model = check_trainer_setup(args, model)
+    def begin(self, start: TrainStart) -> None:
+        args, model = start.args, start.model
         layer_fields = {k: getattr(self.settings, k) for k in LAYER_OPTIONS}
         capture = adapt_settings(CaptureSettings(store_dir="", **layer_fields), args, model)
         # Full fine-tuning in one process: the captured layers' .grad is built from the kept
@@ -209,17 +199,17 @@ class DataSelectionCallback(MetricsCallback):
         self.session = SelectionSession(
             self.settings,
             model,
-            target=self.target.batch(processing_class) if self.target is not None else None,
+            target=self.target.batch(start.tokenizer) if self.target is not None else None,
             losses=causal_lm_losses,
             target_tokens=target_token_counts,
             normalization=CausalLMNormalization(),
             token_counts=causal_lm_token_counts,
-            optimizer=unwrap_optimizer(optimizer),
+            optimizer=start.optimizer,
             log_path=log_path,
             layers=capture.selection(),
             parameter_grads=not built,
             chunk_size=args.per_device_train_batch_size,
-            start_step=state.global_step,
+            start_step=start.state.global_step,
             fix=fix,
             output_losses=causal_lm_output_losses,
         )

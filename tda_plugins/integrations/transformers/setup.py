@@ -94,7 +94,48 @@ def log_metrics(
         state.log_history[-1].update(metrics)
 
 
-class MetricsCallback(TrainerCallback):
+@dataclasses.dataclass(frozen=True)
+class TrainStart:
+    """What ``on_train_begin`` hands a callback of this package, the model checked.
+
+    Attributes:
+        args: the trainer's arguments.
+        state: its state (``global_step`` is the resumed step).
+        model: the model, past every refusal of :func:`check_trainer_setup`.
+        tokenizer: the trainer's ``processing_class`` (``None`` if it has none).
+        optimizer: the optimizer (accelerate's wrapper already unwrapped).
+    """
+
+    args: TrainingArguments
+    state: TrainerState
+    model: nn.Module
+    tokenizer: Any
+    optimizer: Any
+
+
+class CheckedCallback(TrainerCallback):
+    """Base of this package's callbacks: ``on_train_begin`` refuses an unsupported setup
+    before step 0 (:func:`check_trainer_setup`) and hands the rest to :meth:`begin`."""
+
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: nn.Module | None = None,
+        processing_class: Any = None,
+        optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        model = check_trainer_setup(args, model)
+        self.begin(TrainStart(args, state, model, processing_class, unwrap_optimizer(optimizer)))
+
+    def begin(self, start: TrainStart) -> None:
+        """Set up for the run (hook the model); called once, at ``on_train_begin``."""
+        raise NotImplementedError
+
+
+class MetricsCallback(CheckedCallback):
     """Base of the callbacks that add their metrics to the trainer's logs (influence,
     selection): :meth:`step_metrics` goes into every training-loss log entry at
     ``on_log``, and :meth:`add_to` puts the callback first in the trainer's list (the one
