@@ -104,6 +104,17 @@ class InfluenceLogger(CaptureConsumer):
         self._cumulative: dict[int, Tensor] = {}
         self._tokens: dict[int, list[int]] = {}
 
+    def over(self, gather: RankGather) -> InfluenceLogger:
+        """A fresh logger with this one's method and parameter groups that gathers the
+        ranks' scores through ``gather`` (a training run's, once its ranks are known)."""
+        groups = self.groups
+        return InfluenceLogger(
+            self.method,
+            gather,
+            exclude_params=groups.exclude,
+            normalize_layers=groups.normalize_layers,
+        )
+
     def on_attach(self, config: CaptureConfig) -> None:
         self.space = self.groups.resolve(config)
         self._resolved = True

@@ -37,7 +37,7 @@ from tda_plugins.api import capture_batch, evaluating
 from tda_plugins.capture import CaptureEngine, MicroBatchRecord
 from tda_plugins.capture.layers import SelectionKind
 from tda_plugins.data_selection.parallel import is_sharded
-from tda_plugins.distributed import OneProcess, RankGather, rank_gather, without_gradient_sync
+from tda_plugins.distributed import OneProcess, rank_gather, without_gradient_sync
 from tda_plugins.grads.projection import MapKind
 from tda_plugins.influence import InfluenceLogger
 from tda_plugins.integrations.olmo_core.callbacks import check_train_module, give_example_ids
@@ -153,7 +153,12 @@ class InfluenceLoggingCallback(Callback):
         self._decode = _decoder(self.tokenizer)
         pool_batch(self.queries)  # refuses bad queries now, before any training
         #: The scores so far (replaced at the first step by one that gathers over ranks).
-        self.influence_log = self._logger(OneProcess())
+        self.influence_log = InfluenceLogger(
+            self.method,
+            OneProcess(),
+            exclude_params=self.exclude_params,
+            normalize_layers=self.normalize_layers,
+        )
         #: The report's files, by kind (``json``, ``html``, ``png``), once written.
         self.report: dict[str, Path] = {}
         self._engine: CaptureEngine | None = None
@@ -214,21 +219,13 @@ class InfluenceLoggingCallback(Callback):
         self._train_module = train_module
         return model
 
-    def _logger(self, gather: RankGather) -> InfluenceLogger:
-        return InfluenceLogger(
-            self.method,
-            gather,
-            exclude_params=self.exclude_params,
-            normalize_layers=self.normalize_layers,
-        )
-
     def _attach(self) -> CaptureEngine:
         model = self._check_setup()
         assert self._train_module is not None  # set by the check
         ignore_index = int(self._train_module.label_ignore_index)
         self._query_batch = pool_batch(self.queries, ignore_index)
         self._query_losses = partial(summed_token_losses, ignore_index=ignore_index)
-        self.influence_log = self._logger(rank_gather())
+        self.influence_log = self.influence_log.over(rank_gather())
         engine = CaptureEngine(
             model,
             self._settings.selection(),

@@ -9,7 +9,7 @@ from typing import Any, Literal
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from tda_plugins.capture import MicroBatchRecord, content_hash
-from tda_plugins.distributed import OneProcess, RankGather, rank_gather
+from tda_plugins.distributed import OneProcess, rank_gather
 from tda_plugins.influence import InfluenceLogger
 from tda_plugins.integrations.transformers.data import Examples
 from tda_plugins.integrations.transformers.pool import PoolCallback
@@ -66,22 +66,19 @@ class InfluenceLoggingCallback(PoolCallback):
         self.method = method
         self.exclude_params = exclude_params
         self.normalize_layers = normalize_layers
-        self.influence_log = self._logger(OneProcess())
+        self.influence_log = InfluenceLogger(
+            self.method,
+            OneProcess(),
+            exclude_params=self.exclude_params,
+            normalize_layers=self.normalize_layers,
+        )
         self.top_k = top_k
         self.report_dir = report_dir
         self.report: dict[str, Path] = {}
 
     def begin(self, start: TrainStart) -> None:
-        self.influence_log = self._logger(rank_gather())
+        self.influence_log = self.influence_log.over(rank_gather())
         self.attach(start).add_consumer(self.influence_log)
-
-    def _logger(self, gather: RankGather) -> InfluenceLogger:
-        return InfluenceLogger(
-            self.method,
-            gather,
-            exclude_params=self.exclude_params,
-            normalize_layers=self.normalize_layers,
-        )
 
     def use_pool(self, pooled: MicroBatchRecord | None, lr_scheduler: Any) -> None:
         rate = float(lr_scheduler.get_last_lr()[0]) if lr_scheduler is not None else 1.0
