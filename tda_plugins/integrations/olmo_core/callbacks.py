@@ -20,6 +20,7 @@ the way the train module does, cannot go out of step with the train module. Stor
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +71,17 @@ def check_train_module(train_module: TrainModule, settings: CaptureSettings) -> 
                 f"{name!r} from the layers"
             )
     return model
+
+
+def before_each_forward(
+    model: nn.Module, hook: Callable[[nn.Module, dict[str, Any]], None]
+) -> RemovableHandle:
+    """Run ``hook(module, kwargs)`` before each call of ``model``, first among its
+    pre-hooks: where the callbacks read a micro-batch's ``index`` slice (and loss tokens)
+    from the keyword arguments ``TransformerTrainModule`` calls the model with."""
+    return model.register_forward_pre_hook(
+        lambda module, args, kwargs: hook(module, kwargs), prepend=True, with_kwargs=True
+    )
 
 
 def give_example_ids(
@@ -199,14 +211,10 @@ class GradientCaptureCallback(Callback):
             optimizer=getattr(train_module, "optim", None),
             max_grad_norm=getattr(train_module, "max_grad_norm", None),
         )
-        self._ids_hook = model.register_forward_pre_hook(
-            self._give_example_ids, prepend=True, with_kwargs=True
-        )
+        self._ids_hook = before_each_forward(model, self._give_example_ids)
         return session
 
-    def _give_example_ids(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> None:
+    def _give_example_ids(self, module: nn.Module, kwargs: dict[str, Any]) -> None:
         if self._session is not None and torch.is_grad_enabled():
             give_example_ids(self._session.engine, module, kwargs, self._batch_has_index)
 

@@ -40,7 +40,11 @@ from tda_plugins.data_selection.parallel import is_sharded
 from tda_plugins.distributed import OneProcess, rank_gather, without_gradient_sync
 from tda_plugins.grads.projection import MapKind
 from tda_plugins.influence import InfluenceLogger
-from tda_plugins.integrations.olmo_core.callbacks import check_train_module, give_example_ids
+from tda_plugins.integrations.olmo_core.callbacks import (
+    before_each_forward,
+    check_train_module,
+    give_example_ids,
+)
 from tda_plugins.integrations.olmo_core.normalization import OLMoCoreLossNormalization
 from tda_plugins.integrations.olmo_core.pool import (
     PoolTokens,
@@ -233,9 +237,7 @@ class InfluenceLoggingCallback(Callback):
             [self.influence_log],
             OLMoCoreLossNormalization(),
         ).attach()
-        self._ids_hook = model.register_forward_pre_hook(
-            self._give_example_ids, prepend=True, with_kwargs=True
-        )
+        self._ids_hook = before_each_forward(model, self._give_example_ids)
         return engine
 
     def _query_gradients(self) -> MicroBatchRecord:
@@ -270,9 +272,7 @@ class InfluenceLoggingCallback(Callback):
             return float(group["lr"])
         return float(scheduler.set_lr(dict(group), self.trainer))
 
-    def _give_example_ids(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> None:
+    def _give_example_ids(self, module: nn.Module, kwargs: dict[str, Any]) -> None:
         if self._engine is not None and torch.is_grad_enabled():
             give_example_ids(self._engine, module, kwargs, self._batch_has_index)
 

@@ -42,7 +42,11 @@ from tda_plugins.data_selection import (
 )
 from tda_plugins.data_selection.session import check_coverage
 from tda_plugins.data_selection.settings import Granularity, ScoreMode
-from tda_plugins.integrations.olmo_core.callbacks import check_train_module, give_example_ids
+from tda_plugins.integrations.olmo_core.callbacks import (
+    before_each_forward,
+    check_train_module,
+    give_example_ids,
+)
 from tda_plugins.integrations.olmo_core.normalization import OLMoCoreLossNormalization
 from tda_plugins.integrations.olmo_core.pool import PoolTokens, pool_batch, summed_token_losses
 from tda_plugins.session import CaptureSettings, UnsupportedTrainingSetup
@@ -233,14 +237,10 @@ class DataSelectionCallback(Callback):
             start_step=self.trainer.global_step - 1,
             fix=_FIX,
         )
-        self._ids_hook = model.register_forward_pre_hook(
-            self._observe_call, prepend=True, with_kwargs=True
-        )
+        self._ids_hook = before_each_forward(model, self._observe_call)
         return session
 
-    def _observe_call(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> None:
+    def _observe_call(self, module: nn.Module, kwargs: dict[str, Any]) -> None:
         """Before each training micro-batch's forward: its example ids (the batch's
         ``index`` slice, as the capture callback reads them) and its loss tokens."""
         session = self._session

@@ -102,13 +102,8 @@ class GradientCaptureCallback(CheckedCallback):
             self.session.save_checkpoint(state.global_step)
 
     def on_train_end(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        optimizer: Any = None,
-        **kwargs: Any,
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         if self.session is not None:
-            self.session.end(unwrap_optimizer(optimizer))
+            self.session.end(unwrap_optimizer(kwargs.get("optimizer")))
             self.session = None

@@ -88,12 +88,7 @@ class InfluenceLoggingCallback(PoolCallback):
         return self.influence_log.metrics()
 
     def on_train_end(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        processing_class: Any = None,
-        **kwargs: Any,
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         if self.engine is None:
             return
@@ -106,7 +101,7 @@ class InfluenceLoggingCallback(PoolCallback):
             for ids, m in zip(self.pool["input_ids"], self.pool["attention_mask"], strict=True)
         ]
         train_texts, query_texts = self.influence_log.report_texts(
-            query_ids, query_tokens, getattr(processing_class, "decode", None)
+            query_ids, query_tokens, getattr(kwargs.get("processing_class"), "decode", None)
         )
         directory = self.report_dir or str(Path(str(args.output_dir)) / "influence")
         self.report = self.influence_log.write_report(

@@ -70,14 +70,10 @@ class PoolCallback(MetricsCallback):
         raise NotImplementedError
 
     def on_step_begin(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        model: nn.Module | None = None,
-        lr_scheduler: Any = None,
-        **kwargs: Any,
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        model = kwargs.get("model")
+        lr_scheduler = kwargs.get("lr_scheduler")
         if self.engine is None or model is None:
             return
         if state.global_step % self.every_n_steps:
@@ -95,7 +91,9 @@ class PoolCallback(MetricsCallback):
 
     def detach(self) -> None:
         """Finish pending micro-batches and unhook."""
-        if self.engine is not None:
-            self.engine.end()
-            self.engine.detach()
-            self.engine = None
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            try:
+                engine.end()
+            finally:
+                engine.detach()

@@ -88,12 +88,14 @@ def _deepspeed_source(args: TrainingArguments, model: nn.Module) -> str | None:
 
 def _deepspeed(args: TrainingArguments, model: nn.Module) -> Refusal:
     source = _deepspeed_source(args, model)
-    if source is None:
-        return None
     return (
-        f"DeepSpeed (enabled by {source}) is not supported: its engine steps the optimizer "
-        "inside backward and ZeRO-3 partitions parameters outside the modules; train with DDP "
-        "or FSDP2 (accelerate fsdp_version: 2) instead"
+        None
+        if source is None
+        else (
+            f"DeepSpeed (enabled by {source}) is not supported: its engine steps the optimizer "
+            "inside backward and ZeRO-3 partitions parameters outside the modules; train with DDP "
+            "or FSDP2 (accelerate fsdp_version: 2) instead"
+        )
     )
 
 

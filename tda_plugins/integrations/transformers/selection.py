@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from tda_plugins.api import causal_lm_example_losses, causal_lm_losses
@@ -224,23 +224,15 @@ class DataSelectionCallback(MetricsCallback):
             self._clipping.restore()
 
     def on_step_begin(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        **kwargs: Any,
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         if self.session is not None:
             self.session.refresh_target(state.global_step)
 
     def on_pre_optimizer_step(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        model: nn.Module | None = None,
-        **kwargs: Any,
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        model = kwargs.get("model")
         if self.session is None or self._clipping is None:
             return
         self._clipping.restore()
