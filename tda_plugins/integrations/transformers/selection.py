@@ -220,14 +220,16 @@ class DataSelectionCallback(MetricsCallback):
     def on_substep_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self._clipping is not None:
-            self._clipping.restore()
+        if self._clipping is None:
+            return
+        self._clipping.restore()
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self.session is not None:
-            self.session.refresh_target(state.global_step)
+        if self.session is None:
+            return
+        self.session.refresh_target(state.global_step)
 
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
