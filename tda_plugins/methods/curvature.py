@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tda_plugins.methods.base import AttributionMethod, register_method
-from tda_plugins.ranks import Ranks
+from tda_plugins.parallel.ranks import Ranks
 from tda_plugins.store.layout import StoreError
 from tda_plugins.store.reader import StoreReader
 

@@ -9,7 +9,7 @@ import torch
 
 from tda_plugins.methods.base import AttributionMethod, register_method
 from tda_plugins.methods.scores import Scores
-from tda_plugins.ranks import Ranks
+from tda_plugins.parallel.ranks import Ranks
 from tda_plugins.store.layout import StoreError
 from tda_plugins.store.reader import StoreReader
 

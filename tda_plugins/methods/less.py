@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from tda_plugins.grads.base import PerExampleGrad
 from tda_plugins.methods.base import AttributionMethod, register_method
+from tda_plugins.parallel.ranks import Ranks
 from tda_plugins.precondition.adam import AdamUpdate
-from tda_plugins.ranks import Ranks
 from tda_plugins.store.reader import StoreReader
 
 

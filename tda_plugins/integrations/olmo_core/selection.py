@@ -45,7 +45,7 @@ from tda_plugins.data_selection.settings import Granularity, ScoreMode
 from tda_plugins.integrations.olmo_core.callbacks import check_train_module, give_example_ids
 from tda_plugins.integrations.olmo_core.normalization import OLMoCoreLossNormalization
 from tda_plugins.integrations.olmo_core.pool import PoolTokens, pool_batch, summed_token_losses
-from tda_plugins.session import CaptureSettings, UnsupportedTrainingSetup
+from tda_plugins.session.capture import CaptureSettings, UnsupportedTrainingSetup
 
 
 def loss_token_counts(labels: Tensor, ignore_index: int, instance_mask: Any = None) -> Tensor:
