@@ -13,7 +13,7 @@ register theirs the same way and are measured by the same code. Ours use the lib
 a user would: stores captured at the trained weights (``graddot``, ``gradcos``, ``kfac``,
 ``ekfac``, ``less``; ``logra`` on a factor-projected store) scored with
 ``method_by_name``, and ``tracin`` from the training run itself (the engine attached to a
-replay of it, :class:`~tda_plugins.influence.InfluenceLogger` summing each example's
+replay of it, :class:`~tda_plugins.live.influence.InfluenceLogger` summing each example's
 learning-rate-weighted dot with the validation gradients at the weights of its step).
 
 **Trajectory methods** (methods that need the training run, not only its end) read
@@ -54,11 +54,11 @@ from tda_plugins import (
     causal_lm_example_losses,
     cross_gram,
 )
-from tda_plugins.api import capture_batch
 from tda_plugins.capture.identity import content_hash
-from tda_plugins.influence import InfluenceLogger
 from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
+from tda_plugins.live.influence import InfluenceLogger
 from tda_plugins.methods import Scores, method_by_name
+from tda_plugins.session.batch import capture_batch
 from tda_plugins.store import StoreReader
 
 

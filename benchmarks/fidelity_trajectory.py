@@ -37,7 +37,7 @@ from tda_plugins.integrations.transformers.normalization import CausalLMNormaliz
 from tda_plugins.methods import MicroBatch, TrainingStep, TrainingTrajectory, method_by_name
 from tda_plugins.methods import training_run as replayed
 from tda_plugins.methods.metagradient import loss_weight_derivatives
-from tda_plugins.session import CaptureSession, CaptureSettings
+from tda_plugins.session.capture import CaptureSession, CaptureSettings
 from tda_plugins.store import StoreReader
 
 #: Validation blocks the metagradient is measured on (its cost is per query).

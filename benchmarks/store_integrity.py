@@ -29,8 +29,8 @@ import torch
 from common import base_parser, causal_lm, command_line, machine_info, publish, utc_now
 
 from tda_plugins import CaptureEngine, LayerSelection, causal_lm_example_losses
-from tda_plugins.dataset_capture import IN_FLIGHT_BYTES
 from tda_plugins.methods import method_by_name
+from tda_plugins.session.dataset import IN_FLIGHT_BYTES
 from tda_plugins.store import GradientStore, StoreReader, reader, writer
 from tda_plugins.store.fingerprint import weights_digest
 

@@ -63,9 +63,9 @@ from common import (
 from torch import nn
 
 from tda_plugins import CaptureEngine, LayerSelection
-from tda_plugins.api import causal_lm_losses
 from tda_plugins.integrations.transformers import GradientCaptureCallback
 from tda_plugins.methods import method_by_name
+from tda_plugins.session.batch import causal_lm_losses
 from tda_plugins.store import GradientStore, StoreReader
 from tda_plugins.trajectory import TrajectoryReader
 

@@ -44,7 +44,7 @@ from transformers import PretrainedConfig
 from tda_plugins import CaptureEngine, causal_lm_example_losses
 from tda_plugins.integrations.olmo_core import GradientCaptureCallback
 from tda_plugins.methods import method_by_name
-from tda_plugins.session import CaptureSettings
+from tda_plugins.session.capture import CaptureSettings
 from tda_plugins.store import GradientStore, StoreReader
 
 PROBE = "The with statement is used to wrap the execution of a block."

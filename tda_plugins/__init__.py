@@ -11,7 +11,6 @@ transformers); OLMo-core's are in ``tda_plugins.integrations.olmo_core``.
 
 from typing import Any
 
-from tda_plugins.api import causal_lm_example_losses, per_example_gradients
 from tda_plugins.capture import (
     CaptureConsumer,
     CaptureEngine,
@@ -20,8 +19,8 @@ from tda_plugins.capture import (
     MicroBatchRecord,
     RecordCollector,
 )
-from tda_plugins.dataset_capture import capture_examples
 from tda_plugins.grads import ProjectionConfig, Route, cross_gram, per_token_scores, sq_norms
+from tda_plugins.live.queries import QueryCollector, score_record
 from tda_plugins.methods import (
     AdamWSettings,
     MicroBatch,
@@ -31,7 +30,8 @@ from tda_plugins.methods import (
     attribute,
 )
 from tda_plugins.methods.metagradient import metagradient
-from tda_plugins.queries import QueryCollector, score_record
+from tda_plugins.session.batch import causal_lm_example_losses, per_example_gradients
+from tda_plugins.session.dataset import capture_examples
 
 __version__ = "0.1.0"
 

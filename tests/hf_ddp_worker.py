@@ -25,7 +25,7 @@ per optimizer step) and write under ``FOLDER/<world size>/``:
 AdamW with a non-zero learning rate: the ranks' averaged gradient equals the one-process
 gradient, so both runs pass through the same weights at every step (to fp32 rounding).
 
-Last, ``gathered-<rank>.json``: what :func:`~tda_plugins.distributed.rank_gather` returns
+Last, ``gathered-<rank>.json``: what :func:`~tda_plugins.parallel.gather.rank_gather` returns
 on each rank for rows of unequal counts (none on rank 0) and for one object per rank.
 """
 
@@ -45,12 +45,12 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
-from tda_plugins.distributed import rank_gather
 from tda_plugins.integrations.transformers import (
     GradientCaptureCallback,
     InfluenceLoggingCallback,
     pad_examples,
 )
+from tda_plugins.parallel.gather import rank_gather
 from tests.models import lm_batch, tiny_causal_lm
 
 EXAMPLES = 16

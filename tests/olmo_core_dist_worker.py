@@ -46,7 +46,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from tda_plugins.integrations.olmo_core import GradientCaptureCallback
-from tda_plugins.session import CaptureSettings
+from tda_plugins.session.capture import CaptureSettings
 
 Mode = Literal["single", "ddp", "fsdp", "hsdp"]
 

@@ -36,7 +36,7 @@ from tda_plugins.capture.normalization import SummedLoss
 from tda_plugins.cli import main as cli_main
 from tda_plugins.integrations.transformers import GradientCaptureCallback
 from tda_plugins.methods import Scores, method_by_name
-from tda_plugins.session import CaptureSession, CaptureSettings, UnsupportedTrainingSetup
+from tda_plugins.session.capture import CaptureSession, CaptureSettings, UnsupportedTrainingSetup
 from tda_plugins.store import StoreError, StoreReader
 from tda_plugins.trajectory import TrajectoryReader
 from tests import trajectory_worker

@@ -137,7 +137,7 @@ def test_capture_examples_queues_its_shards_for_the_disk(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A one-pass capture lets shards queue for the disk (training stores do not)."""
-    from tda_plugins import dataset_capture
+    from tda_plugins.session import dataset as dataset_capture
 
     made: list[GradientStore] = []
 

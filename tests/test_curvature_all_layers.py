@@ -25,12 +25,11 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from tda_plugins import LayerSelection, ProjectionConfig
-from tda_plugins.api import capture_batch
 from tda_plugins.capture.normalization import SummedLoss
 from tda_plugins.cli import main
 from tda_plugins.grads.dense import sum_of_uses
 from tda_plugins.grads.projection import Projector
-from tda_plugins.influence import InfluenceLogger
+from tda_plugins.live.influence import InfluenceLogger
 from tda_plugins.methods import Scores, method_by_name
 from tda_plugins.precondition import (
     PRECONDITIONERS,
@@ -40,7 +39,8 @@ from tda_plugins.precondition import (
     plan_capture,
 )
 from tda_plugins.precondition.snapshots import read_set
-from tda_plugins.session import CaptureSession, CaptureSettings
+from tda_plugins.session.batch import capture_batch
+from tda_plugins.session.capture import CaptureSession, CaptureSettings
 from tda_plugins.store import StoreError, StoreReader
 from tests.curvature_dist_worker import SCHEDULES
 from tests.curvature_dist_worker import run as run_worker

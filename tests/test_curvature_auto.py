@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 import tda_plugins
-from tda_plugins import session
 from tda_plugins.precondition.snapshots import latest_set
-from tda_plugins.session import CaptureSettings, capture_plan
+from tda_plugins.session import capture as session
+from tda_plugins.session.capture import CaptureSettings, capture_plan
 from tests.models import tiny_causal_lm
 from tests.trainers import token_rows
 
@@ -49,7 +49,7 @@ def test_auto_keeps_statistics_up_to_the_threshold(
     expected: bool,
 ) -> None:
     monkeypatch.setattr(session, "AUTO_CURVATURE_BYTES", need + threshold_offset)
-    with caplog.at_level(logging.INFO, logger="tda_plugins.session"):
+    with caplog.at_level(logging.INFO, logger="tda_plugins.session.capture"):
         assert _capture(tmp_path, curvature=curvature) is expected
     if curvature == "auto":
         said = "turns them on" if expected else "turns them off"

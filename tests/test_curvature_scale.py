@@ -31,7 +31,7 @@ from tda_plugins.precondition import (
 )
 from tda_plugins.precondition.plan import assign_owners
 from tda_plugins.precondition.snapshots import KroneckerFactors, write_statistics
-from tda_plugins.session import CaptureSession, CaptureSettings
+from tda_plugins.session.capture import CaptureSession, CaptureSettings
 from tda_plugins.store import StoreError, StoreReader
 from tda_plugins.store.codec import compact
 from tests.models import lm_batch, tiny_causal_lm

@@ -16,7 +16,7 @@ def test_freed_heap_between_live_tensors_goes_back_to_the_system() -> None:
     live tensors, which glibc keeps resident; releasing returns them."""
     setup = """
         import torch
-        from tda_plugins.heap import release_free_heap
+        from tda_plugins.utils.heap import release_free_heap
         torch.ones(1 << 22)  # freed at once: glibc then serves up to 16 MB from its heap
         big = [torch.ones(1 << 20) for _ in range(100)]  # 4 MB each
         del big[::2]

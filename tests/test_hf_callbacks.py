@@ -44,7 +44,7 @@ from tda_plugins.integrations.transformers import GradientCaptureCallback
 from tda_plugins.integrations.transformers.setup import unwrap_optimizer
 from tda_plugins.methods import method_by_name
 from tda_plugins.precondition import load_curvature
-from tda_plugins.session import UnsupportedTrainingSetup
+from tda_plugins.session.capture import UnsupportedTrainingSetup
 from tda_plugins.store import StoreError, StoreReader
 from tests.models import tiny_causal_lm, with_lora
 from tests.stores import capture_store

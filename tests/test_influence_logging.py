@@ -13,13 +13,13 @@ from datasets import Dataset
 from transformers import Trainer, TrainerCallback
 
 from tda_plugins import LayerSelection
-from tda_plugins.api import capture_batch
-from tda_plugins.influence import InfluenceLogger
 from tda_plugins.integrations.transformers import (
     GradientCaptureCallback,
     InfluenceLoggingCallback,
 )
+from tda_plugins.live.influence import InfluenceLogger
 from tda_plugins.methods import method_by_name
+from tda_plugins.session.batch import capture_batch
 from tda_plugins.store import StoreReader
 from tests.models import tiny_causal_lm
 from tests.stores import capture_store

@@ -13,7 +13,7 @@ import torch
 from tda_plugins import LayerSelection, RecordCollector
 from tda_plugins.capture import CaptureConsumer
 from tda_plugins.capture.records import MicroBatchRecord
-from tda_plugins.queries import QueryCollector, query_gradients, score_record
+from tda_plugins.live.queries import QueryCollector, query_gradients, score_record
 from tests.models import lm_batch, tiny_causal_lm
 from tests.stores import flat_oracle_grads, linear_parameter_names, run_captured
 

@@ -41,7 +41,7 @@ from tda_plugins.integrations.olmo_core import (
     check_train_module,
 )
 from tda_plugins.precondition import load_curvature
-from tda_plugins.session import CaptureSession, CaptureSettings
+from tda_plugins.session.capture import CaptureSession, CaptureSettings
 from tda_plugins.store import StoreReader
 from tests.stores import rel_error
 

@@ -29,13 +29,13 @@ from olmo_core.optim import LinearWithWarmup
 from olmo_core.train.callbacks import Callback
 from torch import Tensor
 
-from tda_plugins.influence import InfluenceLogger
 from tda_plugins.integrations.olmo_core import (
     GradientCaptureCallback,
     InfluenceLoggingCallback,
     UnsupportedTrainingSetup,
 )
-from tda_plugins.session import CaptureSettings
+from tda_plugins.live.influence import InfluenceLogger
+from tda_plugins.session.capture import CaptureSettings
 from tda_plugins.store import StoreReader
 from tests import olmo_core_influence_worker as worker
 from tests.launch import torchrun

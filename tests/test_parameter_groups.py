@@ -25,16 +25,16 @@ import torch
 from torch import Tensor, nn
 
 from tda_plugins import CaptureEngine, LayerSelection, ProjectionConfig
-from tda_plugins.api import capture_batch
 from tda_plugins.capture import content_hash
 from tda_plugins.capture.adapters.base import DEFAULT_REGISTRY
 from tda_plugins.cli import main
 from tda_plugins.grads import DenseGrad, Route, TokenFactors
 from tda_plugins.grads import routing as routing_module
 from tda_plugins.grads.parameters import ParameterLayout, keep_parameters
-from tda_plugins.influence import InfluenceLogger
+from tda_plugins.live.influence import InfluenceLogger
 from tda_plugins.methods import METHODS, Checkpoint, Scores, method_by_name
 from tda_plugins.precondition.adam import save_adam_state
+from tda_plugins.session.batch import capture_batch
 from tda_plugins.store import StoreReader
 from tests.models import lm_batch, tiny_causal_lm
 from tests.oracle import loop_oracle

@@ -1,4 +1,4 @@
-"""The partition of a store between ranks (:mod:`tda_plugins.ranks`), in one process: each
+"""The partition of a store between ranks (:mod:`tda_plugins.parallel.ranks`), in one process: each
 rank's part, read in chunks, gives exactly the chunks one process reads, in order."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tda_plugins.cli import main
-from tda_plugins.ranks import Ranks, balanced_ranges, chunk_starts
+from tda_plugins.parallel.ranks import Ranks, balanced_ranges, chunk_starts
 from tda_plugins.store import StoreReader
 from tests.models import tiny_causal_lm
 from tests.test_cli import random_sequences, write_examples

@@ -32,12 +32,12 @@ from torch.distributed.tensor import Shard
 from transformers import TrainerControl, TrainerState
 
 from tda_plugins import CaptureEngine, LayerSelection
-from tda_plugins.api import causal_lm_losses
 from tda_plugins.data_selection import DataSelector, rule_by_name
 from tda_plugins.data_selection.target import target_gradient
 from tda_plugins.integrations.transformers import DataSelectionCallback, pad_examples
 from tda_plugins.integrations.transformers.selection import causal_lm_token_counts
-from tda_plugins.session import UnsupportedTrainingSetup
+from tda_plugins.session.batch import causal_lm_losses
+from tda_plugins.session.capture import UnsupportedTrainingSetup
 from tests.launch import torchrun
 from tests.models import tiny_causal_lm
 from tests.olmo_core_dist_worker import MODEL, STEPS, WORLD, write_tokens

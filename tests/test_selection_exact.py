@@ -38,7 +38,6 @@ from torch import Tensor, nn
 from transformers import Trainer, TrainerCallback
 
 from tda_plugins import CaptureEngine, LayerSelection, ProjectionConfig
-from tda_plugins.api import causal_lm_losses
 from tda_plugins.capture import MicroBatchRecord
 from tda_plugins.data_selection import DataSelector, StepSelection, rule_by_name
 from tda_plugins.data_selection import selector as selector_module
@@ -46,7 +45,8 @@ from tda_plugins.data_selection.target import target_gradient
 from tda_plugins.grads import Route
 from tda_plugins.integrations.transformers import DataSelectionCallback
 from tda_plugins.integrations.transformers.selection import causal_lm_token_counts
-from tda_plugins.session import UnsupportedTrainingSetup
+from tda_plugins.session.batch import causal_lm_losses
+from tda_plugins.session.capture import UnsupportedTrainingSetup
 from tests.models import lm_batch, tiny_causal_lm, with_lora
 from tests.oracle import loop_oracle, max_rel_error
 from tests.selection_helpers import (

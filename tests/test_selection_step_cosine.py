@@ -17,10 +17,10 @@ import torch
 from torch import Tensor, nn
 
 from tda_plugins import CaptureEngine, LayerSelection
-from tda_plugins.api import causal_lm_losses
 from tda_plugins.data_selection import DataSelector, SelectionSettings, rule_by_name
 from tda_plugins.data_selection.target import target_gradient
 from tda_plugins.integrations.transformers.selection import causal_lm_token_counts
+from tda_plugins.session.batch import causal_lm_losses
 from tests.models import lm_batch, tiny_causal_lm, with_lora
 from tests.oracle import loop_oracle, max_rel_error
 from tests.selection_helpers import (
@@ -232,7 +232,7 @@ def test_data_parallel_ranks_are_refused_before_any_step(
     from tda_plugins.data_selection.parallel import Ranks
     from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
     from tda_plugins.integrations.transformers.selection import target_token_counts
-    from tda_plugins.session import UnsupportedTrainingSetup
+    from tda_plugins.session.capture import UnsupportedTrainingSetup
 
     monkeypatch.setattr(session_module.Ranks, "current", classmethod(lambda cls: Ranks(2, 0)))
     model = with_lora(tiny_causal_lm("llama"))

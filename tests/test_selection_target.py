@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tda_plugins import LayerSelection
-from tda_plugins.api import causal_lm_losses
 from tda_plugins.data_selection.target import TargetPool, target_chunks, target_gradient
+from tda_plugins.session.batch import causal_lm_losses
 from tests.models import lm_batch, tiny_causal_lm
 
 

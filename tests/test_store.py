@@ -47,7 +47,7 @@ from tda_plugins.grads.dense import DenseGrad
 from tda_plugins.grads.embedding import EmbeddingFactors
 from tda_plugins.grads.tokens import TokenFactors
 from tda_plugins.methods import Scores, method_by_name
-from tda_plugins.session import CaptureSession, CaptureSettings
+from tda_plugins.session.capture import CaptureSession, CaptureSettings
 from tda_plugins.store import FORMAT_VERSION, GradientStore, StoreError, StoreReader, writer
 from tda_plugins.store.index import ShardEntry
 from tda_plugins.store.io import atomic_write

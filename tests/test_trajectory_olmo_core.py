@@ -18,7 +18,7 @@ from olmo_core.train.callbacks import Callback
 
 from tda_plugins.capture.adapters import DEFAULT_REGISTRY
 from tda_plugins.integrations.olmo_core import GradientCaptureCallback
-from tda_plugins.session import CaptureSettings
+from tda_plugins.session.capture import CaptureSettings
 from tda_plugins.store import StoreReader
 from tda_plugins.trajectory import TrajectoryReader
 from tests.stores import rel_error

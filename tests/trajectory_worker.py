@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save
 from torch import nn
 
 from tda_plugins.capture.normalization import SummedLoss
-from tda_plugins.session import CaptureSession, CaptureSettings
+from tda_plugins.session.capture import CaptureSession, CaptureSettings
 from tda_plugins.store.io import atomic_write_bytes
 from tests.models import lm_batch, tiny_causal_lm
 from tests.stores import summed_loss

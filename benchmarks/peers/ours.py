@@ -5,9 +5,9 @@
   ``method_by_name(m).score`` -- the same path as ``benchmarks/attribution.py``; the run
   ends attribution-ready, with everything on disk.
 * ``ours-live``: the query gradients are captured first and kept in memory, prepared as
-  each query micro-batch finishes (``tda_plugins.queries.QueryCollector``); each
+  each query micro-batch finishes (``tda_plugins.live.queries.QueryCollector``); each
   training micro-batch is scored against them as its backward finishes (a capture
-  consumer calling ``tda_plugins.queries.score_record``, the routed ops of the live
+  consumer calling ``tda_plugins.live.queries.score_record``, the routed ops of the live
   influence logger); nothing is written. GradDot only
   (live K-FAC needs the factors of the whole training set before the first score).
 """
@@ -27,8 +27,8 @@ from tda_plugins import CaptureEngine, LayerSelection, ProjectionConfig
 from tda_plugins.capture import CaptureConsumer
 from tda_plugins.capture.records import MicroBatchRecord
 from tda_plugins.grads import QueryGradients
+from tda_plugins.live.queries import QueryCollector, score_record
 from tda_plugins.methods import method_by_name
-from tda_plugins.queries import QueryCollector, score_record
 
 #: Our method for each measured configuration.
 _METHOD = {"graddot": "graddot", "graddot_proj": "graddot", "kfac": "kfac", "ekfac": "ekfac"}

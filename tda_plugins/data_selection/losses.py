@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from tda_plugins.capture.records import MicroBatchRecord
 
 #: ``(output, forward kwargs) -> (B,)`` each example's summed token loss (e.g.
-#: :func:`~tda_plugins.api.causal_lm_example_losses` of the logits and the labels).
+#: :func:`~tda_plugins.session.batch.causal_lm_example_losses` of the logits and the labels).
 OutputLosses = Callable[[Any, Mapping[str, Any]], Tensor]
 
 

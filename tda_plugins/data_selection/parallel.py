@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from tda_plugins.capture.adapters import LayerAdapter
-from tda_plugins.session import UnsupportedTrainingSetup
+from tda_plugins.session.capture import UnsupportedTrainingSetup
 
 Layers = Mapping[str, tuple[nn.Module, LayerAdapter]]
 

@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from tda_plugins.registry import Registry
+from tda_plugins.utils.registry import Registry
 
 RULES: Registry[DropRule] = Registry("selection rule")
 #: Class decorator: make a rule available under a name.

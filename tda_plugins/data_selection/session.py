@@ -34,7 +34,6 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from tda_plugins.api import evaluating
 from tda_plugins.capture import CaptureEngine, LayerSelection
 from tda_plugins.capture.adapters import LayerAdapter
 from tda_plugins.capture.engine import capture_suspended
@@ -51,7 +50,8 @@ from tda_plugins.data_selection.target import (
     nonfinite,
     shared_target,
 )
-from tda_plugins.session import UnsupportedTrainingSetup
+from tda_plugins.session.batch import evaluating
+from tda_plugins.session.capture import UnsupportedTrainingSetup
 
 Batch = Mapping[str, Tensor]
 #: ``batch -> (P,)`` loss tokens of each target example.

@@ -23,16 +23,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from tda_plugins.api import grads_set_aside
 from tda_plugins.capture.adapters import LayerAdapter
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.engine import CaptureEngine, capture_suspended
 from tda_plugins.capture.layers import LayerSelection, shared_parameter_ids
 from tda_plugins.capture.records import MicroBatchRecord
 from tda_plugins.data_selection.parallel import Ranks, gathered, is_sharded, local
-from tda_plugins.distributed import without_gradient_sync
 from tda_plugins.grads.blocks import TensorKey, tensor_key
 from tda_plugins.grads.tokens import TokenFactors
+from tda_plugins.parallel.gather import without_gradient_sync
+from tda_plugins.session.batch import grads_set_aside
 
 Batch = Mapping[str, Tensor]
 #: ``(model, batch) -> (B,)`` per-example losses, each the sum over its loss tokens.

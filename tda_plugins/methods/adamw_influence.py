@@ -32,7 +32,6 @@ from tqdm.auto import tqdm
 from tda_plugins.grads.blocks import spans
 from tda_plugins.grads.dense import DenseGrad
 from tda_plugins.grads.ops import cross_gram, layer_sum
-from tda_plugins.heap import release_free_heap
 from tda_plugins.methods.base import (
     QUERY_CACHE_BYTES,
     AttributionMethod,
@@ -41,12 +40,13 @@ from tda_plugins.methods.base import (
     require_tie_support,
 )
 from tda_plugins.methods.scores import Scores
-from tda_plugins.ranks import Ranks, on_device
+from tda_plugins.parallel.ranks import Ranks, on_device
 from tda_plugins.store.layout import StoreError
 from tda_plugins.store.reader import StoreReader
 from tda_plugins.trajectory.adam import AdamTerms
 from tda_plugins.trajectory.reader import TrajectoryReader
 from tda_plugins.trajectory.record import StepRecord
+from tda_plugins.utils.heap import release_free_heap
 
 
 @dataclass

@@ -8,7 +8,7 @@ from typing import Any
 
 from tda_plugins.methods.base import method_by_name
 from tda_plugins.methods.scores import Scores
-from tda_plugins.ranks import Ranks
+from tda_plugins.parallel.ranks import Ranks
 from tda_plugins.store.reader import StoreReader
 
 

@@ -33,14 +33,14 @@ from tda_plugins.grads.ops import (
     per_token_scores,
     safe_norms,
 )
-from tda_plugins.heap import release_free_heap
 from tda_plugins.methods.groups import ParameterGroups, ScoringSpace
 from tda_plugins.methods.scores import Scores
+from tda_plugins.parallel.ranks import Ranks, on_device
 from tda_plugins.precondition.base import PRECONDITIONERS, Preconditioner
-from tda_plugins.ranks import Ranks, on_device
-from tda_plugins.registry import Registry
 from tda_plugins.store.layout import StoreError
 from tda_plugins.store.reader import StoreChunk, StoreReader
+from tda_plugins.utils.heap import release_free_heap
+from tda_plugins.utils.registry import Registry
 
 METHODS: Registry[AttributionMethod] = Registry("attribution method")
 #: Class decorator: make a method available under a name (CLI ``--method``).
@@ -174,11 +174,11 @@ class AttributionMethod(ABC):
 
         ``ranks``: the processes that share the work and where they compute (default:
         this process, on the CPU). Each rank fits its share of the preconditioner and
-        scores its part of the store (:meth:`~tda_plugins.ranks.Ranks.part`, the very
+        scores its part of the store (:meth:`~tda_plugins.parallel.ranks.Ranks.part`, the very
         chunks one process reads); every rank returns all the scores, in store order.
 
         The heap a training or capture pass freed is given back first
-        (:func:`~tda_plugins.heap.release_free_heap`), so that scoring's buffers do not
+        (:func:`~tda_plugins.utils.heap.release_free_heap`), so that scoring's buffers do not
         come on top of it."""
         run = ScoreRun(
             chunk_examples, progress, allow_mismatch=allow_mismatch, ranks=ranks or Ranks()

@@ -21,7 +21,6 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm.auto import tqdm
 
-from tda_plugins.api import LossFn, causal_lm_losses, evaluating
 from tda_plugins.methods.adamw_replay import (
     AdamState,
     Denominator,
@@ -38,6 +37,7 @@ from tda_plugins.methods.training_run import (
     TrainingTrajectory,
     convention_by_name,
 )
+from tda_plugins.session.batch import LossFn, causal_lm_losses, evaluating
 
 
 @dataclass

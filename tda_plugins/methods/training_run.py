@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from tda_plugins.registry import Registry
+from tda_plugins.utils.registry import Registry
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,9 @@ from torch.distributed.tensor import DTensor
 from tda_plugins.capture.engine import CaptureEngine
 from tda_plugins.grads.base import PerExampleGrad
 from tda_plugins.grads.dense import DenseGrad
-from tda_plugins.progress import end_of_run_bar
 from tda_plugins.store.io import atomic_write_bytes
 from tda_plugins.store.layout import StoreError
+from tda_plugins.utils.progress import end_of_run_bar
 
 OPTIMIZER_FILE = "optimizer.safetensors"
 

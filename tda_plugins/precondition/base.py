@@ -10,11 +10,11 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
 
 from tda_plugins.grads.base import PerExampleGrad
-from tda_plugins.registry import Registry
 from tda_plugins.store.reader import StoreReader
+from tda_plugins.utils.registry import Registry
 
 if TYPE_CHECKING:
-    from tda_plugins.ranks import Ranks
+    from tda_plugins.parallel.ranks import Ranks
 
 PRECONDITIONERS: Registry[Preconditioner] = Registry("preconditioner")
 #: Class decorator: make a preconditioner available under a name.

@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 from tda_plugins.grads.base import PerExampleGrad, row_cost, row_form
 from tda_plugins.grads.dense import DenseGrad
 from tda_plugins.grads.ops import add_squared_entries_of_sum, rotated_grads
+from tda_plugins.parallel.ranks import LayerTensors, Ranks, on_device
 from tda_plugins.precondition.base import Preconditioner, register_preconditioner
 from tda_plugins.precondition.fitting import (
     ABSENT,
@@ -44,7 +45,6 @@ from tda_plugins.precondition.fitting import (
     present,
 )
 from tda_plugins.precondition.sides import Basis, Sides, divided, tied_eigenbasis
-from tda_plugins.ranks import LayerTensors, Ranks, on_device
 from tda_plugins.store.reader import StoreReader
 
 #: Examples read at a time in the EK-FAC fit: a chunk is held in memory whole, and the fit

@@ -12,10 +12,10 @@ import torch
 from torch import Tensor
 
 from tda_plugins.grads.base import PerExampleGrad
+from tda_plugins.parallel.ranks import LayerTensors, Ranks
 from tda_plugins.precondition.forms import NOT_FACTORED
 from tda_plugins.precondition.sides import Sides
 from tda_plugins.precondition.snapshots import KroneckerFactors, StatisticsSet, read_set
-from tda_plugins.ranks import LayerTensors, Ranks
 from tda_plugins.store.layout import StoreError
 from tda_plugins.store.reader import StoreReader
 

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from tda_plugins.grads.base import PerExampleGrad
 from tda_plugins.grads.ops import rotated_grads
+from tda_plugins.parallel.ranks import LayerTensors, Ranks
 from tda_plugins.precondition.base import Preconditioner, register_preconditioner
 from tda_plugins.precondition.fitting import (
     ABSENT,
@@ -36,7 +37,6 @@ from tda_plugins.precondition.fitting import (
     present,
 )
 from tda_plugins.precondition.sides import Basis, Sides, damped_inverse, divided, tied_inverse
-from tda_plugins.ranks import LayerTensors, Ranks
 from tda_plugins.store.reader import StoreReader
 
 

@@ -41,9 +41,9 @@ from safetensors import safe_open
 from torch import Tensor
 
 from tda_plugins.precondition.forms import FactorSpec
-from tda_plugins.progress import end_of_run_bar
 from tda_plugins.store.io import atomic_write
 from tda_plugins.store.layout import CURVATURE_FILE, INDEX_FILE, StoreError
+from tda_plugins.utils.progress import end_of_run_bar
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tda_plugins.progress import end_of_run_bar
+from tda_plugins.utils.progress import end_of_run_bar
 
 #: Configuration keys that say how a model was loaded or run, not what it computes. The
 #: special token ids are among them: trainers align them with the tokenizer's at the

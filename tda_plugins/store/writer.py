@@ -19,7 +19,7 @@ it; the trainer callbacks also wait at the end of each step
 (:meth:`~tda_plugins.session.CaptureSession.finish_step`), after the optimizer update.
 A crash can therefore lose the last committed step along with the one in progress; a
 reader opened while the writer is attached may not see the latest commit yet. A one-pass
-capture (``tda capture``, :func:`~tda_plugins.dataset_capture.capture_examples`) lets
+capture (``tda capture``, :func:`~tda_plugins.session.dataset.capture_examples`) lets
 shards queue for the disk instead (``in_flight_bytes``): the next micro-batch waits only
 once that many bytes are not yet written, so a disk slower than the capture stalls it
 only when the queue is full; what is listed is on disk all the same.

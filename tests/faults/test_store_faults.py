@@ -26,7 +26,7 @@ from tda_plugins import CaptureEngine, LayerSelection, ProjectionConfig
 from tda_plugins.capture.normalization import SummedLoss
 from tda_plugins.methods import Scores, method_by_name
 from tda_plugins.precondition import load_curvature
-from tda_plugins.session import CaptureSession, CaptureSettings
+from tda_plugins.session.capture import CaptureSession, CaptureSettings
 from tda_plugins.store import GradientStore, StoreError, StoreReader
 from tda_plugins.store.index import file_checksum
 from tda_plugins.store.io import atomic_write_json

@@ -42,7 +42,7 @@ from tda_plugins.integrations.transformers import (
     pad_examples,
 )
 from tda_plugins.integrations.transformers.setup import check_trainer_setup
-from tda_plugins.session import UnsupportedTrainingSetup
+from tda_plugins.session.capture import UnsupportedTrainingSetup
 from tests.models import tiny_causal_lm
 from tests.trainers import token_rows, training_args
 

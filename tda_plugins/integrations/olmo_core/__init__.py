@@ -1,7 +1,7 @@
 """OLMo-core integration: trainer ``Callback``s and OLMo-core's loss normalization.
 
     from tda_plugins.integrations.olmo_core import GradientCaptureCallback
-    from tda_plugins.session import CaptureSettings
+    from tda_plugins.session.capture import CaptureSettings
 
     trainer_config = trainer_config.with_callback(
         "tda", GradientCaptureCallback(CaptureSettings(store_dir="run/grads"))

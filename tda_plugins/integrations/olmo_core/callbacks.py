@@ -33,9 +33,9 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from tda_plugins.capture import CaptureEngine
-from tda_plugins.distributed import process_rank
 from tda_plugins.integrations.olmo_core.normalization import OLMoCoreLossNormalization
-from tda_plugins.session import CaptureSession, CaptureSettings, UnsupportedTrainingSetup
+from tda_plugins.parallel.gather import process_rank
+from tda_plugins.session.capture import CaptureSession, CaptureSettings, UnsupportedTrainingSetup
 
 
 def check_train_module(train_module: TrainModule, settings: CaptureSettings) -> Transformer:

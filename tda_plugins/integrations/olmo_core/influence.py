@@ -5,7 +5,7 @@
     )
 
 The OLMo-core counterpart of the transformers ``InfluenceLoggingCallback``, over the same
-:class:`~tda_plugins.influence.InfluenceLogger`. Per scored step: ``pre_step`` takes the
+:class:`~tda_plugins.live.influence.InfluenceLogger`. Per scored step: ``pre_step`` takes the
 queries' per-example gradients at the step's weights, in a pass that no training engine
 records (the queries' batch and loss are the selection target's, from
 :mod:`~tda_plugins.integrations.olmo_core.pool`); the train module runs its
@@ -33,13 +33,10 @@ from olmo_core.train.train_module import TransformerTrainModule
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from tda_plugins.api import capture_batch, evaluating
 from tda_plugins.capture import CaptureEngine, MicroBatchRecord
 from tda_plugins.capture.layers import SelectionKind
 from tda_plugins.data_selection.parallel import is_sharded
-from tda_plugins.distributed import OneProcess, rank_gather, without_gradient_sync
 from tda_plugins.grads.projection import MapKind
-from tda_plugins.influence import InfluenceLogger
 from tda_plugins.integrations.olmo_core.callbacks import (
     before_each_forward,
     check_train_module,
@@ -52,7 +49,10 @@ from tda_plugins.integrations.olmo_core.pool import (
     pool_rows,
     summed_token_losses,
 )
-from tda_plugins.session import CaptureSettings, UnsupportedTrainingSetup
+from tda_plugins.live.influence import InfluenceLogger
+from tda_plugins.parallel.gather import OneProcess, rank_gather, without_gradient_sync
+from tda_plugins.session.batch import capture_batch, evaluating
+from tda_plugins.session.capture import CaptureSettings, UnsupportedTrainingSetup
 
 Decode = Callable[[list[int]], str]
 #: The :class:`CaptureSettings` fields this callback takes: its layers and projection.

@@ -49,7 +49,7 @@ from tda_plugins.integrations.olmo_core.callbacks import (
 )
 from tda_plugins.integrations.olmo_core.normalization import OLMoCoreLossNormalization
 from tda_plugins.integrations.olmo_core.pool import PoolTokens, pool_batch, summed_token_losses
-from tda_plugins.session import CaptureSettings, UnsupportedTrainingSetup
+from tda_plugins.session.capture import CaptureSettings, UnsupportedTrainingSetup
 
 
 def loss_token_counts(labels: Tensor, ignore_index: int, instance_mask: Any = None) -> Tensor:

@@ -26,7 +26,7 @@ from tda_plugins.integrations.transformers.setup import (
     process_index,
     unwrap_optimizer,
 )
-from tda_plugins.session import (
+from tda_plugins.session.capture import (
     CaptureSession,
     CaptureSettings,
     UnsupportedTrainingSetup,

@@ -9,11 +9,11 @@ from typing import Any, Literal
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from tda_plugins.capture import MicroBatchRecord, content_hash
-from tda_plugins.distributed import OneProcess, rank_gather
-from tda_plugins.influence import InfluenceLogger
 from tda_plugins.integrations.transformers.data import Examples
 from tda_plugins.integrations.transformers.pool import PoolCallback
 from tda_plugins.integrations.transformers.setup import TrainStart
+from tda_plugins.live.influence import InfluenceLogger
+from tda_plugins.parallel.gather import OneProcess, rank_gather
 
 
 class InfluenceLoggingCallback(PoolCallback):

@@ -8,7 +8,6 @@ from typing import Any
 from torch import nn
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
-from tda_plugins.api import capture_batch, evaluating
 from tda_plugins.capture import CaptureEngine
 from tda_plugins.integrations.transformers.data import ExamplePool, Examples
 from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
@@ -17,7 +16,8 @@ from tda_plugins.integrations.transformers.setup import (
     TrainStart,
     adapt_settings,
 )
-from tda_plugins.session import settings_from
+from tda_plugins.session.batch import capture_batch, evaluating
+from tda_plugins.session.capture import settings_from
 
 
 class PoolCallback(MetricsCallback):

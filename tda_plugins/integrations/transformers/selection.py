@@ -19,7 +19,6 @@ import torch
 from torch import Tensor
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
-from tda_plugins.api import causal_lm_example_losses, causal_lm_losses
 from tda_plugins.capture import MicroBatchRecord
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.layers import has_lora
@@ -33,7 +32,8 @@ from tda_plugins.integrations.transformers.setup import (
     adapt_settings,
     uses_fused_head,
 )
-from tda_plugins.session import CaptureSettings
+from tda_plugins.session.batch import causal_lm_example_losses, causal_lm_losses
+from tda_plugins.session.capture import CaptureSettings
 
 #: The ``CaptureSettings`` fields that select layers (the keyword options this callback takes).
 LAYER_OPTIONS = ("layers", "include", "exclude", "last_n_blocks")

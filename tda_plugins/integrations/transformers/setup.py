@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from tda_plugins.integrations.transformers.refusals import TRAINER_CHECKS
-from tda_plugins.session import CaptureSettings, UnsupportedTrainingSetup
+from tda_plugins.session.capture import CaptureSettings, UnsupportedTrainingSetup
 
 logger = logging.getLogger(__name__)
 

@@ -28,13 +28,13 @@ from torch import Tensor
 from tda_plugins.capture.config import CaptureConfig
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.records import MicroBatchRecord
-from tda_plugins.distributed import OneProcess, RankGather
 from tda_plugins.grads.base import PerExampleGrad
 from tda_plugins.grads.dense import sum_of_uses
 from tda_plugins.grads.ops import QueryGradients
+from tda_plugins.live.queries import query_gradients, score_record
 from tda_plugins.methods.groups import ParameterGroups, ScoringSpace
 from tda_plugins.methods.scores import Scores
-from tda_plugins.queries import query_gradients, score_record
+from tda_plugins.parallel.gather import OneProcess, RankGather
 from tda_plugins.report.html import write_html
 from tda_plugins.store.io import atomic_write_json
 
@@ -72,7 +72,7 @@ class InfluenceLogger(CaptureConsumer):
     Args:
         method: ``"gradcos"`` (default; comparable across steps) or ``"graddot"``.
         gather: how the ranks' scores come together (default: one process, nothing to
-            exchange; see :func:`~tda_plugins.distributed.rank_gather`).
+            exchange; see :func:`~tda_plugins.parallel.gather.rank_gather`).
         exclude_params: parameter name patterns left out of both sides (``("bias",)``;
             :class:`~tda_plugins.methods.groups.ParameterGroups`), checked against the
             engine's layers when it attaches, before any step.

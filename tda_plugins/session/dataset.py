@@ -23,11 +23,11 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from tda_plugins.api import causal_lm_example_losses
 from tda_plugins.capture import CaptureEngine, content_hash
+from tda_plugins.parallel.ranks import Ranks
 from tda_plugins.precondition import CurvatureAccumulator
-from tda_plugins.ranks import Ranks
-from tda_plugins.session import CaptureSettings, resolve_curvature, settings_from
+from tda_plugins.session.batch import causal_lm_example_losses
+from tda_plugins.session.capture import CaptureSettings, resolve_curvature, settings_from
 from tda_plugins.store import GradientStore, StoreReader
 from tda_plugins.store.texts import TokenTexts, token_texts
 

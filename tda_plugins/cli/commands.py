@@ -7,7 +7,7 @@
 Bad input ends with exit code 2 and a one-line reason on stderr.
 
 Under ``torchrun --nproc-per-node N -m tda_plugins.cli ...`` the work is spread over the N
-ranks (:mod:`tda_plugins.ranks`): ``capture`` deals the batches round robin, each rank
+ranks (:mod:`tda_plugins.parallel.ranks`): ``capture`` deals the batches round robin, each rank
 writing its own ``rank-<r>`` directory of one store (a full model replica per rank: data
 parallel); ``attribute`` splits the training store between the ranks and rank 0 writes the
 merged scores. Both give what one process gives.
@@ -27,14 +27,20 @@ import torch
 from safetensors import SafetensorError
 
 from tda_plugins.capture import LayerSelectionError
-from tda_plugins.cli_models import ModelSource
-from tda_plugins.cli_types import device, finite_float, non_negative_float, positive_int, regex
-from tda_plugins.dataset_capture import capture_examples
+from tda_plugins.cli.models import ModelSource
+from tda_plugins.cli.option_types import (
+    device,
+    finite_float,
+    non_negative_float,
+    positive_int,
+    regex,
+)
 from tda_plugins.methods import METHODS, Checkpoint, Scores, attribute, method_by_name
-from tda_plugins.ranks import Ranks, launch_size, launched_ranks
+from tda_plugins.parallel.ranks import Ranks, launch_size, launched_ranks
 from tda_plugins.report import write_html
 from tda_plugins.report.tokens import TOKENS_FILE, require_token_scores, token_report
-from tda_plugins.session import CaptureSettings
+from tda_plugins.session.capture import CaptureSettings
+from tda_plugins.session.dataset import capture_examples
 from tda_plugins.store import StoreError, StoreReader
 from tda_plugins.store.io import atomic_write_json, refuse_existing, staged_directory
 
@@ -313,7 +319,7 @@ def _capture(args: argparse.Namespace) -> None:
 
 
 def _capture_on(args: argparse.Namespace, ranks: Ranks) -> None:
-    """``tda capture`` on this rank (:func:`~tda_plugins.dataset_capture.capture_examples`)."""
+    """``tda capture`` on this rank (:func:`~tda_plugins.session.dataset.capture_examples`)."""
     source = ModelSource.resolve(args.model, args.adapter)
     model, tokenizer = source.load(_DTYPES[args.dtype], ranks.device, args.device_map)
     capture_examples(
@@ -428,7 +434,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tda {args.command}: error: {reason}", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

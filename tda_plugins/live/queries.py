@@ -1,6 +1,6 @@
 """Query gradients prepared once, for scoring many training micro-batches against them.
 
-The live paths (:class:`~tda_plugins.influence.InfluenceLogger`, a consumer scoring each
+The live paths (:class:`~tda_plugins.live.influence.InfluenceLogger`, a consumer scoring each
 micro-batch as its backward finishes) hold the queries' gradients for the whole run and
 score every training micro-batch against all of them at once:
 
