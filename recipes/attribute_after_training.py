@@ -42,7 +42,7 @@ from tda_plugins.capture import content_hash
 from tda_plugins.integrations.transformers import GradientCaptureCallback, pad_examples
 from tda_plugins.methods import METHODS, attribute
 from tda_plugins.precondition import CurvatureAccumulator
-from tda_plugins.report import write_html
+from tda_plugins.report import render_html, write_html
 from tda_plugins.store import GradientStore
 
 
@@ -163,9 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         store_dir, query_dir = Path(args.store), Path(args.queries)
     scores = attribute(store_dir, query_dir, args.method, progress=True)
     scores.save(out / "scores", k=args.top_k)
-    report = write_html(
-        out / "report.html", scores, scores.train_texts, scores.query_texts, args.top_k
-    )
+    page = render_html(scores, scores.train_texts, scores.query_texts, k=args.top_k)
+    report = write_html(out / "report.html", page)
     for entry in scores.top_k(1):
         if not entry["helpful"]:
             print(f"query {entry['query_id']}: no training example lowers its loss")

@@ -37,7 +37,7 @@ from tda_plugins.cli.option_types import (
 )
 from tda_plugins.methods import METHODS, Checkpoint, Scores, attribute, method_by_name
 from tda_plugins.parallel.ranks import Ranks, launch_size, launched_ranks
-from tda_plugins.report import write_html
+from tda_plugins.report import render_html, write_html
 from tda_plugins.report.tokens import TOKENS_FILE, require_token_scores, token_report
 from tda_plugins.session.capture import CaptureSettings
 from tda_plugins.session.dataset import capture_examples
@@ -386,14 +386,10 @@ def _attribute_on(args: argparse.Namespace, ranks: Ranks) -> None:
         scores.save(stage, k=args.top_k)
         if tokens is not None:
             atomic_write_json(stage / TOKENS_FILE, tokens)
-        write_html(
-            stage / "report.html",
-            scores,
-            scores.train_texts,
-            scores.query_texts,
-            args.top_k,
-            tokens=tokens,
+        page = render_html(
+            scores, scores.train_texts, scores.query_texts, k=args.top_k, tokens=tokens
         )
+        write_html(stage / "report.html", page)
     n, m = scores.values.shape
     print(
         f"scored {n} x {m} with {args.method} in {seconds:.2f} s on {ranks.size} rank(s) "
@@ -409,7 +405,8 @@ def _report(args: argparse.Namespace) -> None:
     store, queries = StoreReader(args.store), StoreReader(args.queries)
     saved = Path(args.scores) / TOKENS_FILE  # from `tda attribute --tokens`
     tokens = json.loads(saved.read_text()) if saved.is_file() else None
-    write_html(path, scores, store.texts(), queries.texts(), args.top_k, tokens=tokens)
+    page = render_html(scores, store.texts(), queries.texts(), k=args.top_k, tokens=tokens)
+    write_html(path, page)
     print(f"wrote {path}")
 
 

@@ -35,7 +35,7 @@ from tda_plugins.live.queries import query_gradients, score_record
 from tda_plugins.methods.groups import ParameterGroups, ScoringSpace
 from tda_plugins.methods.scores import Scores
 from tda_plugins.parallel.gather import OneProcess, RankGather
-from tda_plugins.report.html import write_html
+from tda_plugins.report.html import render_html, write_html
 from tda_plugins.store.io import atomic_write_json
 
 
@@ -267,9 +267,8 @@ class InfluenceLogger(CaptureConsumer):
         paths = {"json": out / "influence.json"}
         if scores.values.numel():
             names = {q: f"q{j}" for j, q in enumerate(query_ids.tolist())}  # as logged
-            paths["html"] = write_html(
-                out / "influence.html", scores, train_texts, query_texts, top_k, names
-            )
+            page = render_html(scores, train_texts, query_texts, k=top_k, query_names=names)
+            paths["html"] = write_html(out / "influence.html", page)
         paths["png"] = _plot(out / "influence.png", self.history, query_ids)
         return paths
 

@@ -75,6 +75,7 @@ def render_html(
     scores: Scores,
     train_texts: dict[int, str],
     query_texts: dict[int, str],
+    *,
     k: int = 10,
     query_names: dict[int, str] | None = None,
     tokens: list[dict[str, Any]] | None = None,
@@ -109,18 +110,9 @@ def render_html(
     )
 
 
-def write_html(
-    path: str | Path,
-    scores: Scores,
-    train_texts: dict[int, str],
-    query_texts: dict[int, str],
-    k: int = 10,
-    query_names: dict[int, str] | None = None,
-    tokens: list[dict[str, Any]] | None = None,
-) -> Path:
-    """Write :func:`render_html` to ``path`` atomically; returns the path."""
+def write_html(path: str | Path, page: str) -> Path:
+    """Write a :func:`render_html` page to ``path`` atomically; returns the path."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    page = render_html(scores, train_texts, query_texts, k, query_names, tokens)
     atomic_write_bytes(out, page.encode())
     return out
