@@ -30,6 +30,7 @@ from tda_plugins import (
     causal_lm_example_losses,
     per_example_gradients,
 )
+from tda_plugins.session.batch import canonical_grads
 from tests.models import ARCHS, lm_batch, tiny_causal_lm, with_lora
 from tests.oracle import func_oracle, loop_oracle, max_rel_error
 
@@ -91,17 +92,6 @@ def summed_loss(model: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
     """Sum over examples of each example's summed next-token loss."""
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     return causal_lm_example_losses(model(**inputs).logits, batch["labels"]).sum()
-
-
-def canonical_grads(model: nn.Module, record: MicroBatchRecord) -> dict[str, Tensor]:
-    """A record's gradients keyed like ``model.named_parameters()``, tied parts summed."""
-    canonical = {id(p): n for n, p in model.named_parameters()}
-    by_module = dict(model.named_parameters(remove_duplicate=False))
-    out: dict[str, Tensor] = {}
-    for qualified, g in record.param_grads().items():
-        name = canonical[id(by_module[qualified])]
-        out[name] = out[name] + g if name in out else g
-    return out
 
 
 def engine_gradients(

@@ -135,7 +135,13 @@ def per_example_gradients(
         fp32 (fp64 for fp64 models): the gradient of each example's own loss. Parameters
         shared between captured modules (tied weights) get the sum of their contributions.
     """
-    record = capture_batch(model, batch, loss_fn, layers)
+    return canonical_grads(model, capture_batch(model, batch, loss_fn, layers))
+
+
+def canonical_grads(model: nn.Module, record: MicroBatchRecord) -> dict[str, Tensor]:
+    """A record's per-example gradients keyed like ``model.named_parameters()`` (each
+    ``(B, *param.shape)``): the uses of a shared parameter (tied weights), recorded under
+    each module's own name, summed into one."""
     canonical = {id(p): n for n, p in model.named_parameters()}
     by_module = dict(model.named_parameters(remove_duplicate=False))
     out: dict[str, Tensor] = {}
