@@ -147,7 +147,12 @@ def capture_queries(
     consumers = [store, CurvatureAccumulator(path)]
     batch = pad_examples(rows)
     model.eval()
-    with CaptureEngine(model, settings.selection(), settings.projection_config(), consumers) as e:
+    with CaptureEngine(
+        model,
+        layers=settings.selection(),
+        projection=settings.projection_config(),
+        consumers=consumers,
+    ) as e:
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         causal_lm_example_losses(model(**inputs).logits, batch["labels"]).sum().backward()
         e.end()

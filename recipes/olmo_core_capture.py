@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     query_dir = out / "queries"
     query_store = GradientStore(query_dir)
     ids = torch.stack([torch.as_tensor(dataset[i]["input_ids"]) for i in picked]).long()
-    with CaptureEngine(model, settings.selection(), None, [query_store]) as engine:
+    with CaptureEngine(model, layers=settings.selection(), consumers=[query_store]) as engine:
         engine.set_example_ids(torch.tensor(picked))
         logits = model(ids)
         causal_lm_example_losses(logits, ids).sum().backward()

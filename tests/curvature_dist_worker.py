@@ -58,7 +58,9 @@ def run(out: Path, rank: int = 0, world: int = 1, kind: str = "linear") -> None:
     scale = ManualScale()
     scale.value = 1 / world
     share = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
-    with CaptureEngine(model, selection, consumers=accumulators, normalization=scale) as engine:
+    with CaptureEngine(
+        model, layers=selection, consumers=accumulators, normalization=scale
+    ) as engine:
         for step in range(STEPS):
             batch = lm_batch(GLOBAL_BATCH, 10, lengths=(10, 7, 9, 5), seed=step)
             (world * summed_loss(trained, {k: v[share] for k, v in batch.items()})).backward()

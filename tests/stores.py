@@ -92,7 +92,13 @@ def run_captured(
     told that count as the loss scale.
     """
     normalization = ManualScale()
-    with CaptureEngine(model, layers, projection, consumers, normalization) as engine:
+    with CaptureEngine(
+        model,
+        layers=layers,
+        projection=projection,
+        consumers=consumers,
+        normalization=normalization,
+    ) as engine:
         engine.resume_at_step(first_step)
         for batch in batches:
             scale = label_tokens(batch) if mean_loss else 1

@@ -403,7 +403,7 @@ def test_kfac_factors_of_fp32_gradients_equal_their_fp64_sums(
     batches = [lm_batch(lengths=(10, 7, 5), seed=1), lm_batch(lengths=(8, 10, 6), seed=2)]
     accumulator = CurvatureAccumulator("unused", product_dtype=product_dtype)
     collector = RecordCollector()
-    with CaptureEngine(model, LayerSelection("linear"), consumers=[accumulator, collector]):
+    with CaptureEngine(model, layers=LayerSelection("linear"), consumers=[accumulator, collector]):
         for batch in batches:
             summed_loss(model, batch).backward()
     assert len(collector.records) == len(batches)

@@ -191,7 +191,7 @@ def captured_run(model: nn.Module, tmp: Path) -> tuple[CurvatureAccumulator, Mic
     plan = plan_capture(model, PlanInputs(LayerSelection("linear")))
     accumulator = CurvatureAccumulator(tmp, shapes=plan.curvature_shapes, excluded=plan.excluded)
     collector = RecordCollector()
-    with CaptureEngine(model, LayerSelection("linear"), consumers=[accumulator, collector]):
+    with CaptureEngine(model, layers=LayerSelection("linear"), consumers=[accumulator, collector]):
         summed_loss(model, BATCH).backward()
     return accumulator, collector.records[0]
 

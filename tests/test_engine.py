@@ -54,7 +54,7 @@ def _ids(batch: int = 3, length: int = 6) -> Tensor:
 
 def test_consumers_see_micro_batches_steps_and_end_in_order() -> None:
     model, log = Mixed(), StepLog()
-    with CaptureEngine(model, LayerSelection("all"), consumers=[log]) as engine:
+    with CaptureEngine(model, layers=LayerSelection("all"), consumers=[log]) as engine:
         for _ in range(2):
             for _ in range(3):
                 model(_ids()).sum().backward()
@@ -68,14 +68,14 @@ def test_consumers_see_micro_batches_steps_and_end_in_order() -> None:
 
 def test_micro_batch_finishes_at_end_of_backward_without_flush() -> None:
     model, collector = Mixed(), RecordCollector()
-    with CaptureEngine(model, LayerSelection("all"), consumers=[collector]):
+    with CaptureEngine(model, layers=LayerSelection("all"), consumers=[collector]):
         model(_ids()).sum().backward()
         assert len(collector.records) == 1
 
 
 def test_step_records_are_released_after_the_step() -> None:
     model, log = Mixed(), StepLog()
-    with CaptureEngine(model, LayerSelection("all"), consumers=[log]) as engine:
+    with CaptureEngine(model, layers=LayerSelection("all"), consumers=[log]) as engine:
         model(_ids()).sum().backward()
         assert engine.held_bytes() > 0
         engine.optimizer_step()
@@ -84,7 +84,9 @@ def test_step_records_are_released_after_the_step() -> None:
 
 def test_without_step_consumers_the_engine_holds_nothing() -> None:
     model = Mixed()
-    with CaptureEngine(model, LayerSelection("all"), consumers=[RecordCollector()]) as engine:
+    with CaptureEngine(
+        model, layers=LayerSelection("all"), consumers=[RecordCollector()]
+    ) as engine:
         model(_ids()).sum().backward()
         assert engine.held_bytes() == 0
 
@@ -98,7 +100,7 @@ def test_thousand_forward_only_calls_leave_memory_unchanged() -> None:
     """Evaluation-style forwards (with and without grad) neither record nor hold tensors."""
     model, collector = Mixed(), RecordCollector()
     ids = _ids()
-    with CaptureEngine(model, LayerSelection("all"), consumers=[collector]) as engine:
+    with CaptureEngine(model, layers=LayerSelection("all"), consumers=[collector]) as engine:
         model(ids)  # warm-up: lazily created state exists before the baseline
         before = _live_tensors()
         for i in range(1000):
@@ -125,7 +127,7 @@ def test_detach_removes_every_hook() -> None:
     model, collector = Mixed(), RecordCollector()
     counts = lambda: [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()]  # noqa: E731
     clean = counts()
-    engine = CaptureEngine(model, LayerSelection("all"), consumers=[collector]).attach()
+    engine = CaptureEngine(model, layers=LayerSelection("all"), consumers=[collector]).attach()
     assert counts() != clean
     engine.detach()
     assert counts() == clean
@@ -134,7 +136,10 @@ def test_detach_removes_every_hook() -> None:
 
 
 def test_attaching_twice_is_an_error() -> None:
-    with CaptureEngine(Mixed(), LayerSelection("all")) as engine, pytest.raises(RuntimeError):
+    with (
+        CaptureEngine(Mixed(), layers=LayerSelection("all")) as engine,
+        pytest.raises(RuntimeError),
+    ):
         engine.attach()
 
 
@@ -145,7 +150,7 @@ def test_hooks_never_read_tensor_values() -> None:
         ids = torch.zeros(3, 6, dtype=torch.long)
         mask = torch.ones(3, 6, dtype=torch.long)
     collector = RecordCollector()
-    with CaptureEngine(model, LayerSelection("all"), consumers=[collector]) as engine:
+    with CaptureEngine(model, layers=LayerSelection("all"), consumers=[collector]) as engine:
         model(ids, attention_mask=mask).sum().backward()
         engine.optimizer_step()
     (record,) = collector.records
@@ -155,7 +160,7 @@ def test_hooks_never_read_tensor_values() -> None:
 
 def test_record_to_moves_every_tensor() -> None:
     model, collector = Mixed(), RecordCollector()
-    with CaptureEngine(model, LayerSelection("all"), consumers=[collector]):
+    with CaptureEngine(model, layers=LayerSelection("all"), consumers=[collector]):
         model(_ids()).sum().backward()
     moved = collector.records[0].to("meta")
     assert moved.example_ids.device.type == "meta"
@@ -193,7 +198,7 @@ def test_records_carry_content_ids_and_token_mask() -> None:
 
 def test_explicit_example_ids_are_used_once() -> None:
     model, collector = Mixed(), RecordCollector()
-    with CaptureEngine(model, LayerSelection("all"), consumers=[collector]) as engine:
+    with CaptureEngine(model, layers=LayerSelection("all"), consumers=[collector]) as engine:
         engine.set_example_ids(torch.tensor([10, 11, 12]))
         model(_ids()).sum().backward()
         model(_ids()).sum().backward()
@@ -202,7 +207,7 @@ def test_explicit_example_ids_are_used_once() -> None:
 
 
 def test_bad_example_ids_are_refused() -> None:
-    engine = CaptureEngine(Mixed(), LayerSelection("all"))
+    engine = CaptureEngine(Mixed(), layers=LayerSelection("all"))
     with pytest.raises(ValueError, match="1-D integer tensor"):
         engine.set_example_ids(torch.tensor([1.0, 2.0]))
 
@@ -220,7 +225,7 @@ def test_broadcast_call_is_expanded_to_the_batch() -> None:
 
 def _capture(model: nn.Module, batch: dict[str, Tensor], **options: bool) -> MicroBatchRecord:
     collector = RecordCollector()
-    with CaptureEngine(model, LayerSelection("all"), consumers=[collector], **options):
+    with CaptureEngine(model, layers=LayerSelection("all"), consumers=[collector], **options):
         model(**{k: v for k, v in batch.items() if k != "labels"}).logits.sum().backward()
     (record,) = collector.records
     return record
@@ -259,7 +264,7 @@ def test_parameters_come_back_when_a_forward_fails() -> None:
 
     model.fc.register_forward_hook(fail, prepend=True)
     with (
-        CaptureEngine(model, LayerSelection("all"), parameter_grads=False),
+        CaptureEngine(model, layers=LayerSelection("all"), parameter_grads=False),
         pytest.raises(RuntimeError, match="boom"),
     ):
         model(torch.randint(0, 20, (2, 5)))

@@ -310,7 +310,7 @@ def test_adam_state_of_a_tied_weight_is_saved_for_each_use(tmp_path: Path) -> No
     model = tiny_causal_lm("gpt2").float()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     train_steps(model, optimizer, TRAIN)
-    with CaptureEngine(model, LayerSelection(kind="all")) as engine:
+    with CaptureEngine(model, layers=LayerSelection(kind="all")) as engine:
         save_adam_state(tmp_path, engine, optimizer)
     saved = load_file(tmp_path / OPTIMIZER_FILE)
     state = optimizer.state[model.get_input_embeddings().weight]

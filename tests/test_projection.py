@@ -77,7 +77,9 @@ def test_engine_projection_is_bit_identical_across_runs() -> None:
     def capture() -> dict[str, torch.Tensor]:
         model = tiny_causal_lm("llama", torch.float32)
         collector = RecordCollector()
-        with CaptureEngine(model, LayerSelection("all"), config, [collector]):
+        with CaptureEngine(
+            model, layers=LayerSelection("all"), projection=config, consumers=[collector]
+        ):
             model(**batch).loss.backward()
         (record,) = collector.records
         return {n: r.grads.materialize() for n, r in record.layers.items()}

@@ -88,7 +88,7 @@ def test_bad_kind_and_block_count_are_refused() -> None:
 
 def test_engine_attach_raises_before_any_hook_on_a_bad_selection() -> None:
     model = tiny_causal_lm("llama")
-    engine = CaptureEngine(model, LayerSelection("linear", include="nothing"))
+    engine = CaptureEngine(model, layers=LayerSelection("linear", include="nothing"))
     with pytest.raises(LayerSelectionError):
         engine.attach()
     assert not engine.attached

@@ -146,7 +146,7 @@ def test_loss_score_drops_by_mean_loss_and_grad_is_fresh_over_kept(
     tokens = float(label_counts(batch).sum())
     normalization = ManualScale()
     normalization.value = tokens
-    with CaptureEngine(model, None, None, (), normalization) as engine:
+    with CaptureEngine(model, layers=None, normalization=normalization) as engine:
         losses = ForwardLosses(model, causal_lm_output_losses)
         selector = DataSelector(
             engine.captured_layers,
@@ -183,7 +183,7 @@ def test_loss_score_refuses_a_forward_without_labels() -> None:
     batch = lm_batch(4, 10, seed=1)
     normalization = ManualScale()
     normalization.value = 1.0
-    with CaptureEngine(model, None, None, (), normalization) as engine:
+    with CaptureEngine(model, layers=None, normalization=normalization) as engine:
         losses = ForwardLosses(model, causal_lm_output_losses)
         selector = DataSelector(
             engine.captured_layers,

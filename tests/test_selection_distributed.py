@@ -67,7 +67,11 @@ def one_process_dropped(audit: StepAudit) -> tuple[list[int], list[int]]:
     tokens = float(sum(int(label_counts(b).sum()) for b in audit.micro_batches))
     normalization = ManualScale()
     normalization.value = tokens
-    with CaptureEngine(model, LayerSelection("all"), None, (), normalization) as engine:
+    with CaptureEngine(
+        model,
+        layers=LayerSelection("all"),
+        normalization=normalization,
+    ) as engine:
         selector = DataSelector(
             engine.captured_layers,
             rule=rule_by_name("bottom_fraction", fraction=FRACTION),

@@ -246,7 +246,7 @@ def run_step(
     micro_batches = s.micro_batches(accumulation)
     normalization = ManualScale()
     normalization.value = s.window_tokens
-    with CaptureEngine(s.model, s.layers, None, (), normalization) as engine:
+    with CaptureEngine(s.model, layers=s.layers, normalization=normalization) as engine:
         selector = RecordingSelector(
             engine.captured_layers,
             rule=rule_by_name(rule, **options),
@@ -540,7 +540,7 @@ def test_per_layer_refuses_a_tied_weight() -> None:
     two kept sets, so the selector refuses and names the layers."""
     model = tiny_causal_lm("gpt2")
     refused = pytest.raises(ValueError, match=r"share a parameter.*granularity='global'")
-    with CaptureEngine(model, LayerSelection("all")) as engine, refused as info:
+    with CaptureEngine(model, layers=LayerSelection("all")) as engine, refused as info:
         DataSelector(
             engine.captured_layers,
             rule=rule_by_name("bottom_fraction"),

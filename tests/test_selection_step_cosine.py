@@ -156,7 +156,7 @@ def test_engine_keeps_the_greedy_set_and_grad_is_fresh_over_it(
     normalization = ManualScale()
     normalization.value = tokens
     layers = LayerSelection("all") if spec.endswith("-full") else None
-    with CaptureEngine(model, layers, None, (), normalization) as engine:
+    with CaptureEngine(model, layers=layers, normalization=normalization) as engine:
         selector = DataSelector(
             engine.captured_layers,
             rule=rule_by_name("step_cosine", margin=MARGIN),
@@ -211,7 +211,7 @@ def test_settings_refuse_what_the_set_rule_cannot_weigh() -> None:
             SelectionSettings(rule="step_cosine", **options)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="share a parameter"):
         model = tiny_causal_lm("gpt2")
-        with CaptureEngine(model, LayerSelection("all")) as engine:
+        with CaptureEngine(model, layers=LayerSelection("all")) as engine:
             DataSelector(
                 engine.captured_layers,
                 rule=rule_by_name("step_cosine"),

@@ -95,7 +95,9 @@ def capture(
     """Capture ``steps`` into the store at ``path``; returns what the engine handed it."""
     collector = RecordCollector()
     store = GradientStore(path, rank=rank, keep_tokens=keep_tokens)
-    with CaptureEngine(model, layers, projection, [store, collector]) as engine:
+    with CaptureEngine(
+        model, layers=layers, projection=projection, consumers=[store, collector]
+    ) as engine:
         for step in steps:
             for batch in step:
                 summed_loss(model, batch).backward()
@@ -327,7 +329,9 @@ def test_a_transposed_view_of_an_input_is_not_stored_as_an_alias(tmp_path: Path)
     model = TokenAndChannelMixer(4).double()
     collector = RecordCollector()
     store = GradientStore(tmp_path, keep_tokens=True)
-    with CaptureEngine(model, LayerSelection("linear"), consumers=[store, collector]) as engine:
+    with CaptureEngine(
+        model, layers=LayerSelection("linear"), consumers=[store, collector]
+    ) as engine:
         engine.set_example_ids(torch.arange(2))
         model(torch.randn(2, 4, 4, dtype=torch.float64)).sum().backward()
         engine.optimizer_step()
@@ -726,7 +730,7 @@ def test_nan_gradients_stop_the_capture_and_keep_every_committed_step(tmp_path: 
     still reads exactly steps 0 and 1, with their files byte for byte unchanged."""
     model, steps = tiny_causal_lm("llama"), micro_batches(3, (10, 7))
     store = GradientStore(tmp_path)
-    with CaptureEngine(model, ALL, consumers=[store]) as engine:
+    with CaptureEngine(model, layers=ALL, consumers=[store]) as engine:
         for step in steps[:2]:
             for batch in step:
                 summed_loss(model, batch).backward()
@@ -776,7 +780,7 @@ def test_one_non_finite_entry_anywhere_refuses_the_micro_batch_and_names_its_lay
     layer = "model.layers.1.mlp.down_proj"
     consumers = [_Poison(layer, value, last), GradientStore(tmp_path)]
     refused = pytest.raises(StoreError, match=rf"non-finite .* in layer '{layer}' at step 0")
-    with CaptureEngine(model, ALL, consumers=consumers), refused:
+    with CaptureEngine(model, layers=ALL, consumers=consumers), refused:
         summed_loss(model, micro_batches(1, (10, 7))[0][0]).backward()
     assert shard_files(tmp_path) == set()
     assert not list(rank_dir(tmp_path, 0).glob(".*tmp*"))
@@ -806,7 +810,7 @@ def test_truncate_drops_later_steps_and_their_files(tmp_path: Path) -> None:
     assert len(kept) == 4 and len(shard_files(tmp_path)) == 8
     before = {n: b for n, b in snapshot(tmp_path).items() if Path(n).name in kept}
     store = GradientStore(tmp_path, append=True)
-    with CaptureEngine(model, ALL, consumers=[store]):
+    with CaptureEngine(model, layers=ALL, consumers=[store]):
         store.truncate(2)
         assert store.committed_steps == [0, 1]
     reader = StoreReader(tmp_path)

@@ -108,7 +108,7 @@ def _wide_store(path: Path) -> StoreReader:
     torch.manual_seed(0)
     model = nn.Linear(WIDTH, WIDTH, bias=False)
     store = GradientStore(path, keep_tokens=True)
-    with CaptureEngine(model, LayerSelection("linear"), consumers=[store]) as engine:
+    with CaptureEngine(model, layers=LayerSelection("linear"), consumers=[store]) as engine:
         for step in range(MICRO_BATCHES):
             engine.set_example_ids(torch.arange(step * BATCH, (step + 1) * BATCH))
             model(torch.randn(BATCH, TOKENS, WIDTH)).pow(2).sum().backward()

@@ -141,10 +141,8 @@ class SelectionSession:
         self.ranks = Ranks.current()
         self.engine = CaptureEngine(
             model,
-            layers or settings.layer_selection(),
-            None,
-            (),
-            normalization,
+            layers=layers or settings.layer_selection(),
+            normalization=normalization,
             parameter_grads=parameter_grads,
         ).attach()
         self.forward_losses: ForwardLosses | None = None

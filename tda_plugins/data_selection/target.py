@@ -170,7 +170,9 @@ def target_gradient(
         if candidates:
             names = "|".join(re.escape(name) for name in candidates)
             selection = LayerSelection("all", include=f"^(?:{names})$")
-            engine = CaptureEngine(model, selection, None, [keeper], parameter_grads=False)
+            engine = CaptureEngine(
+                model, layers=selection, consumers=[keeper], parameter_grads=False
+            )
             stack.enter_context(engine)
             stack.enter_context(engine.exclusive())
         else:

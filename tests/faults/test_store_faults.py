@@ -52,7 +52,7 @@ def store_of(path: Path, steps: int = 3, net: torch.nn.Module | None = None) -> 
     has a fingerprint and end-of-capture weights) through a session's store."""
     net = net if net is not None else model()
     store = GradientStore(path, model=net)
-    with CaptureEngine(net, ALL, consumers=[store]) as engine:
+    with CaptureEngine(net, layers=ALL, consumers=[store]) as engine:
         for batch in batches(steps):
             summed_loss(net, batch).backward()
             net.zero_grad(set_to_none=True)
@@ -357,7 +357,7 @@ def test_reopening_removes_only_its_own_leftovers(tmp_path: Path) -> None:
     note = folder / "notes.txt"
     note.write_text("mine")
     before = unchanged(note)
-    with CaptureEngine(model(), ALL, consumers=[GradientStore(store, append=True)]):
+    with CaptureEngine(model(), layers=ALL, consumers=[GradientStore(store, append=True)]):
         pass
     assert not orphan.exists() and not temp.exists()
     assert_untouched(note, before)
@@ -371,7 +371,7 @@ def test_capturing_into_a_store_with_steps_needs_append(tmp_path: Path) -> None:
     files = snapshot(store)
     with (
         pytest.raises(StoreError, match=r"already holds steps 0\.\.2; pass append=True"),
-        CaptureEngine(model(), ALL, consumers=[GradientStore(store)]),
+        CaptureEngine(model(), layers=ALL, consumers=[GradientStore(store)]),
     ):
         pass
     assert snapshot(store) == files
@@ -383,7 +383,9 @@ def test_appending_with_another_model_is_refused(tmp_path: Path) -> None:
     other = tiny_causal_lm("gpt2")
     with (
         pytest.raises(StoreError, match="another config or model"),
-        CaptureEngine(other, ALL, consumers=[GradientStore(store, append=True, model=other)]),
+        CaptureEngine(
+            other, layers=ALL, consumers=[GradientStore(store, append=True, model=other)]
+        ),
     ):
         pass
     assert snapshot(store) == files
@@ -391,7 +393,7 @@ def test_appending_with_another_model_is_refused(tmp_path: Path) -> None:
 
 def capture_with_ids(store: GradientStore, net: torch.nn.Module, ids: list[list[int]]) -> None:
     """One step per id list (2 examples each), with those explicit ids."""
-    with CaptureEngine(net, ALL, consumers=[store]) as engine:
+    with CaptureEngine(net, layers=ALL, consumers=[store]) as engine:
         for step, step_ids in enumerate(ids):
             engine.set_example_ids(torch.tensor(step_ids))
             summed_loss(net, lm_batch(2, 8, seed=step)).backward()

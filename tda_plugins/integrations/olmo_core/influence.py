@@ -232,10 +232,10 @@ class InfluenceLoggingCallback(Callback):
         self.influence_log = self.influence_log.over(rank_gather())
         engine = CaptureEngine(
             model,
-            self._settings.selection(),
-            self._settings.projection_config(),
-            [self.influence_log],
-            OLMoCoreLossNormalization(),
+            layers=self._settings.selection(),
+            projection=self._settings.projection_config(),
+            consumers=[self.influence_log],
+            normalization=OLMoCoreLossNormalization(),
         ).attach()
         self._ids_hook = before_each_forward(model, self._give_example_ids)
         return engine

@@ -47,10 +47,9 @@ class PoolCallback(MetricsCallback):
         self.settings = adapt_settings(self.settings, start.args, start.model)
         engine = CaptureEngine(
             start.model,
-            self.settings.selection(),
-            self.settings.projection_config(),
-            (),
-            CausalLMNormalization(),
+            layers=self.settings.selection(),
+            projection=self.settings.projection_config(),
+            normalization=CausalLMNormalization(),
         ).attach()
         engine.resume_at_step(start.state.global_step)
         self.engine = engine
