@@ -2,8 +2,7 @@
 configs, ``Trainer`` plumbing, profiling, and writing a script's own results section.
 
 The scripts import it as ``common`` (``python benchmarks/<script>.py`` puts this folder
-first on ``sys.path``). ``benchmarks/capture_overhead.py`` predates this module and keeps
-its own copies of some of these helpers.
+first on ``sys.path``).
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -185,6 +184,21 @@ def rotated(names: Sequence[str], shift: int) -> list[str]:
     return [*names[shift:], *names[:shift]]
 
 
+def alternate(
+    names: Sequence[str], rounds: int, run: Callable[[str, int], object], label: str = ""
+) -> list[float]:
+    """The interleaved-rounds skeleton of every side-by-side benchmark: ``rounds`` rounds of
+    ``run(name, round)`` for each of ``names``, order rotated each round (so that every
+    configuration takes every slot). Returns the 1-minute load average after each round."""
+    loads = []
+    for round_ in range(rounds):
+        for name in rotated(names, round_):
+            run(name, round_)
+        loads.append(load_average())
+        print(f"  {label}round {round_ + 1}/{rounds}", flush=True)
+    return loads
+
+
 def verdict(ratio: float, target: float | None) -> str:
     """``yes`` / ``**no**`` against ``target`` (empty without one)."""
     if target is None:
@@ -264,6 +278,9 @@ def run_child(script: Path, args: Sequence[str]) -> dict[str, Any]:
 
 # -- models and data -------------------------------------------------------------------
 
+#: Config keyword arguments of a transformers model.
+ModelConfig = dict[str, Any]
+
 
 def causal_lm(config_cls: str, model_cls: str, seed: int = 0, **config: Any) -> nn.Module:
     """A transformers causal LM built from its config: fp32, seeded random init."""
@@ -272,6 +289,17 @@ def causal_lm(config_cls: str, model_cls: str, seed: int = 0, **config: Any) -> 
     cfg = getattr(transformers, config_cls)(pad_token_id=0, **config)
     torch.manual_seed(seed)
     return getattr(transformers, model_cls)(cfg).to(torch.float32)
+
+
+def llama(
+    vocab: int, *, hidden: int, intermediate: int, layers: int, heads: int, **more: Any
+) -> ModelConfig:
+    """Config keyword arguments of a Llama-style decoder (Llama, Qwen2): the sizes in the
+    order of the arguments, ``num_key_value_heads`` (default ``heads``), then ``more``
+    (transformers' own names: ``num_key_value_heads``, ``tie_word_embeddings``)."""
+    config = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate)
+    config |= dict(num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads)
+    return config | more
 
 
 def parameter_count(model: nn.Module, trainable_only: bool = False) -> int:
@@ -429,6 +457,15 @@ class StepProfiler(TrainerCallback):
         """The raw pstats table of the profiled steps."""
         return pstats.Stats(self.profiler).stats  # type: ignore[attr-defined]
 
+    def split(self, parts: Mapping[str, Sequence[FuncRef]]) -> dict[str, float]:
+        """Seconds per profiled step of each part (label -> the functions it sums, each
+        with its cumulative time)."""
+        table = self.table()
+        return {
+            label: sum(cumulative_seconds(table, ref) for ref in refs) / self.steps
+            for label, refs in parts.items()
+        }
+
 
 def cumulative_seconds(table: Mapping[tuple[str, int, str], tuple], ref: FuncRef) -> float:
     """Cumulative seconds (own time plus callees) of every function matching ``ref``."""
@@ -489,6 +526,15 @@ def utc_now() -> str:
 def load_average() -> float:
     """The 1-minute load average (other processes on the machine), NaN where unknown."""
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+
+
+def heading(section: str, script: str, argv: Sequence[str], loads: Sequence[float]) -> str:
+    """The start of every results section: its heading, the command that produced it, the
+    date, the machine and the load average during the run."""
+    return (
+        f"{section}\n\nCommand: `{command_line(script, argv)}`\n\n"
+        f"Date: {utc_now()}. Machine: {machine_info()}; {load_text(loads)}."
+    )
 
 
 def load_text(loads: Sequence[float]) -> str:

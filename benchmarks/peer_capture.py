@@ -45,15 +45,11 @@ from common import (
     StepTimer,
     base_parser,
     collate_rows,
-    command_line,
-    load_text,
-    machine_info,
+    heading,
     make_trainer,
     publish,
     quiet_transformers,
-    tidy,
     training_args,
-    utc_now,
 )
 from peers.training import (
     OURS,
@@ -62,12 +58,11 @@ from peers.training import (
     RunOptions,
     TrainingWay,
     Unavailable,
-    notes_list,
-    ratio_table,
     run_mode,
+    section,
 )
+from peers.workload import QUICK_LLAMA, TRAINING_LLAMA, lora_copy, step_rows, trainer_llama
 from torch import Tensor, nn
-from training_overhead import MODEL, QUICK_MODEL, build_base, lora_copy, training_rows
 from transformers import PrinterCallback, Trainer
 
 from tda_plugins.integrations.transformers import GradientCaptureCallback
@@ -87,7 +82,8 @@ class Settings:
 
     @property
     def model_config(self) -> dict[str, Any]:
-        return QUICK_MODEL if self.run.quick else MODEL
+        """The Llama's config keyword arguments."""
+        return QUICK_LLAMA if self.run.quick else TRAINING_LLAMA
 
 
 @dataclass(frozen=True)
@@ -256,10 +252,11 @@ WAYS = (Plain, Ours, OursCurvature, Bergson, DattriLLM, LogIX)
 
 def measure(settings: Settings, work: Path) -> tuple[ModeResult, list[float]]:
     """Alternating runs of every available library on identical LoRA copies."""
-    options = settings.run
-    run = Run(training_rows(options, options.steps_per_run), settings.k)
+    options, config = settings.run, settings.model_config
+    vocab, steps = int(config["vocab_size"]), options.steps_per_run
+    run = Run(step_rows(vocab, steps=steps, batch=options.batch, seq=options.seq), settings.k)
     ways: dict[str, type[TrainingWay]] = {way.name: way for way in WAYS}
-    base = build_base(options)  # type: ignore[arg-type]  # duck-typed: quick, seq
+    base = trainer_llama(config, seq=options.seq)
 
     def args_for(name: str, round_: int) -> Any:
         out = work / f"{name}-{round_}".replace(" ", "_")
@@ -272,25 +269,14 @@ def measure(settings: Settings, work: Path) -> tuple[ModeResult, list[float]]:
 
 def report(result: ModeResult, loads: list[float], settings: Settings, argv: Sequence[str]) -> str:
     """The markdown section for the results file."""
-    run = settings.run
     shape = ", ".join(f"{k}={v}" for k, v in settings.model_config.items())
-    steps = min(len(v) for v in result.samples.values())
-    return tidy(f"""{SECTION}
-
-Command: `{command_line(SCRIPT, argv)}`
-
-Date: {utc_now()}. Machine: {machine_info()}; {load_text(loads)}.
-
-HF `Trainer` (CPU, fp32, AdamW, `max_grad_norm=1.0`), batch {run.batch} x sequence \
-{run.seq}, no padding, `LlamaConfig({shape})` with PEFT LoRA r=8 on every linear \
-layer but the head; each library captures factor-projected (k = {settings.k}) \
-per-example gradients of every adapter to local disk inside the training backward. \
-{run.protocol(steps)}
-
-{notes_list(WAYS)}
-
-{ratio_table([result], "target (4): ours below")}
-""")
+    setup = (
+        f"`LlamaConfig({shape})` with PEFT LoRA r=8 on every linear layer but the head; each "
+        f"library captures factor-projected (k = {settings.k}) per-example gradients of every "
+        "adapter to local disk inside the training backward."
+    )
+    head = heading(SECTION, SCRIPT, argv, loads)
+    return section(head, setup, settings.run, WAYS, [result], "target (4): ours below")
 
 
 # -- command line ----------------------------------------------------------------------

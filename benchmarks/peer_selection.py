@@ -40,16 +40,12 @@ import torch
 from common import (
     StepTimer,
     base_parser,
-    command_line,
-    load_text,
-    machine_info,
+    heading,
     make_trainer,
     publish,
     quiet_transformers,
-    tidy,
     token_rows,
     training_args,
-    utc_now,
 )
 from peers.training import (
     OURS,
@@ -58,11 +54,17 @@ from peers.training import (
     RunOptions,
     TrainingWay,
     Unavailable,
-    notes_list,
-    ratio_table,
     run_mode,
+    section,
 )
-from selection_overhead import MODEL, MODES, QUICK_MODEL, Mode, build_base, copy_for
+from peers.workload import (
+    MODES,
+    QUICK_LLAMA,
+    SELECTION_LLAMA,
+    Mode,
+    step_rows,
+    trainer_llama,
+)
 from torch import Tensor, nn
 from transformers import TrainerCallback
 
@@ -83,7 +85,8 @@ class Settings:
 
     @property
     def model_config(self) -> dict[str, Any]:
-        return QUICK_MODEL if self.run.quick else MODEL
+        """The Llama's config keyword arguments."""
+        return QUICK_LLAMA if self.run.quick else SELECTION_LLAMA
 
 
 @dataclass(frozen=True)
@@ -197,7 +200,7 @@ def measure(
     vocab = int(settings.model_config["vocab_size"])
     steps = run.steps_per_run
     data = Data(
-        token_rows(steps * run.batch, run.seq, vocab, seed=4),
+        step_rows(vocab, steps=steps, batch=run.batch, seq=run.seq),
         token_rows(settings.pool, run.seq, vocab, seed=3).tolist(),
         steps,
     )
@@ -210,7 +213,7 @@ def measure(
         mode.label,
         ways,
         lambda way: way(mode, data),
-        lambda: copy_for(mode, base),
+        lambda: mode.copy(base),
         args_for,
         run.runs,
         warmup=1,
@@ -221,24 +224,14 @@ def report(
     results: list[ModeResult], loads: list[float], settings: Settings, argv: Sequence[str]
 ) -> str:
     """The markdown section for the results file."""
-    run = settings.run
     shape = ", ".join(f"{k}={v}" for k, v in settings.model_config.items())
-    steps = min(len(v) for r in results for v in r.samples.values())
-    return tidy(f"""{SECTION}
-
-Command: `{command_line(SCRIPT, argv)}`
-
-Date: {utc_now()}. Machine: {machine_info()}; {load_text(loads)}.
-
-HF `Trainer` (CPU, fp32, AdamW, `max_grad_norm=1.0`), batch {run.batch} x sequence \
-{run.seq}, no padding, `LlamaConfig({shape})`; a target pool of {settings.pool} \
-sequences, each step's target one of them in turn; the bottom {FRACTION:.0%} of each \
-step's examples dropped and removed from `.grad`. {run.protocol(steps)}
-
-{notes_list(WAYS)}
-
-{ratio_table(results, "target (5): ours below")}
-""")
+    setup = (
+        f"`LlamaConfig({shape})`; a target pool of {settings.pool} sequences, each step's "
+        f"target one of them in turn; the bottom {FRACTION:.0%} of each step's examples "
+        "dropped and removed from `.grad`."
+    )
+    head = heading(SECTION, SCRIPT, argv, loads)
+    return section(head, setup, settings.run, WAYS, results, "target (5): ours below")
 
 
 # -- command line ----------------------------------------------------------------------
@@ -261,7 +254,7 @@ def main(argv: Sequence[str]) -> list[ModeResult]:
     """Run the comparison, print the table and the command, update the results file."""
     settings = parse_args(argv)
     quiet_transformers()
-    base = build_base(settings.run)  # type: ignore[arg-type]  # duck-typed: quick, seq
+    base = trainer_llama(settings.model_config, seq=settings.run.seq)
     results, loads = [], []
     with tempfile.TemporaryDirectory(prefix="tda-peer-select-") as work:
         for name in settings.modes:

@@ -41,7 +41,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import sys
 import tempfile
@@ -50,7 +49,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from common import (
     MIN_REPEATS,
     Comparison,
@@ -58,27 +56,28 @@ from common import (
     StepProfiler,
     StepTimer,
     Stopwatch,
+    alternate,
     base_parser,
-    causal_lm,
-    command_line,
     contention_note,
-    cumulative_seconds,
-    load_average,
-    load_text,
-    machine_info,
+    heading,
     make_trainer,
     median_of,
     parameter_count,
     publish,
     quiet_transformers,
-    rotated,
     runs_needed,
     tidy,
     token_rows,
     training_args,
-    utc_now,
     verdict,
-    with_lora,
+)
+from peers.workload import (
+    MODES,
+    QUICK_LLAMA,
+    SELECTION_LLAMA,
+    Mode,
+    step_rows,
+    trainer_llama,
 )
 from torch import nn
 from transformers import TrainerCallback
@@ -115,41 +114,6 @@ PROFILED = {
     "selection step": ((SELECTOR, "on_optimizer_step"),),
 }
 
-MODEL = dict(
-    vocab_size=8000,
-    hidden_size=256,
-    intermediate_size=688,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    tie_word_embeddings=False,
-)
-QUICK_MODEL = dict(
-    vocab_size=256,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    tie_word_embeddings=False,
-)
-
-
-@dataclass(frozen=True)
-class Mode:
-    """A fine-tuning mode: LoRA rank (None: full fine-tuning) and selection layers."""
-
-    name: str
-    label: str
-    lora_rank: int | None
-    layers: dict[str, str]
-
-
-MODES: dict[str, Mode] = {
-    "lora": Mode("lora", "LoRA r=8 (selection over the adapters)", 8, {}),
-    "full": Mode("full", 'full fine-tuning (`layers="all"`)', None, {"layers": "all"}),
-}
-
 
 @dataclass(frozen=True)
 class Settings:
@@ -166,6 +130,11 @@ class Settings:
     quick: bool
     write: bool
     results: Path
+
+    @property
+    def model_config(self) -> dict[str, Any]:
+        """The Llama's config keyword arguments."""
+        return QUICK_LLAMA if self.quick else SELECTION_LLAMA
 
     @property
     def runs(self) -> int:
@@ -217,36 +186,10 @@ class TimedSelection(DataSelectionCallback):
 # -- models, data, trainers ------------------------------------------------------------
 
 
-def build_base(settings: Settings) -> nn.Module:
-    """The Llama-architecture model, fp32, seed 0, train mode."""
-    config = QUICK_MODEL if settings.quick else MODEL
-    model = causal_lm(
-        "LlamaConfig",
-        "LlamaForCausalLM",
-        max_position_embeddings=settings.seq,
-        attn_implementation="sdpa",
-        **config,
-    )
-    return model.train()
-
-
-def copy_for(mode: Mode, base: nn.Module) -> nn.Module:
-    """An identical copy of ``base`` prepared for ``mode`` (LoRA adapters seeded)."""
-    model = copy.deepcopy(base)
-    if mode.lora_rank is None:
-        return model
-    torch.manual_seed(1)
-    return with_lora(model, mode.lora_rank)
-
-
-def vocab(settings: Settings) -> int:
-    """Vocabulary size of the model at these settings."""
-    return int((QUICK_MODEL if settings.quick else MODEL)["vocab_size"])
-
-
 def target_pool(settings: Settings) -> list[dict[str, Any]]:
     """The selection target: ``pool`` sequences as long as the training ones."""
-    rows = token_rows(settings.pool, settings.seq, vocab(settings), seed=3)
+    vocab = int(settings.model_config["vocab_size"])
+    rows = token_rows(settings.pool, settings.seq, vocab, seed=3)
     return [{"input_ids": r.tolist()} for r in rows]
 
 
@@ -270,11 +213,11 @@ class ModeBench:
         self.mode = mode
         self.settings = settings
         self.work = work
-        count = settings.steps_per_run * settings.batch
-        self.rows = token_rows(count, settings.seq, vocab(settings), seed=4)
+        vocab, steps = int(settings.model_config["vocab_size"]), settings.steps_per_run
+        self.rows = step_rows(vocab, steps=steps, batch=settings.batch, seq=settings.seq)
         self.pool = target_pool(settings)
         self.configs = {
-            name: Config(name, copy_for(mode, base), StepTimer(), *options)
+            name: Config(name, mode.copy(base), StepTimer(), *options)
             for name, options in CONFIGS.items()
         }
         self.loads: list[float] = []
@@ -315,12 +258,13 @@ class ModeBench:
 
     def measure(self) -> None:
         """``runs`` rounds of one run per configuration, order rotated."""
-        names = list(self.configs)
-        for round_ in range(self.settings.runs):
-            for name in rotated(names, round_):
-                self.train(self.configs[name], round_, self.settings.steps_per_run)
-            self.loads.append(load_average())
-            print(f"  {self.mode.name} round {round_ + 1}/{self.settings.runs}", flush=True)
+        steps = self.settings.steps_per_run
+        self.loads += alternate(
+            list(self.configs),
+            self.settings.runs,
+            lambda name, round_: self.train(self.configs[name], round_, steps),
+            f"{self.mode.name} ",
+        )
 
     def profile_split(self) -> dict[str, float]:
         """Seconds per step of each :data:`PROFILED` part in the cProfiled steps of a
@@ -329,11 +273,7 @@ class ModeBench:
         config = dataclasses.replace(self.configs[SELECT], timer=StepTimer(), phases=PhaseTimes())
         profiler = StepProfiler(self.settings.warmup_steps)
         self.train(config, -1, self.settings.warmup_steps + self.settings.profile_steps, profiler)
-        table, steps = profiler.table(), profiler.steps
-        split = {
-            label: sum(cumulative_seconds(table, ref) for ref in refs) / steps
-            for label, refs in PROFILED.items()
-        }
+        split = profiler.split(PROFILED)
         split["surgery"] = split.pop("selection step") - split["scoring"]
         return split
 
@@ -468,8 +408,7 @@ def share(seconds: float, plain: float) -> str:
 
 def models_text(results: list[ModeResult], settings: Settings) -> str:
     """One line per mode: parameters and trainable parameters."""
-    config = QUICK_MODEL if settings.quick else MODEL
-    shape = ", ".join(f"{k}={v}" for k, v in config.items())
+    shape = ", ".join(f"{k}={v}" for k, v in settings.model_config.items())
     modes = "; ".join(
         f"{r.mode.name}: {r.params / 1e6:.2f}M parameters, {r.trainable / 1e6:.2f}M trainable"
         for r in results
@@ -484,11 +423,7 @@ def report(
     warnings = "\n\n".join(
         note for r in results if (note := contention_note(r.mode.name, r.samples[PLAIN]))
     )
-    return tidy(f"""{SECTION}
-
-Command: `{command_line(SCRIPT, argv)}`
-
-Date: {utc_now()}. Machine: {machine_info()}; {load_text(loads)}.
+    return tidy(f"""{heading(SECTION, SCRIPT, argv, loads)}
 
 HF `Trainer` (CPU, fp32, AdamW, `max_grad_norm=1.0`), batch {settings.batch} x sequence \
 {settings.seq}, no padding. {models_text(results, settings)} `select` = \
@@ -578,7 +513,7 @@ def main(argv: Sequence[str]) -> None:
     """Run the benchmark, print the tables and the command, update the results file."""
     settings = parse_args(argv)
     quiet_transformers()
-    base = build_base(settings)
+    base = trainer_llama(settings.model_config, seq=settings.seq)
     results, loads = [], []
     with tempfile.TemporaryDirectory(prefix="tda-select-") as work:
         for name in settings.modes:

@@ -34,7 +34,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 import sys
@@ -43,22 +42,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from common import (
     MIN_REPEATS,
     Comparison,
     FuncRef,
+    ModelConfig,
     Sample,
     StepProfiler,
     StepTimer,
+    alternate,
     base_parser,
-    causal_lm,
-    command_line,
     contention_note,
-    cumulative_seconds,
-    load_average,
-    load_text,
-    machine_info,
+    heading,
     make_trainer,
     median_of,
     parameter_count,
@@ -69,11 +64,16 @@ from common import (
     run_child,
     runs_needed,
     tidy,
-    token_rows,
     training_args,
-    utc_now,
     verdict,
-    with_lora,
+)
+from peers.workload import (
+    LORA_RANK,
+    QUICK_LLAMA,
+    TRAINING_LLAMA,
+    lora_copy,
+    step_rows,
+    trainer_llama,
 )
 from tokenizers import Tokenizer, models, pre_tokenizers
 from torch import nn
@@ -89,27 +89,6 @@ TARGET = 1.05
 PLAIN = "plain"
 CAPTURE = "capture"
 CONFIGS = (PLAIN, CAPTURE)
-LORA_RANK = 8
-
-MODEL = dict(
-    vocab_size=8000,
-    hidden_size=512,
-    intermediate_size=1376,
-    num_hidden_layers=6,
-    num_attention_heads=8,
-    num_key_value_heads=8,
-    tie_word_embeddings=False,
-)
-QUICK_MODEL = dict(
-    vocab_size=256,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    tie_word_embeddings=False,
-)
-
 #: Engine code whose cumulative time is reported, by what it does (nested: the layer
 #: hooks include the projection; consumers run inside the end-of-backward callback).
 PROFILED: dict[str, tuple[FuncRef, ...]] = {
@@ -150,6 +129,11 @@ class Settings:
     results: Path
 
     @property
+    def model_config(self) -> ModelConfig:
+        """The Llama's config keyword arguments."""
+        return QUICK_LLAMA if self.quick else TRAINING_LLAMA
+
+    @property
     def runs(self) -> int:
         """Alternating runs per configuration."""
         return runs_needed(self.repeats, self.steps_per_run, self.warmup_steps)
@@ -162,31 +146,6 @@ class Settings:
 
 
 # -- model, data, one run --------------------------------------------------------------
-
-
-def build_base(settings: Settings) -> nn.Module:
-    """The Llama-architecture model, fp32, seed 0, train mode."""
-    config = QUICK_MODEL if settings.quick else MODEL
-    model = causal_lm(
-        "LlamaConfig",
-        "LlamaForCausalLM",
-        max_position_embeddings=settings.seq,
-        attn_implementation="sdpa",
-        **config,
-    )
-    return model.train()
-
-
-def lora_copy(base: nn.Module) -> nn.Module:
-    """An identical LoRA-wrapped copy of ``base`` (adapters seeded)."""
-    torch.manual_seed(1)
-    return with_lora(copy.deepcopy(base), LORA_RANK)
-
-
-def training_rows(settings: Settings, steps: int) -> torch.Tensor:
-    """Random token rows for ``steps`` steps of ``batch``."""
-    vocab = int((QUICK_MODEL if settings.quick else MODEL)["vocab_size"])
-    return token_rows(steps * settings.batch, settings.seq, vocab, seed=4)
 
 
 def id_tokenizer(vocab: int) -> PreTrainedTokenizerFast:
@@ -228,8 +187,8 @@ def train_run(
     if config == CAPTURE:
         callbacks.append(capture_callback(store, settings))
     args = training_args(work / f"out-{tag}", steps, settings.batch)
-    rows = training_rows(settings, steps)
-    vocab = int((QUICK_MODEL if settings.quick else MODEL)["vocab_size"])
+    vocab = int(settings.model_config["vocab_size"])
+    rows = step_rows(vocab, steps=steps, batch=settings.batch, seq=settings.seq)
     make_trainer(model, rows, args, callbacks, id_tokenizer(vocab)).train()
     if config == CAPTURE and StoreReader(store).steps != list(range(steps)):
         raise RuntimeError(f"the capture run {tag} did not commit all {steps} steps to {store}")
@@ -246,15 +205,13 @@ def measure(
 ) -> tuple[dict[str, list[Sample]], list[float]]:
     """Alternating runs (order rotated each round): timed steps per configuration."""
     samples: dict[str, list[Sample]] = {name: [] for name in CONFIGS}
-    loads = []
-    for round_ in range(settings.runs):
-        for name in rotated(CONFIGS, round_):
-            tag = f"{name}-{round_}"
-            timer = train_run(name, models[name], settings, work, tag, settings.steps_per_run)
-            samples[name] += timer.timed(settings.warmup_steps)
-        loads.append(load_average())
-        print(f"  round {round_ + 1}/{settings.runs}", flush=True)
-    return samples, loads
+
+    def run(name: str, round_: int) -> None:
+        tag = f"{name}-{round_}"
+        timer = train_run(name, models[name], settings, work, tag, settings.steps_per_run)
+        samples[name] += timer.timed(settings.warmup_steps)
+
+    return samples, alternate(CONFIGS, settings.runs, run)
 
 
 def profile_capture(model: nn.Module, settings: Settings, work: Path) -> dict[str, float]:
@@ -263,11 +220,7 @@ def profile_capture(model: nn.Module, settings: Settings, work: Path) -> dict[st
     profiler = StepProfiler(settings.warmup_steps)
     steps = settings.warmup_steps + settings.profile_steps
     train_run(CAPTURE, model, settings, work, "profile", steps, first=profiler)
-    table = profiler.table()
-    return {
-        label: sum(cumulative_seconds(table, ref) for ref in refs) / profiler.steps
-        for label, refs in PROFILED.items()
-    }
+    return profiler.split(PROFILED)
 
 
 # -- peak memory (child processes) -----------------------------------------------------
@@ -276,7 +229,7 @@ def profile_capture(model: nn.Module, settings: Settings, work: Path) -> dict[st
 def rss_child(config: str, settings: Settings) -> dict[str, float]:
     """Body of ``--rss-child``: a few steps of one configuration in this fresh process."""
     quiet_transformers()
-    model = lora_copy(build_base(settings))
+    model = lora_copy(trainer_llama(settings.model_config, seq=settings.seq))
     with tempfile.TemporaryDirectory(prefix="tda-train-rss-") as work:
         train_run(config, model, settings, Path(work), "rss", settings.rss_steps)
     return {"peak_mb": peak_rss_mb()}
@@ -375,19 +328,14 @@ class Measured:
 
 def report(m: Measured, settings: Settings, argv: Sequence[str]) -> str:
     """The full markdown section for the results file."""
-    config = QUICK_MODEL if settings.quick else MODEL
-    shape = ", ".join(f"{k}={v}" for k, v in config.items())
+    shape = ", ".join(f"{k}={v}" for k, v in settings.model_config.items())
     rss = (
         f"each configuration in {settings.rss_repeats} fresh child process(es) of "
         f"{settings.rss_steps} steps, `VmHWM`, median"
         if m.peaks
         else "not measured"
     )
-    return tidy(f"""{SECTION}
-
-Command: `{command_line(SCRIPT, argv)}`
-
-Date: {utc_now()}. Machine: {machine_info()}; {load_text(m.loads)}.
+    return tidy(f"""{heading(SECTION, SCRIPT, argv, m.loads)}
 
 HF `Trainer` (CPU, fp32, AdamW, `max_grad_norm=1.0`), batch {settings.batch} x sequence \
 {settings.seq}, no padding. Model: `LlamaConfig({shape})` ({m.params / 1e6:.2f}M \
@@ -468,7 +416,7 @@ def run(settings: Settings) -> Measured:
     """Peak-RSS children first (before this process grows), then the timed runs."""
     peaks = measure_rss(settings) if settings.rss_repeats else {}
     quiet_transformers()
-    base = build_base(settings)
+    base = trainer_llama(settings.model_config, seq=settings.seq)
     models = {name: lora_copy(base) for name in CONFIGS}
     with tempfile.TemporaryDirectory(prefix="tda-train-") as work:
         samples, loads = measure(models, settings, Path(work))

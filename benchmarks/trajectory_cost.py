@@ -25,7 +25,6 @@ Usage::
 
 from __future__ import annotations
 
-import copy
 import statistics
 import sys
 import tempfile
@@ -40,14 +39,10 @@ from common import (
     StepProfiler,
     StepTimer,
     Stopwatch,
+    alternate,
     base_parser,
-    causal_lm,
-    command_line,
     contention_note,
-    cumulative_seconds,
-    load_average,
-    load_text,
-    machine_info,
+    heading,
     make_trainer,
     parameter_count,
     publish,
@@ -57,9 +52,8 @@ from common import (
     tidy,
     token_rows,
     training_args,
-    utc_now,
-    with_lora,
 )
+from peers.workload import LORA_RANK, TRAINING_LLAMA, lora_copy, step_rows, trainer_llama
 from torch import nn
 
 from tda_plugins import CaptureEngine, LayerSelection
@@ -73,17 +67,8 @@ SECTION = "## Trajectory recording and AdamW-influence (benchmarks/trajectory_co
 SCRIPT = "benchmarks/trajectory_cost.py"
 CAPTURE, TRAJECTORY = "capture", "capture+trajectory"
 CONFIGS = (CAPTURE, TRAJECTORY)
-LORA_RANK = 8
 WARMUP = 1
-MODEL = dict(
-    vocab_size=8000,
-    hidden_size=512,
-    intermediate_size=1376,
-    num_hidden_layers=6,
-    num_attention_heads=8,
-    num_key_value_heads=8,
-    tie_word_embeddings=False,
-)
+MODEL = TRAINING_LLAMA
 #: The recorder's own code, profiled per step (its hooks, and the waits for its writes).
 PROFILED: dict[str, tuple[FuncRef, ...]] = {
     "recorder hooks (ids, loss scales, grad norms, step counts)": (
@@ -99,10 +84,8 @@ QUICK_MODEL = dict(MODEL, vocab_size=256, hidden_size=32, intermediate_size=64, 
 
 
 def base_model(quick: bool, seq: int) -> nn.Module:
-    config = QUICK_MODEL if quick else MODEL
-    return causal_lm(
-        "LlamaConfig", "LlamaForCausalLM", max_position_embeddings=seq, **config
-    ).train()
+    """The Llama of the run (its tiny twin with ``quick``)."""
+    return trainer_llama(QUICK_MODEL if quick else MODEL, seq=seq)
 
 
 def train_run(
@@ -125,8 +108,7 @@ def train_run(
         curvature=False,
         record_trajectory=config == TRAJECTORY,
     )
-    vocab = int(model.config.vocab_size)
-    rows = token_rows(steps * batch, seq, vocab, seed=4)
+    rows = step_rows(model.config.vocab_size, steps=steps, batch=batch, seq=seq)
     args = training_args(work / "out", steps, batch)
     callbacks = [timer, callback] if first is None else [first, timer, callback]
     make_trainer(model, rows, args, callbacks).train()
@@ -177,34 +159,25 @@ def main(argv: Sequence[str]) -> None:
         a.repeats, a.steps_per_run, a.batch, a.seq, a.score_repeats = 2, 2, 2, 16, 1
     write = a.write if a.write is not None else not a.quick
     quiet_transformers()
-    torch.manual_seed(0)
     base = base_model(a.quick, a.seq)
-    models = {}
-    for name in CONFIGS:
-        torch.manual_seed(1)
-        models[name] = with_lora(copy.deepcopy(base), LORA_RANK)
+    models = {name: lora_copy(base) for name in CONFIGS}
     samples: dict[str, list[Sample]] = {name: [] for name in CONFIGS}
-    loads = []
     with tempfile.TemporaryDirectory(prefix="tda-trajectory-bench-") as tmp:
         work = Path(tmp)
         last: dict[str, Path] = {}
-        for round_ in range(runs_needed(a.repeats, a.steps_per_run, WARMUP)):
-            for name in rotated(CONFIGS, round_):
-                timer, last[name] = train_run(
-                    models[name], name, "lora", work, a.steps_per_run, a.batch, a.seq
-                )
-                samples[name] += timer.timed(WARMUP)
-            loads.append(load_average())
-            print(f"  round {round_ + 1}", flush=True)
+
+        def run(name: str, round_: int) -> None:
+            timer, last[name] = train_run(
+                models[name], name, "lora", work, a.steps_per_run, a.batch, a.seq
+            )
+            samples[name] += timer.timed(WARMUP)
+
+        loads = alternate(CONFIGS, runs_needed(a.repeats, a.steps_per_run, WARMUP), run)
         profiler = StepProfiler(WARMUP)
         train_run(
             models[TRAJECTORY], TRAJECTORY, "lora", work, a.steps_per_run, a.batch, a.seq, profiler
         )
-        table = profiler.table()
-        split = {
-            label: sum(cumulative_seconds(table, ref) for ref in refs) / profiler.steps
-            for label, refs in PROFILED.items()
-        }
+        split = profiler.split(PROFILED)
         lora_bytes = bytes_per_step(last[TRAJECTORY])
         captured = sum(
             t.numel()
@@ -238,11 +211,7 @@ def main(argv: Sequence[str]) -> None:
         n: (statistics.median(s.wall for s in v), statistics.median(s.cpu for s in v))
         for n, v in scoring.items()
     }
-    section = tidy(f"""{SECTION}
-
-Command: `{command_line(SCRIPT, argv)}`
-
-Date: {utc_now()}. Machine: {machine_info()}; {load_text(loads)}.
+    section = tidy(f"""{heading(SECTION, SCRIPT, argv, loads)}
 
 HF `Trainer` (CPU, fp32, AdamW, `max_grad_norm=1.0`), batch {a.batch} x sequence {a.seq}. \
 Model: `LlamaConfig({shape})` ({parameter_count(base) / 1e6:.2f}M parameters). LoRA r=\

@@ -22,9 +22,9 @@ from common import (
     Comparison,
     Sample,
     StepTimer,
-    load_average,
-    rotated,
+    alternate,
     runs_needed,
+    tidy,
     verdict,
 )
 from torch import nn
@@ -182,13 +182,12 @@ def run_mode(
             reasons[name] = str(e)
     if PLAIN not in lanes:
         raise RuntimeError(f"the plain way must run: {reasons.get(PLAIN)}")
-    loads = []
-    for round_ in range(rounds):
-        for name in rotated(list(lanes), round_):
-            lane = lanes[name]
-            lane.way.train(lane.model, args_for(name, round_), lane.timer)
-        loads.append(load_average())
-        print(f"  {label}: round {round_ + 1}/{rounds}", flush=True)
+
+    def run(name: str, round_: int) -> None:
+        lane = lanes[name]
+        lane.way.train(lane.model, args_for(name, round_), lane.timer)
+
+    loads = alternate(list(lanes), rounds, run, f"{label}: ")
     samples = {name: lane.timer.timed(warmup) for name, lane in lanes.items()}
     peers = [name for name, cls in ways.items() if name != PLAIN and not cls.ours]
     return ModeResult(label, list(ways), samples, reasons, peers), loads
@@ -224,3 +223,26 @@ def ratio_table(results: Sequence[ModeResult], target: str) -> str:
 def notes_list(ways: Sequence[type[TrainingWay]]) -> str:
     """What each way runs, one bullet each."""
     return "\n".join(f"- `{way.name}`: {way.note}." for way in ways)
+
+
+def section(
+    head: str,
+    setup: str,
+    options: RunOptions,
+    ways: Sequence[type[TrainingWay]],
+    results: Sequence[ModeResult],
+    target: str,
+) -> str:
+    """A workload's results section: ``head`` (:func:`common.heading`), the ``Trainer``
+    setup with the workload's own ``setup`` sentences, the protocol, what each way runs
+    and the ratio table (``target``: the heading of its verdict column)."""
+    steps = min(len(v) for r in results for v in r.samples.values())
+    return tidy(f"""{head}
+
+HF `Trainer` (CPU, fp32, AdamW, `max_grad_norm=1.0`), batch {options.batch} x sequence \
+{options.seq}, no padding, {setup} {options.protocol(steps)}
+
+{notes_list(ways)}
+
+{ratio_table(results, target)}
+""")

@@ -1,5 +1,6 @@
-"""The workload every library runs: models from configs, token rows, captured layers, the
-floor passes, and the score conventions.
+"""The workloads every benchmark runs: models from configs, token rows, captured layers, the
+floor passes, and the score conventions; and the Llama models of the in-training
+workloads (a ``Trainer`` loop, ours and the peers').
 
 Models are transformers causal LMs built from configs (random init, seed 0, dropout off,
 tied input/output embeddings), so the captured layers are exactly the attention and MLP
@@ -11,13 +12,14 @@ Each example's loss is its own *summed* next-token cross-entropy; a score is
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from common import causal_lm, token_rows
+from common import causal_lm, llama, token_rows, with_lora
 from torch import Tensor, nn
 
 from tda_plugins import LayerSelection, causal_lm_example_losses
@@ -38,20 +40,6 @@ class ModelSpec:
     tiny: dict[str, Any]
 
 
-def _decoder(
-    vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int
-) -> dict[str, Any]:
-    """Config keyword arguments of a Llama-style decoder (Llama, Qwen2)."""
-    return dict(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-    )
-
-
 MODELS: dict[str, ModelSpec] = {
     "gpt2": ModelSpec(
         "GPT2Config",
@@ -62,16 +50,18 @@ MODELS: dict[str, ModelSpec] = {
     "llama": ModelSpec(
         "LlamaConfig",
         "LlamaForCausalLM",
-        full=_decoder(2048, 384, 1024, layers=5, heads=6, kv_heads=6),
-        tiny=_decoder(64, 16, 32, layers=1, heads=2, kv_heads=2),
+        full=llama(2048, hidden=384, intermediate=1024, layers=5, heads=6),
+        tiny=llama(64, hidden=16, intermediate=32, layers=1, heads=2),
     ),
     # Qwen2-0.5B's shape (about 494M parameters, 358M of them in the captured layers), for
     # the CUDA table: bf16, sequences of 512 tokens
     "qwen2": ModelSpec(
         "Qwen2Config",
         "Qwen2ForCausalLM",
-        full=_decoder(151936, 896, 4864, layers=24, heads=14, kv_heads=2),
-        tiny=_decoder(64, 16, 32, layers=1, heads=2, kv_heads=1),
+        full=llama(
+            151936, hidden=896, intermediate=4864, layers=24, heads=14, num_key_value_heads=2
+        ),
+        tiny=llama(64, hidden=16, intermediate=32, layers=1, heads=2, num_key_value_heads=1),
     ),
 }
 
@@ -221,3 +211,66 @@ def linear_twin(model: nn.Module) -> nn.Module:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, linear)
     return model
+
+
+# -- the in-training workloads: a Trainer loop on a Llama built from its config ----------
+
+#: The Llama of the capture-in-training workloads (training_overhead.py, peer_capture.py,
+#: trajectory_cost.py), untied head.
+TRAINING_LLAMA = llama(
+    8000, hidden=512, intermediate=1376, layers=6, heads=8, tie_word_embeddings=False
+)
+#: The Llama of the data-selection workloads (selection_overhead.py, peer_selection.py).
+SELECTION_LLAMA = llama(
+    8000, hidden=256, intermediate=688, layers=4, heads=4, tie_word_embeddings=False
+)
+#: The tiny Llama of their ``--quick`` smoke runs.
+QUICK_LLAMA = llama(256, hidden=32, intermediate=64, layers=1, heads=2, tie_word_embeddings=False)
+#: PEFT LoRA rank of the in-training LoRA runs (every linear layer but the head).
+LORA_RANK = 8
+
+
+def trainer_llama(config: dict[str, Any], *, seq: int) -> nn.Module:
+    """The Llama of ``config`` for ``seq``-token rows: fp32, seed 0, sdpa, train mode."""
+    model = causal_lm(
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        max_position_embeddings=seq,
+        attn_implementation="sdpa",
+        **config,
+    )
+    return model.train()
+
+
+def lora_copy(base: nn.Module, rank: int = LORA_RANK) -> nn.Module:
+    """An identical copy of ``base`` with PEFT LoRA of ``rank`` (adapters seeded)."""
+    model = copy.deepcopy(base)
+    torch.manual_seed(1)
+    return with_lora(model, rank)
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A fine-tuning mode of the selection workloads: LoRA rank (None: full fine-tuning)
+    and the selection callback's layer options."""
+
+    name: str
+    label: str
+    lora_rank: int | None
+    layers: dict[str, str]
+
+    def copy(self, base: nn.Module) -> nn.Module:
+        """An identical copy of ``base`` prepared for this mode (LoRA adapters seeded)."""
+        return copy.deepcopy(base) if self.lora_rank is None else lora_copy(base, self.lora_rank)
+
+
+MODES: dict[str, Mode] = {
+    "lora": Mode("lora", "LoRA r=8 (selection over the adapters)", LORA_RANK, {}),
+    "full": Mode("full", 'full fine-tuning (`layers="all"`)', None, {"layers": "all"}),
+}
+
+
+def step_rows(vocab: int, *, steps: int, batch: int, seq: int) -> Tensor:
+    """``(steps * batch, seq)`` training token rows in ``[1, vocab)`` of a ``Trainer`` run
+    (seed 4)."""
+    return token_rows(steps * batch, seq, vocab, seed=4)
