@@ -54,11 +54,9 @@ from common import (
     Sample,
     Stopwatch,
     base_parser,
-    causal_lm,
-    command_line,
+    heading,
+    llama,
     load_average,
-    load_text,
-    machine_info,
     median_of,
     parameter_count,
     phase_peak,
@@ -67,8 +65,8 @@ from common import (
     run_child,
     tidy,
     token_rows,
-    utc_now,
 )
+from peers.workload import ModelSpec, spec_model
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
@@ -91,49 +89,19 @@ T = TypeVar("T")
 # -- what is measured ------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """A transformers causal LM built from its config (random init, no hub access)."""
-
-    name: str
-    config_cls: str
-    model_cls: str
-    full: dict[str, Any]
-    quick: dict[str, Any]
-    note: str
-
-
 MODELS: dict[str, ModelSpec] = {
     "gpt2": ModelSpec(
-        "gpt2",
         "GPT2Config",
         "GPT2LMHeadModel",
         full=dict(vocab_size=2048, n_embd=128, n_layer=2, n_head=4),
-        quick=dict(vocab_size=128, n_embd=32, n_layer=1, n_head=2),
+        tiny=dict(vocab_size=128, n_embd=32, n_layer=1, n_head=2),
         note="Conv1D layers; lm_head tied to wte, so kind='linear' leaves it out",
     ),
     "llama": ModelSpec(
-        "llama",
         "LlamaConfig",
         "LlamaForCausalLM",
-        full=dict(
-            vocab_size=2048,
-            hidden_size=128,
-            intermediate_size=352,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            tie_word_embeddings=True,
-        ),
-        quick=dict(
-            vocab_size=128,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            tie_word_embeddings=True,
-        ),
+        full=llama(2048, hidden=128, intermediate=352, layers=2, heads=4, tie_word_embeddings=True),
+        tiny=llama(128, hidden=32, intermediate=64, layers=1, heads=2, tie_word_embeddings=True),
         note="lm_head tied to embed_tokens, so kind='linear' leaves it out",
     ),
 }
@@ -224,18 +192,6 @@ class Settings:
 # -- model, data, floor and capture (child process) ------------------------------------
 
 
-def build_model(spec: ModelSpec, settings: Settings) -> nn.Module:
-    """The spec's model in fp32, seeded, dropout off, eval mode (gradients still flow)."""
-    kwargs = dict(spec.quick if settings.quick else spec.full)
-    if spec.name == "gpt2":
-        kwargs |= dict(n_positions=settings.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        kwargs |= dict(bos_token_id=0, eos_token_id=0)
-    else:
-        kwargs |= dict(max_position_embeddings=settings.seq)
-    model = causal_lm(spec.config_cls, spec.model_cls, attn_implementation="sdpa", **kwargs)
-    return model.eval()
-
-
 def micro_batches(rows: Tensor, batch: int) -> list[Batch]:
     """Consecutive micro-batches of ``batch`` rows (all-ones mask, labels = inputs)."""
     out = []
@@ -259,7 +215,7 @@ class Data:
 
 def make_data(spec: ModelSpec, settings: Settings) -> Data:
     """Random token sequences (distinct seeds for training and queries)."""
-    vocab = int((spec.quick if settings.quick else spec.full)["vocab_size"])
+    vocab = int(spec.config(tiny=settings.quick)["vocab_size"])
     train = token_rows(settings.train, settings.seq, vocab, seed=1)
     queries = token_rows(settings.queries, settings.seq, vocab, seed=2)
     return Data(micro_batches(train, settings.batch), micro_batches(queries, settings.batch))
@@ -340,7 +296,7 @@ class GroupBench:
         self.group = group
         self.settings = settings
         self.work = work
-        self.model = build_model(spec, settings)
+        self.model = spec_model(spec, tiny=settings.quick, seq=settings.seq)
         self.data = make_data(spec, settings)
         self.optimizer = (
             adam_steps(self.model, self.data, settings.adam_steps) if group.adam else None
@@ -605,12 +561,10 @@ def models_table(found: Collected, settings: Settings) -> str:
         "|---|---|---:|---:|---:|",
     ]
     for name, (params, layers) in found.models.items():
-        spec = MODELS[name]
-        kwargs = spec.quick if settings.quick else spec.full
-        shape = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+        spec_text = MODELS[name].text(tiny=settings.quick)
         floor = median_sample(found.floors[name])
         lines.append(
-            f"| {name} | `{spec.config_cls}({shape})`; {spec.note} | {params / 1e6:.2f}M "
+            f"| {name} | {spec_text} | {params / 1e6:.2f}M "
             f"| {layers} | {floor.wall:.2f} / {floor.cpu:.2f} |"
         )
     return "\n".join(lines)
@@ -618,11 +572,7 @@ def models_table(found: Collected, settings: Settings) -> str:
 
 def report(found: Collected, settings: Settings, argv: Sequence[str]) -> str:
     """The full markdown section for the results file."""
-    return tidy(f"""{SECTION}
-
-Command: `{command_line(SCRIPT, argv)}`
-
-Date: {utc_now()}. Machine: {machine_info()}; {load_text(found.loads)}.
+    return tidy(f"""{heading(SECTION, SCRIPT, argv, found.loads)}
 
 {settings.train} training and {settings.queries} query sequences of {settings.seq} random \
 tokens, micro-batches of {settings.batch}, all linear layers \

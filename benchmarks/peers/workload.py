@@ -32,12 +32,23 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A transformers causal LM from its config, at full size and as a tiny smoke model."""
+    """A transformers causal LM from its config, at full size and as a tiny smoke model
+    (``note``: what a report says of its layers)."""
 
     config_cls: str
     model_cls: str
     full: dict[str, Any]
     tiny: dict[str, Any]
+    note: str = ""
+
+    def config(self, *, tiny: bool) -> dict[str, Any]:
+        """The config keyword arguments of the full or the tiny model."""
+        return dict(self.tiny if tiny else self.full)
+
+    def text(self, *, tiny: bool) -> str:
+        """``Config(key=value, ...)`` as a report shows it, and the note."""
+        shape = ", ".join(f"{k}={v}" for k, v in self.config(tiny=tiny).items())
+        return f"`{self.config_cls}({shape})`; {self.note}"
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -84,22 +95,27 @@ class Shape:
 
     def config(self) -> dict[str, Any]:
         """The model's config keyword arguments."""
-        spec = MODELS[self.model]
-        return dict(spec.tiny if self.tiny else spec.full)
+        return MODELS[self.model].config(tiny=self.tiny)
+
+
+def spec_model(spec: ModelSpec, *, tiny: bool, seq: int) -> nn.Module:
+    """``spec``'s model for ``seq``-token rows, fp32 on the CPU: seed 0, sdpa attention,
+    dropout off, tied embeddings, eval mode."""
+    kwargs = spec.config(tiny=tiny)
+    if spec.config_cls == "GPT2Config":
+        kwargs |= dict(n_positions=seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        kwargs |= dict(bos_token_id=0, eos_token_id=0)
+    else:
+        kwargs |= dict(max_position_embeddings=seq, tie_word_embeddings=True)
+    model = causal_lm(spec.config_cls, spec.model_cls, attn_implementation="sdpa", **kwargs)
+    return model.eval()
 
 
 def build_model(shape: Shape) -> nn.Module:
-    """The shape's model on its device, in its dtype: seed 0 (initialized in fp32 on the
-    CPU, so the same on every device), dropout off, tied embeddings, eval mode."""
-    spec = MODELS[shape.model]
-    kwargs = shape.config()
-    if shape.model == "gpt2":
-        kwargs |= dict(n_positions=shape.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        kwargs |= dict(bos_token_id=0, eos_token_id=0)
-    else:
-        kwargs |= dict(max_position_embeddings=shape.seq, tie_word_embeddings=True)
-    model = causal_lm(spec.config_cls, spec.model_cls, attn_implementation="sdpa", **kwargs)
-    return model.to(device=shape.device, dtype=DTYPES[shape.dtype]).eval()
+    """The shape's model (:func:`spec_model`) on its device, in its dtype (initialized in
+    fp32 on the CPU, so the same on every device)."""
+    model = spec_model(MODELS[shape.model], tiny=shape.tiny, seq=shape.seq)
+    return model.to(device=shape.device, dtype=DTYPES[shape.dtype])
 
 
 @dataclass(frozen=True)
