@@ -28,12 +28,6 @@ so that each capture runs once per round. Peak RSS is measured per phase inside 
 child: freed heap is returned (``malloc_trim``) and the high-water mark reset
 (``/proc/self/clear_refs``) before each phase, and ``VmHWM`` read after it; a method's
 peak is the larger of its capture's and its scoring's, compared with the floor's.
-
-Usage::
-
-    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false \\
-        .venv/bin/python benchmarks/attribution.py
-    .venv/bin/python benchmarks/attribution.py --quick        # smoke run, no write
 """
 
 from __future__ import annotations
@@ -49,23 +43,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
+import common
 import torch
-from common import (
-    Sample,
-    Stopwatch,
-    base_parser,
-    heading,
-    llama,
-    load_average,
-    median_of,
-    parameter_count,
-    phase_peak,
-    publish,
-    rotated,
-    run_child,
-    tidy,
-    token_rows,
-)
+from common import llama
 from peers.workload import ModelSpec, spec_model
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
@@ -216,8 +196,8 @@ class Data:
 def make_data(spec: ModelSpec, settings: Settings) -> Data:
     """Random token sequences (distinct seeds for training and queries)."""
     vocab = int(spec.config(tiny=settings.quick)["vocab_size"])
-    train = token_rows(settings.train, settings.seq, vocab, seed=1)
-    queries = token_rows(settings.queries, settings.seq, vocab, seed=2)
+    train = common.token_rows(settings.train, settings.seq, vocab, seed=1)
+    queries = common.token_rows(settings.queries, settings.seq, vocab, seed=2)
     return Data(micro_batches(train, settings.batch), micro_batches(queries, settings.batch))
 
 
@@ -284,7 +264,7 @@ class GroupRun:
     """Timings, peaks and store sizes of one group's child, keyed by phase name:
     ``floor``, ``capture/<variant>``, ``score/<method>/<variant>``."""
 
-    samples: dict[str, list[Sample]]
+    samples: dict[str, list[common.Sample]]
     peaks: dict[str, float]
     store_mb: dict[str, float]
 
@@ -325,7 +305,7 @@ class GroupBench:
 
     def timed(self, phase: str, work: Callable[[], T]) -> T:
         """Run ``work()``; record its wall/CPU time and peak RSS under ``phase``."""
-        with phase_peak(self.run.peaks, phase), Stopwatch() as watch:
+        with common.phase_peak(self.run.peaks, phase), common.Stopwatch() as watch:
             result = work()
         self.run.samples.setdefault(phase, []).append(watch.sample)
         return result
@@ -357,7 +337,7 @@ class GroupBench:
         slots = [FLOOR, *self.group.variants]
         for round_ in range(self.settings.rounds):
             last = round_ == self.settings.rounds - 1
-            for slot in rotated(slots, round_):
+            for slot in common.rotated(slots, round_):
                 if slot == FLOOR:
                     self.timed(FLOOR, lambda: floor_pass(self.model, self.data))
                 else:
@@ -381,7 +361,7 @@ def group_child(model_name: str, group_name: str, settings: Settings, out: Path)
         run = bench.measure(keep)
         layers = LayerSelection(kind="linear").resolve(bench.model)
     return {
-        "params": parameter_count(bench.model),
+        "params": common.parameter_count(bench.model),
         "layers": len(layers),
         "samples": {k: [s.to_json() for s in v] for k, v in run.samples.items()},
         "peaks": run.peaks,
@@ -445,9 +425,9 @@ class Row:
     method: str
     variant: str
     note: str
-    capture: Sample
-    score: Sample
-    floor: Sample
+    capture: common.Sample
+    score: common.Sample
+    floor: common.Sample
     capture_peak_mb: float
     score_peak_mb: float
     floor_peak_mb: float
@@ -455,14 +435,14 @@ class Row:
     rho: tuple[float, float] | None
 
 
-def median_sample(samples: Sequence[Sample]) -> Sample:
+def median_sample(samples: Sequence[common.Sample]) -> common.Sample:
     """Median wall and median CPU time (each taken separately)."""
-    return Sample(median_of(samples, "wall"), median_of(samples, "cpu"))
+    return common.Sample(common.median_of(samples, "wall"), common.median_of(samples, "cpu"))
 
 
 def group_rows(model: str, group: Group, child: dict[str, Any], out: Path) -> list[Row]:
     """The rows of one group's child report."""
-    samples = {k: [Sample.from_json(s) for s in v] for k, v in child["samples"].items()}
+    samples = {k: [common.Sample.from_json(s) for s in v] for k, v in child["samples"].items()}
     peaks = child["peaks"]
     rows = []
     for method in group.methods:
@@ -497,7 +477,7 @@ class Collected:
 
     rows: list[Row]
     models: dict[str, tuple[int, int]]
-    floors: dict[str, list[Sample]]
+    floors: dict[str, list[common.Sample]]
     loads: list[float]
 
 
@@ -510,18 +490,18 @@ def collect(settings: Settings, out: Path) -> Collected:
         for name in settings.groups:
             print(f"  {model}: {name} ...", flush=True)
             args = ["--child", model, name, "--out", str(out), *settings.child_flags()]
-            children[name] = run_child(script, args)
-            found.loads.append(load_average())
+            children[name] = common.run_child(script, args)
+            found.loads.append(common.load_average())
         for name, child in children.items():
             found.rows += group_rows(model, GROUPS[name], child, out)
             found.floors.setdefault(model, []).extend(
-                Sample.from_json(s) for s in child["samples"][FLOOR]
+                common.Sample.from_json(s) for s in child["samples"][FLOOR]
             )
             found.models[model] = (child["params"], child["layers"])
     return found
 
 
-def ratio(a: Sample, b: Sample) -> str:
+def ratio(a: common.Sample, b: common.Sample) -> str:
     """``wall / CPU`` ratio of two medians."""
     return f"{a.wall / b.wall:.2f}x / {a.cpu / b.cpu:.2f}x"
 
@@ -572,7 +552,7 @@ def models_table(found: Collected, settings: Settings) -> str:
 
 def report(found: Collected, settings: Settings, argv: Sequence[str]) -> str:
     """The full markdown section for the results file."""
-    return tidy(f"""{heading(SECTION, SCRIPT, argv, found.loads)}
+    return common.tidy(f"""{common.heading(SECTION, SCRIPT, argv, found.loads)}
 
 {settings.train} training and {settings.queries} query sequences of {settings.seq} random \
 tokens, micro-batches of {settings.batch}, all linear layers \
@@ -605,7 +585,7 @@ training examples (torch ranks, then Pearson), mean [min] over queries.
 
 def parse_args(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
     """Parse and validate the command line into :class:`Settings`."""
-    p = base_parser(__doc__.split("\n\n")[0])
+    p = common.base_parser(__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=[*MODELS, "both"], help="default both; quick gpt2")
     p.add_argument("--group", choices=[*GROUPS, "all"], default="all", help="method groups")
     p.add_argument("--train", type=int, help="training sequences (default 256; quick 16)")
@@ -633,9 +613,8 @@ def parse_args(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
         write=a.write if a.write is not None else not quick,
         results=a.results,
     )
-    for name in ("train", "queries", "seq", "batch", "k", "rounds", "adam_steps"):
-        if getattr(settings, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    names = ("train", "queries", "seq", "batch", "k", "rounds", "adam_steps")
+    common.require_positive(p, settings, names)
     return settings, a
 
 
@@ -656,7 +635,7 @@ def main(argv: Sequence[str]) -> None:
     with tempfile.TemporaryDirectory(prefix="tda-attr-scores-") as out:
         found = collect(settings, Path(out))
         section = report(found, settings, argv)
-    publish(section, SECTION, settings.results, settings.write)
+    common.publish(section, SECTION, settings.results, settings.write)
 
 
 if __name__ == "__main__":

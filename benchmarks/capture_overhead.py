@@ -26,11 +26,6 @@ Peak memory: each configuration runs a few steps in fresh child processes of thi
 model: on Linux a child's ``ru_maxrss`` starts at its parent's high-water mark (it is kept
 across fork and exec), so a parent that had already trained would mask the child's peak.
 The child also reads ``VmHWM`` from ``/proc/self/status`` as a cross-check.
-
-Usage::
-
-    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/capture_overhead.py
-    .venv/bin/python benchmarks/capture_overhead.py --quick        # smoke run, no write
 """
 
 from __future__ import annotations
@@ -52,7 +47,6 @@ from pathlib import Path
 import torch
 from common import (
     CONTENDED,
-    MIN_REPEATS,
     RESULTS,
     Mark,
     Sample,
@@ -61,6 +55,8 @@ from common import (
     llama,
     peak_rss_mb,
     publish,
+    require_positive,
+    require_repeats,
     rotated,
     run_child,
     tidy,
@@ -726,15 +722,10 @@ def parse_args(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
         results=a.results,
         profile=a.profile if a.profile is not None else not quick,
     )
-    for name in ("seq", "batch", "repeats", "rss_steps", "rss_repeats"):
-        if getattr(settings, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    require_positive(p, settings, ("seq", "batch", "repeats", "rss_steps", "rss_repeats"))
     if settings.warmup < 0:
         p.error("--warmup must be >= 0")
-    if settings.repeats < MIN_REPEATS and not quick:
-        p.error(
-            f"--repeats must be >= {MIN_REPEATS} (docs/design.md section 12); use --quick to smoke"
-        )
+    require_repeats(p, settings.repeats, quick=quick)
     return settings, a
 
 

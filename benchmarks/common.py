@@ -492,6 +492,21 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def require_positive(p: argparse.ArgumentParser, settings: object, names: Sequence[str]) -> None:
+    """Refuse (``p.error``) settings among ``names`` below 1, naming their flags."""
+    for name in names:
+        if getattr(settings, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+
+
+def require_repeats(p: argparse.ArgumentParser, repeats: int, *, quick: bool) -> None:
+    """Refuse (``p.error``) fewer than :data:`MIN_REPEATS` timed repeats outside ``--quick``."""
+    if repeats < MIN_REPEATS and not quick:
+        p.error(
+            f"--repeats must be >= {MIN_REPEATS} (docs/design.md section 12); use --quick to smoke"
+        )
+
+
 def command_line(script: str, argv: Sequence[str]) -> str:
     """The exact command, with the environment variables that matter, as run from the repo."""
     env = [f"{k}={os.environ[k]}" for k in ENV_VARS if k in os.environ]

@@ -25,10 +25,7 @@ Ratio = median step / median plain step; the issue's target is our capture overh
 (ratio - 1) below every peer's.
 
 Run it in the peers' venv (``make bench`` installs it); where a peer is not installed its
-row says so and ours still run (``--quick`` is the CI smoke)::
-
-    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false \\
-        benchmarks/.venv-peers/bin/python benchmarks/peer_capture.py
+row says so and ours still run (``--quick`` is the CI smoke).
 """
 
 from __future__ import annotations
@@ -40,17 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import common
 import torch
-from common import (
-    StepTimer,
-    base_parser,
-    collate_rows,
-    heading,
-    make_trainer,
-    publish,
-    quiet_transformers,
-    training_args,
-)
+from peers import workload
 from peers.training import (
     OURS,
     PLAIN,
@@ -61,7 +50,6 @@ from peers.training import (
     run_mode,
     section,
 )
-from peers.workload import QUICK_LLAMA, TRAINING_LLAMA, lora_copy, step_rows, trainer_llama
 from torch import Tensor, nn
 from transformers import PrinterCallback, Trainer
 
@@ -83,7 +71,7 @@ class Settings:
     @property
     def model_config(self) -> dict[str, Any]:
         """The Llama's config keyword arguments."""
-        return QUICK_LLAMA if self.run.quick else TRAINING_LLAMA
+        return workload.QUICK_LLAMA if self.run.quick else workload.TRAINING_LLAMA
 
 
 @dataclass(frozen=True)
@@ -106,8 +94,8 @@ class Plain(TrainingWay):
     def __init__(self, run: Run):
         self.run = run
 
-    def train(self, model: nn.Module, args: Any, timer: StepTimer) -> None:
-        make_trainer(model, self.run.rows, args, [timer]).train()
+    def train(self, model: nn.Module, args: Any, timer: common.StepTimer) -> None:
+        common.make_trainer(model, self.run.rows, args, [timer]).train()
 
 
 class Ours(TrainingWay):
@@ -122,7 +110,7 @@ class Ours(TrainingWay):
     def __init__(self, run: Run):
         self.run = run
 
-    def train(self, model: nn.Module, args: Any, timer: StepTimer) -> None:
+    def train(self, model: nn.Module, args: Any, timer: common.StepTimer) -> None:
         store = self.run.folder(self.name, args)
         capture = GradientCaptureCallback(
             store_dir=str(store),
@@ -132,7 +120,7 @@ class Ours(TrainingWay):
             k_g=self.run.k,
             curvature=self.curvature,
         )
-        make_trainer(model, self.run.rows, args, [timer, capture]).train()
+        common.make_trainer(model, self.run.rows, args, [timer, capture]).train()
         steps = args.max_steps
         if StoreReader(store).steps != list(range(steps)):
             raise RuntimeError(f"{self.name} did not commit all {steps} steps to {store}")
@@ -167,7 +155,7 @@ class Bergson(TrainingWay):
         datasets.disable_progress_bars()
         self.dataset = datasets.Dataset.from_dict({"input_ids": run.rows.tolist()})
 
-    def train(self, model: nn.Module, args: Any, timer: StepTimer) -> None:
+    def train(self, model: nn.Module, args: Any, timer: common.StepTimer) -> None:
         out = self.run.folder(self.name, args)
         callback = self.callback(out, projection_dim=self.run.k, use_optimizer_state=False)
         trainer = Trainer(
@@ -185,7 +173,7 @@ class Bergson(TrainingWay):
 
 def _collate_lists(features: list[dict[str, Any]]) -> dict[str, Tensor]:
     """The causal-LM batch of ``common.collate_rows`` from ``datasets`` rows (lists)."""
-    return collate_rows([{"input_ids": torch.as_tensor(f["input_ids"])} for f in features])
+    return common.collate_rows([{"input_ids": torch.as_tensor(f["input_ids"])} for f in features])
 
 
 class DattriLLM(TrainingWay):
@@ -217,14 +205,14 @@ class DattriLLM(TrainingWay):
             projection_kwargs={"__default__": projection},
         )
 
-    def train(self, model: nn.Module, args: Any, timer: StepTimer) -> None:
+    def train(self, model: nn.Module, args: Any, timer: common.StepTimer) -> None:
         out = self.run.folder(self.name, args)
         offload = self.offload(
             offload_interval=1, file_manager=self.storage(str(out)), recording_type="per_sample"
         )
         manager = self.manager(model, config=self.config, callbacks=[offload])
         with manager.collect(deregister_on_exit=True):
-            make_trainer(model, self.run.rows, args, [timer]).train()
+            common.make_trainer(model, self.run.rows, args, [timer]).train()
         written = list(out.glob("*.bin"))
         if len(written) != args.max_steps:
             raise RuntimeError(f"dattri-llm wrote {len(written)} of {args.max_steps} steps")
@@ -242,7 +230,7 @@ class LogIX(TrainingWay):
     def __init__(self, run: Run):
         raise Unavailable(self.note.removeprefix("not run: "))
 
-    def train(self, model: nn.Module, args: Any, timer: StepTimer) -> None:
+    def train(self, model: nn.Module, args: Any, timer: common.StepTimer) -> None:
         raise Unavailable(self.note)
 
 
@@ -254,16 +242,24 @@ def measure(settings: Settings, work: Path) -> tuple[ModeResult, list[float]]:
     """Alternating runs of every available library on identical LoRA copies."""
     options, config = settings.run, settings.model_config
     vocab, steps = int(config["vocab_size"]), options.steps_per_run
-    run = Run(step_rows(vocab, steps=steps, batch=options.batch, seq=options.seq), settings.k)
+    run = Run(
+        workload.step_rows(vocab, steps=steps, batch=options.batch, seq=options.seq), settings.k
+    )
     ways: dict[str, type[TrainingWay]] = {way.name: way for way in WAYS}
-    base = trainer_llama(config, seq=options.seq)
+    base = workload.trainer_llama(config, seq=options.seq)
 
     def args_for(name: str, round_: int) -> Any:
         out = work / f"{name}-{round_}".replace(" ", "_")
-        return training_args(out, options.steps_per_run, options.batch)
+        return common.training_args(out, options.steps_per_run, options.batch)
 
     return run_mode(
-        LABEL, ways, lambda way: way(run), lambda: lora_copy(base), args_for, options.runs, 1
+        LABEL,
+        ways,
+        lambda way: way(run),
+        lambda: workload.lora_copy(base),
+        args_for,
+        options.runs,
+        1,
     )
 
 
@@ -275,7 +271,7 @@ def report(result: ModeResult, loads: list[float], settings: Settings, argv: Seq
         f"library captures factor-projected (k = {settings.k}) per-example gradients of every "
         "adapter to local disk inside the training backward."
     )
-    head = heading(SECTION, SCRIPT, argv, loads)
+    head = common.heading(SECTION, SCRIPT, argv, loads)
     return section(head, setup, settings.run, WAYS, [result], "target (4): ours below")
 
 
@@ -284,7 +280,7 @@ def report(result: ModeResult, loads: list[float], settings: Settings, argv: Seq
 
 def parse_args(argv: Sequence[str]) -> Settings:
     """Parse and validate the command line into :class:`Settings`."""
-    p = base_parser(__doc__.split("\n\n")[0])
+    p = common.base_parser(__doc__.split("\n\n")[0])
     p.add_argument("--k", type=int, default=16, help="factor projection k_a = k_g")
     RunOptions.add_arguments(p, seq=256)
     a = p.parse_args(argv)
@@ -296,11 +292,11 @@ def parse_args(argv: Sequence[str]) -> Settings:
 def main(argv: Sequence[str]) -> ModeResult:
     """Run the comparison, print the table and the command, update the results file."""
     settings = parse_args(argv)
-    quiet_transformers()
+    common.quiet_transformers()
     with tempfile.TemporaryDirectory(prefix="tda-peer-capture-") as work:
         result, loads = measure(settings, Path(work))
     run = settings.run
-    publish(report(result, loads, settings, argv), SECTION, run.results, run.write)
+    common.publish(report(result, loads, settings, argv), SECTION, run.results, run.write)
     return result
 
 

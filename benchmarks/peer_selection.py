@@ -20,10 +20,7 @@ discarded. Ratio = median step / median plain step of the same mode; the issue's
 is our selection overhead (ratio - 1) below dattri-llm's.
 
 Run it in the peers' venv (``make bench`` installs it); where dattri-llm is not installed
-its rows say so and ours still run (``--quick`` is the CI smoke)::
-
-    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false \\
-        benchmarks/.venv-peers/bin/python benchmarks/peer_selection.py
+its rows say so and ours still run (``--quick`` is the CI smoke).
 """
 
 from __future__ import annotations
@@ -36,17 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import common
 import torch
-from common import (
-    StepTimer,
-    base_parser,
-    heading,
-    make_trainer,
-    publish,
-    quiet_transformers,
-    token_rows,
-    training_args,
-)
+from peers import workload
 from peers.training import (
     OURS,
     PLAIN,
@@ -56,14 +45,6 @@ from peers.training import (
     Unavailable,
     run_mode,
     section,
-)
-from peers.workload import (
-    MODES,
-    QUICK_LLAMA,
-    SELECTION_LLAMA,
-    Mode,
-    step_rows,
-    trainer_llama,
 )
 from torch import Tensor, nn
 from transformers import TrainerCallback
@@ -86,7 +67,7 @@ class Settings:
     @property
     def model_config(self) -> dict[str, Any]:
         """The Llama's config keyword arguments."""
-        return QUICK_LLAMA if self.run.quick else SELECTION_LLAMA
+        return workload.QUICK_LLAMA if self.run.quick else workload.SELECTION_LLAMA
 
 
 @dataclass(frozen=True)
@@ -102,11 +83,11 @@ class Plain(TrainingWay):
     name = PLAIN
     note = "the Trainer alone"
 
-    def __init__(self, mode: Mode, data: Data):
+    def __init__(self, mode: workload.Mode, data: Data):
         self.data = data
 
-    def train(self, model: nn.Module, args: Any, timer: StepTimer) -> None:
-        make_trainer(model, self.data.rows, args, [timer]).train()
+    def train(self, model: nn.Module, args: Any, timer: common.StepTimer) -> None:
+        common.make_trainer(model, self.data.rows, args, [timer]).train()
 
 
 class Ours(TrainingWay):
@@ -117,17 +98,17 @@ class Ours(TrainingWay):
         ' (full fine-tuning: `layers="all"`)'
     )
 
-    def __init__(self, mode: Mode, data: Data):
+    def __init__(self, mode: workload.Mode, data: Data):
         self.mode, self.data = mode, data
 
-    def train(self, model: nn.Module, args: Any, timer: StepTimer) -> None:
+    def train(self, model: nn.Module, args: Any, timer: common.StepTimer) -> None:
         selection = DataSelectionCallback(
             [{"input_ids": ids} for ids in self.data.pool],
             fraction=FRACTION,
             target_examples=1,
             **self.mode.layers,
         )
-        make_trainer(model, self.data.rows, args, [timer, selection]).train()
+        common.make_trainer(model, self.data.rows, args, [timer, selection]).train()
         _check_steps(self.name, len(selection.history), self.data.steps)
 
 
@@ -140,7 +121,7 @@ class DattriLLM(TrainingWay):
         "default (`linear_io` on every linear layer, `param_grad` for the rest)"
     )
 
-    def __init__(self, mode: Mode, data: Data):
+    def __init__(self, mode: workload.Mode, data: Data):
         try:
             from dattri_llm import HookManagerConfig
             from dattri_llm.gradient.callbacks.data_selection_callback import (
@@ -153,7 +134,7 @@ class DattriLLM(TrainingWay):
         adapters = [r"lora_[AB]\.default$"] if mode.lora_rank is not None else None
         self.config = HookManagerConfig(linear_io=adapters)
 
-    def train(self, model: nn.Module, args: Any, timer: StepTimer) -> None:
+    def train(self, model: nn.Module, args: Any, timer: common.StepTimer) -> None:
         pool = self.data.pool
         batches = [{"input_ids": torch.tensor([i]), "labels": torch.tensor([i])} for i in pool]
         selection = self.selection(
@@ -167,7 +148,7 @@ class DattriLLM(TrainingWay):
         counter = _DropCounter(selection)
         manager = self.manager(model, config=self.config, callbacks=[selection])
         with manager.collect(deregister_on_exit=True):
-            make_trainer(model, self.data.rows, args, [timer, counter]).train()
+            common.make_trainer(model, self.data.rows, args, [timer, counter]).train()
         _check_steps(self.name, counter.selected, self.data.steps)
 
 
@@ -193,21 +174,21 @@ def _check_steps(name: str, selected: int, steps: int) -> None:
 
 
 def measure(
-    mode: Mode, settings: Settings, base: nn.Module, work: Path
+    mode: workload.Mode, settings: Settings, base: nn.Module, work: Path
 ) -> tuple[ModeResult, list[float]]:
     """Alternating runs of every available library on identical copies of ``base``."""
     run = settings.run
     vocab = int(settings.model_config["vocab_size"])
     steps = run.steps_per_run
     data = Data(
-        step_rows(vocab, steps=steps, batch=run.batch, seq=run.seq),
-        token_rows(settings.pool, run.seq, vocab, seed=3).tolist(),
+        workload.step_rows(vocab, steps=steps, batch=run.batch, seq=run.seq),
+        common.token_rows(settings.pool, run.seq, vocab, seed=3).tolist(),
         steps,
     )
     ways: dict[str, type[TrainingWay]] = {way.name: way for way in WAYS}
 
     def args_for(name: str, round_: int) -> Any:
-        return training_args(work / f"{mode.name}-{name}-{round_}", steps, run.batch)
+        return common.training_args(work / f"{mode.name}-{name}-{round_}", steps, run.batch)
 
     return run_mode(
         mode.label,
@@ -230,7 +211,7 @@ def report(
         f"target one of them in turn; the bottom {FRACTION:.0%} of each step's examples "
         "dropped and removed from `.grad`."
     )
-    head = heading(SECTION, SCRIPT, argv, loads)
+    head = common.heading(SECTION, SCRIPT, argv, loads)
     return section(head, setup, settings.run, WAYS, results, "target (5): ours below")
 
 
@@ -239,30 +220,30 @@ def report(
 
 def parse_args(argv: Sequence[str]) -> Settings:
     """Parse and validate the command line into :class:`Settings`."""
-    p = base_parser(__doc__.split("\n\n")[0])
-    p.add_argument("--mode", choices=[*MODES, "both"], default="both")
+    p = common.base_parser(__doc__.split("\n\n")[0])
+    p.add_argument("--mode", choices=[*workload.MODES, "both"], default="both")
     p.add_argument("--pool", type=int, default=16, help="target pool size")
     RunOptions.add_arguments(p, seq=128)
     a = p.parse_args(argv)
     if a.pool < 1:
         p.error("--pool must be >= 1")
-    modes = tuple(MODES) if a.mode == "both" else (a.mode,)
+    modes = tuple(workload.MODES) if a.mode == "both" else (a.mode,)
     return Settings(RunOptions.parsed(p, a, seq=128), modes, a.pool)
 
 
 def main(argv: Sequence[str]) -> list[ModeResult]:
     """Run the comparison, print the table and the command, update the results file."""
     settings = parse_args(argv)
-    quiet_transformers()
-    base = trainer_llama(settings.model_config, seq=settings.run.seq)
+    common.quiet_transformers()
+    base = workload.trainer_llama(settings.model_config, seq=settings.run.seq)
     results, loads = [], []
     with tempfile.TemporaryDirectory(prefix="tda-peer-select-") as work:
         for name in settings.modes:
-            result, mode_loads = measure(MODES[name], settings, base, Path(work))
+            result, mode_loads = measure(workload.MODES[name], settings, base, Path(work))
             results.append(result)
             loads += mode_loads
     run = settings.run
-    publish(report(results, loads, settings, argv), SECTION, run.results, run.write)
+    common.publish(report(results, loads, settings, argv), SECTION, run.results, run.write)
     return results
 
 

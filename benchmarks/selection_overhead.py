@@ -30,12 +30,6 @@ surgery, clipping) -- and the rest of the extra time is the capture hooks on the
 training forward/backward. A short cProfile run splits the selection step into scoring
 (the layers' per-example gradients built once where that is cheaper, the dots with the
 target, the rule) and surgery.
-
-Usage::
-
-    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false \\
-        .venv/bin/python benchmarks/selection_overhead.py
-    .venv/bin/python benchmarks/selection_overhead.py --quick     # smoke run, no write
 """
 
 from __future__ import annotations
@@ -49,36 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import (
-    MIN_REPEATS,
-    Comparison,
-    Sample,
-    StepProfiler,
-    StepTimer,
-    Stopwatch,
-    alternate,
-    base_parser,
-    contention_note,
-    heading,
-    make_trainer,
-    median_of,
-    parameter_count,
-    publish,
-    quiet_transformers,
-    runs_needed,
-    tidy,
-    token_rows,
-    training_args,
-    verdict,
-)
-from peers.workload import (
-    MODES,
-    QUICK_LLAMA,
-    SELECTION_LLAMA,
-    Mode,
-    step_rows,
-    trainer_llama,
-)
+import common
+from peers import workload
 from torch import nn
 from transformers import TrainerCallback
 
@@ -134,12 +100,12 @@ class Settings:
     @property
     def model_config(self) -> dict[str, Any]:
         """The Llama's config keyword arguments."""
-        return QUICK_LLAMA if self.quick else SELECTION_LLAMA
+        return workload.QUICK_LLAMA if self.quick else workload.SELECTION_LLAMA
 
     @property
     def runs(self) -> int:
         """Alternating runs per configuration."""
-        return runs_needed(self.repeats, self.steps_per_run, self.warmup_steps)
+        return common.runs_needed(self.repeats, self.steps_per_run, self.warmup_steps)
 
 
 # -- the timed selection callback ------------------------------------------------------
@@ -149,10 +115,10 @@ class Settings:
 class PhaseTimes:
     """Per-step cost of the selection callback's entry points, one list per run."""
 
-    target: list[list[Sample]] = field(default_factory=list)
-    select: list[list[Sample]] = field(default_factory=list)
+    target: list[list[common.Sample]] = field(default_factory=list)
+    select: list[list[common.Sample]] = field(default_factory=list)
 
-    def timed(self, warmup: int) -> tuple[list[Sample], list[Sample]]:
+    def timed(self, warmup: int) -> tuple[list[common.Sample], list[common.Sample]]:
         """Target and selection costs of every run's steps after ``warmup``."""
         return (
             [t for run in self.target for t in run[warmup:]],
@@ -173,12 +139,12 @@ class TimedSelection(DataSelectionCallback):
         super().on_train_begin(args, state, control, **kwargs)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        with Stopwatch() as watch:
+        with common.Stopwatch() as watch:
             super().on_step_begin(args, state, control, **kwargs)
         self.times.target[-1].append(watch.sample)
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        with Stopwatch() as watch:
+        with common.Stopwatch() as watch:
             super().on_pre_optimizer_step(args, state, control, **kwargs)
         self.times.select[-1].append(watch.sample)
 
@@ -189,7 +155,7 @@ class TimedSelection(DataSelectionCallback):
 def target_pool(settings: Settings) -> list[dict[str, Any]]:
     """The selection target: ``pool`` sequences as long as the training ones."""
     vocab = int(settings.model_config["vocab_size"])
-    rows = token_rows(settings.pool, settings.seq, vocab, seed=3)
+    rows = common.token_rows(settings.pool, settings.seq, vocab, seed=3)
     return [{"input_ids": r.tolist()} for r in rows]
 
 
@@ -199,7 +165,7 @@ class Config:
 
     name: str
     model: nn.Module
-    timer: StepTimer
+    timer: common.StepTimer
     refresh_every: int | None
     target_examples: int | None
     score_projection: int | None
@@ -209,15 +175,15 @@ class Config:
 class ModeBench:
     """Alternating short ``Trainer`` runs of the configurations of one mode."""
 
-    def __init__(self, mode: Mode, settings: Settings, base: nn.Module, work: Path):
+    def __init__(self, mode: workload.Mode, settings: Settings, base: nn.Module, work: Path):
         self.mode = mode
         self.settings = settings
         self.work = work
         vocab, steps = int(settings.model_config["vocab_size"]), settings.steps_per_run
-        self.rows = step_rows(vocab, steps=steps, batch=settings.batch, seq=settings.seq)
+        self.rows = workload.step_rows(vocab, steps=steps, batch=settings.batch, seq=settings.seq)
         self.pool = target_pool(settings)
         self.configs = {
-            name: Config(name, mode.copy(base), StepTimer(), *options)
+            name: Config(name, mode.copy(base), common.StepTimer(), *options)
             for name, options in CONFIGS.items()
         }
         self.loads: list[float] = []
@@ -249,8 +215,8 @@ class ModeBench:
             selection = self.selection(config, config.refresh_every)
             callbacks.append(selection)
         out = self.work / f"{self.mode.name}-{config.name}-{run}".replace(" ", "_")
-        args = training_args(out, steps, self.settings.batch)
-        make_trainer(config.model, self.rows, args, callbacks).train()
+        args = common.training_args(out, steps, self.settings.batch)
+        common.make_trainer(config.model, self.rows, args, callbacks).train()
         if selection is not None and len(selection.history) != steps:
             raise RuntimeError(
                 f"{config.name}: selection ran at {len(selection.history)} of {steps} steps"
@@ -259,7 +225,7 @@ class ModeBench:
     def measure(self) -> None:
         """``runs`` rounds of one run per configuration, order rotated."""
         steps = self.settings.steps_per_run
-        self.loads += alternate(
+        self.loads += common.alternate(
             list(self.configs),
             self.settings.runs,
             lambda name, round_: self.train(self.configs[name], round_, steps),
@@ -270,8 +236,10 @@ class ModeBench:
         """Seconds per step of each :data:`PROFILED` part in the cProfiled steps of a
         selection run (after its warm-up steps), and ``surgery`` = the selection step
         minus its scoring; the run's steps are not among the timed ones."""
-        config = dataclasses.replace(self.configs[SELECT], timer=StepTimer(), phases=PhaseTimes())
-        profiler = StepProfiler(self.settings.warmup_steps)
+        config = dataclasses.replace(
+            self.configs[SELECT], timer=common.StepTimer(), phases=PhaseTimes()
+        )
+        profiler = common.StepProfiler(self.settings.warmup_steps)
         self.train(config, -1, self.settings.warmup_steps + self.settings.profile_steps, profiler)
         split = profiler.split(PROFILED)
         split["surgery"] = split.pop("selection step") - split["scoring"]
@@ -292,21 +260,21 @@ class ModeResult:
         profile: cProfiled seconds per step of the :data:`PROFILED` parts and ``surgery``.
     """
 
-    mode: Mode
+    mode: workload.Mode
     params: int
     trainable: int
-    samples: dict[str, list[Sample]]
+    samples: dict[str, list[common.Sample]]
     target_s: dict[str, float]
     select_s: dict[str, float]
     profile: dict[str, float]
 
-    def comparison(self, name: str) -> Comparison:
+    def comparison(self, name: str) -> common.Comparison:
         """``name`` against the plain configuration."""
-        return Comparison.of(self.samples[name], self.samples[PLAIN])
+        return common.Comparison.of(self.samples[name], self.samples[PLAIN])
 
 
 def run_mode(
-    mode: Mode, settings: Settings, base: nn.Module, work: Path
+    mode: workload.Mode, settings: Settings, base: nn.Module, work: Path
 ) -> tuple[ModeResult, list[float]]:
     """Measure one mode: timed alternating runs, then the profile run."""
     bench = ModeBench(mode, settings, base, work)
@@ -317,13 +285,13 @@ def run_mode(
     target_s, select_s = {}, {}
     for name in (*TARGETED, FIXED):
         target, select = bench.configs[name].phases.timed(warm)
-        target_s[name] = median_of(target, "cpu")
-        select_s[name] = median_of(select, "cpu")
+        target_s[name] = common.median_of(target, "cpu")
+        select_s[name] = common.median_of(select, "cpu")
     model = bench.configs[PLAIN].model
     result = ModeResult(
         mode,
-        parameter_count(model),
-        parameter_count(model, trainable_only=True),
+        common.parameter_count(model),
+        common.parameter_count(model, trainable_only=True),
         samples,
         target_s,
         select_s,
@@ -346,7 +314,9 @@ def time_table(results: list[ModeResult]) -> str:
             timed = name in TARGETED
             target = f"{TARGET:.2f}x" if timed else "—"
             met = (
-                f"{verdict(c.wall_ratio, TARGET)} / {verdict(c.cpu_ratio, TARGET)}" if timed else ""
+                f"{common.verdict(c.wall_ratio, TARGET)} / {common.verdict(c.cpu_ratio, TARGET)}"
+                if timed
+                else ""
             )
             lines.append(
                 f"| {r.mode.label} | {name} | {c.wall.text()} | **{c.wall_ratio:.2f}x** "
@@ -366,9 +336,9 @@ def split_table(results: list[ModeResult]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
-        plain = median_of(r.samples[PLAIN], "cpu")
+        plain = common.median_of(r.samples[PLAIN], "cpu")
         for name in (*TARGETED, FIXED):
-            extra = median_of(r.samples[name], "cpu") - plain
+            extra = common.median_of(r.samples[name], "cpu") - plain
             target, select = r.target_s[name], r.select_s[name]
             select_parts = ""
             if r.profile and name == SELECT:
@@ -421,9 +391,9 @@ def report(
 ) -> str:
     """The full markdown section for the results file."""
     warnings = "\n\n".join(
-        note for r in results if (note := contention_note(r.mode.name, r.samples[PLAIN]))
+        note for r in results if (note := common.contention_note(r.mode.name, r.samples[PLAIN]))
     )
-    return tidy(f"""{heading(SECTION, SCRIPT, argv, loads)}
+    return common.tidy(f"""{common.heading(SECTION, SCRIPT, argv, loads)}
 
 HF `Trainer` (CPU, fp32, AdamW, `max_grad_norm=1.0`), batch {settings.batch} x sequence \
 {settings.seq}, no padding. {models_text(results, settings)} `select` = \
@@ -468,8 +438,8 @@ The last column estimates a target refreshed every 8 steps: fixed + (select - fi
 
 def parse_args(argv: Sequence[str]) -> Settings:
     """Parse and validate the command line into :class:`Settings`."""
-    p = base_parser(__doc__.split("\n\n")[0])
-    p.add_argument("--mode", choices=[*MODES, "both"], default="both")
+    p = common.base_parser(__doc__.split("\n\n")[0])
+    p.add_argument("--mode", choices=[*workload.MODES, "both"], default="both")
     p.add_argument("--seq", type=int, help="sequence length (default 128; quick 16)")
     p.add_argument("--batch", type=int, default=8, help="examples per step")
     p.add_argument("--pool", type=int, default=16, help="target pool size")
@@ -480,7 +450,7 @@ def parse_args(argv: Sequence[str]) -> Settings:
     a = p.parse_args(argv)
     quick = a.quick
     settings = Settings(
-        modes=tuple(MODES) if a.mode == "both" else (a.mode,),
+        modes=tuple(workload.MODES) if a.mode == "both" else (a.mode,),
         seq=a.seq or (16 if quick else 128),
         batch=a.batch,
         pool=a.pool,
@@ -498,29 +468,26 @@ def parse_args(argv: Sequence[str]) -> Settings:
 
 def check(p: argparse.ArgumentParser, settings: Settings) -> None:
     """Refuse settings that cannot give a valid measurement."""
-    for name in ("seq", "batch", "pool", "repeats", "steps_per_run"):
-        if getattr(settings, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    common.require_positive(p, settings, ("seq", "batch", "pool", "repeats", "steps_per_run"))
     if not 0 <= settings.warmup_steps < settings.steps_per_run:
         p.error("--warmup-steps must be in [0, --steps-per-run)")
-    if settings.repeats < MIN_REPEATS and not settings.quick:
-        p.error(
-            f"--repeats must be >= {MIN_REPEATS} (docs/design.md section 12); use --quick to smoke"
-        )
+    common.require_repeats(p, settings.repeats, quick=settings.quick)
 
 
 def main(argv: Sequence[str]) -> None:
     """Run the benchmark, print the tables and the command, update the results file."""
     settings = parse_args(argv)
-    quiet_transformers()
-    base = trainer_llama(settings.model_config, seq=settings.seq)
+    common.quiet_transformers()
+    base = workload.trainer_llama(settings.model_config, seq=settings.seq)
     results, loads = [], []
     with tempfile.TemporaryDirectory(prefix="tda-select-") as work:
         for name in settings.modes:
-            result, mode_loads = run_mode(MODES[name], settings, base, Path(work))
+            result, mode_loads = run_mode(workload.MODES[name], settings, base, Path(work))
             results.append(result)
             loads += mode_loads
-    publish(report(results, loads, settings, argv), SECTION, settings.results, settings.write)
+    common.publish(
+        report(results, loads, settings, argv), SECTION, settings.results, settings.write
+    )
 
 
 if __name__ == "__main__":

@@ -23,12 +23,6 @@ Peak RSS: each configuration runs a few steps in fresh child processes (``VmHWM`
 started before the parent builds any model. Where the time goes: a few cProfiled capture
 steps, cumulative time of the engine's hooks, the projection inside them, the store
 writes and the curvature accumulation, per step.
-
-Usage::
-
-    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false \\
-        .venv/bin/python benchmarks/training_overhead.py
-    .venv/bin/python benchmarks/training_overhead.py --quick     # smoke run, no write
 """
 
 from __future__ import annotations
@@ -42,39 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import (
-    MIN_REPEATS,
-    Comparison,
-    FuncRef,
-    ModelConfig,
-    Sample,
-    StepProfiler,
-    StepTimer,
-    alternate,
-    base_parser,
-    contention_note,
-    heading,
-    make_trainer,
-    median_of,
-    parameter_count,
-    peak_rss_mb,
-    publish,
-    quiet_transformers,
-    rotated,
-    run_child,
-    runs_needed,
-    tidy,
-    training_args,
-    verdict,
-)
-from peers.workload import (
-    LORA_RANK,
-    QUICK_LLAMA,
-    TRAINING_LLAMA,
-    lora_copy,
-    step_rows,
-    trainer_llama,
-)
+import common
+from peers import workload
 from tokenizers import Tokenizer, models, pre_tokenizers
 from torch import nn
 from transformers import PreTrainedTokenizerFast, TrainerCallback
@@ -91,7 +54,7 @@ CAPTURE = "capture"
 CONFIGS = (PLAIN, CAPTURE)
 #: Engine code whose cumulative time is reported, by what it does (nested: the layer
 #: hooks include the projection; consumers run inside the end-of-backward callback).
-PROFILED: dict[str, tuple[FuncRef, ...]] = {
+PROFILED: dict[str, tuple[common.FuncRef, ...]] = {
     "layer hooks (capture + projection)": (
         ("capture/engine.py", "_on_layer_forward"),
         ("capture/engine.py", "_on_layer_grad"),
@@ -129,14 +92,14 @@ class Settings:
     results: Path
 
     @property
-    def model_config(self) -> ModelConfig:
+    def model_config(self) -> common.ModelConfig:
         """The Llama's config keyword arguments."""
-        return QUICK_LLAMA if self.quick else TRAINING_LLAMA
+        return workload.QUICK_LLAMA if self.quick else workload.TRAINING_LLAMA
 
     @property
     def runs(self) -> int:
         """Alternating runs per configuration."""
-        return runs_needed(self.repeats, self.steps_per_run, self.warmup_steps)
+        return common.runs_needed(self.repeats, self.steps_per_run, self.warmup_steps)
 
     def child_flags(self) -> list[str]:
         """The settings a peak-RSS child needs, as command-line flags."""
@@ -177,19 +140,19 @@ def train_run(
     tag: str,
     steps: int,
     first: TrainerCallback | None = None,
-) -> StepTimer:
+) -> common.StepTimer:
     """One ``trainer.train()`` of ``steps`` steps of ``config``, timed by a fresh
     :class:`StepTimer`; ``first`` (a profiler) goes before it. A capture run must leave a
     store holding every step."""
-    timer = StepTimer()
+    timer = common.StepTimer()
     callbacks: list[TrainerCallback] = [timer] if first is None else [first, timer]
     store = work / f"store-{tag}"
     if config == CAPTURE:
         callbacks.append(capture_callback(store, settings))
-    args = training_args(work / f"out-{tag}", steps, settings.batch)
+    args = common.training_args(work / f"out-{tag}", steps, settings.batch)
     vocab = int(settings.model_config["vocab_size"])
-    rows = step_rows(vocab, steps=steps, batch=settings.batch, seq=settings.seq)
-    make_trainer(model, rows, args, callbacks, id_tokenizer(vocab)).train()
+    rows = workload.step_rows(vocab, steps=steps, batch=settings.batch, seq=settings.seq)
+    common.make_trainer(model, rows, args, callbacks, id_tokenizer(vocab)).train()
     if config == CAPTURE and StoreReader(store).steps != list(range(steps)):
         raise RuntimeError(f"the capture run {tag} did not commit all {steps} steps to {store}")
     if config == CAPTURE and len(StoreReader(store).texts()) != len(rows):
@@ -202,22 +165,22 @@ def train_run(
 
 def measure(
     models: dict[str, nn.Module], settings: Settings, work: Path
-) -> tuple[dict[str, list[Sample]], list[float]]:
+) -> tuple[dict[str, list[common.Sample]], list[float]]:
     """Alternating runs (order rotated each round): timed steps per configuration."""
-    samples: dict[str, list[Sample]] = {name: [] for name in CONFIGS}
+    samples: dict[str, list[common.Sample]] = {name: [] for name in CONFIGS}
 
     def run(name: str, round_: int) -> None:
         tag = f"{name}-{round_}"
         timer = train_run(name, models[name], settings, work, tag, settings.steps_per_run)
         samples[name] += timer.timed(settings.warmup_steps)
 
-    return samples, alternate(CONFIGS, settings.runs, run)
+    return samples, common.alternate(CONFIGS, settings.runs, run)
 
 
 def profile_capture(model: nn.Module, settings: Settings, work: Path) -> dict[str, float]:
     """Seconds per step of each :data:`PROFILED` part in the cProfiled steps of a capture
     run (after its warm-up steps)."""
-    profiler = StepProfiler(settings.warmup_steps)
+    profiler = common.StepProfiler(settings.warmup_steps)
     steps = settings.warmup_steps + settings.profile_steps
     train_run(CAPTURE, model, settings, work, "profile", steps, first=profiler)
     return profiler.split(PROFILED)
@@ -228,11 +191,11 @@ def profile_capture(model: nn.Module, settings: Settings, work: Path) -> dict[st
 
 def rss_child(config: str, settings: Settings) -> dict[str, float]:
     """Body of ``--rss-child``: a few steps of one configuration in this fresh process."""
-    quiet_transformers()
-    model = lora_copy(trainer_llama(settings.model_config, seq=settings.seq))
+    common.quiet_transformers()
+    model = workload.lora_copy(workload.trainer_llama(settings.model_config, seq=settings.seq))
     with tempfile.TemporaryDirectory(prefix="tda-train-rss-") as work:
         train_run(config, model, settings, Path(work), "rss", settings.rss_steps)
-    return {"peak_mb": peak_rss_mb()}
+    return {"peak_mb": common.peak_rss_mb()}
 
 
 def measure_rss(settings: Settings) -> dict[str, list[float]]:
@@ -241,8 +204,8 @@ def measure_rss(settings: Settings) -> dict[str, list[float]]:
     script = Path(__file__).resolve()
     peaks: dict[str, list[float]] = {name: [] for name in CONFIGS}
     for repeat in range(settings.rss_repeats):
-        for name in rotated(CONFIGS, repeat):
-            found = run_child(script, ["--rss-child", name, *settings.child_flags()])
+        for name in common.rotated(CONFIGS, repeat):
+            found = common.run_child(script, ["--rss-child", name, *settings.child_flags()])
             peaks[name].append(found["peak_mb"])
     return peaks
 
@@ -250,7 +213,7 @@ def measure_rss(settings: Settings) -> dict[str, list[float]]:
 # -- reporting -------------------------------------------------------------------------
 
 
-def time_table(samples: dict[str, list[Sample]]) -> str:
+def time_table(samples: dict[str, list[common.Sample]]) -> str:
     """The markdown table of step times and ratios."""
     lines = [
         "| configuration | step s, wall median [IQR] | **wall ratio** | paired wall ratio "
@@ -259,10 +222,10 @@ def time_table(samples: dict[str, list[Sample]]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|:-:|",
     ]
     for name in CONFIGS:
-        c = Comparison.of(samples[name], samples[PLAIN])
+        c = common.Comparison.of(samples[name], samples[PLAIN])
         target = f"{TARGET:.2f}x" if name == CAPTURE else "—"
         met = (
-            f"{verdict(c.wall_ratio, TARGET)} / {verdict(c.cpu_ratio, TARGET)}"
+            f"{common.verdict(c.wall_ratio, TARGET)} / {common.verdict(c.cpu_ratio, TARGET)}"
             if name == CAPTURE
             else ""
         )
@@ -290,14 +253,16 @@ def memory_table(peaks: dict[str, list[float]]) -> str:
     return "\n".join(lines)
 
 
-def profile_table(split: dict[str, float], samples: dict[str, list[Sample]]) -> str:
+def profile_table(split: dict[str, float], samples: dict[str, list[common.Sample]]) -> str:
     """Engine parts in ms per step and as a share of the plain step's CPU time."""
     if not split:
         return ""
-    plain = median_of(samples[PLAIN], "cpu")
-    extra = median_of(samples[CAPTURE], "cpu") - plain
-    extra_sys = median_of(samples[CAPTURE], "sys") - median_of(samples[PLAIN], "sys")
-    extra_faults = median_of(samples[CAPTURE], "faults") - median_of(samples[PLAIN], "faults")
+    plain = common.median_of(samples[PLAIN], "cpu")
+    extra = common.median_of(samples[CAPTURE], "cpu") - plain
+    extra_sys = common.median_of(samples[CAPTURE], "sys") - common.median_of(samples[PLAIN], "sys")
+    extra_faults = common.median_of(samples[CAPTURE], "faults") - common.median_of(
+        samples[PLAIN], "faults"
+    )
     lines = [
         f"Measured extra CPU time per step (medians): {1e3 * extra:+.0f} ms "
         f"({100 * extra / plain:+.1f}% of the plain step's {1e3 * plain:.0f} ms), of which "
@@ -317,7 +282,7 @@ def profile_table(split: dict[str, float], samples: dict[str, list[Sample]]) -> 
 class Measured:
     """What the parent measured."""
 
-    samples: dict[str, list[Sample]]
+    samples: dict[str, list[common.Sample]]
     loads: list[float]
     peaks: dict[str, list[float]]
     split: dict[str, float]
@@ -335,11 +300,11 @@ def report(m: Measured, settings: Settings, argv: Sequence[str]) -> str:
         if m.peaks
         else "not measured"
     )
-    return tidy(f"""{heading(SECTION, SCRIPT, argv, m.loads)}
+    return common.tidy(f"""{common.heading(SECTION, SCRIPT, argv, m.loads)}
 
 HF `Trainer` (CPU, fp32, AdamW, `max_grad_norm=1.0`), batch {settings.batch} x sequence \
 {settings.seq}, no padding. Model: `LlamaConfig({shape})` ({m.params / 1e6:.2f}M \
-parameters) with PEFT LoRA r={LORA_RANK} on every linear layer but the head \
+parameters) with PEFT LoRA r={workload.LORA_RANK} on every linear layer but the head \
 ({m.trainable / 1e6:.3f}M trainable, {m.adapters} adapter layers captured). `capture` = \
 `GradientCaptureCallback(layers="lora", projection="factor", k_a={settings.k}, \
 k_g={settings.k}, curvature=True)`, a new store on local disk (ext4) per run. Runs of \
@@ -352,7 +317,7 @@ median(plain); paired = step / plain step in the same slot. Target: <= {TARGET}x
 
 {time_table(m.samples)}
 
-{contention_note("the plain steps", m.samples[PLAIN])}
+{common.contention_note("the plain steps", m.samples[PLAIN])}
 
 {memory_table(m.peaks)}
 
@@ -368,7 +333,7 @@ cumulative CPU times, torch operations included; the layer hooks include the pro
 
 def parse_args(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
     """Parse and validate the command line into :class:`Settings`."""
-    p = base_parser(__doc__.split("\n\n")[0])
+    p = common.base_parser(__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, help="sequence length (default 256; quick 16)")
     p.add_argument("--batch", type=int, default=8, help="examples per step")
     p.add_argument("--k", type=int, default=16, help="factor projection k_a = k_g")
@@ -401,23 +366,20 @@ def parse_args(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
 
 def check(p: argparse.ArgumentParser, settings: Settings) -> None:
     """Refuse settings that cannot give a valid measurement."""
-    for name in ("seq", "batch", "k", "repeats", "steps_per_run", "rss_steps"):
-        if getattr(settings, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    common.require_positive(
+        p, settings, ("seq", "batch", "k", "repeats", "steps_per_run", "rss_steps")
+    )
     if not 0 <= settings.warmup_steps < settings.steps_per_run:
         p.error("--warmup-steps must be in [0, --steps-per-run)")
-    if settings.repeats < MIN_REPEATS and not settings.quick:
-        p.error(
-            f"--repeats must be >= {MIN_REPEATS} (docs/design.md section 12); use --quick to smoke"
-        )
+    common.require_repeats(p, settings.repeats, quick=settings.quick)
 
 
 def run(settings: Settings) -> Measured:
     """Peak-RSS children first (before this process grows), then the timed runs."""
     peaks = measure_rss(settings) if settings.rss_repeats else {}
-    quiet_transformers()
-    base = trainer_llama(settings.model_config, seq=settings.seq)
-    models = {name: lora_copy(base) for name in CONFIGS}
+    common.quiet_transformers()
+    base = workload.trainer_llama(settings.model_config, seq=settings.seq)
+    models = {name: workload.lora_copy(base) for name in CONFIGS}
     with tempfile.TemporaryDirectory(prefix="tda-train-") as work:
         samples, loads = measure(models, settings, Path(work))
         split = {}
@@ -430,8 +392,8 @@ def run(settings: Settings) -> Measured:
         loads,
         peaks,
         split,
-        parameter_count(model),
-        parameter_count(model, trainable_only=True),
+        common.parameter_count(model),
+        common.parameter_count(model, trainable_only=True),
         adapters,
     )
 
@@ -443,7 +405,7 @@ def main(argv: Sequence[str]) -> None:
         print(json.dumps(rss_child(args.rss_child, settings)))
         return
     measured = run(settings)
-    publish(report(measured, settings, argv), SECTION, settings.results, settings.write)
+    common.publish(report(measured, settings, argv), SECTION, settings.results, settings.write)
 
 
 if __name__ == "__main__":

@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from common import (
-    MIN_REPEATS,
     Comparison,
     Sample,
     StepTimer,
     alternate,
+    require_positive,
+    require_repeats,
     runs_needed,
     tidy,
     verdict,
@@ -83,15 +84,10 @@ class RunOptions:
             write=a.write if a.write is not None else not a.quick,
             results=a.results,
         )
-        for name in ("seq", "batch", "repeats"):
-            if getattr(options, name) < 1:
-                p.error(f"--{name} must be >= 1")
+        require_positive(p, options, ("seq", "batch", "repeats"))
         if options.steps_per_run < 2:
             p.error("--steps-per-run must be >= 2 (the first step of each run is discarded)")
-        if options.repeats < MIN_REPEATS and not options.quick:
-            p.error(
-                f"--repeats must be >= {MIN_REPEATS} (docs/design.md section 12); --quick smokes"
-            )
+        require_repeats(p, options.repeats, quick=options.quick)
         return options
 
     def protocol(self, steps: int) -> str:
