@@ -352,24 +352,13 @@ def quiet_transformers() -> None:
 def training_args(output_dir: Path, steps: int, batch: int, **overrides: Any) -> TrainingArguments:
     """CPU, fp32, AdamW at a constant learning rate, ``steps`` optimizer steps of ``batch``
     examples; no logging, checkpoints, reporting or progress bar; ``overrides`` win."""
-    options: dict[str, Any] = dict(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=batch,
-        gradient_accumulation_steps=1,
-        max_steps=steps,
-        learning_rate=1e-4,
-        lr_scheduler_type="constant",
-        optim="adamw_torch",
-        report_to=[],
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-        dataloader_drop_last=True,
-        remove_unused_columns=False,
-        seed=0,
+    options: dict[str, Any] = dict(output_dir=str(output_dir), max_steps=steps, seed=0)
+    options |= dict(optim="adamw_torch", learning_rate=1e-4, lr_scheduler_type="constant")
+    options |= dict(per_device_train_batch_size=batch, gradient_accumulation_steps=1)
+    options |= dict(
+        use_cpu=True, bf16=False, dataloader_drop_last=True, remove_unused_columns=False
     )
+    options |= dict(report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True)
     options.update(overrides)
     return TrainingArguments(**options)
 

@@ -62,19 +62,6 @@ LABEL = "LoRA r=8, projected per-example gradients to disk"
 
 
 @dataclass(frozen=True)
-class Settings:
-    """Resolved command-line settings: the shared run options and ``k``."""
-
-    run: RunOptions
-    k: int
-
-    @property
-    def model_config(self) -> dict[str, Any]:
-        """The Llama's config keyword arguments."""
-        return workload.QUICK_LLAMA if self.run.quick else workload.TRAINING_LLAMA
-
-
-@dataclass(frozen=True)
 class Run:
     """What every way's runs share: the rows of one run and ``k``."""
 
@@ -238,15 +225,12 @@ class LogIX(TrainingWay):
 WAYS = (Plain, Ours, OursCurvature, Bergson, DattriLLM, LogIX)
 
 
-def measure(settings: Settings, work: Path) -> tuple[ModeResult, list[float]]:
+def measure(options: RunOptions, k: int, work: Path) -> tuple[ModeResult, list[float]]:
     """Alternating runs of every available library on identical LoRA copies."""
-    options, config = settings.run, settings.model_config
-    vocab, steps = int(config["vocab_size"]), options.steps_per_run
-    run = Run(
-        workload.step_rows(vocab, steps=steps, batch=options.batch, seq=options.seq), settings.k
-    )
+    vocab, steps = options.vocab, options.steps_per_run
+    run = Run(workload.step_rows(vocab, steps=steps, batch=options.batch, seq=options.seq), k)
     ways: dict[str, type[TrainingWay]] = {way.name: way for way in WAYS}
-    base = workload.trainer_llama(config, seq=options.seq)
+    base = workload.trainer_llama(options.model, seq=options.seq)
 
     def args_for(name: str, round_: int) -> Any:
         out = work / f"{name}-{round_}".replace(" ", "_")
@@ -263,40 +247,41 @@ def measure(settings: Settings, work: Path) -> tuple[ModeResult, list[float]]:
     )
 
 
-def report(result: ModeResult, loads: list[float], settings: Settings, argv: Sequence[str]) -> str:
+def report(
+    result: ModeResult, loads: list[float], options: RunOptions, k: int, argv: Sequence[str]
+) -> str:
     """The markdown section for the results file."""
-    shape = ", ".join(f"{k}={v}" for k, v in settings.model_config.items())
     setup = (
-        f"`LlamaConfig({shape})` with PEFT LoRA r=8 on every linear layer but the head; each "
-        f"library captures factor-projected (k = {settings.k}) per-example gradients of every "
+        " with PEFT LoRA r=8 on every linear layer but the head; each "
+        f"library captures factor-projected (k = {k}) per-example gradients of every "
         "adapter to local disk inside the training backward."
     )
     head = common.heading(SECTION, SCRIPT, argv, loads)
-    return section(head, setup, settings.run, WAYS, [result], "target (4): ours below")
+    return section(head, setup, options, WAYS, [result], "target (4): ours below")
 
 
 # -- command line ----------------------------------------------------------------------
 
 
-def parse_args(argv: Sequence[str]) -> Settings:
-    """Parse and validate the command line into :class:`Settings`."""
+def parse_args(argv: Sequence[str]) -> tuple[RunOptions, int]:
+    """Parse and validate the command line: the run options and ``k``."""
     p = common.base_parser(__doc__.split("\n\n")[0])
     p.add_argument("--k", type=int, default=16, help="factor projection k_a = k_g")
     RunOptions.add_arguments(p, seq=256)
     a = p.parse_args(argv)
     if a.k < 1:
         p.error("--k must be >= 1")
-    return Settings(RunOptions.parsed(p, a, seq=256), a.k)
+    return RunOptions.parsed(p, a, seq=256, model=workload.TRAINING_LLAMA), a.k
 
 
 def main(argv: Sequence[str]) -> ModeResult:
     """Run the comparison, print the table and the command, update the results file."""
-    settings = parse_args(argv)
+    options, k = parse_args(argv)
     common.quiet_transformers()
     with tempfile.TemporaryDirectory(prefix="tda-peer-capture-") as work:
-        result, loads = measure(settings, Path(work))
-    run = settings.run
-    common.publish(report(result, loads, settings, argv), SECTION, run.results, run.write)
+        result, loads = measure(options, k, Path(work))
+    text = report(result, loads, options, k, argv)
+    common.publish(text, SECTION, options.results, options.write)
     return result
 
 

@@ -43,6 +43,7 @@ from peers.training import (
     RunOptions,
     TrainingWay,
     Unavailable,
+    each_mode,
     run_mode,
     section,
 )
@@ -63,11 +64,6 @@ class Settings:
     run: RunOptions
     modes: tuple[str, ...]
     pool: int
-
-    @property
-    def model_config(self) -> dict[str, Any]:
-        """The Llama's config keyword arguments."""
-        return workload.QUICK_LLAMA if self.run.quick else workload.SELECTION_LLAMA
 
 
 @dataclass(frozen=True)
@@ -178,7 +174,7 @@ def measure(
 ) -> tuple[ModeResult, list[float]]:
     """Alternating runs of every available library on identical copies of ``base``."""
     run = settings.run
-    vocab = int(settings.model_config["vocab_size"])
+    vocab = run.vocab
     steps = run.steps_per_run
     data = Data(
         workload.step_rows(vocab, steps=steps, batch=run.batch, seq=run.seq),
@@ -205,9 +201,8 @@ def report(
     results: list[ModeResult], loads: list[float], settings: Settings, argv: Sequence[str]
 ) -> str:
     """The markdown section for the results file."""
-    shape = ", ".join(f"{k}={v}" for k, v in settings.model_config.items())
     setup = (
-        f"`LlamaConfig({shape})`; a target pool of {settings.pool} sequences, each step's "
+        f"; a target pool of {settings.pool} sequences, each step's "
         f"target one of them in turn; the bottom {FRACTION:.0%} of each step's examples "
         "dropped and removed from `.grad`."
     )
@@ -228,20 +223,18 @@ def parse_args(argv: Sequence[str]) -> Settings:
     if a.pool < 1:
         p.error("--pool must be >= 1")
     modes = tuple(workload.MODES) if a.mode == "both" else (a.mode,)
-    return Settings(RunOptions.parsed(p, a, seq=128), modes, a.pool)
+    return Settings(RunOptions.parsed(p, a, seq=128, model=workload.SELECTION_LLAMA), modes, a.pool)
 
 
 def main(argv: Sequence[str]) -> list[ModeResult]:
     """Run the comparison, print the table and the command, update the results file."""
     settings = parse_args(argv)
     common.quiet_transformers()
-    base = workload.trainer_llama(settings.model_config, seq=settings.run.seq)
-    results, loads = [], []
+    base = workload.trainer_llama(settings.run.model, seq=settings.run.seq)
     with tempfile.TemporaryDirectory(prefix="tda-peer-select-") as work:
-        for name in settings.modes:
-            result, mode_loads = measure(workload.MODES[name], settings, base, Path(work))
-            results.append(result)
-            loads += mode_loads
+        results, loads = each_mode(
+            settings.modes, lambda mode: measure(mode, settings, base, Path(work))
+        )
     run = settings.run
     common.publish(report(results, loads, settings, argv), SECTION, run.results, run.write)
     return results

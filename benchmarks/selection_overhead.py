@@ -45,6 +45,7 @@ from typing import Any
 
 import common
 from peers import workload
+from peers.training import each_mode
 from torch import nn
 from transformers import TrainerCallback
 
@@ -479,12 +480,10 @@ def main(argv: Sequence[str]) -> None:
     settings = parse_args(argv)
     common.quiet_transformers()
     base = workload.trainer_llama(settings.model_config, seq=settings.seq)
-    results, loads = [], []
     with tempfile.TemporaryDirectory(prefix="tda-select-") as work:
-        for name in settings.modes:
-            result, mode_loads = run_mode(workload.MODES[name], settings, base, Path(work))
-            results.append(result)
-            loads += mode_loads
+        results, loads = each_mode(
+            settings.modes, lambda mode: run_mode(mode, settings, base, Path(work))
+        )
     common.publish(
         report(results, loads, settings, argv), SECTION, settings.results, settings.write
     )

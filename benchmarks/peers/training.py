@@ -15,10 +15,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from common import (
     Comparison,
+    ModelConfig,
     Sample,
     StepTimer,
     alternate,
@@ -30,8 +31,11 @@ from common import (
 )
 from torch import nn
 
+from peers.workload import MODES, QUICK_LLAMA, Mode
+
 PLAIN = "plain"
 OURS = "ours"
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,7 @@ class RunOptions:
         quick: the tiny smoke configuration.
         write: update the results file.
         results: the results file.
+        model: the Llama's config keyword arguments (the tiny one with ``quick``).
     """
 
     seq: int
@@ -56,6 +61,12 @@ class RunOptions:
     quick: bool
     write: bool
     results: Path
+    model: ModelConfig
+
+    @property
+    def vocab(self) -> int:
+        """The model's vocabulary size."""
+        return int(self.model["vocab_size"])
 
     @property
     def runs(self) -> int:
@@ -72,9 +83,11 @@ class RunOptions:
         p.add_argument("--steps-per-run", type=int, default=4, help="steps of one train() run")
 
     @classmethod
-    def parsed(cls, p: argparse.ArgumentParser, a: argparse.Namespace, seq: int) -> RunOptions:
-        """The settings from parsed arguments ``a``, refused (``p.error``) where they
-        cannot give a valid measurement."""
+    def parsed(
+        cls, p: argparse.ArgumentParser, a: argparse.Namespace, *, seq: int, model: ModelConfig
+    ) -> RunOptions:
+        """The settings from parsed arguments ``a`` for the Llama of config ``model``,
+        refused (``p.error``) where they cannot give a valid measurement."""
         options = cls(
             seq=a.seq or (16 if a.quick else seq),
             batch=a.batch,
@@ -83,6 +96,7 @@ class RunOptions:
             quick=a.quick,
             write=a.write if a.write is not None else not a.quick,
             results=a.results,
+            model=QUICK_LLAMA if a.quick else model,
         )
         require_positive(p, options, ("seq", "batch", "repeats"))
         if options.steps_per_run < 2:
@@ -189,6 +203,19 @@ def run_mode(
     return ModeResult(label, list(ways), samples, reasons, peers), loads
 
 
+def each_mode(
+    names: Sequence[str], measure: Callable[[Mode], tuple[R, list[float]]]
+) -> tuple[list[R], list[float]]:
+    """``measure(mode)`` for each fine-tuning mode of ``names`` (keys of
+    :data:`~workload.MODES`), in order: the results and every load average sampled."""
+    results, loads = [], []
+    for name in names:
+        result, mode_loads = measure(MODES[name])
+        results.append(result)
+        loads += mode_loads
+    return results, loads
+
+
 def ratio_table(results: Sequence[ModeResult], target: str) -> str:
     """Step times and ratios to plain per mode and way; for each peer, its overhead
     (ratio - 1) over ours and whether ours is below it (the ``target`` column)."""
@@ -230,13 +257,14 @@ def section(
     target: str,
 ) -> str:
     """A workload's results section: ``head`` (:func:`common.heading`), the ``Trainer``
-    setup with the workload's own ``setup`` sentences, the protocol, what each way runs
-    and the ratio table (``target``: the heading of its verdict column)."""
+    setup and the model, then the workload's own ``setup`` sentences, the protocol, what
+    each way runs and the ratio table (``target``: the heading of its verdict column)."""
     steps = min(len(v) for r in results for v in r.samples.values())
+    shape = ", ".join(f"{k}={v}" for k, v in options.model.items())
     return tidy(f"""{head}
 
 HF `Trainer` (CPU, fp32, AdamW, `max_grad_norm=1.0`), batch {options.batch} x sequence \
-{options.seq}, no padding, {setup} {options.protocol(steps)}
+{options.seq}, no padding, `LlamaConfig({shape})`{setup} {options.protocol(steps)}
 
 {notes_list(ways)}
 
