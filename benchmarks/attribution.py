@@ -103,9 +103,9 @@ class Group:
     """Methods sharing one capture, run together in one child process per model."""
 
     name: str
-    curvature: bool
-    adam: bool
     methods: tuple[MethodSpec, ...]
+    curvature: bool = False
+    adam: bool = False
 
     @property
     def variants(self) -> tuple[str, ...]:
@@ -117,8 +117,6 @@ class Group:
 GROUPS: dict[str, Group] = {
     "first-order": Group(
         "first-order",
-        curvature=False,
-        adam=False,
         methods=(
             MethodSpec("graddot", (FULL, PROJ), f"graddot/{FULL}"),
             MethodSpec("gradcos", (FULL, PROJ), f"gradcos/{FULL}"),
@@ -128,7 +126,6 @@ GROUPS: dict[str, Group] = {
     "curvature": Group(
         "curvature",
         curvature=True,
-        adam=False,
         methods=(
             MethodSpec("kfac", (FULL, PROJ), f"kfac/{FULL}"),
             MethodSpec("ekfac", (FULL, PROJ), f"ekfac/{FULL}"),
@@ -137,7 +134,6 @@ GROUPS: dict[str, Group] = {
     ),
     "less": Group(
         "less",
-        curvature=False,
         adam=True,
         methods=(MethodSpec("less", (FULL,), None, "refuses projected stores"),),
     ),

@@ -39,17 +39,7 @@ from typing import Any
 
 import common
 import torch
-from peers import workload
-from peers.training import (
-    OURS,
-    PLAIN,
-    ModeResult,
-    RunOptions,
-    TrainingWay,
-    Unavailable,
-    run_mode,
-    section,
-)
+from peers import training, workload
 from torch import Tensor, nn
 from transformers import PrinterCallback, Trainer
 
@@ -74,8 +64,8 @@ class Run:
         return Path(args.output_dir) / name.replace(" ", "_")
 
 
-class Plain(TrainingWay):
-    name = PLAIN
+class Plain(training.TrainingWay):
+    name = training.PLAIN
     note = "the Trainer alone"
 
     def __init__(self, run: Run):
@@ -85,8 +75,8 @@ class Plain(TrainingWay):
         common.make_trainer(model, self.run.rows, args, [timer]).train()
 
 
-class Ours(TrainingWay):
-    name = OURS
+class Ours(training.TrainingWay):
+    name = training.OURS
     note = (
         '`GradientCaptureCallback(layers="lora", projection="factor", k_a=16, k_g=16)`: '
         "a crash-safe store (fp32 safetensors shards) committed at every step"
@@ -119,7 +109,7 @@ class OursCurvature(Ours):
     curvature = True
 
 
-class Bergson(TrainingWay):
+class Bergson(training.TrainingWay):
     name = "bergson"
     note = (
         "`GradientCollectorCallback(projection_dim=16, use_optimizer_state=False)` after "
@@ -136,7 +126,7 @@ class Bergson(TrainingWay):
                 prepare_for_gradient_collection,
             )
         except ImportError as e:
-            raise Unavailable(f"bergson is not installed here ({e}); run `make bench`") from e
+            raise training.not_installed("bergson", e) from e
         self.run = run
         self.callback, self.prepare = GradientCollectorCallback, prepare_for_gradient_collection
         datasets.disable_progress_bars()
@@ -163,7 +153,7 @@ def _collate_lists(features: list[dict[str, Any]]) -> dict[str, Tensor]:
     return common.collate_rows([{"input_ids": torch.as_tensor(f["input_ids"])} for f in features])
 
 
-class DattriLLM(TrainingWay):
+class DattriLLM(training.TrainingWay):
     name = "dattri-llm"
     note = (
         '`HookManager(linear_io=<the adapters>, projection "logra", proj_dim=16)` around '
@@ -178,7 +168,7 @@ class DattriLLM(TrainingWay):
             from dattri_llm.gradient.hooks import HookManager
             from dattri_llm.gradient.storage_manager import GradientStorageManager
         except ImportError as e:
-            raise Unavailable(f"dattri-llm is not installed here ({e}); run `make bench`") from e
+            raise training.not_installed("dattri-llm", e) from e
         self.run = run
         self.manager, self.offload, self.storage = (
             HookManager,
@@ -205,7 +195,7 @@ class DattriLLM(TrainingWay):
             raise RuntimeError(f"dattri-llm wrote {len(written)} of {args.max_steps} steps")
 
 
-class LogIX(TrainingWay):
+class LogIX(training.TrainingWay):
     name = "logix"
     note = (
         "not run: logix-ai 0.1.1's Trainer integration (`logix.huggingface.patch_trainer`) "
@@ -215,28 +205,30 @@ class LogIX(TrainingWay):
     )
 
     def __init__(self, run: Run):
-        raise Unavailable(self.note.removeprefix("not run: "))
+        raise training.Unavailable(self.note.removeprefix("not run: "))
 
     def train(self, model: nn.Module, args: Any, timer: common.StepTimer) -> None:
-        raise Unavailable(self.note)
+        raise training.Unavailable(self.note)
 
 
 #: The ways compared, in table order; each is built as ``way(run)``.
 WAYS = (Plain, Ours, OursCurvature, Bergson, DattriLLM, LogIX)
 
 
-def measure(options: RunOptions, k: int, work: Path) -> tuple[ModeResult, list[float]]:
+def measure(
+    options: training.RunOptions, k: int, work: Path
+) -> tuple[training.ModeResult, list[float]]:
     """Alternating runs of every available library on identical LoRA copies."""
     vocab, steps = options.vocab, options.steps_per_run
     run = Run(workload.step_rows(vocab, steps=steps, batch=options.batch, seq=options.seq), k)
-    ways: dict[str, type[TrainingWay]] = {way.name: way for way in WAYS}
+    ways: dict[str, type[training.TrainingWay]] = {way.name: way for way in WAYS}
     base = workload.trainer_llama(options.model, seq=options.seq)
 
     def args_for(name: str, round_: int) -> Any:
         out = work / f"{name}-{round_}".replace(" ", "_")
         return common.training_args(out, options.steps_per_run, options.batch)
 
-    return run_mode(
+    return training.run_mode(
         LABEL,
         ways,
         lambda way: way(run),
@@ -248,7 +240,11 @@ def measure(options: RunOptions, k: int, work: Path) -> tuple[ModeResult, list[f
 
 
 def report(
-    result: ModeResult, loads: list[float], options: RunOptions, k: int, argv: Sequence[str]
+    result: training.ModeResult,
+    loads: list[float],
+    options: training.RunOptions,
+    k: int,
+    argv: Sequence[str],
 ) -> str:
     """The markdown section for the results file."""
     setup = (
@@ -257,24 +253,24 @@ def report(
         "adapter to local disk inside the training backward."
     )
     head = common.heading(SECTION, SCRIPT, argv, loads)
-    return section(head, setup, options, WAYS, [result], "target (4): ours below")
+    return training.section(head, setup, options, WAYS, [result], "target (4): ours below")
 
 
 # -- command line ----------------------------------------------------------------------
 
 
-def parse_args(argv: Sequence[str]) -> tuple[RunOptions, int]:
+def parse_args(argv: Sequence[str]) -> tuple[training.RunOptions, int]:
     """Parse and validate the command line: the run options and ``k``."""
     p = common.base_parser(__doc__.split("\n\n")[0])
     p.add_argument("--k", type=int, default=16, help="factor projection k_a = k_g")
-    RunOptions.add_arguments(p, seq=256)
+    training.RunOptions.add_arguments(p, seq=256)
     a = p.parse_args(argv)
     if a.k < 1:
         p.error("--k must be >= 1")
-    return RunOptions.parsed(p, a, seq=256, model=workload.TRAINING_LLAMA), a.k
+    return training.RunOptions.parsed(p, a, seq=256, model=workload.TRAINING_LLAMA), a.k
 
 
-def main(argv: Sequence[str]) -> ModeResult:
+def main(argv: Sequence[str]) -> training.ModeResult:
     """Run the comparison, print the table and the command, update the results file."""
     options, k = parse_args(argv)
     common.quiet_transformers()

@@ -35,18 +35,7 @@ from typing import Any
 
 import common
 import torch
-from peers import workload
-from peers.training import (
-    OURS,
-    PLAIN,
-    ModeResult,
-    RunOptions,
-    TrainingWay,
-    Unavailable,
-    each_mode,
-    run_mode,
-    section,
-)
+from peers import training, workload
 from torch import Tensor, nn
 from transformers import TrainerCallback
 
@@ -61,7 +50,7 @@ FRACTION = 0.25
 class Settings:
     """Resolved command-line settings: the shared run options, the modes and the pool."""
 
-    run: RunOptions
+    run: training.RunOptions
     modes: tuple[str, ...]
     pool: int
 
@@ -75,8 +64,8 @@ class Data:
     steps: int
 
 
-class Plain(TrainingWay):
-    name = PLAIN
+class Plain(training.TrainingWay):
+    name = training.PLAIN
     note = "the Trainer alone"
 
     def __init__(self, mode: workload.Mode, data: Data):
@@ -86,8 +75,8 @@ class Plain(TrainingWay):
         common.make_trainer(model, self.data.rows, args, [timer]).train()
 
 
-class Ours(TrainingWay):
-    name = OURS
+class Ours(training.TrainingWay):
+    name = training.OURS
     ours = True
     note = (
         f'`DataSelectionCallback(pool, target_examples=1, fraction={FRACTION}, score="dot")`'
@@ -108,7 +97,7 @@ class Ours(TrainingWay):
         _check_steps(self.name, len(selection.history), self.data.steps)
 
 
-class DattriLLM(TrainingWay):
+class DattriLLM(training.TrainingWay):
     name = "dattri-llm"
     note = (
         '`HookManager` + `DataSelectionCallback(target="val_loader")`, one pool example '
@@ -125,7 +114,7 @@ class DattriLLM(TrainingWay):
             )
             from dattri_llm.gradient.hooks import HookManager
         except ImportError as e:
-            raise Unavailable(f"dattri-llm is not installed here ({e}); run `make bench`") from e
+            raise training.not_installed("dattri-llm", e) from e
         self.manager, self.selection, self.data = HookManager, DattriSelection, data
         adapters = [r"lora_[AB]\.default$"] if mode.lora_rank is not None else None
         self.config = HookManagerConfig(linear_io=adapters)
@@ -171,7 +160,7 @@ def _check_steps(name: str, selected: int, steps: int) -> None:
 
 def measure(
     mode: workload.Mode, settings: Settings, base: nn.Module, work: Path
-) -> tuple[ModeResult, list[float]]:
+) -> tuple[training.ModeResult, list[float]]:
     """Alternating runs of every available library on identical copies of ``base``."""
     run = settings.run
     vocab = run.vocab
@@ -181,12 +170,12 @@ def measure(
         common.token_rows(settings.pool, run.seq, vocab, seed=3).tolist(),
         steps,
     )
-    ways: dict[str, type[TrainingWay]] = {way.name: way for way in WAYS}
+    ways: dict[str, type[training.TrainingWay]] = {way.name: way for way in WAYS}
 
     def args_for(name: str, round_: int) -> Any:
         return common.training_args(work / f"{mode.name}-{name}-{round_}", steps, run.batch)
 
-    return run_mode(
+    return training.run_mode(
         mode.label,
         ways,
         lambda way: way(mode, data),
@@ -198,7 +187,7 @@ def measure(
 
 
 def report(
-    results: list[ModeResult], loads: list[float], settings: Settings, argv: Sequence[str]
+    results: list[training.ModeResult], loads: list[float], settings: Settings, argv: Sequence[str]
 ) -> str:
     """The markdown section for the results file."""
     setup = (
@@ -207,7 +196,7 @@ def report(
         "dropped and removed from `.grad`."
     )
     head = common.heading(SECTION, SCRIPT, argv, loads)
-    return section(head, setup, settings.run, WAYS, results, "target (5): ours below")
+    return training.section(head, setup, settings.run, WAYS, results, "target (5): ours below")
 
 
 # -- command line ----------------------------------------------------------------------
@@ -218,21 +207,23 @@ def parse_args(argv: Sequence[str]) -> Settings:
     p = common.base_parser(__doc__.split("\n\n")[0])
     p.add_argument("--mode", choices=[*workload.MODES, "both"], default="both")
     p.add_argument("--pool", type=int, default=16, help="target pool size")
-    RunOptions.add_arguments(p, seq=128)
+    training.RunOptions.add_arguments(p, seq=128)
     a = p.parse_args(argv)
     if a.pool < 1:
         p.error("--pool must be >= 1")
     modes = tuple(workload.MODES) if a.mode == "both" else (a.mode,)
-    return Settings(RunOptions.parsed(p, a, seq=128, model=workload.SELECTION_LLAMA), modes, a.pool)
+    return Settings(
+        training.RunOptions.parsed(p, a, seq=128, model=workload.SELECTION_LLAMA), modes, a.pool
+    )
 
 
-def main(argv: Sequence[str]) -> list[ModeResult]:
+def main(argv: Sequence[str]) -> list[training.ModeResult]:
     """Run the comparison, print the table and the command, update the results file."""
     settings = parse_args(argv)
     common.quiet_transformers()
     base = workload.trainer_llama(settings.run.model, seq=settings.run.seq)
     with tempfile.TemporaryDirectory(prefix="tda-peer-select-") as work:
-        results, loads = each_mode(
+        results, loads = training.each_mode(
             settings.modes, lambda mode: measure(mode, settings, base, Path(work))
         )
     run = settings.run

@@ -10,15 +10,18 @@ can call the same adapters for scores.
 
 Adapters live one per module and register themselves with :func:`register_peer`;
 :func:`adapter` imports a library's module only when it is asked for, so the harness runs
-where the peers are not installed (CI: our library only).
+where the peers are not installed (CI: our library only). What each library runs for each
+method, and why it cannot run the others, is one table: ``methods.toml``.
 """
 
 from __future__ import annotations
 
 import importlib
+import tomllib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import ClassVar, TypeVar
 
 from torch import Tensor
@@ -48,6 +51,9 @@ LIBRARIES = {
     "traker": Library("traker_adapter", "traker"),
     "dattri": Library("dattri_adapter", "dattri"),
 }
+#: Per library name: ``notes`` (method -> what the library runs) and ``unsupported``
+#: (method -> why it cannot run it).
+METHOD_TABLE = tomllib.loads(Path(__file__).with_name("methods.toml").read_text())
 _ADAPTERS: dict[str, type[PeerAdapter]] = {}
 A = TypeVar("A", bound="type[PeerAdapter]")
 
@@ -60,15 +66,22 @@ class PeerAdapter(ABC):
     """One library's way of scoring training rows against queries.
 
     Class attributes:
-        name: the library's name in tables (a key of :data:`LIBRARIES`).
-        notes: per method, what the library actually runs (projection kind, damping, the
-            layer types it hooks), shown in the tables.
-        unsupported: per method, why the library cannot run it.
+        name: the library's name in tables (a key of :data:`LIBRARIES` and of
+            :data:`METHOD_TABLE`).
     """
 
     name: ClassVar[str]
-    notes: ClassVar[dict[str, str]] = {}
-    unsupported: ClassVar[dict[str, str]] = {}
+
+    @property
+    def notes(self) -> dict[str, str]:
+        """Per method, what the library actually runs (projection kind, damping, the layer
+        types it hooks), shown in the tables."""
+        return METHOD_TABLE.get(self.name, {}).get("notes", {})
+
+    @property
+    def unsupported(self) -> dict[str, str]:
+        """Per method, why the library cannot run it."""
+        return METHOD_TABLE.get(self.name, {}).get("unsupported", {})
 
     def prepare(self, problem: Problem, method: str) -> Problem:
         """Untimed set-up before the runs of ``method``; returns the problem to score

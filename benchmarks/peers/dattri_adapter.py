@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import shutil
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from common import RowDataset, collate_rows
@@ -31,32 +31,12 @@ from peers.base import PeerAdapter, register_peer
 from peers.workload import Problem, example_losses, linear_twin, parameter_names
 from tda_plugins import causal_lm_example_losses
 
-_EKFAC = (
-    "IFAttributorEKFAC.cache fails on sequence models: dattri.func.fisher."
-    "_update_covariance sets its input activations `a_prev` only for 2-D (batch, features) "
-    "layer inputs, so the (batch, tokens, features) inputs of every transformer linear layer "
-    "raise UnboundLocalError; it also ignores the loss function's token mask (always "
-    "ones(batch, 1))"
-)
-_KFAC = (
-    "no K-FAC attributor: dattri.algorithm's influence functions are Explicit, CG, LiSSA, "
-    "Arnoldi, DataInf and EK-FAC (plus LoGra/FactGraSS with an empirical Fisher of the "
-    "projected gradients); the Kronecker factors exist only inside IFAttributorEKFAC, "
-    "which always applies its corrected eigenvalues"
-)
-
 
 @register_peer
 class Dattri(PeerAdapter):
     """dattri 0.3 on CPU, fp32, one checkpoint (the problem's model)."""
 
     name = "dattri"
-    notes: ClassVar[dict[str, str]] = {
-        "graddot": "TracInAttributor, proj_type='identity' (no projection), bias on",
-        "graddot_proj": "LoGraAttributor, hessian='Identity', proj_dim = k*k (k per side, "
-        "Gaussian), bias on; query scores x (T - 1) from its token-mean loss",
-    }
-    unsupported: ClassVar[dict[str, str]] = {"kfac": _KFAC, "ekfac": _EKFAC}
 
     def prepare(self, problem: Problem, method: str) -> Problem:
         # LoGra hooks nn.Linear only and leaves the hooked weights without .grad: a copy.

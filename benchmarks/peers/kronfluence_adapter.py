@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import ClassVar
 
 from common import RowDataset
 from kronfluence.analyzer import Analyzer, prepare_model
@@ -45,15 +44,6 @@ class Kronfluence(PeerAdapter):
     """kronfluence 1.0 on CPU; damping left to its heuristic (0.1 x mean eigenvalue)."""
 
     name = "kronfluence"
-    notes: ClassVar[dict[str, str]] = {
-        "graddot": "strategy 'identity'",
-        "kfac": "strategy 'kfac', damping_factor=None (0.1 x mean eigenvalue)",
-        "ekfac": "strategy 'ekfac', damping_factor=None (0.1 x mean eigenvalue)",
-    }
-    unsupported: ClassVar[dict[str, str]] = {
-        "graddot_proj": "no gradient projection (only query_gradient_low_rank, a low-rank "
-        "SVD of the query gradient, not a factor projection)",
-    }
 
     def prepare(self, problem: Problem, method: str) -> Problem:
         self.task = _SummedLoss(problem.layers)

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import shutil
-from typing import ClassVar
 
 import torch
 from attribution import capture_store, micro_batches
@@ -32,7 +31,6 @@ from tda_plugins.queries import QueryCollector, score_record
 
 #: Our method for each measured configuration.
 _METHOD = {"graddot": "graddot", "graddot_proj": "graddot", "kfac": "kfac", "ekfac": "ekfac"}
-_PROJECTION_NOTE = "factor projection k_a = k_g = k in the hook"
 
 
 def projection_of(problem: Problem, method: str) -> ProjectionConfig | None:
@@ -47,12 +45,6 @@ class Ours(PeerAdapter):
     """Stores on local disk, scored by the registered method (damping 0.1 x mean eig)."""
 
     name = "ours"
-    notes: ClassVar[dict[str, str]] = {
-        "graddot": "store on disk, then graddot",
-        "graddot_proj": _PROJECTION_NOTE + ", store on disk",
-        "kfac": "inline K-FAC statistics, damping 0.1 x mean eigenvalue per factor",
-        "ekfac": "inline K-FAC statistics + one pass over the store, damping 0.1 x mean",
-    }
 
     def cleanup(self, problem: Problem) -> None:
         shutil.rmtree(problem.work / "ours", ignore_errors=True)
@@ -95,15 +87,6 @@ class OursLive(PeerAdapter):
     """In-memory query gradients, training rows scored inside their own backward."""
 
     name = "ours-live"
-    notes: ClassVar[dict[str, str]] = {
-        "graddot": "live: queries in memory, each micro-batch scored as it finishes",
-        "graddot_proj": _PROJECTION_NOTE + ", live",
-    }
-    unsupported: ClassVar[dict[str, str]] = {
-        m: "no live path: K-FAC/EK-FAC need the whole training set's factors first "
-        "(see the row of `ours`)"
-        for m in ("kfac", "ekfac")
-    }
 
     def _capture(self, problem: Problem, rows: Tensor, method: str, consumer: CaptureConsumer):
         """One captured forward + backward of ``rows`` per micro-batch into ``consumer``."""

@@ -119,6 +119,11 @@ class Unavailable(Exception):
     """A library cannot run this workload here; the message says why (kept in its row)."""
 
 
+def not_installed(library: str, error: ImportError) -> Unavailable:
+    """The reason of a library whose import failed here (the peers' venv has it)."""
+    return Unavailable(f"{library} is not installed here ({error}); run `make bench`")
+
+
 class TrainingWay(ABC):
     """One way of training a run: plain, or with one library's callback or hooks.
 
