@@ -17,6 +17,7 @@ method, and why it cannot run the others, is one table: ``methods.toml``.
 from __future__ import annotations
 
 import importlib
+import shutil
 import tomllib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -71,6 +72,9 @@ class PeerAdapter(ABC):
     """
 
     name: ClassVar[str]
+    #: Whether each timed call leaves files in :meth:`scratch` (stores, caches) that the
+    #: next round must not find; :meth:`cleanup` then removes the folder.
+    clears_scratch: ClassVar[bool] = False
 
     @property
     def notes(self) -> dict[str, str]:
@@ -88,9 +92,16 @@ class PeerAdapter(ABC):
         (an adapter may replace the model by an equivalent one it can hook)."""
         return problem
 
-    def cleanup(self, problem: Problem) -> None:  # noqa: B027 (a hook; most have nothing)
+    def scratch(self, problem: Problem) -> Path:
+        """The folder of this library's files under the problem's scratch folder."""
+        return problem.work / self.name
+
+    def cleanup(self, problem: Problem) -> None:
         """Untimed, after each timed call: remove what the call left on disk (a user keeps
-        it; only the benchmark's next round needs it gone). Default: nothing."""
+        it; only the benchmark's next round needs it gone): :meth:`scratch` where
+        :attr:`clears_scratch`, else nothing."""
+        if self.clears_scratch:
+            shutil.rmtree(self.scratch(problem), ignore_errors=True)
 
     @abstractmethod
     def scores(self, problem: Problem, method: str) -> Tensor:

@@ -15,7 +15,6 @@ divided by ``T - 1``, so the adapter multiplies them by ``T - 1``."""
 
 from __future__ import annotations
 
-import copy
 import shutil
 from typing import Any
 
@@ -28,7 +27,7 @@ from torch.func import functional_call
 from torch.utils.data import DataLoader, TensorDataset
 
 from peers.base import PeerAdapter, register_peer
-from peers.workload import Problem, example_losses, linear_twin, parameter_names
+from peers.workload import Problem, example_losses, linear_copy, parameter_names
 from tda_plugins import causal_lm_example_losses
 
 
@@ -37,14 +36,12 @@ class Dattri(PeerAdapter):
     """dattri 0.3 on CPU, fp32, one checkpoint (the problem's model)."""
 
     name = "dattri"
+    clears_scratch = True
 
     def prepare(self, problem: Problem, method: str) -> Problem:
         # LoGra hooks nn.Linear only and leaves the hooked weights without .grad: a copy.
-        self.model = linear_twin(copy.deepcopy(problem.model))
+        self.model = linear_copy(problem.model)
         return problem
-
-    def cleanup(self, problem: Problem) -> None:
-        shutil.rmtree(problem.work / "dattri", ignore_errors=True)
 
     def scores(self, problem: Problem, method: str) -> Tensor:
         if method == "graddot":
@@ -84,7 +81,7 @@ class Dattri(PeerAdapter):
             # loss): the mean of the summed losses gives each example's summed gradient.
             return example_losses(model, batch["input_ids"]).mean()
 
-        work = problem.work / "dattri"
+        work = self.scratch(problem)
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
         task = AttributionTask(

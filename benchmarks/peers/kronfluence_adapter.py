@@ -6,7 +6,6 @@ projection (only a low-rank query approximation), so the projected row is not ru
 
 from __future__ import annotations
 
-import copy
 import logging
 
 from common import RowDataset
@@ -16,7 +15,7 @@ from kronfluence.task import Task
 from torch import Tensor, nn
 
 from peers.base import PeerAdapter, register_peer
-from peers.workload import Problem, example_losses, linear_twin
+from peers.workload import Problem, example_losses, linear_copy
 
 _STRATEGY = {"graddot": "identity", "kfac": "kfac", "ekfac": "ekfac"}
 
@@ -48,7 +47,7 @@ class Kronfluence(PeerAdapter):
     def prepare(self, problem: Problem, method: str) -> Problem:
         self.task = _SummedLoss(problem.layers)
         # prepare_model freezes every parameter: a copy keeps the floor's model trainable.
-        self.model = prepare_model(linear_twin(copy.deepcopy(problem.model)), self.task)
+        self.model = prepare_model(linear_copy(problem.model), self.task)
         return problem
 
     def scores(self, problem: Problem, method: str) -> Tensor:

@@ -21,7 +21,7 @@ from logix import LogIX
 from torch import Tensor, nn
 
 from peers.base import PeerAdapter, register_peer
-from peers.workload import Problem, example_losses, linear_twin, row_batches
+from peers.workload import Problem, example_losses, linear_copy, row_batches
 
 _COVARIANCES = {"forward": ["covariance"], "backward": ["covariance"]}
 #: What LogIX logs on the training pass, per method.
@@ -39,7 +39,7 @@ class LogIXPeer(PeerAdapter):
     name = "logix"
 
     def prepare(self, problem: Problem, method: str) -> Problem:
-        self.template = linear_twin(copy.deepcopy(problem.model))
+        self.template = linear_copy(problem.model)
         return problem
 
     def _pass(self, run: LogIX, model: nn.Module, rows: Tensor, batch: int) -> None:

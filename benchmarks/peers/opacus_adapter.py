@@ -6,14 +6,12 @@ projection, no curvature."""
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from opacus import GradSampleModule
 from torch import Tensor
 
 from peers.base import PeerAdapter, register_peer
-from peers.workload import Problem, example_losses, linear_twin, row_batches
+from peers.workload import Problem, example_losses, linear_copy, row_batches
 
 
 @register_peer
@@ -23,7 +21,7 @@ class Opacus(PeerAdapter):
     name = "opacus"
 
     def prepare(self, problem: Problem, method: str) -> Problem:
-        model = linear_twin(copy.deepcopy(problem.model))
+        model = linear_copy(problem.model)
         chosen = {f"{n}.{p}" for n in problem.layers for p in ("weight", "bias")}
         for name, param in model.named_parameters():
             param.requires_grad_(name in chosen)

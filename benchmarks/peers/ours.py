@@ -14,8 +14,6 @@
 
 from __future__ import annotations
 
-import shutil
-
 import torch
 from attribution import capture_store, micro_batches
 from torch import Tensor
@@ -45,27 +43,21 @@ class Ours(PeerAdapter):
     """Stores on local disk, scored by the registered method (damping 0.1 x mean eig)."""
 
     name = "ours"
-
-    def cleanup(self, problem: Problem) -> None:
-        shutil.rmtree(problem.work / "ours", ignore_errors=True)
+    clears_scratch = True
 
     def scores(self, problem: Problem, method: str) -> Tensor:
-        root = problem.work / "ours"
+        root = self.scratch(problem)
         projection = projection_of(problem, method)
         curvature = method in ("kfac", "ekfac")
-        train = capture_store(
-            problem.model,
-            micro_batches(problem.train, problem.batch),
-            root / "train",
-            projection,
-            curvature,
-        )
-        queries = capture_store(
-            problem.model,
-            micro_batches(problem.queries, problem.batch),
-            root / "queries",
-            projection,
-            False,
+        train, queries = (
+            capture_store(
+                problem.model,
+                micro_batches(rows, problem.batch),
+                root / part,
+                projection,
+                curvature and part == "train",
+            )
+            for part, rows in (("train", problem.train), ("queries", problem.queries))
         )
         return method_by_name(_METHOD[method]).score(train, queries).values.T
 

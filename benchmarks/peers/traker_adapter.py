@@ -85,13 +85,11 @@ class Traker(PeerAdapter):
     """traker 0.3 on CPU, fp32 (``use_half_precision=False``), one checkpoint."""
 
     name = "traker"
-
-    def cleanup(self, problem: Problem) -> None:
-        shutil.rmtree(problem.work / "traker", ignore_errors=True)
+    clears_scratch = True
 
     def scores(self, problem: Problem, method: str) -> Tensor:
         model = problem.model
-        work = problem.work / "traker"
+        work = self.scratch(problem)
         # A fresh folder; load_from_save_dir stays True: traker 0.3.2 writes the
         # experiments.json that start_scoring_checkpoint reads only in that mode.
         shutil.rmtree(work, ignore_errors=True)

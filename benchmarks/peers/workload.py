@@ -212,6 +212,11 @@ def floor_forward(problem: Problem) -> None:
         example_losses(problem.model, ids)
 
 
+def linear_copy(model: nn.Module) -> nn.Module:
+    """A :func:`linear_twin` of a copy of ``model`` (``model`` itself is left as it is)."""
+    return linear_twin(copy.deepcopy(model))
+
+
 def linear_twin(model: nn.Module) -> nn.Module:
     """``model`` with every transformers ``Conv1D`` replaced in place by the equivalent
     ``nn.Linear`` (weight transposed): same function, same gradients up to the transpose,
