@@ -481,6 +481,48 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def add_step_flags(
+    p: argparse.ArgumentParser, *, seq: int, repeats: int, steps_per_run: int, profiled: str
+) -> None:
+    """The flags of a benchmark that times ``Trainer`` steps in alternating short runs
+    (defaults ``seq``, ``repeats``, ``steps_per_run``; ``profiled``: what its cProfiled
+    steps are); :func:`step_settings` reads them."""
+    p.add_argument("--seq", type=int, help=f"sequence length (default {seq}; quick 16)")
+    p.add_argument("--batch", type=int, default=8, help="examples per step")
+    p.add_argument("--repeats", type=int, help=f"timed steps per configuration (default {repeats})")
+    p.add_argument(
+        "--steps-per-run", type=int, default=steps_per_run, help="steps of one train() run"
+    )
+    p.add_argument("--warmup-steps", type=int, default=1, help="discarded steps of each run")
+    p.add_argument("--profile-steps", type=int, help=f"cProfiled {profiled} steps (default 3)")
+
+
+def step_settings(a: argparse.Namespace, *, seq: int, repeats: int) -> dict[str, Any]:
+    """The settings of :func:`add_step_flags`'s flags, defaults resolved (``--quick``: 16
+    tokens, 3 repeats, 1 profiled step), and ``quick``, ``write``, ``results``."""
+    quick = a.quick
+    return dict(
+        seq=a.seq or (16 if quick else seq),
+        batch=a.batch,
+        repeats=a.repeats or (3 if quick else repeats),
+        steps_per_run=a.steps_per_run,
+        warmup_steps=a.warmup_steps,
+        profile_steps=a.profile_steps if a.profile_steps is not None else (1 if quick else 3),
+        quick=quick,
+        write=a.write if a.write is not None else not quick,
+        results=a.results,
+    )
+
+
+def require_steps(p: argparse.ArgumentParser, settings: Any, positive: Sequence[str]) -> None:
+    """Refuse step settings that cannot give a valid measurement: ``positive`` (and the
+    step flags) below 1, a warm-up that leaves no timed step, too few repeats."""
+    require_positive(p, settings, ("seq", "batch", *positive, "repeats", "steps_per_run"))
+    if not 0 <= settings.warmup_steps < settings.steps_per_run:
+        p.error("--warmup-steps must be in [0, --steps-per-run)")
+    require_repeats(p, settings.repeats, quick=settings.quick)
+
+
 def require_positive(p: argparse.ArgumentParser, settings: object, names: Sequence[str]) -> None:
     """Refuse (``p.error``) settings among ``names`` below 1, naming their flags."""
     for name in names:

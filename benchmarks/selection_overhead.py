@@ -34,7 +34,6 @@ target, the rule) and surgery.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import tempfile
@@ -441,38 +440,16 @@ def parse_args(argv: Sequence[str]) -> Settings:
     """Parse and validate the command line into :class:`Settings`."""
     p = common.base_parser(__doc__.split("\n\n")[0])
     p.add_argument("--mode", choices=[*workload.MODES, "both"], default="both")
-    p.add_argument("--seq", type=int, help="sequence length (default 128; quick 16)")
-    p.add_argument("--batch", type=int, default=8, help="examples per step")
     p.add_argument("--pool", type=int, default=16, help="target pool size")
-    p.add_argument("--repeats", type=int, help="timed steps per configuration (default 12)")
-    p.add_argument("--steps-per-run", type=int, default=4, help="steps of one train() run")
-    p.add_argument("--warmup-steps", type=int, default=1, help="discarded steps of each run")
-    p.add_argument("--profile-steps", type=int, help="cProfiled selection steps (default 3)")
+    common.add_step_flags(p, seq=128, repeats=12, steps_per_run=4, profiled="selection")
     a = p.parse_args(argv)
-    quick = a.quick
     settings = Settings(
         modes=tuple(workload.MODES) if a.mode == "both" else (a.mode,),
-        seq=a.seq or (16 if quick else 128),
-        batch=a.batch,
         pool=a.pool,
-        repeats=a.repeats or (3 if quick else 12),
-        steps_per_run=a.steps_per_run,
-        warmup_steps=a.warmup_steps,
-        profile_steps=a.profile_steps if a.profile_steps is not None else (1 if quick else 3),
-        quick=quick,
-        write=a.write if a.write is not None else not quick,
-        results=a.results,
+        **common.step_settings(a, seq=128, repeats=12),
     )
-    check(p, settings)
+    common.require_steps(p, settings, ("pool",))
     return settings
-
-
-def check(p: argparse.ArgumentParser, settings: Settings) -> None:
-    """Refuse settings that cannot give a valid measurement."""
-    common.require_positive(p, settings, ("seq", "batch", "pool", "repeats", "steps_per_run"))
-    if not 0 <= settings.warmup_steps < settings.steps_per_run:
-        p.error("--warmup-steps must be in [0, --steps-per-run)")
-    common.require_repeats(p, settings.repeats, quick=settings.quick)
 
 
 def main(argv: Sequence[str]) -> None:

@@ -334,44 +334,20 @@ cumulative CPU times, torch operations included; the layer hooks include the pro
 def parse_args(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
     """Parse and validate the command line into :class:`Settings`."""
     p = common.base_parser(__doc__.split("\n\n")[0])
-    p.add_argument("--seq", type=int, help="sequence length (default 256; quick 16)")
-    p.add_argument("--batch", type=int, default=8, help="examples per step")
     p.add_argument("--k", type=int, default=16, help="factor projection k_a = k_g")
-    p.add_argument("--repeats", type=int, help="timed steps per configuration (default 20)")
-    p.add_argument("--steps-per-run", type=int, default=3, help="steps of one train() run")
-    p.add_argument("--warmup-steps", type=int, default=1, help="discarded steps of each run")
-    p.add_argument("--profile-steps", type=int, help="cProfiled capture steps (default 3)")
+    common.add_step_flags(p, seq=256, repeats=20, steps_per_run=3, profiled="capture")
     p.add_argument("--rss-steps", type=int, default=3, help="steps per peak-RSS child")
     p.add_argument("--rss-repeats", type=int, help="children per configuration (default 2)")
     p.add_argument("--rss-child", choices=CONFIGS, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    quick = a.quick
     settings = Settings(
-        seq=a.seq or (16 if quick else 256),
-        batch=a.batch,
         k=a.k,
-        repeats=a.repeats or (3 if quick else 20),
-        steps_per_run=a.steps_per_run,
-        warmup_steps=a.warmup_steps,
-        profile_steps=a.profile_steps if a.profile_steps is not None else (1 if quick else 3),
         rss_steps=a.rss_steps,
-        rss_repeats=a.rss_repeats if a.rss_repeats is not None else (0 if quick else 2),
-        quick=quick,
-        write=a.write if a.write is not None else not quick,
-        results=a.results,
+        rss_repeats=a.rss_repeats if a.rss_repeats is not None else (0 if a.quick else 2),
+        **common.step_settings(a, seq=256, repeats=20),
     )
-    check(p, settings)
+    common.require_steps(p, settings, ("k", "rss_steps"))
     return settings, a
-
-
-def check(p: argparse.ArgumentParser, settings: Settings) -> None:
-    """Refuse settings that cannot give a valid measurement."""
-    common.require_positive(
-        p, settings, ("seq", "batch", "k", "repeats", "steps_per_run", "rss_steps")
-    )
-    if not 0 <= settings.warmup_steps < settings.steps_per_run:
-        p.error("--warmup-steps must be in [0, --steps-per-run)")
-    common.require_repeats(p, settings.repeats, quick=settings.quick)
 
 
 def run(settings: Settings) -> Measured:
