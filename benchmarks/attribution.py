@@ -28,12 +28,6 @@ so that each capture runs once per round. Peak RSS is measured per phase inside 
 child: freed heap is returned (``malloc_trim``) and the high-water mark reset
 (``/proc/self/clear_refs``) before each phase, and ``VmHWM`` read after it; a method's
 peak is the larger of its capture's and its scoring's, compared with the floor's.
-
-Usage::
-
-    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false \\
-        .venv/bin/python benchmarks/attribution.py
-    .venv/bin/python benchmarks/attribution.py --quick        # smoke run, no write
 """
 
 from __future__ import annotations
@@ -49,26 +43,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
+import common
 import torch
-from common import (
-    Sample,
-    Stopwatch,
-    base_parser,
-    causal_lm,
-    command_line,
-    load_average,
-    load_text,
-    machine_info,
-    median_of,
-    parameter_count,
-    phase_peak,
-    publish,
-    rotated,
-    run_child,
-    tidy,
-    token_rows,
-    utc_now,
-)
+from common import llama
+from peers.workload import ModelSpec, spec_model
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
@@ -91,49 +69,19 @@ T = TypeVar("T")
 # -- what is measured ------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """A transformers causal LM built from its config (random init, no hub access)."""
-
-    name: str
-    config_cls: str
-    model_cls: str
-    full: dict[str, Any]
-    quick: dict[str, Any]
-    note: str
-
-
 MODELS: dict[str, ModelSpec] = {
     "gpt2": ModelSpec(
-        "gpt2",
         "GPT2Config",
         "GPT2LMHeadModel",
         full=dict(vocab_size=2048, n_embd=128, n_layer=2, n_head=4),
-        quick=dict(vocab_size=128, n_embd=32, n_layer=1, n_head=2),
+        tiny=dict(vocab_size=128, n_embd=32, n_layer=1, n_head=2),
         note="Conv1D layers; lm_head tied to wte, so kind='linear' leaves it out",
     ),
     "llama": ModelSpec(
-        "llama",
         "LlamaConfig",
         "LlamaForCausalLM",
-        full=dict(
-            vocab_size=2048,
-            hidden_size=128,
-            intermediate_size=352,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            tie_word_embeddings=True,
-        ),
-        quick=dict(
-            vocab_size=128,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            tie_word_embeddings=True,
-        ),
+        full=llama(2048, hidden=128, intermediate=352, layers=2, heads=4, tie_word_embeddings=True),
+        tiny=llama(128, hidden=32, intermediate=64, layers=1, heads=2, tie_word_embeddings=True),
         note="lm_head tied to embed_tokens, so kind='linear' leaves it out",
     ),
 }
@@ -155,9 +103,9 @@ class Group:
     """Methods sharing one capture, run together in one child process per model."""
 
     name: str
-    curvature: bool
-    adam: bool
     methods: tuple[MethodSpec, ...]
+    curvature: bool = False
+    adam: bool = False
 
     @property
     def variants(self) -> tuple[str, ...]:
@@ -169,8 +117,6 @@ class Group:
 GROUPS: dict[str, Group] = {
     "first-order": Group(
         "first-order",
-        curvature=False,
-        adam=False,
         methods=(
             MethodSpec("graddot", (FULL, PROJ), f"graddot/{FULL}"),
             MethodSpec("gradcos", (FULL, PROJ), f"gradcos/{FULL}"),
@@ -180,7 +126,6 @@ GROUPS: dict[str, Group] = {
     "curvature": Group(
         "curvature",
         curvature=True,
-        adam=False,
         methods=(
             MethodSpec("kfac", (FULL, PROJ), f"kfac/{FULL}"),
             MethodSpec("ekfac", (FULL, PROJ), f"ekfac/{FULL}"),
@@ -189,7 +134,6 @@ GROUPS: dict[str, Group] = {
     ),
     "less": Group(
         "less",
-        curvature=False,
         adam=True,
         methods=(MethodSpec("less", (FULL,), None, "refuses projected stores"),),
     ),
@@ -224,18 +168,6 @@ class Settings:
 # -- model, data, floor and capture (child process) ------------------------------------
 
 
-def build_model(spec: ModelSpec, settings: Settings) -> nn.Module:
-    """The spec's model in fp32, seeded, dropout off, eval mode (gradients still flow)."""
-    kwargs = dict(spec.quick if settings.quick else spec.full)
-    if spec.name == "gpt2":
-        kwargs |= dict(n_positions=settings.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        kwargs |= dict(bos_token_id=0, eos_token_id=0)
-    else:
-        kwargs |= dict(max_position_embeddings=settings.seq)
-    model = causal_lm(spec.config_cls, spec.model_cls, attn_implementation="sdpa", **kwargs)
-    return model.eval()
-
-
 def micro_batches(rows: Tensor, batch: int) -> list[Batch]:
     """Consecutive micro-batches of ``batch`` rows (all-ones mask, labels = inputs)."""
     out = []
@@ -259,9 +191,9 @@ class Data:
 
 def make_data(spec: ModelSpec, settings: Settings) -> Data:
     """Random token sequences (distinct seeds for training and queries)."""
-    vocab = int((spec.quick if settings.quick else spec.full)["vocab_size"])
-    train = token_rows(settings.train, settings.seq, vocab, seed=1)
-    queries = token_rows(settings.queries, settings.seq, vocab, seed=2)
+    vocab = int(spec.config(tiny=settings.quick)["vocab_size"])
+    train = common.token_rows(settings.train, settings.seq, vocab, seed=1)
+    queries = common.token_rows(settings.queries, settings.seq, vocab, seed=2)
     return Data(micro_batches(train, settings.batch), micro_batches(queries, settings.batch))
 
 
@@ -328,7 +260,7 @@ class GroupRun:
     """Timings, peaks and store sizes of one group's child, keyed by phase name:
     ``floor``, ``capture/<variant>``, ``score/<method>/<variant>``."""
 
-    samples: dict[str, list[Sample]]
+    samples: dict[str, list[common.Sample]]
     peaks: dict[str, float]
     store_mb: dict[str, float]
 
@@ -340,7 +272,7 @@ class GroupBench:
         self.group = group
         self.settings = settings
         self.work = work
-        self.model = build_model(spec, settings)
+        self.model = spec_model(spec, tiny=settings.quick, seq=settings.seq)
         self.data = make_data(spec, settings)
         self.optimizer = (
             adam_steps(self.model, self.data, settings.adam_steps) if group.adam else None
@@ -369,7 +301,7 @@ class GroupBench:
 
     def timed(self, phase: str, work: Callable[[], T]) -> T:
         """Run ``work()``; record its wall/CPU time and peak RSS under ``phase``."""
-        with phase_peak(self.run.peaks, phase), Stopwatch() as watch:
+        with common.phase_peak(self.run.peaks, phase), common.Stopwatch() as watch:
             result = work()
         self.run.samples.setdefault(phase, []).append(watch.sample)
         return result
@@ -401,7 +333,7 @@ class GroupBench:
         slots = [FLOOR, *self.group.variants]
         for round_ in range(self.settings.rounds):
             last = round_ == self.settings.rounds - 1
-            for slot in rotated(slots, round_):
+            for slot in common.rotated(slots, round_):
                 if slot == FLOOR:
                     self.timed(FLOOR, lambda: floor_pass(self.model, self.data))
                 else:
@@ -425,7 +357,7 @@ def group_child(model_name: str, group_name: str, settings: Settings, out: Path)
         run = bench.measure(keep)
         layers = LayerSelection(kind="linear").resolve(bench.model)
     return {
-        "params": parameter_count(bench.model),
+        "params": common.parameter_count(bench.model),
         "layers": len(layers),
         "samples": {k: [s.to_json() for s in v] for k, v in run.samples.items()},
         "peaks": run.peaks,
@@ -489,9 +421,9 @@ class Row:
     method: str
     variant: str
     note: str
-    capture: Sample
-    score: Sample
-    floor: Sample
+    capture: common.Sample
+    score: common.Sample
+    floor: common.Sample
     capture_peak_mb: float
     score_peak_mb: float
     floor_peak_mb: float
@@ -499,14 +431,14 @@ class Row:
     rho: tuple[float, float] | None
 
 
-def median_sample(samples: Sequence[Sample]) -> Sample:
+def median_sample(samples: Sequence[common.Sample]) -> common.Sample:
     """Median wall and median CPU time (each taken separately)."""
-    return Sample(median_of(samples, "wall"), median_of(samples, "cpu"))
+    return common.Sample(common.median_of(samples, "wall"), common.median_of(samples, "cpu"))
 
 
 def group_rows(model: str, group: Group, child: dict[str, Any], out: Path) -> list[Row]:
     """The rows of one group's child report."""
-    samples = {k: [Sample.from_json(s) for s in v] for k, v in child["samples"].items()}
+    samples = {k: [common.Sample.from_json(s) for s in v] for k, v in child["samples"].items()}
     peaks = child["peaks"]
     rows = []
     for method in group.methods:
@@ -541,7 +473,7 @@ class Collected:
 
     rows: list[Row]
     models: dict[str, tuple[int, int]]
-    floors: dict[str, list[Sample]]
+    floors: dict[str, list[common.Sample]]
     loads: list[float]
 
 
@@ -554,18 +486,18 @@ def collect(settings: Settings, out: Path) -> Collected:
         for name in settings.groups:
             print(f"  {model}: {name} ...", flush=True)
             args = ["--child", model, name, "--out", str(out), *settings.child_flags()]
-            children[name] = run_child(script, args)
-            found.loads.append(load_average())
+            children[name] = common.run_child(script, args)
+            found.loads.append(common.load_average())
         for name, child in children.items():
             found.rows += group_rows(model, GROUPS[name], child, out)
             found.floors.setdefault(model, []).extend(
-                Sample.from_json(s) for s in child["samples"][FLOOR]
+                common.Sample.from_json(s) for s in child["samples"][FLOOR]
             )
             found.models[model] = (child["params"], child["layers"])
     return found
 
 
-def ratio(a: Sample, b: Sample) -> str:
+def ratio(a: common.Sample, b: common.Sample) -> str:
     """``wall / CPU`` ratio of two medians."""
     return f"{a.wall / b.wall:.2f}x / {a.cpu / b.cpu:.2f}x"
 
@@ -605,12 +537,10 @@ def models_table(found: Collected, settings: Settings) -> str:
         "|---|---|---:|---:|---:|",
     ]
     for name, (params, layers) in found.models.items():
-        spec = MODELS[name]
-        kwargs = spec.quick if settings.quick else spec.full
-        shape = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+        spec_text = MODELS[name].text(tiny=settings.quick)
         floor = median_sample(found.floors[name])
         lines.append(
-            f"| {name} | `{spec.config_cls}({shape})`; {spec.note} | {params / 1e6:.2f}M "
+            f"| {name} | {spec_text} | {params / 1e6:.2f}M "
             f"| {layers} | {floor.wall:.2f} / {floor.cpu:.2f} |"
         )
     return "\n".join(lines)
@@ -618,11 +548,7 @@ def models_table(found: Collected, settings: Settings) -> str:
 
 def report(found: Collected, settings: Settings, argv: Sequence[str]) -> str:
     """The full markdown section for the results file."""
-    return tidy(f"""{SECTION}
-
-Command: `{command_line(SCRIPT, argv)}`
-
-Date: {utc_now()}. Machine: {machine_info()}; {load_text(found.loads)}.
+    return common.tidy(f"""{common.heading(SECTION, SCRIPT, argv, found.loads)}
 
 {settings.train} training and {settings.queries} query sequences of {settings.seq} random \
 tokens, micro-batches of {settings.batch}, all linear layers \
@@ -655,7 +581,7 @@ training examples (torch ranks, then Pearson), mean [min] over queries.
 
 def parse_args(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
     """Parse and validate the command line into :class:`Settings`."""
-    p = base_parser(__doc__.split("\n\n")[0])
+    p = common.base_parser(__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=[*MODELS, "both"], help="default both; quick gpt2")
     p.add_argument("--group", choices=[*GROUPS, "all"], default="all", help="method groups")
     p.add_argument("--train", type=int, help="training sequences (default 256; quick 16)")
@@ -683,9 +609,8 @@ def parse_args(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
         write=a.write if a.write is not None else not quick,
         results=a.results,
     )
-    for name in ("train", "queries", "seq", "batch", "k", "rounds", "adam_steps"):
-        if getattr(settings, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    names = ("train", "queries", "seq", "batch", "k", "rounds", "adam_steps")
+    common.require_positive(p, settings, names)
     return settings, a
 
 
@@ -706,7 +631,7 @@ def main(argv: Sequence[str]) -> None:
     with tempfile.TemporaryDirectory(prefix="tda-attr-scores-") as out:
         found = collect(settings, Path(out))
         section = report(found, settings, argv)
-    publish(section, SECTION, settings.results, settings.write)
+    common.publish(section, SECTION, settings.results, settings.write)
 
 
 if __name__ == "__main__":

@@ -26,11 +26,6 @@ Peak memory: each configuration runs a few steps in fresh child processes of thi
 model: on Linux a child's ``ru_maxrss`` starts at its parent's high-water mark (it is kept
 across fork and exec), so a parent that had already trained would mask the child's peak.
 The child also reads ``VmHWM`` from ``/proc/self/status`` as a cross-check.
-
-Usage::
-
-    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/capture_overhead.py
-    .venv/bin/python benchmarks/capture_overhead.py --quick        # smoke run, no write
 """
 
 from __future__ import annotations
@@ -43,9 +38,7 @@ import os
 import pstats
 import resource
 import statistics
-import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -54,18 +47,22 @@ from pathlib import Path
 import torch
 from common import (
     CONTENDED,
-    MIN_REPEATS,
     RESULTS,
+    Mark,
+    Sample,
     Spread,
-    command_line,
-    load_text,
-    machine_info,
+    heading,
+    llama,
+    peak_rss_mb,
+    publish,
+    require_positive,
+    require_repeats,
     rotated,
+    run_child,
     tidy,
-    utc_now,
     verdict,
-    write_section,
 )
+from peers.workload import ModelSpec
 from torch import nn
 
 from tda_plugins import (
@@ -84,49 +81,21 @@ BASELINE = "baseline"
 # -- what is measured ------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """A transformers causal LM built from its config (random init, no hub access)."""
-
-    name: str
-    config_cls: str
-    model_cls: str
-    full: dict[str, int | bool | float]
-    quick: dict[str, int | bool | float]
-    note: str
-
-
 MODELS: dict[str, ModelSpec] = {
     "llama": ModelSpec(
-        name="llama",
-        config_cls="LlamaConfig",
-        model_cls="LlamaForCausalLM",
-        full=dict(
-            vocab_size=8000,
-            hidden_size=384,
-            intermediate_size=1024,
-            num_hidden_layers=2,
-            num_attention_heads=6,
-            num_key_value_heads=6,
-            tie_word_embeddings=False,
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        full=llama(
+            8000, hidden=384, intermediate=1024, layers=2, heads=6, tie_word_embeddings=False
         ),
-        quick=dict(
-            vocab_size=512,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            tie_word_embeddings=False,
-        ),
+        tiny=llama(512, hidden=64, intermediate=128, layers=1, heads=4, tie_word_embeddings=False),
         note="untied lm_head, so lm_head (vocab-wide) is captured",
     ),
     "gpt2": ModelSpec(
-        name="gpt2",
-        config_cls="GPT2Config",
-        model_cls="GPT2LMHeadModel",
+        "GPT2Config",
+        "GPT2LMHeadModel",
         full=dict(vocab_size=8000, n_embd=384, n_layer=4, n_head=6),
-        quick=dict(vocab_size=512, n_embd=64, n_layer=1, n_head=4),
+        tiny=dict(vocab_size=512, n_embd=64, n_layer=1, n_head=4),
         note="Conv1D layers; lm_head is tied to wte, so kind='linear' leaves it out",
     ),
 }
@@ -220,9 +189,9 @@ def build_model(spec: ModelSpec, settings: Settings) -> nn.Module:
     """The spec's model in fp32, train mode, seeded init, dropout off."""
     import transformers
 
-    kwargs = dict(spec.quick if settings.quick else spec.full)
+    kwargs = spec.config(tiny=settings.quick)
     positions = max(settings.seq, 256)
-    if spec.name == "gpt2":
+    if spec.config_cls == "GPT2Config":
         kwargs |= dict(n_positions=positions, bos_token_id=0, eos_token_id=0)
         kwargs |= dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     else:
@@ -237,7 +206,7 @@ def build_model(spec: ModelSpec, settings: Settings) -> nn.Module:
 
 def vocab_size(spec: ModelSpec, settings: Settings) -> int:
     """The vocabulary size of ``spec`` at these settings."""
-    return int((spec.quick if settings.quick else spec.full)["vocab_size"])
+    return int(spec.config(tiny=settings.quick)["vocab_size"])
 
 
 def make_batch(vocab: int, settings: Settings) -> dict[str, torch.Tensor]:
@@ -245,25 +214,6 @@ def make_batch(vocab: int, settings: Settings) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(1, vocab, (settings.batch, settings.seq), generator=gen)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
-
-
-@dataclass(frozen=True)
-class StepSample:
-    """What one training step cost.
-
-    Attributes:
-        wall: elapsed seconds (``time.perf_counter``).
-        cpu: CPU seconds of this process, user + system (``time.process_time``). With one
-            thread it is the step's own work, so it is far less sensitive than wall time to
-            other processes competing for the cores of a shared machine.
-        sys: system CPU seconds (page faults, zeroing fresh pages, ...).
-        faults: minor page faults (fresh pages the step touched).
-    """
-
-    wall: float
-    cpu: float
-    sys: float
-    faults: int
 
 
 class Trainer:
@@ -274,24 +224,17 @@ class Trainer:
         self.batch = batch
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-    def step(self, engine: CaptureEngine | None) -> StepSample:
+    def step(self, engine: CaptureEngine | None) -> Sample:
         """One forward/backward/AdamW/zero_grad step, and what it cost."""
         gc.collect()
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        cpu = time.process_time()
-        start = time.perf_counter()
+        start = Mark.now()
         loss = self.model(**self.batch).loss
         loss.backward()
         if engine is not None:
             engine.optimizer_step()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        wall = time.perf_counter() - start
-        cpu = time.process_time() - cpu
-        after = resource.getrusage(resource.RUSAGE_SELF)
-        return StepSample(
-            wall, cpu, after.ru_stime - usage.ru_stime, after.ru_minflt - usage.ru_minflt
-        )
+        return start.elapsed()
 
 
 def make_engine(
@@ -323,14 +266,14 @@ class Timings:
     model: str
     params: int
     layers: int
-    samples: dict[str, list[StepSample]] = field(default_factory=dict)
+    samples: dict[str, list[Sample]] = field(default_factory=dict)
     loads: list[float] = field(default_factory=list)
     profiles: dict[str, HookProfile] = field(default_factory=dict)
 
 
 def timed_step(
     trainer: Trainer, capture: tuple[CaptureEngine, StepRecordKeeper] | None, clean_hooks: int
-) -> tuple[StepSample, int]:
+) -> tuple[Sample, int]:
     """One step with the engine attached only around it: (its cost, layers captured)."""
     if capture is None:
         return trainer.step(None), 0
@@ -346,15 +289,16 @@ def timed_step(
     return sample, keeper.layers_seen
 
 
-def time_model(spec: ModelSpec, settings: Settings) -> Timings:
-    """Interleaved rounds of baseline / capture steps on a fresh model of ``spec``."""
+def time_model(name: str, settings: Settings) -> Timings:
+    """Interleaved rounds of baseline / capture steps on a fresh model ``name``."""
+    spec = MODELS[name]
     model = build_model(spec, settings)
     trainer = Trainer(model, make_batch(vocab_size(spec, settings), settings))
     engines: dict[str, tuple[CaptureEngine, StepRecordKeeper] | None] = {BASELINE: None}
     engines |= {name: make_engine(model, cfg) for name, cfg in CONFIGS.items()}
     layers = len(LayerSelection(kind="linear").resolve(model))
     clean = hook_count(model)
-    result = Timings(spec.name, sum(p.numel() for p in model.parameters()), layers)
+    result = Timings(name, sum(p.numel() for p in model.parameters()), layers)
     result.samples = {name: [] for name in engines}
     for round_ in range(settings.warmup + settings.repeats):
         for name in rotated(list(engines), round_):
@@ -365,7 +309,7 @@ def time_model(spec: ModelSpec, settings: Settings) -> Timings:
                 result.samples[name].append(sample)
         if round_ % 10 == 0 and hasattr(os, "getloadavg"):
             result.loads.append(os.getloadavg()[0])
-        print(f"  {spec.name} round {round_ + 1}/{settings.warmup + settings.repeats}", flush=True)
+        print(f"  {name} round {round_ + 1}/{settings.warmup + settings.repeats}", flush=True)
     if settings.profile:
         for name, capture in engines.items():
             if capture is not None:
@@ -451,21 +395,10 @@ def peak_rss_child(model_name: str, config_name: str, settings: Settings) -> dic
         trainer.step(engine)
     return {
         "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-        "vmhwm_kb": vm_hwm_kb(),
+        "vmhwm_kb": 1024 * peak_rss_mb(),
         "held_unique": keeper.held_unique,
         "held_sum": keeper.held_sum,
     }
-
-
-def vm_hwm_kb() -> float:
-    """This process's own peak RSS from ``/proc/self/status`` (Linux), else NaN."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return float(line.split()[1])
-    except OSError:
-        pass
-    return float("nan")
 
 
 def child_args(settings: Settings) -> list[str]:
@@ -477,11 +410,8 @@ def child_args(settings: Settings) -> list[str]:
 
 def run_rss_child(model_name: str, config_name: str, settings: Settings) -> dict[str, float]:
     """Start ``--rss-child`` for one (model, configuration) and parse its JSON line."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--rss-child", model_name, config_name]
-    done = subprocess.run(cmd + child_args(settings), capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"rss child {model_name}/{config_name} failed:\n{done.stderr}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    args = ["--rss-child", model_name, config_name, *child_args(settings)]
+    return run_child(Path(__file__).resolve(), args)
 
 
 RssRuns = dict[tuple[str, str], list[dict[str, float]]]
@@ -669,13 +599,8 @@ def models_table(timings: list[Timings], settings: Settings) -> str:
     """The markdown table describing the benchmarked models."""
     lines = ["| model | config | params | captured linear layers |", "|---|---|---:|---:|"]
     for t in timings:
-        spec = MODELS[t.model]
-        kwargs = spec.quick if settings.quick else spec.full
-        shape = ", ".join(f"{k}={v}" for k, v in kwargs.items())
-        lines.append(
-            f"| {t.model} | `{spec.config_cls}({shape})`; {spec.note} | {t.params / 1e6:.2f}M "
-            f"| {t.layers} |"
-        )
+        spec_text = MODELS[t.model].text(tiny=settings.quick)
+        lines.append(f"| {t.model} | {spec_text} | {t.params / 1e6:.2f}M | {t.layers} |")
     return "\n".join(lines)
 
 
@@ -728,11 +653,7 @@ def report(
 ) -> str:
     """The full markdown section for the results file."""
     loads = [x for t in timings for x in t.loads]
-    return f"""{SECTION}
-
-Command: `{command_line(SCRIPT, argv)}`
-
-Date: {utc_now()}. Machine: {machine_info()}; {load_text(loads)}.
+    return f"""{heading(SECTION, SCRIPT, argv, loads)}
 
 Step = forward + backward + AdamW step + `zero_grad`, fp32, batch {settings.batch} x \
 sequence {settings.seq}, attention `{settings.attn}`, capture of all linear layers \
@@ -801,15 +722,10 @@ def parse_args(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
         results=a.results,
         profile=a.profile if a.profile is not None else not quick,
     )
-    for name in ("seq", "batch", "repeats", "rss_steps", "rss_repeats"):
-        if getattr(settings, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    require_positive(p, settings, ("seq", "batch", "repeats", "rss_steps", "rss_repeats"))
     if settings.warmup < 0:
         p.error("--warmup must be >= 0")
-    if settings.repeats < MIN_REPEATS and not quick:
-        p.error(
-            f"--repeats must be >= {MIN_REPEATS} (docs/design.md section 12); use --quick to smoke"
-        )
+    require_repeats(p, settings.repeats, quick=quick)
     return settings, a
 
 
@@ -822,13 +738,9 @@ def main(argv: Sequence[str]) -> None:
         return
     # Children first: they must start before this process grows (see module docstring).
     runs = measure_rss(settings) if settings.rss else {}
-    timings = [time_model(MODELS[name], settings) for name in settings.models]
-    section = report(build_rows(timings, runs), timings, settings, runs, argv)
-    section = tidy(section)
-    print("\n" + section)
-    if settings.write:
-        write_section(settings.results, SECTION, section)
-        print(f"updated {settings.results}")
+    timings = [time_model(name, settings) for name in settings.models]
+    section = tidy(report(build_rows(timings, runs), timings, settings, runs, argv))
+    publish(section, SECTION, settings.results, settings.write)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,7 @@
 configs, ``Trainer`` plumbing, profiling, and writing a script's own results section.
 
 The scripts import it as ``common`` (``python benchmarks/<script>.py`` puts this folder
-first on ``sys.path``). ``benchmarks/capture_overhead.py`` predates this module and keeps
-its own copies of some of these helpers.
+first on ``sys.path``).
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -185,6 +184,21 @@ def rotated(names: Sequence[str], shift: int) -> list[str]:
     return [*names[shift:], *names[:shift]]
 
 
+def alternate(
+    names: Sequence[str], rounds: int, run: Callable[[str, int], object], label: str = ""
+) -> list[float]:
+    """The interleaved-rounds skeleton of every side-by-side benchmark: ``rounds`` rounds of
+    ``run(name, round)`` for each of ``names``, order rotated each round (so that every
+    configuration takes every slot). Returns the 1-minute load average after each round."""
+    loads = []
+    for round_ in range(rounds):
+        for name in rotated(names, round_):
+            run(name, round_)
+        loads.append(load_average())
+        print(f"  {label}round {round_ + 1}/{rounds}", flush=True)
+    return loads
+
+
 def verdict(ratio: float, target: float | None) -> str:
     """``yes`` / ``**no**`` against ``target`` (empty without one)."""
     if target is None:
@@ -264,6 +278,9 @@ def run_child(script: Path, args: Sequence[str]) -> dict[str, Any]:
 
 # -- models and data -------------------------------------------------------------------
 
+#: Config keyword arguments of a transformers model.
+ModelConfig = dict[str, Any]
+
 
 def causal_lm(config_cls: str, model_cls: str, seed: int = 0, **config: Any) -> nn.Module:
     """A transformers causal LM built from its config: fp32, seeded random init."""
@@ -272,6 +289,17 @@ def causal_lm(config_cls: str, model_cls: str, seed: int = 0, **config: Any) -> 
     cfg = getattr(transformers, config_cls)(pad_token_id=0, **config)
     torch.manual_seed(seed)
     return getattr(transformers, model_cls)(cfg).to(torch.float32)
+
+
+def llama(
+    vocab: int, *, hidden: int, intermediate: int, layers: int, heads: int, **more: Any
+) -> ModelConfig:
+    """Config keyword arguments of a Llama-style decoder (Llama, Qwen2): the sizes in the
+    order of the arguments, ``num_key_value_heads`` (default ``heads``), then ``more``
+    (transformers' own names: ``num_key_value_heads``, ``tie_word_embeddings``)."""
+    config = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate)
+    config |= dict(num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads)
+    return config | more
 
 
 def parameter_count(model: nn.Module, trainable_only: bool = False) -> int:
@@ -324,24 +352,13 @@ def quiet_transformers() -> None:
 def training_args(output_dir: Path, steps: int, batch: int, **overrides: Any) -> TrainingArguments:
     """CPU, fp32, AdamW at a constant learning rate, ``steps`` optimizer steps of ``batch``
     examples; no logging, checkpoints, reporting or progress bar; ``overrides`` win."""
-    options: dict[str, Any] = dict(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=batch,
-        gradient_accumulation_steps=1,
-        max_steps=steps,
-        learning_rate=1e-4,
-        lr_scheduler_type="constant",
-        optim="adamw_torch",
-        report_to=[],
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        logging_strategy="no",
-        disable_tqdm=True,
-        dataloader_drop_last=True,
-        remove_unused_columns=False,
-        seed=0,
+    options: dict[str, Any] = dict(output_dir=str(output_dir), max_steps=steps, seed=0)
+    options |= dict(optim="adamw_torch", learning_rate=1e-4, lr_scheduler_type="constant")
+    options |= dict(per_device_train_batch_size=batch, gradient_accumulation_steps=1)
+    options |= dict(
+        use_cpu=True, bf16=False, dataloader_drop_last=True, remove_unused_columns=False
     )
+    options |= dict(report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True)
     options.update(overrides)
     return TrainingArguments(**options)
 
@@ -429,6 +446,15 @@ class StepProfiler(TrainerCallback):
         """The raw pstats table of the profiled steps."""
         return pstats.Stats(self.profiler).stats  # type: ignore[attr-defined]
 
+    def split(self, parts: Mapping[str, Sequence[FuncRef]]) -> dict[str, float]:
+        """Seconds per profiled step of each part (label -> the functions it sums, each
+        with its cumulative time)."""
+        table = self.table()
+        return {
+            label: sum(cumulative_seconds(table, ref) for ref in refs) / self.steps
+            for label, refs in parts.items()
+        }
+
 
 def cumulative_seconds(table: Mapping[tuple[str, int, str], tuple], ref: FuncRef) -> float:
     """Cumulative seconds (own time plus callees) of every function matching ``ref``."""
@@ -453,6 +479,63 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--results", type=Path, default=RESULTS, help="markdown file to update")
     return p
+
+
+def add_step_flags(
+    p: argparse.ArgumentParser, *, seq: int, repeats: int, steps_per_run: int, profiled: str
+) -> None:
+    """The flags of a benchmark that times ``Trainer`` steps in alternating short runs
+    (defaults ``seq``, ``repeats``, ``steps_per_run``; ``profiled``: what its cProfiled
+    steps are); :func:`step_settings` reads them."""
+    p.add_argument("--seq", type=int, help=f"sequence length (default {seq}; quick 16)")
+    p.add_argument("--batch", type=int, default=8, help="examples per step")
+    p.add_argument("--repeats", type=int, help=f"timed steps per configuration (default {repeats})")
+    p.add_argument(
+        "--steps-per-run", type=int, default=steps_per_run, help="steps of one train() run"
+    )
+    p.add_argument("--warmup-steps", type=int, default=1, help="discarded steps of each run")
+    p.add_argument("--profile-steps", type=int, help=f"cProfiled {profiled} steps (default 3)")
+
+
+def step_settings(a: argparse.Namespace, *, seq: int, repeats: int) -> dict[str, Any]:
+    """The settings of :func:`add_step_flags`'s flags, defaults resolved (``--quick``: 16
+    tokens, 3 repeats, 1 profiled step), and ``quick``, ``write``, ``results``."""
+    quick = a.quick
+    return dict(
+        seq=a.seq or (16 if quick else seq),
+        batch=a.batch,
+        repeats=a.repeats or (3 if quick else repeats),
+        steps_per_run=a.steps_per_run,
+        warmup_steps=a.warmup_steps,
+        profile_steps=a.profile_steps if a.profile_steps is not None else (1 if quick else 3),
+        quick=quick,
+        write=a.write if a.write is not None else not quick,
+        results=a.results,
+    )
+
+
+def require_steps(p: argparse.ArgumentParser, settings: Any, positive: Sequence[str]) -> None:
+    """Refuse step settings that cannot give a valid measurement: ``positive`` (and the
+    step flags) below 1, a warm-up that leaves no timed step, too few repeats."""
+    require_positive(p, settings, ("seq", "batch", *positive, "repeats", "steps_per_run"))
+    if not 0 <= settings.warmup_steps < settings.steps_per_run:
+        p.error("--warmup-steps must be in [0, --steps-per-run)")
+    require_repeats(p, settings.repeats, quick=settings.quick)
+
+
+def require_positive(p: argparse.ArgumentParser, settings: object, names: Sequence[str]) -> None:
+    """Refuse (``p.error``) settings among ``names`` below 1, naming their flags."""
+    for name in names:
+        if getattr(settings, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+
+
+def require_repeats(p: argparse.ArgumentParser, repeats: int, *, quick: bool) -> None:
+    """Refuse (``p.error``) fewer than :data:`MIN_REPEATS` timed repeats outside ``--quick``."""
+    if repeats < MIN_REPEATS and not quick:
+        p.error(
+            f"--repeats must be >= {MIN_REPEATS} (docs/design.md section 12); use --quick to smoke"
+        )
 
 
 def command_line(script: str, argv: Sequence[str]) -> str:
@@ -489,6 +572,15 @@ def utc_now() -> str:
 def load_average() -> float:
     """The 1-minute load average (other processes on the machine), NaN where unknown."""
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+
+
+def heading(section: str, script: str, argv: Sequence[str], loads: Sequence[float]) -> str:
+    """The start of every results section: its heading, the command that produced it, the
+    date, the machine and the load average during the run."""
+    return (
+        f"{section}\n\nCommand: `{command_line(script, argv)}`\n\n"
+        f"Date: {utc_now()}. Machine: {machine_info()}; {load_text(loads)}."
+    )
 
 
 def load_text(loads: Sequence[float]) -> str:

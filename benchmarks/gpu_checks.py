@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common import REPO, causal_lm
+from common import REPO, causal_lm, llama
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
@@ -45,17 +45,8 @@ VOCAB = 128
 
 def tiny_llama() -> nn.Module:
     """A two-block Llama from its config (seed 0, fp32, on the CPU)."""
-    return causal_lm(
-        "LlamaConfig",
-        "LlamaForCausalLM",
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    sizes = llama(VOCAB, hidden=64, intermediate=128, layers=2, heads=4, num_key_value_heads=2)
+    return causal_lm("LlamaConfig", "LlamaForCausalLM", **sizes, max_position_embeddings=64)
 
 
 def rows(count: int, length: int, seed: int) -> Tensor:

@@ -25,10 +25,7 @@ Ratio = median step / median plain step; the issue's target is our capture overh
 (ratio - 1) below every peer's.
 
 Run it in the peers' venv (``make bench`` installs it); where a peer is not installed its
-row says so and ours still run (``--quick`` is the CI smoke)::
-
-    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false \\
-        benchmarks/.venv-peers/bin/python benchmarks/peer_capture.py
+row says so and ours still run (``--quick`` is the CI smoke).
 """
 
 from __future__ import annotations
@@ -40,34 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import common
 import torch
-from common import (
-    StepTimer,
-    base_parser,
-    collate_rows,
-    command_line,
-    load_text,
-    machine_info,
-    make_trainer,
-    publish,
-    quiet_transformers,
-    tidy,
-    training_args,
-    utc_now,
-)
-from peers.training import (
-    OURS,
-    PLAIN,
-    ModeResult,
-    RunOptions,
-    TrainingWay,
-    Unavailable,
-    notes_list,
-    ratio_table,
-    run_mode,
-)
+from peers import training, workload
 from torch import Tensor, nn
-from training_overhead import MODEL, QUICK_MODEL, build_base, lora_copy, training_rows
 from transformers import PrinterCallback, Trainer
 
 from tda_plugins.integrations.transformers import GradientCaptureCallback
@@ -76,18 +49,6 @@ from tda_plugins.store import StoreReader
 SECTION = "## Peer comparison: capture overhead in training (benchmarks/peer_capture.py)"
 SCRIPT = "benchmarks/peer_capture.py"
 LABEL = "LoRA r=8, projected per-example gradients to disk"
-
-
-@dataclass(frozen=True)
-class Settings:
-    """Resolved command-line settings: the shared run options and ``k``."""
-
-    run: RunOptions
-    k: int
-
-    @property
-    def model_config(self) -> dict[str, Any]:
-        return QUICK_MODEL if self.run.quick else MODEL
 
 
 @dataclass(frozen=True)
@@ -103,19 +64,19 @@ class Run:
         return Path(args.output_dir) / name.replace(" ", "_")
 
 
-class Plain(TrainingWay):
-    name = PLAIN
+class Plain(training.TrainingWay):
+    name = training.PLAIN
     note = "the Trainer alone"
 
     def __init__(self, run: Run):
         self.run = run
 
-    def train(self, model: nn.Module, args: Any, timer: StepTimer) -> None:
-        make_trainer(model, self.run.rows, args, [timer]).train()
+    def train(self, model: nn.Module, args: Any, timer: common.StepTimer) -> None:
+        common.make_trainer(model, self.run.rows, args, [timer]).train()
 
 
-class Ours(TrainingWay):
-    name = OURS
+class Ours(training.TrainingWay):
+    name = training.OURS
     note = (
         '`GradientCaptureCallback(layers="lora", projection="factor", k_a=16, k_g=16)`: '
         "a crash-safe store (fp32 safetensors shards) committed at every step"
@@ -126,7 +87,7 @@ class Ours(TrainingWay):
     def __init__(self, run: Run):
         self.run = run
 
-    def train(self, model: nn.Module, args: Any, timer: StepTimer) -> None:
+    def train(self, model: nn.Module, args: Any, timer: common.StepTimer) -> None:
         store = self.run.folder(self.name, args)
         capture = GradientCaptureCallback(
             store_dir=str(store),
@@ -136,7 +97,7 @@ class Ours(TrainingWay):
             k_g=self.run.k,
             curvature=self.curvature,
         )
-        make_trainer(model, self.run.rows, args, [timer, capture]).train()
+        common.make_trainer(model, self.run.rows, args, [timer, capture]).train()
         steps = args.max_steps
         if StoreReader(store).steps != list(range(steps)):
             raise RuntimeError(f"{self.name} did not commit all {steps} steps to {store}")
@@ -148,7 +109,7 @@ class OursCurvature(Ours):
     curvature = True
 
 
-class Bergson(TrainingWay):
+class Bergson(training.TrainingWay):
     name = "bergson"
     note = (
         "`GradientCollectorCallback(projection_dim=16, use_optimizer_state=False)` after "
@@ -165,13 +126,13 @@ class Bergson(TrainingWay):
                 prepare_for_gradient_collection,
             )
         except ImportError as e:
-            raise Unavailable(f"bergson is not installed here ({e}); run `make bench`") from e
+            raise training.not_installed("bergson", e) from e
         self.run = run
         self.callback, self.prepare = GradientCollectorCallback, prepare_for_gradient_collection
         datasets.disable_progress_bars()
         self.dataset = datasets.Dataset.from_dict({"input_ids": run.rows.tolist()})
 
-    def train(self, model: nn.Module, args: Any, timer: StepTimer) -> None:
+    def train(self, model: nn.Module, args: Any, timer: common.StepTimer) -> None:
         out = self.run.folder(self.name, args)
         callback = self.callback(out, projection_dim=self.run.k, use_optimizer_state=False)
         trainer = Trainer(
@@ -189,10 +150,10 @@ class Bergson(TrainingWay):
 
 def _collate_lists(features: list[dict[str, Any]]) -> dict[str, Tensor]:
     """The causal-LM batch of ``common.collate_rows`` from ``datasets`` rows (lists)."""
-    return collate_rows([{"input_ids": torch.as_tensor(f["input_ids"])} for f in features])
+    return common.collate_rows([{"input_ids": torch.as_tensor(f["input_ids"])} for f in features])
 
 
-class DattriLLM(TrainingWay):
+class DattriLLM(training.TrainingWay):
     name = "dattri-llm"
     note = (
         '`HookManager(linear_io=<the adapters>, projection "logra", proj_dim=16)` around '
@@ -207,7 +168,7 @@ class DattriLLM(TrainingWay):
             from dattri_llm.gradient.hooks import HookManager
             from dattri_llm.gradient.storage_manager import GradientStorageManager
         except ImportError as e:
-            raise Unavailable(f"dattri-llm is not installed here ({e}); run `make bench`") from e
+            raise training.not_installed("dattri-llm", e) from e
         self.run = run
         self.manager, self.offload, self.storage = (
             HookManager,
@@ -221,20 +182,20 @@ class DattriLLM(TrainingWay):
             projection_kwargs={"__default__": projection},
         )
 
-    def train(self, model: nn.Module, args: Any, timer: StepTimer) -> None:
+    def train(self, model: nn.Module, args: Any, timer: common.StepTimer) -> None:
         out = self.run.folder(self.name, args)
         offload = self.offload(
             offload_interval=1, file_manager=self.storage(str(out)), recording_type="per_sample"
         )
         manager = self.manager(model, config=self.config, callbacks=[offload])
         with manager.collect(deregister_on_exit=True):
-            make_trainer(model, self.run.rows, args, [timer]).train()
+            common.make_trainer(model, self.run.rows, args, [timer]).train()
         written = list(out.glob("*.bin"))
         if len(written) != args.max_steps:
             raise RuntimeError(f"dattri-llm wrote {len(written)} of {args.max_steps} steps")
 
 
-class LogIX(TrainingWay):
+class LogIX(training.TrainingWay):
     name = "logix"
     note = (
         "not run: logix-ai 0.1.1's Trainer integration (`logix.huggingface.patch_trainer`) "
@@ -244,77 +205,79 @@ class LogIX(TrainingWay):
     )
 
     def __init__(self, run: Run):
-        raise Unavailable(self.note.removeprefix("not run: "))
+        raise training.Unavailable(self.note.removeprefix("not run: "))
 
-    def train(self, model: nn.Module, args: Any, timer: StepTimer) -> None:
-        raise Unavailable(self.note)
+    def train(self, model: nn.Module, args: Any, timer: common.StepTimer) -> None:
+        raise training.Unavailable(self.note)
 
 
 #: The ways compared, in table order; each is built as ``way(run)``.
 WAYS = (Plain, Ours, OursCurvature, Bergson, DattriLLM, LogIX)
 
 
-def measure(settings: Settings, work: Path) -> tuple[ModeResult, list[float]]:
+def measure(
+    options: training.RunOptions, k: int, work: Path
+) -> tuple[training.ModeResult, list[float]]:
     """Alternating runs of every available library on identical LoRA copies."""
-    options = settings.run
-    run = Run(training_rows(options, options.steps_per_run), settings.k)
-    ways: dict[str, type[TrainingWay]] = {way.name: way for way in WAYS}
-    base = build_base(options)  # type: ignore[arg-type]  # duck-typed: quick, seq
+    vocab, steps = options.vocab, options.steps_per_run
+    run = Run(workload.step_rows(vocab, steps=steps, batch=options.batch, seq=options.seq), k)
+    ways: dict[str, type[training.TrainingWay]] = {way.name: way for way in WAYS}
+    base = workload.trainer_llama(options.model, seq=options.seq)
 
     def args_for(name: str, round_: int) -> Any:
         out = work / f"{name}-{round_}".replace(" ", "_")
-        return training_args(out, options.steps_per_run, options.batch)
+        return common.training_args(out, options.steps_per_run, options.batch)
 
-    return run_mode(
-        LABEL, ways, lambda way: way(run), lambda: lora_copy(base), args_for, options.runs, 1
+    return training.run_mode(
+        LABEL,
+        ways,
+        lambda way: way(run),
+        lambda: workload.lora_copy(base),
+        args_for,
+        options.runs,
+        1,
     )
 
 
-def report(result: ModeResult, loads: list[float], settings: Settings, argv: Sequence[str]) -> str:
+def report(
+    result: training.ModeResult,
+    loads: list[float],
+    options: training.RunOptions,
+    k: int,
+    argv: Sequence[str],
+) -> str:
     """The markdown section for the results file."""
-    run = settings.run
-    shape = ", ".join(f"{k}={v}" for k, v in settings.model_config.items())
-    steps = min(len(v) for v in result.samples.values())
-    return tidy(f"""{SECTION}
-
-Command: `{command_line(SCRIPT, argv)}`
-
-Date: {utc_now()}. Machine: {machine_info()}; {load_text(loads)}.
-
-HF `Trainer` (CPU, fp32, AdamW, `max_grad_norm=1.0`), batch {run.batch} x sequence \
-{run.seq}, no padding, `LlamaConfig({shape})` with PEFT LoRA r=8 on every linear \
-layer but the head; each library captures factor-projected (k = {settings.k}) \
-per-example gradients of every adapter to local disk inside the training backward. \
-{run.protocol(steps)}
-
-{notes_list(WAYS)}
-
-{ratio_table([result], "target (4): ours below")}
-""")
+    setup = (
+        " with PEFT LoRA r=8 on every linear layer but the head; each "
+        f"library captures factor-projected (k = {k}) per-example gradients of every "
+        "adapter to local disk inside the training backward."
+    )
+    head = common.heading(SECTION, SCRIPT, argv, loads)
+    return training.section(head, setup, options, WAYS, [result], "target (4): ours below")
 
 
 # -- command line ----------------------------------------------------------------------
 
 
-def parse_args(argv: Sequence[str]) -> Settings:
-    """Parse and validate the command line into :class:`Settings`."""
-    p = base_parser(__doc__.split("\n\n")[0])
+def parse_args(argv: Sequence[str]) -> tuple[training.RunOptions, int]:
+    """Parse and validate the command line: the run options and ``k``."""
+    p = common.base_parser(__doc__.split("\n\n")[0])
     p.add_argument("--k", type=int, default=16, help="factor projection k_a = k_g")
-    RunOptions.add_arguments(p, seq=256)
+    training.RunOptions.add_arguments(p, seq=256)
     a = p.parse_args(argv)
     if a.k < 1:
         p.error("--k must be >= 1")
-    return Settings(RunOptions.parsed(p, a, seq=256), a.k)
+    return training.RunOptions.parsed(p, a, seq=256, model=workload.TRAINING_LLAMA), a.k
 
 
-def main(argv: Sequence[str]) -> ModeResult:
+def main(argv: Sequence[str]) -> training.ModeResult:
     """Run the comparison, print the table and the command, update the results file."""
-    settings = parse_args(argv)
-    quiet_transformers()
+    options, k = parse_args(argv)
+    common.quiet_transformers()
     with tempfile.TemporaryDirectory(prefix="tda-peer-capture-") as work:
-        result, loads = measure(settings, Path(work))
-    run = settings.run
-    publish(report(result, loads, settings, argv), SECTION, run.results, run.write)
+        result, loads = measure(options, k, Path(work))
+    text = report(result, loads, options, k, argv)
+    common.publish(text, SECTION, options.results, options.write)
     return result
 
 

@@ -20,10 +20,7 @@ discarded. Ratio = median step / median plain step of the same mode; the issue's
 is our selection overhead (ratio - 1) below dattri-llm's.
 
 Run it in the peers' venv (``make bench`` installs it); where dattri-llm is not installed
-its rows say so and ours still run (``--quick`` is the CI smoke)::
-
-    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false \\
-        benchmarks/.venv-peers/bin/python benchmarks/peer_selection.py
+its rows say so and ours still run (``--quick`` is the CI smoke).
 """
 
 from __future__ import annotations
@@ -36,33 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import common
 import torch
-from common import (
-    StepTimer,
-    base_parser,
-    command_line,
-    load_text,
-    machine_info,
-    make_trainer,
-    publish,
-    quiet_transformers,
-    tidy,
-    token_rows,
-    training_args,
-    utc_now,
-)
-from peers.training import (
-    OURS,
-    PLAIN,
-    ModeResult,
-    RunOptions,
-    TrainingWay,
-    Unavailable,
-    notes_list,
-    ratio_table,
-    run_mode,
-)
-from selection_overhead import MODEL, MODES, QUICK_MODEL, Mode, build_base, copy_for
+from peers import training, workload
 from torch import Tensor, nn
 from transformers import TrainerCallback
 
@@ -77,13 +50,9 @@ FRACTION = 0.25
 class Settings:
     """Resolved command-line settings: the shared run options, the modes and the pool."""
 
-    run: RunOptions
+    run: training.RunOptions
     modes: tuple[str, ...]
     pool: int
-
-    @property
-    def model_config(self) -> dict[str, Any]:
-        return QUICK_MODEL if self.run.quick else MODEL
 
 
 @dataclass(frozen=True)
@@ -95,40 +64,40 @@ class Data:
     steps: int
 
 
-class Plain(TrainingWay):
-    name = PLAIN
+class Plain(training.TrainingWay):
+    name = training.PLAIN
     note = "the Trainer alone"
 
-    def __init__(self, mode: Mode, data: Data):
+    def __init__(self, mode: workload.Mode, data: Data):
         self.data = data
 
-    def train(self, model: nn.Module, args: Any, timer: StepTimer) -> None:
-        make_trainer(model, self.data.rows, args, [timer]).train()
+    def train(self, model: nn.Module, args: Any, timer: common.StepTimer) -> None:
+        common.make_trainer(model, self.data.rows, args, [timer]).train()
 
 
-class Ours(TrainingWay):
-    name = OURS
+class Ours(training.TrainingWay):
+    name = training.OURS
     ours = True
     note = (
         f'`DataSelectionCallback(pool, target_examples=1, fraction={FRACTION}, score="dot")`'
         ' (full fine-tuning: `layers="all"`)'
     )
 
-    def __init__(self, mode: Mode, data: Data):
+    def __init__(self, mode: workload.Mode, data: Data):
         self.mode, self.data = mode, data
 
-    def train(self, model: nn.Module, args: Any, timer: StepTimer) -> None:
+    def train(self, model: nn.Module, args: Any, timer: common.StepTimer) -> None:
         selection = DataSelectionCallback(
             [{"input_ids": ids} for ids in self.data.pool],
             fraction=FRACTION,
             target_examples=1,
             **self.mode.layers,
         )
-        make_trainer(model, self.data.rows, args, [timer, selection]).train()
+        common.make_trainer(model, self.data.rows, args, [timer, selection]).train()
         _check_steps(self.name, len(selection.history), self.data.steps)
 
 
-class DattriLLM(TrainingWay):
+class DattriLLM(training.TrainingWay):
     name = "dattri-llm"
     note = (
         '`HookManager` + `DataSelectionCallback(target="val_loader")`, one pool example '
@@ -137,7 +106,7 @@ class DattriLLM(TrainingWay):
         "default (`linear_io` on every linear layer, `param_grad` for the rest)"
     )
 
-    def __init__(self, mode: Mode, data: Data):
+    def __init__(self, mode: workload.Mode, data: Data):
         try:
             from dattri_llm import HookManagerConfig
             from dattri_llm.gradient.callbacks.data_selection_callback import (
@@ -145,12 +114,12 @@ class DattriLLM(TrainingWay):
             )
             from dattri_llm.gradient.hooks import HookManager
         except ImportError as e:
-            raise Unavailable(f"dattri-llm is not installed here ({e}); run `make bench`") from e
+            raise training.not_installed("dattri-llm", e) from e
         self.manager, self.selection, self.data = HookManager, DattriSelection, data
         adapters = [r"lora_[AB]\.default$"] if mode.lora_rank is not None else None
         self.config = HookManagerConfig(linear_io=adapters)
 
-    def train(self, model: nn.Module, args: Any, timer: StepTimer) -> None:
+    def train(self, model: nn.Module, args: Any, timer: common.StepTimer) -> None:
         pool = self.data.pool
         batches = [{"input_ids": torch.tensor([i]), "labels": torch.tensor([i])} for i in pool]
         selection = self.selection(
@@ -164,7 +133,7 @@ class DattriLLM(TrainingWay):
         counter = _DropCounter(selection)
         manager = self.manager(model, config=self.config, callbacks=[selection])
         with manager.collect(deregister_on_exit=True):
-            make_trainer(model, self.data.rows, args, [timer, counter]).train()
+            common.make_trainer(model, self.data.rows, args, [timer, counter]).train()
         _check_steps(self.name, counter.selected, self.data.steps)
 
 
@@ -190,27 +159,27 @@ def _check_steps(name: str, selected: int, steps: int) -> None:
 
 
 def measure(
-    mode: Mode, settings: Settings, base: nn.Module, work: Path
-) -> tuple[ModeResult, list[float]]:
+    mode: workload.Mode, settings: Settings, base: nn.Module, work: Path
+) -> tuple[training.ModeResult, list[float]]:
     """Alternating runs of every available library on identical copies of ``base``."""
     run = settings.run
-    vocab = int(settings.model_config["vocab_size"])
+    vocab = run.vocab
     steps = run.steps_per_run
     data = Data(
-        token_rows(steps * run.batch, run.seq, vocab, seed=4),
-        token_rows(settings.pool, run.seq, vocab, seed=3).tolist(),
+        workload.step_rows(vocab, steps=steps, batch=run.batch, seq=run.seq),
+        common.token_rows(settings.pool, run.seq, vocab, seed=3).tolist(),
         steps,
     )
-    ways: dict[str, type[TrainingWay]] = {way.name: way for way in WAYS}
+    ways: dict[str, type[training.TrainingWay]] = {way.name: way for way in WAYS}
 
     def args_for(name: str, round_: int) -> Any:
-        return training_args(work / f"{mode.name}-{name}-{round_}", steps, run.batch)
+        return common.training_args(work / f"{mode.name}-{name}-{round_}", steps, run.batch)
 
-    return run_mode(
+    return training.run_mode(
         mode.label,
         ways,
         lambda way: way(mode, data),
-        lambda: copy_for(mode, base),
+        lambda: mode.copy(base),
         args_for,
         run.runs,
         warmup=1,
@@ -218,27 +187,16 @@ def measure(
 
 
 def report(
-    results: list[ModeResult], loads: list[float], settings: Settings, argv: Sequence[str]
+    results: list[training.ModeResult], loads: list[float], settings: Settings, argv: Sequence[str]
 ) -> str:
     """The markdown section for the results file."""
-    run = settings.run
-    shape = ", ".join(f"{k}={v}" for k, v in settings.model_config.items())
-    steps = min(len(v) for r in results for v in r.samples.values())
-    return tidy(f"""{SECTION}
-
-Command: `{command_line(SCRIPT, argv)}`
-
-Date: {utc_now()}. Machine: {machine_info()}; {load_text(loads)}.
-
-HF `Trainer` (CPU, fp32, AdamW, `max_grad_norm=1.0`), batch {run.batch} x sequence \
-{run.seq}, no padding, `LlamaConfig({shape})`; a target pool of {settings.pool} \
-sequences, each step's target one of them in turn; the bottom {FRACTION:.0%} of each \
-step's examples dropped and removed from `.grad`. {run.protocol(steps)}
-
-{notes_list(WAYS)}
-
-{ratio_table(results, "target (5): ours below")}
-""")
+    setup = (
+        f"; a target pool of {settings.pool} sequences, each step's "
+        f"target one of them in turn; the bottom {FRACTION:.0%} of each step's examples "
+        "dropped and removed from `.grad`."
+    )
+    head = common.heading(SECTION, SCRIPT, argv, loads)
+    return training.section(head, setup, settings.run, WAYS, results, "target (5): ours below")
 
 
 # -- command line ----------------------------------------------------------------------
@@ -246,30 +204,30 @@ step's examples dropped and removed from `.grad`. {run.protocol(steps)}
 
 def parse_args(argv: Sequence[str]) -> Settings:
     """Parse and validate the command line into :class:`Settings`."""
-    p = base_parser(__doc__.split("\n\n")[0])
-    p.add_argument("--mode", choices=[*MODES, "both"], default="both")
+    p = common.base_parser(__doc__.split("\n\n")[0])
+    p.add_argument("--mode", choices=[*workload.MODES, "both"], default="both")
     p.add_argument("--pool", type=int, default=16, help="target pool size")
-    RunOptions.add_arguments(p, seq=128)
+    training.RunOptions.add_arguments(p, seq=128)
     a = p.parse_args(argv)
     if a.pool < 1:
         p.error("--pool must be >= 1")
-    modes = tuple(MODES) if a.mode == "both" else (a.mode,)
-    return Settings(RunOptions.parsed(p, a, seq=128), modes, a.pool)
+    modes = tuple(workload.MODES) if a.mode == "both" else (a.mode,)
+    return Settings(
+        training.RunOptions.parsed(p, a, seq=128, model=workload.SELECTION_LLAMA), modes, a.pool
+    )
 
 
-def main(argv: Sequence[str]) -> list[ModeResult]:
+def main(argv: Sequence[str]) -> list[training.ModeResult]:
     """Run the comparison, print the table and the command, update the results file."""
     settings = parse_args(argv)
-    quiet_transformers()
-    base = build_base(settings.run)  # type: ignore[arg-type]  # duck-typed: quick, seq
-    results, loads = [], []
+    common.quiet_transformers()
+    base = workload.trainer_llama(settings.run.model, seq=settings.run.seq)
     with tempfile.TemporaryDirectory(prefix="tda-peer-select-") as work:
-        for name in settings.modes:
-            result, mode_loads = measure(MODES[name], settings, base, Path(work))
-            results.append(result)
-            loads += mode_loads
+        results, loads = training.each_mode(
+            settings.modes, lambda mode: measure(mode, settings, base, Path(work))
+        )
     run = settings.run
-    publish(report(results, loads, settings, argv), SECTION, run.results, run.write)
+    common.publish(report(results, loads, settings, argv), SECTION, run.results, run.write)
     return results
 
 

@@ -30,18 +30,10 @@ surgery, clipping) -- and the rest of the extra time is the capture hooks on the
 training forward/backward. A short cProfile run splits the selection step into scoring
 (the layers' per-example gradients built once where that is cheaper, the dots with the
 target, the rule) and surgery.
-
-Usage::
-
-    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false \\
-        .venv/bin/python benchmarks/selection_overhead.py
-    .venv/bin/python benchmarks/selection_overhead.py --quick     # smoke run, no write
 """
 
 from __future__ import annotations
 
-import argparse
-import copy
 import dataclasses
 import sys
 import tempfile
@@ -50,36 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-from common import (
-    MIN_REPEATS,
-    Comparison,
-    Sample,
-    StepProfiler,
-    StepTimer,
-    Stopwatch,
-    base_parser,
-    causal_lm,
-    command_line,
-    contention_note,
-    cumulative_seconds,
-    load_average,
-    load_text,
-    machine_info,
-    make_trainer,
-    median_of,
-    parameter_count,
-    publish,
-    quiet_transformers,
-    rotated,
-    runs_needed,
-    tidy,
-    token_rows,
-    training_args,
-    utc_now,
-    verdict,
-    with_lora,
-)
+import common
+from peers import workload
+from peers.training import each_mode
 from torch import nn
 from transformers import TrainerCallback
 
@@ -115,41 +80,6 @@ PROFILED = {
     "selection step": ((SELECTOR, "on_optimizer_step"),),
 }
 
-MODEL = dict(
-    vocab_size=8000,
-    hidden_size=256,
-    intermediate_size=688,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    tie_word_embeddings=False,
-)
-QUICK_MODEL = dict(
-    vocab_size=256,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    tie_word_embeddings=False,
-)
-
-
-@dataclass(frozen=True)
-class Mode:
-    """A fine-tuning mode: LoRA rank (None: full fine-tuning) and selection layers."""
-
-    name: str
-    label: str
-    lora_rank: int | None
-    layers: dict[str, str]
-
-
-MODES: dict[str, Mode] = {
-    "lora": Mode("lora", "LoRA r=8 (selection over the adapters)", 8, {}),
-    "full": Mode("full", 'full fine-tuning (`layers="all"`)', None, {"layers": "all"}),
-}
-
 
 @dataclass(frozen=True)
 class Settings:
@@ -168,9 +98,14 @@ class Settings:
     results: Path
 
     @property
+    def model_config(self) -> dict[str, Any]:
+        """The Llama's config keyword arguments."""
+        return workload.QUICK_LLAMA if self.quick else workload.SELECTION_LLAMA
+
+    @property
     def runs(self) -> int:
         """Alternating runs per configuration."""
-        return runs_needed(self.repeats, self.steps_per_run, self.warmup_steps)
+        return common.runs_needed(self.repeats, self.steps_per_run, self.warmup_steps)
 
 
 # -- the timed selection callback ------------------------------------------------------
@@ -180,10 +115,10 @@ class Settings:
 class PhaseTimes:
     """Per-step cost of the selection callback's entry points, one list per run."""
 
-    target: list[list[Sample]] = field(default_factory=list)
-    select: list[list[Sample]] = field(default_factory=list)
+    target: list[list[common.Sample]] = field(default_factory=list)
+    select: list[list[common.Sample]] = field(default_factory=list)
 
-    def timed(self, warmup: int) -> tuple[list[Sample], list[Sample]]:
+    def timed(self, warmup: int) -> tuple[list[common.Sample], list[common.Sample]]:
         """Target and selection costs of every run's steps after ``warmup``."""
         return (
             [t for run in self.target for t in run[warmup:]],
@@ -204,12 +139,12 @@ class TimedSelection(DataSelectionCallback):
         super().on_train_begin(args, state, control, **kwargs)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        with Stopwatch() as watch:
+        with common.Stopwatch() as watch:
             super().on_step_begin(args, state, control, **kwargs)
         self.times.target[-1].append(watch.sample)
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        with Stopwatch() as watch:
+        with common.Stopwatch() as watch:
             super().on_pre_optimizer_step(args, state, control, **kwargs)
         self.times.select[-1].append(watch.sample)
 
@@ -217,36 +152,10 @@ class TimedSelection(DataSelectionCallback):
 # -- models, data, trainers ------------------------------------------------------------
 
 
-def build_base(settings: Settings) -> nn.Module:
-    """The Llama-architecture model, fp32, seed 0, train mode."""
-    config = QUICK_MODEL if settings.quick else MODEL
-    model = causal_lm(
-        "LlamaConfig",
-        "LlamaForCausalLM",
-        max_position_embeddings=settings.seq,
-        attn_implementation="sdpa",
-        **config,
-    )
-    return model.train()
-
-
-def copy_for(mode: Mode, base: nn.Module) -> nn.Module:
-    """An identical copy of ``base`` prepared for ``mode`` (LoRA adapters seeded)."""
-    model = copy.deepcopy(base)
-    if mode.lora_rank is None:
-        return model
-    torch.manual_seed(1)
-    return with_lora(model, mode.lora_rank)
-
-
-def vocab(settings: Settings) -> int:
-    """Vocabulary size of the model at these settings."""
-    return int((QUICK_MODEL if settings.quick else MODEL)["vocab_size"])
-
-
 def target_pool(settings: Settings) -> list[dict[str, Any]]:
     """The selection target: ``pool`` sequences as long as the training ones."""
-    rows = token_rows(settings.pool, settings.seq, vocab(settings), seed=3)
+    vocab = int(settings.model_config["vocab_size"])
+    rows = common.token_rows(settings.pool, settings.seq, vocab, seed=3)
     return [{"input_ids": r.tolist()} for r in rows]
 
 
@@ -256,7 +165,7 @@ class Config:
 
     name: str
     model: nn.Module
-    timer: StepTimer
+    timer: common.StepTimer
     refresh_every: int | None
     target_examples: int | None
     score_projection: int | None
@@ -266,15 +175,15 @@ class Config:
 class ModeBench:
     """Alternating short ``Trainer`` runs of the configurations of one mode."""
 
-    def __init__(self, mode: Mode, settings: Settings, base: nn.Module, work: Path):
+    def __init__(self, mode: workload.Mode, settings: Settings, base: nn.Module, work: Path):
         self.mode = mode
         self.settings = settings
         self.work = work
-        count = settings.steps_per_run * settings.batch
-        self.rows = token_rows(count, settings.seq, vocab(settings), seed=4)
+        vocab, steps = int(settings.model_config["vocab_size"]), settings.steps_per_run
+        self.rows = workload.step_rows(vocab, steps=steps, batch=settings.batch, seq=settings.seq)
         self.pool = target_pool(settings)
         self.configs = {
-            name: Config(name, copy_for(mode, base), StepTimer(), *options)
+            name: Config(name, mode.copy(base), common.StepTimer(), *options)
             for name, options in CONFIGS.items()
         }
         self.loads: list[float] = []
@@ -306,8 +215,8 @@ class ModeBench:
             selection = self.selection(config, config.refresh_every)
             callbacks.append(selection)
         out = self.work / f"{self.mode.name}-{config.name}-{run}".replace(" ", "_")
-        args = training_args(out, steps, self.settings.batch)
-        make_trainer(config.model, self.rows, args, callbacks).train()
+        args = common.training_args(out, steps, self.settings.batch)
+        common.make_trainer(config.model, self.rows, args, callbacks).train()
         if selection is not None and len(selection.history) != steps:
             raise RuntimeError(
                 f"{config.name}: selection ran at {len(selection.history)} of {steps} steps"
@@ -315,25 +224,24 @@ class ModeBench:
 
     def measure(self) -> None:
         """``runs`` rounds of one run per configuration, order rotated."""
-        names = list(self.configs)
-        for round_ in range(self.settings.runs):
-            for name in rotated(names, round_):
-                self.train(self.configs[name], round_, self.settings.steps_per_run)
-            self.loads.append(load_average())
-            print(f"  {self.mode.name} round {round_ + 1}/{self.settings.runs}", flush=True)
+        steps = self.settings.steps_per_run
+        self.loads += common.alternate(
+            list(self.configs),
+            self.settings.runs,
+            lambda name, round_: self.train(self.configs[name], round_, steps),
+            f"{self.mode.name} ",
+        )
 
     def profile_split(self) -> dict[str, float]:
         """Seconds per step of each :data:`PROFILED` part in the cProfiled steps of a
         selection run (after its warm-up steps), and ``surgery`` = the selection step
         minus its scoring; the run's steps are not among the timed ones."""
-        config = dataclasses.replace(self.configs[SELECT], timer=StepTimer(), phases=PhaseTimes())
-        profiler = StepProfiler(self.settings.warmup_steps)
+        config = dataclasses.replace(
+            self.configs[SELECT], timer=common.StepTimer(), phases=PhaseTimes()
+        )
+        profiler = common.StepProfiler(self.settings.warmup_steps)
         self.train(config, -1, self.settings.warmup_steps + self.settings.profile_steps, profiler)
-        table, steps = profiler.table(), profiler.steps
-        split = {
-            label: sum(cumulative_seconds(table, ref) for ref in refs) / steps
-            for label, refs in PROFILED.items()
-        }
+        split = profiler.split(PROFILED)
         split["surgery"] = split.pop("selection step") - split["scoring"]
         return split
 
@@ -352,21 +260,21 @@ class ModeResult:
         profile: cProfiled seconds per step of the :data:`PROFILED` parts and ``surgery``.
     """
 
-    mode: Mode
+    mode: workload.Mode
     params: int
     trainable: int
-    samples: dict[str, list[Sample]]
+    samples: dict[str, list[common.Sample]]
     target_s: dict[str, float]
     select_s: dict[str, float]
     profile: dict[str, float]
 
-    def comparison(self, name: str) -> Comparison:
+    def comparison(self, name: str) -> common.Comparison:
         """``name`` against the plain configuration."""
-        return Comparison.of(self.samples[name], self.samples[PLAIN])
+        return common.Comparison.of(self.samples[name], self.samples[PLAIN])
 
 
 def run_mode(
-    mode: Mode, settings: Settings, base: nn.Module, work: Path
+    mode: workload.Mode, settings: Settings, base: nn.Module, work: Path
 ) -> tuple[ModeResult, list[float]]:
     """Measure one mode: timed alternating runs, then the profile run."""
     bench = ModeBench(mode, settings, base, work)
@@ -377,13 +285,13 @@ def run_mode(
     target_s, select_s = {}, {}
     for name in (*TARGETED, FIXED):
         target, select = bench.configs[name].phases.timed(warm)
-        target_s[name] = median_of(target, "cpu")
-        select_s[name] = median_of(select, "cpu")
+        target_s[name] = common.median_of(target, "cpu")
+        select_s[name] = common.median_of(select, "cpu")
     model = bench.configs[PLAIN].model
     result = ModeResult(
         mode,
-        parameter_count(model),
-        parameter_count(model, trainable_only=True),
+        common.parameter_count(model),
+        common.parameter_count(model, trainable_only=True),
         samples,
         target_s,
         select_s,
@@ -406,7 +314,9 @@ def time_table(results: list[ModeResult]) -> str:
             timed = name in TARGETED
             target = f"{TARGET:.2f}x" if timed else "—"
             met = (
-                f"{verdict(c.wall_ratio, TARGET)} / {verdict(c.cpu_ratio, TARGET)}" if timed else ""
+                f"{common.verdict(c.wall_ratio, TARGET)} / {common.verdict(c.cpu_ratio, TARGET)}"
+                if timed
+                else ""
             )
             lines.append(
                 f"| {r.mode.label} | {name} | {c.wall.text()} | **{c.wall_ratio:.2f}x** "
@@ -426,9 +336,9 @@ def split_table(results: list[ModeResult]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
-        plain = median_of(r.samples[PLAIN], "cpu")
+        plain = common.median_of(r.samples[PLAIN], "cpu")
         for name in (*TARGETED, FIXED):
-            extra = median_of(r.samples[name], "cpu") - plain
+            extra = common.median_of(r.samples[name], "cpu") - plain
             target, select = r.target_s[name], r.select_s[name]
             select_parts = ""
             if r.profile and name == SELECT:
@@ -468,8 +378,7 @@ def share(seconds: float, plain: float) -> str:
 
 def models_text(results: list[ModeResult], settings: Settings) -> str:
     """One line per mode: parameters and trainable parameters."""
-    config = QUICK_MODEL if settings.quick else MODEL
-    shape = ", ".join(f"{k}={v}" for k, v in config.items())
+    shape = ", ".join(f"{k}={v}" for k, v in settings.model_config.items())
     modes = "; ".join(
         f"{r.mode.name}: {r.params / 1e6:.2f}M parameters, {r.trainable / 1e6:.2f}M trainable"
         for r in results
@@ -482,13 +391,9 @@ def report(
 ) -> str:
     """The full markdown section for the results file."""
     warnings = "\n\n".join(
-        note for r in results if (note := contention_note(r.mode.name, r.samples[PLAIN]))
+        note for r in results if (note := common.contention_note(r.mode.name, r.samples[PLAIN]))
     )
-    return tidy(f"""{SECTION}
-
-Command: `{command_line(SCRIPT, argv)}`
-
-Date: {utc_now()}. Machine: {machine_info()}; {load_text(loads)}.
+    return common.tidy(f"""{common.heading(SECTION, SCRIPT, argv, loads)}
 
 HF `Trainer` (CPU, fp32, AdamW, `max_grad_norm=1.0`), batch {settings.batch} x sequence \
 {settings.seq}, no padding. {models_text(results, settings)} `select` = \
@@ -533,59 +438,32 @@ The last column estimates a target refreshed every 8 steps: fixed + (select - fi
 
 def parse_args(argv: Sequence[str]) -> Settings:
     """Parse and validate the command line into :class:`Settings`."""
-    p = base_parser(__doc__.split("\n\n")[0])
-    p.add_argument("--mode", choices=[*MODES, "both"], default="both")
-    p.add_argument("--seq", type=int, help="sequence length (default 128; quick 16)")
-    p.add_argument("--batch", type=int, default=8, help="examples per step")
+    p = common.base_parser(__doc__.split("\n\n")[0])
+    p.add_argument("--mode", choices=[*workload.MODES, "both"], default="both")
     p.add_argument("--pool", type=int, default=16, help="target pool size")
-    p.add_argument("--repeats", type=int, help="timed steps per configuration (default 12)")
-    p.add_argument("--steps-per-run", type=int, default=4, help="steps of one train() run")
-    p.add_argument("--warmup-steps", type=int, default=1, help="discarded steps of each run")
-    p.add_argument("--profile-steps", type=int, help="cProfiled selection steps (default 3)")
+    common.add_step_flags(p, seq=128, repeats=12, steps_per_run=4, profiled="selection")
     a = p.parse_args(argv)
-    quick = a.quick
     settings = Settings(
-        modes=tuple(MODES) if a.mode == "both" else (a.mode,),
-        seq=a.seq or (16 if quick else 128),
-        batch=a.batch,
+        modes=tuple(workload.MODES) if a.mode == "both" else (a.mode,),
         pool=a.pool,
-        repeats=a.repeats or (3 if quick else 12),
-        steps_per_run=a.steps_per_run,
-        warmup_steps=a.warmup_steps,
-        profile_steps=a.profile_steps if a.profile_steps is not None else (1 if quick else 3),
-        quick=quick,
-        write=a.write if a.write is not None else not quick,
-        results=a.results,
+        **common.step_settings(a, seq=128, repeats=12),
     )
-    check(p, settings)
+    common.require_steps(p, settings, ("pool",))
     return settings
-
-
-def check(p: argparse.ArgumentParser, settings: Settings) -> None:
-    """Refuse settings that cannot give a valid measurement."""
-    for name in ("seq", "batch", "pool", "repeats", "steps_per_run"):
-        if getattr(settings, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if not 0 <= settings.warmup_steps < settings.steps_per_run:
-        p.error("--warmup-steps must be in [0, --steps-per-run)")
-    if settings.repeats < MIN_REPEATS and not settings.quick:
-        p.error(
-            f"--repeats must be >= {MIN_REPEATS} (docs/design.md section 12); use --quick to smoke"
-        )
 
 
 def main(argv: Sequence[str]) -> None:
     """Run the benchmark, print the tables and the command, update the results file."""
     settings = parse_args(argv)
-    quiet_transformers()
-    base = build_base(settings)
-    results, loads = [], []
+    common.quiet_transformers()
+    base = workload.trainer_llama(settings.model_config, seq=settings.seq)
     with tempfile.TemporaryDirectory(prefix="tda-select-") as work:
-        for name in settings.modes:
-            result, mode_loads = run_mode(MODES[name], settings, base, Path(work))
-            results.append(result)
-            loads += mode_loads
-    publish(report(results, loads, settings, argv), SECTION, settings.results, settings.write)
+        results, loads = each_mode(
+            settings.modes, lambda mode: run_mode(mode, settings, base, Path(work))
+        )
+    common.publish(
+        report(results, loads, settings, argv), SECTION, settings.results, settings.write
+    )
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from common import (
     base_parser,
     causal_lm,
     command_line,
+    llama,
     machine_info,
     make_trainer,
     publish,
@@ -79,17 +80,8 @@ def train(folder: Path, steps: int, save_every: int, resume: bool) -> None:
     """One training process (the driver starts it, and kills it in the soak)."""
     quiet_transformers()
     torch.set_num_threads(1)
-    model = causal_lm(
-        "LlamaConfig",
-        "LlamaForCausalLM",
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=LENGTH,
-    )
+    sizes = llama(VOCAB, hidden=32, intermediate=64, layers=2, heads=2)
+    model = causal_lm("LlamaConfig", "LlamaForCausalLM", **sizes, max_position_embeddings=LENGTH)
     rows = token_rows(ROWS, LENGTH, VOCAB, seed=0)
     target = [{"input_ids": r.tolist()} for r in token_rows(4, LENGTH, VOCAB, seed=1)]
     args = training_args(

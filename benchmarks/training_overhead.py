@@ -23,18 +23,11 @@ Peak RSS: each configuration runs a few steps in fresh child processes (``VmHWM`
 started before the parent builds any model. Where the time goes: a few cProfiled capture
 steps, cumulative time of the engine's hooks, the projection inside them, the store
 writes and the curvature accumulation, per step.
-
-Usage::
-
-    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false \\
-        .venv/bin/python benchmarks/training_overhead.py
-    .venv/bin/python benchmarks/training_overhead.py --quick     # smoke run, no write
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 import sys
@@ -43,38 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from common import (
-    MIN_REPEATS,
-    Comparison,
-    FuncRef,
-    Sample,
-    StepProfiler,
-    StepTimer,
-    base_parser,
-    causal_lm,
-    command_line,
-    contention_note,
-    cumulative_seconds,
-    load_average,
-    load_text,
-    machine_info,
-    make_trainer,
-    median_of,
-    parameter_count,
-    peak_rss_mb,
-    publish,
-    quiet_transformers,
-    rotated,
-    run_child,
-    runs_needed,
-    tidy,
-    token_rows,
-    training_args,
-    utc_now,
-    verdict,
-    with_lora,
-)
+import common
+from peers import workload
 from tokenizers import Tokenizer, models, pre_tokenizers
 from torch import nn
 from transformers import PreTrainedTokenizerFast, TrainerCallback
@@ -89,30 +52,9 @@ TARGET = 1.05
 PLAIN = "plain"
 CAPTURE = "capture"
 CONFIGS = (PLAIN, CAPTURE)
-LORA_RANK = 8
-
-MODEL = dict(
-    vocab_size=8000,
-    hidden_size=512,
-    intermediate_size=1376,
-    num_hidden_layers=6,
-    num_attention_heads=8,
-    num_key_value_heads=8,
-    tie_word_embeddings=False,
-)
-QUICK_MODEL = dict(
-    vocab_size=256,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    tie_word_embeddings=False,
-)
-
 #: Engine code whose cumulative time is reported, by what it does (nested: the layer
 #: hooks include the projection; consumers run inside the end-of-backward callback).
-PROFILED: dict[str, tuple[FuncRef, ...]] = {
+PROFILED: dict[str, tuple[common.FuncRef, ...]] = {
     "layer hooks (capture + projection)": (
         ("capture/engine.py", "_on_layer_forward"),
         ("capture/engine.py", "_on_layer_grad"),
@@ -150,9 +92,14 @@ class Settings:
     results: Path
 
     @property
+    def model_config(self) -> common.ModelConfig:
+        """The Llama's config keyword arguments."""
+        return workload.QUICK_LLAMA if self.quick else workload.TRAINING_LLAMA
+
+    @property
     def runs(self) -> int:
         """Alternating runs per configuration."""
-        return runs_needed(self.repeats, self.steps_per_run, self.warmup_steps)
+        return common.runs_needed(self.repeats, self.steps_per_run, self.warmup_steps)
 
     def child_flags(self) -> list[str]:
         """The settings a peak-RSS child needs, as command-line flags."""
@@ -162,31 +109,6 @@ class Settings:
 
 
 # -- model, data, one run --------------------------------------------------------------
-
-
-def build_base(settings: Settings) -> nn.Module:
-    """The Llama-architecture model, fp32, seed 0, train mode."""
-    config = QUICK_MODEL if settings.quick else MODEL
-    model = causal_lm(
-        "LlamaConfig",
-        "LlamaForCausalLM",
-        max_position_embeddings=settings.seq,
-        attn_implementation="sdpa",
-        **config,
-    )
-    return model.train()
-
-
-def lora_copy(base: nn.Module) -> nn.Module:
-    """An identical LoRA-wrapped copy of ``base`` (adapters seeded)."""
-    torch.manual_seed(1)
-    return with_lora(copy.deepcopy(base), LORA_RANK)
-
-
-def training_rows(settings: Settings, steps: int) -> torch.Tensor:
-    """Random token rows for ``steps`` steps of ``batch``."""
-    vocab = int((QUICK_MODEL if settings.quick else MODEL)["vocab_size"])
-    return token_rows(steps * settings.batch, settings.seq, vocab, seed=4)
 
 
 def id_tokenizer(vocab: int) -> PreTrainedTokenizerFast:
@@ -218,19 +140,19 @@ def train_run(
     tag: str,
     steps: int,
     first: TrainerCallback | None = None,
-) -> StepTimer:
+) -> common.StepTimer:
     """One ``trainer.train()`` of ``steps`` steps of ``config``, timed by a fresh
     :class:`StepTimer`; ``first`` (a profiler) goes before it. A capture run must leave a
     store holding every step."""
-    timer = StepTimer()
+    timer = common.StepTimer()
     callbacks: list[TrainerCallback] = [timer] if first is None else [first, timer]
     store = work / f"store-{tag}"
     if config == CAPTURE:
         callbacks.append(capture_callback(store, settings))
-    args = training_args(work / f"out-{tag}", steps, settings.batch)
-    rows = training_rows(settings, steps)
-    vocab = int((QUICK_MODEL if settings.quick else MODEL)["vocab_size"])
-    make_trainer(model, rows, args, callbacks, id_tokenizer(vocab)).train()
+    args = common.training_args(work / f"out-{tag}", steps, settings.batch)
+    vocab = int(settings.model_config["vocab_size"])
+    rows = workload.step_rows(vocab, steps=steps, batch=settings.batch, seq=settings.seq)
+    common.make_trainer(model, rows, args, callbacks, id_tokenizer(vocab)).train()
     if config == CAPTURE and StoreReader(store).steps != list(range(steps)):
         raise RuntimeError(f"the capture run {tag} did not commit all {steps} steps to {store}")
     if config == CAPTURE and len(StoreReader(store).texts()) != len(rows):
@@ -243,31 +165,25 @@ def train_run(
 
 def measure(
     models: dict[str, nn.Module], settings: Settings, work: Path
-) -> tuple[dict[str, list[Sample]], list[float]]:
+) -> tuple[dict[str, list[common.Sample]], list[float]]:
     """Alternating runs (order rotated each round): timed steps per configuration."""
-    samples: dict[str, list[Sample]] = {name: [] for name in CONFIGS}
-    loads = []
-    for round_ in range(settings.runs):
-        for name in rotated(CONFIGS, round_):
-            tag = f"{name}-{round_}"
-            timer = train_run(name, models[name], settings, work, tag, settings.steps_per_run)
-            samples[name] += timer.timed(settings.warmup_steps)
-        loads.append(load_average())
-        print(f"  round {round_ + 1}/{settings.runs}", flush=True)
-    return samples, loads
+    samples: dict[str, list[common.Sample]] = {name: [] for name in CONFIGS}
+
+    def run(name: str, round_: int) -> None:
+        tag = f"{name}-{round_}"
+        timer = train_run(name, models[name], settings, work, tag, settings.steps_per_run)
+        samples[name] += timer.timed(settings.warmup_steps)
+
+    return samples, common.alternate(CONFIGS, settings.runs, run)
 
 
 def profile_capture(model: nn.Module, settings: Settings, work: Path) -> dict[str, float]:
     """Seconds per step of each :data:`PROFILED` part in the cProfiled steps of a capture
     run (after its warm-up steps)."""
-    profiler = StepProfiler(settings.warmup_steps)
+    profiler = common.StepProfiler(settings.warmup_steps)
     steps = settings.warmup_steps + settings.profile_steps
     train_run(CAPTURE, model, settings, work, "profile", steps, first=profiler)
-    table = profiler.table()
-    return {
-        label: sum(cumulative_seconds(table, ref) for ref in refs) / profiler.steps
-        for label, refs in PROFILED.items()
-    }
+    return profiler.split(PROFILED)
 
 
 # -- peak memory (child processes) -----------------------------------------------------
@@ -275,11 +191,11 @@ def profile_capture(model: nn.Module, settings: Settings, work: Path) -> dict[st
 
 def rss_child(config: str, settings: Settings) -> dict[str, float]:
     """Body of ``--rss-child``: a few steps of one configuration in this fresh process."""
-    quiet_transformers()
-    model = lora_copy(build_base(settings))
+    common.quiet_transformers()
+    model = workload.lora_copy(workload.trainer_llama(settings.model_config, seq=settings.seq))
     with tempfile.TemporaryDirectory(prefix="tda-train-rss-") as work:
         train_run(config, model, settings, Path(work), "rss", settings.rss_steps)
-    return {"peak_mb": peak_rss_mb()}
+    return {"peak_mb": common.peak_rss_mb()}
 
 
 def measure_rss(settings: Settings) -> dict[str, list[float]]:
@@ -288,8 +204,8 @@ def measure_rss(settings: Settings) -> dict[str, list[float]]:
     script = Path(__file__).resolve()
     peaks: dict[str, list[float]] = {name: [] for name in CONFIGS}
     for repeat in range(settings.rss_repeats):
-        for name in rotated(CONFIGS, repeat):
-            found = run_child(script, ["--rss-child", name, *settings.child_flags()])
+        for name in common.rotated(CONFIGS, repeat):
+            found = common.run_child(script, ["--rss-child", name, *settings.child_flags()])
             peaks[name].append(found["peak_mb"])
     return peaks
 
@@ -297,7 +213,7 @@ def measure_rss(settings: Settings) -> dict[str, list[float]]:
 # -- reporting -------------------------------------------------------------------------
 
 
-def time_table(samples: dict[str, list[Sample]]) -> str:
+def time_table(samples: dict[str, list[common.Sample]]) -> str:
     """The markdown table of step times and ratios."""
     lines = [
         "| configuration | step s, wall median [IQR] | **wall ratio** | paired wall ratio "
@@ -306,10 +222,10 @@ def time_table(samples: dict[str, list[Sample]]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|:-:|",
     ]
     for name in CONFIGS:
-        c = Comparison.of(samples[name], samples[PLAIN])
+        c = common.Comparison.of(samples[name], samples[PLAIN])
         target = f"{TARGET:.2f}x" if name == CAPTURE else "—"
         met = (
-            f"{verdict(c.wall_ratio, TARGET)} / {verdict(c.cpu_ratio, TARGET)}"
+            f"{common.verdict(c.wall_ratio, TARGET)} / {common.verdict(c.cpu_ratio, TARGET)}"
             if name == CAPTURE
             else ""
         )
@@ -337,14 +253,16 @@ def memory_table(peaks: dict[str, list[float]]) -> str:
     return "\n".join(lines)
 
 
-def profile_table(split: dict[str, float], samples: dict[str, list[Sample]]) -> str:
+def profile_table(split: dict[str, float], samples: dict[str, list[common.Sample]]) -> str:
     """Engine parts in ms per step and as a share of the plain step's CPU time."""
     if not split:
         return ""
-    plain = median_of(samples[PLAIN], "cpu")
-    extra = median_of(samples[CAPTURE], "cpu") - plain
-    extra_sys = median_of(samples[CAPTURE], "sys") - median_of(samples[PLAIN], "sys")
-    extra_faults = median_of(samples[CAPTURE], "faults") - median_of(samples[PLAIN], "faults")
+    plain = common.median_of(samples[PLAIN], "cpu")
+    extra = common.median_of(samples[CAPTURE], "cpu") - plain
+    extra_sys = common.median_of(samples[CAPTURE], "sys") - common.median_of(samples[PLAIN], "sys")
+    extra_faults = common.median_of(samples[CAPTURE], "faults") - common.median_of(
+        samples[PLAIN], "faults"
+    )
     lines = [
         f"Measured extra CPU time per step (medians): {1e3 * extra:+.0f} ms "
         f"({100 * extra / plain:+.1f}% of the plain step's {1e3 * plain:.0f} ms), of which "
@@ -364,7 +282,7 @@ def profile_table(split: dict[str, float], samples: dict[str, list[Sample]]) -> 
 class Measured:
     """What the parent measured."""
 
-    samples: dict[str, list[Sample]]
+    samples: dict[str, list[common.Sample]]
     loads: list[float]
     peaks: dict[str, list[float]]
     split: dict[str, float]
@@ -375,23 +293,18 @@ class Measured:
 
 def report(m: Measured, settings: Settings, argv: Sequence[str]) -> str:
     """The full markdown section for the results file."""
-    config = QUICK_MODEL if settings.quick else MODEL
-    shape = ", ".join(f"{k}={v}" for k, v in config.items())
+    shape = ", ".join(f"{k}={v}" for k, v in settings.model_config.items())
     rss = (
         f"each configuration in {settings.rss_repeats} fresh child process(es) of "
         f"{settings.rss_steps} steps, `VmHWM`, median"
         if m.peaks
         else "not measured"
     )
-    return tidy(f"""{SECTION}
-
-Command: `{command_line(SCRIPT, argv)}`
-
-Date: {utc_now()}. Machine: {machine_info()}; {load_text(m.loads)}.
+    return common.tidy(f"""{common.heading(SECTION, SCRIPT, argv, m.loads)}
 
 HF `Trainer` (CPU, fp32, AdamW, `max_grad_norm=1.0`), batch {settings.batch} x sequence \
 {settings.seq}, no padding. Model: `LlamaConfig({shape})` ({m.params / 1e6:.2f}M \
-parameters) with PEFT LoRA r={LORA_RANK} on every linear layer but the head \
+parameters) with PEFT LoRA r={workload.LORA_RANK} on every linear layer but the head \
 ({m.trainable / 1e6:.3f}M trainable, {m.adapters} adapter layers captured). `capture` = \
 `GradientCaptureCallback(layers="lora", projection="factor", k_a={settings.k}, \
 k_g={settings.k}, curvature=True)`, a new store on local disk (ext4) per run. Runs of \
@@ -404,7 +317,7 @@ median(plain); paired = step / plain step in the same slot. Target: <= {TARGET}x
 
 {time_table(m.samples)}
 
-{contention_note("the plain steps", m.samples[PLAIN])}
+{common.contention_note("the plain steps", m.samples[PLAIN])}
 
 {memory_table(m.peaks)}
 
@@ -420,56 +333,29 @@ cumulative CPU times, torch operations included; the layer hooks include the pro
 
 def parse_args(argv: Sequence[str]) -> tuple[Settings, argparse.Namespace]:
     """Parse and validate the command line into :class:`Settings`."""
-    p = base_parser(__doc__.split("\n\n")[0])
-    p.add_argument("--seq", type=int, help="sequence length (default 256; quick 16)")
-    p.add_argument("--batch", type=int, default=8, help="examples per step")
+    p = common.base_parser(__doc__.split("\n\n")[0])
     p.add_argument("--k", type=int, default=16, help="factor projection k_a = k_g")
-    p.add_argument("--repeats", type=int, help="timed steps per configuration (default 20)")
-    p.add_argument("--steps-per-run", type=int, default=3, help="steps of one train() run")
-    p.add_argument("--warmup-steps", type=int, default=1, help="discarded steps of each run")
-    p.add_argument("--profile-steps", type=int, help="cProfiled capture steps (default 3)")
+    common.add_step_flags(p, seq=256, repeats=20, steps_per_run=3, profiled="capture")
     p.add_argument("--rss-steps", type=int, default=3, help="steps per peak-RSS child")
     p.add_argument("--rss-repeats", type=int, help="children per configuration (default 2)")
     p.add_argument("--rss-child", choices=CONFIGS, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    quick = a.quick
     settings = Settings(
-        seq=a.seq or (16 if quick else 256),
-        batch=a.batch,
         k=a.k,
-        repeats=a.repeats or (3 if quick else 20),
-        steps_per_run=a.steps_per_run,
-        warmup_steps=a.warmup_steps,
-        profile_steps=a.profile_steps if a.profile_steps is not None else (1 if quick else 3),
         rss_steps=a.rss_steps,
-        rss_repeats=a.rss_repeats if a.rss_repeats is not None else (0 if quick else 2),
-        quick=quick,
-        write=a.write if a.write is not None else not quick,
-        results=a.results,
+        rss_repeats=a.rss_repeats if a.rss_repeats is not None else (0 if a.quick else 2),
+        **common.step_settings(a, seq=256, repeats=20),
     )
-    check(p, settings)
+    common.require_steps(p, settings, ("k", "rss_steps"))
     return settings, a
-
-
-def check(p: argparse.ArgumentParser, settings: Settings) -> None:
-    """Refuse settings that cannot give a valid measurement."""
-    for name in ("seq", "batch", "k", "repeats", "steps_per_run", "rss_steps"):
-        if getattr(settings, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if not 0 <= settings.warmup_steps < settings.steps_per_run:
-        p.error("--warmup-steps must be in [0, --steps-per-run)")
-    if settings.repeats < MIN_REPEATS and not settings.quick:
-        p.error(
-            f"--repeats must be >= {MIN_REPEATS} (docs/design.md section 12); use --quick to smoke"
-        )
 
 
 def run(settings: Settings) -> Measured:
     """Peak-RSS children first (before this process grows), then the timed runs."""
     peaks = measure_rss(settings) if settings.rss_repeats else {}
-    quiet_transformers()
-    base = build_base(settings)
-    models = {name: lora_copy(base) for name in CONFIGS}
+    common.quiet_transformers()
+    base = workload.trainer_llama(settings.model_config, seq=settings.seq)
+    models = {name: workload.lora_copy(base) for name in CONFIGS}
     with tempfile.TemporaryDirectory(prefix="tda-train-") as work:
         samples, loads = measure(models, settings, Path(work))
         split = {}
@@ -482,8 +368,8 @@ def run(settings: Settings) -> Measured:
         loads,
         peaks,
         split,
-        parameter_count(model),
-        parameter_count(model, trainable_only=True),
+        common.parameter_count(model),
+        common.parameter_count(model, trainable_only=True),
         adapters,
     )
 
@@ -495,7 +381,7 @@ def main(argv: Sequence[str]) -> None:
         print(json.dumps(rss_child(args.rss_child, settings)))
         return
     measured = run(settings)
-    publish(report(measured, settings, argv), SECTION, settings.results, settings.write)
+    common.publish(report(measured, settings, argv), SECTION, settings.results, settings.write)
 
 
 if __name__ == "__main__":

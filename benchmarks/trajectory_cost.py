@@ -15,51 +15,19 @@ config (random init, seed 0, fp32), HF ``Trainer`` with AdamW (``max_grad_norm=1
   layer (two steps).
 * **scoring**: ``adamw_influence`` against ``graddot`` on the LoRA store (all its steps)
   with ``--queries`` queries, interleaved, median wall and CPU seconds.
-
-Usage::
-
-    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false \\
-        .venv/bin/python benchmarks/trajectory_cost.py
-    .venv/bin/python benchmarks/trajectory_cost.py --quick     # smoke run, no write
 """
 
 from __future__ import annotations
 
-import copy
 import statistics
 import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+import common
 import torch
-from common import (
-    Comparison,
-    FuncRef,
-    Sample,
-    StepProfiler,
-    StepTimer,
-    Stopwatch,
-    base_parser,
-    causal_lm,
-    command_line,
-    contention_note,
-    cumulative_seconds,
-    load_average,
-    load_text,
-    machine_info,
-    make_trainer,
-    parameter_count,
-    publish,
-    quiet_transformers,
-    rotated,
-    runs_needed,
-    tidy,
-    token_rows,
-    training_args,
-    utc_now,
-    with_lora,
-)
+from peers import workload
 from torch import nn
 
 from tda_plugins import CaptureEngine, LayerSelection
@@ -73,19 +41,10 @@ SECTION = "## Trajectory recording and AdamW-influence (benchmarks/trajectory_co
 SCRIPT = "benchmarks/trajectory_cost.py"
 CAPTURE, TRAJECTORY = "capture", "capture+trajectory"
 CONFIGS = (CAPTURE, TRAJECTORY)
-LORA_RANK = 8
 WARMUP = 1
-MODEL = dict(
-    vocab_size=8000,
-    hidden_size=512,
-    intermediate_size=1376,
-    num_hidden_layers=6,
-    num_attention_heads=8,
-    num_key_value_heads=8,
-    tie_word_embeddings=False,
-)
+MODEL = workload.TRAINING_LLAMA
 #: The recorder's own code, profiled per step (its hooks, and the waits for its writes).
-PROFILED: dict[str, tuple[FuncRef, ...]] = {
+PROFILED: dict[str, tuple[common.FuncRef, ...]] = {
     "recorder hooks (ids, loss scales, grad norms, step counts)": (
         ("trajectory/recorder.py", "on_micro_batch"),
         ("trajectory/recorder.py", "on_optimizer_step"),
@@ -99,10 +58,8 @@ QUICK_MODEL = dict(MODEL, vocab_size=256, hidden_size=32, intermediate_size=64, 
 
 
 def base_model(quick: bool, seq: int) -> nn.Module:
-    config = QUICK_MODEL if quick else MODEL
-    return causal_lm(
-        "LlamaConfig", "LlamaForCausalLM", max_position_embeddings=seq, **config
-    ).train()
+    """The Llama of the run (its tiny twin with ``quick``)."""
+    return workload.trainer_llama(QUICK_MODEL if quick else MODEL, seq=seq)
 
 
 def train_run(
@@ -113,11 +70,11 @@ def train_run(
     steps: int,
     batch: int,
     seq: int,
-    first: StepProfiler | None = None,
-) -> tuple[StepTimer, Path]:
+    first: common.StepProfiler | None = None,
+) -> tuple[common.StepTimer, Path]:
     """One ``trainer.train()`` of ``steps`` steps capturing into a new store (``first``, a
     profiler, before the timer)."""
-    timer = StepTimer()
+    timer = common.StepTimer()
     store = Path(tempfile.mkdtemp(prefix="store-", dir=work))
     callback = GradientCaptureCallback(
         store_dir=str(store),
@@ -125,11 +82,10 @@ def train_run(
         curvature=False,
         record_trajectory=config == TRAJECTORY,
     )
-    vocab = int(model.config.vocab_size)
-    rows = token_rows(steps * batch, seq, vocab, seed=4)
-    args = training_args(work / "out", steps, batch)
+    rows = workload.step_rows(model.config.vocab_size, steps=steps, batch=batch, seq=seq)
+    args = common.training_args(work / "out", steps, batch)
     callbacks = [timer, callback] if first is None else [first, timer, callback]
-    make_trainer(model, rows, args, callbacks).train()
+    common.make_trainer(model, rows, args, callbacks).train()
     return timer, store
 
 
@@ -153,19 +109,19 @@ def bytes_per_step(store: Path) -> tuple[float, float]:
     return shards / steps, trajectory / steps
 
 
-def score_times(store: Path, queries: StoreReader, repeats: int) -> dict[str, list[Sample]]:
+def score_times(store: Path, queries: StoreReader, repeats: int) -> dict[str, list[common.Sample]]:
     """Interleaved scoring of the store by both methods."""
-    out: dict[str, list[Sample]] = {"graddot": [], "adamw_influence": []}
+    out: dict[str, list[common.Sample]] = {"graddot": [], "adamw_influence": []}
     for round_ in range(repeats):
-        for name in rotated(list(out), round_):
-            with Stopwatch() as watch:
+        for name in common.rotated(list(out), round_):
+            with common.Stopwatch() as watch:
                 method_by_name(name).score(StoreReader(store), queries)
             out[name].append(watch.sample)
     return out
 
 
 def main(argv: Sequence[str]) -> None:
-    p = base_parser(__doc__.splitlines()[0])
+    p = common.base_parser(__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=12, help="timed steps per configuration")
     p.add_argument("--steps-per-run", type=int, default=4)
     p.add_argument("--batch", type=int, default=8)
@@ -176,35 +132,28 @@ def main(argv: Sequence[str]) -> None:
     if a.quick:
         a.repeats, a.steps_per_run, a.batch, a.seq, a.score_repeats = 2, 2, 2, 16, 1
     write = a.write if a.write is not None else not a.quick
-    quiet_transformers()
-    torch.manual_seed(0)
+    common.quiet_transformers()
     base = base_model(a.quick, a.seq)
-    models = {}
-    for name in CONFIGS:
-        torch.manual_seed(1)
-        models[name] = with_lora(copy.deepcopy(base), LORA_RANK)
-    samples: dict[str, list[Sample]] = {name: [] for name in CONFIGS}
-    loads = []
+    models = {name: workload.lora_copy(base) for name in CONFIGS}
+    samples: dict[str, list[common.Sample]] = {name: [] for name in CONFIGS}
     with tempfile.TemporaryDirectory(prefix="tda-trajectory-bench-") as tmp:
         work = Path(tmp)
         last: dict[str, Path] = {}
-        for round_ in range(runs_needed(a.repeats, a.steps_per_run, WARMUP)):
-            for name in rotated(CONFIGS, round_):
-                timer, last[name] = train_run(
-                    models[name], name, "lora", work, a.steps_per_run, a.batch, a.seq
-                )
-                samples[name] += timer.timed(WARMUP)
-            loads.append(load_average())
-            print(f"  round {round_ + 1}", flush=True)
-        profiler = StepProfiler(WARMUP)
+
+        def run(name: str, round_: int) -> None:
+            timer, last[name] = train_run(
+                models[name], name, "lora", work, a.steps_per_run, a.batch, a.seq
+            )
+            samples[name] += timer.timed(WARMUP)
+
+        loads = common.alternate(
+            CONFIGS, common.runs_needed(a.repeats, a.steps_per_run, WARMUP), run
+        )
+        profiler = common.StepProfiler(WARMUP)
         train_run(
             models[TRAJECTORY], TRAJECTORY, "lora", work, a.steps_per_run, a.batch, a.seq, profiler
         )
-        table = profiler.table()
-        split = {
-            label: sum(cumulative_seconds(table, ref) for ref in refs) / profiler.steps
-            for label, refs in PROFILED.items()
-        }
+        split = profiler.split(PROFILED)
         lora_bytes = bytes_per_step(last[TRAJECTORY])
         captured = sum(
             t.numel()
@@ -221,12 +170,12 @@ def main(argv: Sequence[str]) -> None:
             for n in StoreReader(full_store).layer_names
         )
         vocab = int(base.config.vocab_size)
-        query_rows = token_rows(a.queries, a.seq, vocab, seed=9)
+        query_rows = common.token_rows(a.queries, a.seq, vocab, seed=9)
         queries = capture_queries(models[TRAJECTORY], query_rows, work / "queries")
         scoring = score_times(last[TRAJECTORY], queries, a.score_repeats)
         examples = StoreReader(last[TRAJECTORY]).num_examples
-    c = Comparison.of(samples[TRAJECTORY], samples[CAPTURE])
-    base_c = Comparison.of(samples[CAPTURE], samples[CAPTURE])
+    c = common.Comparison.of(samples[TRAJECTORY], samples[CAPTURE])
+    base_c = common.Comparison.of(samples[CAPTURE], samples[CAPTURE])
     cpu_step = statistics.median(x.cpu for x in samples[CAPTURE])
     profile_rows = "\n".join(
         f"| {label} | {1e3 * sec:.1f} | {100 * sec / cpu_step:.2f}% |"
@@ -238,15 +187,11 @@ def main(argv: Sequence[str]) -> None:
         n: (statistics.median(s.wall for s in v), statistics.median(s.cpu for s in v))
         for n, v in scoring.items()
     }
-    section = tidy(f"""{SECTION}
-
-Command: `{command_line(SCRIPT, argv)}`
-
-Date: {utc_now()}. Machine: {machine_info()}; {load_text(loads)}.
+    section = common.tidy(f"""{common.heading(SECTION, SCRIPT, argv, loads)}
 
 HF `Trainer` (CPU, fp32, AdamW, `max_grad_norm=1.0`), batch {a.batch} x sequence {a.seq}. \
-Model: `LlamaConfig({shape})` ({parameter_count(base) / 1e6:.2f}M parameters). LoRA r=\
-{LORA_RANK} on every linear layer but the head; `capture` = `GradientCaptureCallback(\
+Model: `LlamaConfig({shape})` ({common.parameter_count(base) / 1e6:.2f}M parameters). LoRA r=\
+{workload.LORA_RANK} on every linear layer but the head; `capture` = `GradientCaptureCallback(\
 layers="lora", curvature=False)` (exact gradients), `capture+trajectory` the same with \
 `record_trajectory=True`. Runs of {a.steps_per_run} steps alternate (order rotated), the \
 first step of each discarded: median of {len(samples[CAPTURE])} steps per configuration.
@@ -258,7 +203,7 @@ first step of each discarded: median of {len(samples[CAPTURE])} steps per config
 | {TRAJECTORY} | {c.wall.text()} | {c.wall_ratio:.3f}x | {c.cpu.text()} \
 | **{c.cpu_ratio:.3f}x** | {c.cpu_paired.text(".3f", "x")} |
 
-{contention_note(CAPTURE, samples[CAPTURE])}
+{common.contention_note(CAPTURE, samples[CAPTURE])}
 
 The recorder's own CPU time per step ({profiler.steps} cProfiled `capture+trajectory` \
 steps, cumulative), against the median `capture` step's {1e3 * cpu_step:.0f} ms of CPU:
@@ -282,7 +227,7 @@ Scoring the LoRA store ({examples} examples, {examples // a.batch} steps) agains
 {med["adamw_influence"][0]:.2f} s / {med["adamw_influence"][1]:.2f} s \
 ({med["adamw_influence"][1] / med["graddot"][1]:.2f}x CPU).
 """)
-    publish(section, SECTION, a.results, write)
+    common.publish(section, SECTION, a.results, write)
 
 
 if __name__ == "__main__":

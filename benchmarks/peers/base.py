@@ -10,15 +10,19 @@ can call the same adapters for scores.
 
 Adapters live one per module and register themselves with :func:`register_peer`;
 :func:`adapter` imports a library's module only when it is asked for, so the harness runs
-where the peers are not installed (CI: our library only).
+where the peers are not installed (CI: our library only). What each library runs for each
+method, and why it cannot run the others, is one table: ``methods.toml``.
 """
 
 from __future__ import annotations
 
 import importlib
+import shutil
+import tomllib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import ClassVar, TypeVar
 
 from torch import Tensor
@@ -48,6 +52,9 @@ LIBRARIES = {
     "traker": Library("traker_adapter", "traker"),
     "dattri": Library("dattri_adapter", "dattri"),
 }
+#: Per library name: ``notes`` (method -> what the library runs) and ``unsupported``
+#: (method -> why it cannot run it).
+METHOD_TABLE = tomllib.loads(Path(__file__).with_name("methods.toml").read_text())
 _ADAPTERS: dict[str, type[PeerAdapter]] = {}
 A = TypeVar("A", bound="type[PeerAdapter]")
 
@@ -60,24 +67,41 @@ class PeerAdapter(ABC):
     """One library's way of scoring training rows against queries.
 
     Class attributes:
-        name: the library's name in tables (a key of :data:`LIBRARIES`).
-        notes: per method, what the library actually runs (projection kind, damping, the
-            layer types it hooks), shown in the tables.
-        unsupported: per method, why the library cannot run it.
+        name: the library's name in tables (a key of :data:`LIBRARIES` and of
+            :data:`METHOD_TABLE`).
     """
 
     name: ClassVar[str]
-    notes: ClassVar[dict[str, str]] = {}
-    unsupported: ClassVar[dict[str, str]] = {}
+    #: Whether each timed call leaves files in :meth:`scratch` (stores, caches) that the
+    #: next round must not find; :meth:`cleanup` then removes the folder.
+    clears_scratch: ClassVar[bool] = False
+
+    @property
+    def notes(self) -> dict[str, str]:
+        """Per method, what the library actually runs (projection kind, damping, the layer
+        types it hooks), shown in the tables."""
+        return METHOD_TABLE.get(self.name, {}).get("notes", {})
+
+    @property
+    def unsupported(self) -> dict[str, str]:
+        """Per method, why the library cannot run it."""
+        return METHOD_TABLE.get(self.name, {}).get("unsupported", {})
 
     def prepare(self, problem: Problem, method: str) -> Problem:
         """Untimed set-up before the runs of ``method``; returns the problem to score
         (an adapter may replace the model by an equivalent one it can hook)."""
         return problem
 
-    def cleanup(self, problem: Problem) -> None:  # noqa: B027 (a hook; most have nothing)
+    def scratch(self, problem: Problem) -> Path:
+        """The folder of this library's files under the problem's scratch folder."""
+        return problem.work / self.name
+
+    def cleanup(self, problem: Problem) -> None:
         """Untimed, after each timed call: remove what the call left on disk (a user keeps
-        it; only the benchmark's next round needs it gone). Default: nothing."""
+        it; only the benchmark's next round needs it gone): :meth:`scratch` where
+        :attr:`clears_scratch`, else nothing."""
+        if self.clears_scratch:
+            shutil.rmtree(self.scratch(problem), ignore_errors=True)
 
     @abstractmethod
     def scores(self, problem: Problem, method: str) -> Tensor:

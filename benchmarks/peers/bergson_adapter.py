@@ -8,8 +8,6 @@ GPT-2's ``Conv1D`` is hooked natively."""
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 from bergson import IndexConfig, InMemoryCollector, Scorer
 from bergson.collector.collector import CollectorComputer
@@ -21,24 +19,12 @@ from torch import Tensor
 from peers.base import PeerAdapter, register_peer
 from peers.workload import Problem
 
-_HESSIANS = (
-    "its K-FAC/EK-FAC path (`hessian_pipeline`, the `bergson hessian` command) builds the "
-    "*mean* query gradient, preconditions that one vector and scores the training rows "
-    "against it: no per-query (Q x N) K-FAC/EK-FAC scores; its factors are written to "
-    "and read from a run folder on disk. Not wired to this workload"
-)
-
 
 @register_peer
 class Bergson(PeerAdapter):
     """bergson 2.5 collector + streaming scorer on CPU, fp32."""
 
     name = "bergson"
-    notes: ClassVar[dict[str, str]] = {
-        "graddot": "InMemoryCollector (queries) + streaming Scorer (training rows), bias on",
-        "graddot_proj": "projection_dim = k per module (k x k, rademacher), bias on",
-    }
-    unsupported: ClassVar[dict[str, str]] = {"kfac": _HESSIANS, "ekfac": _HESSIANS}
 
     def _collect(
         self, problem: Problem, rows: Tensor, method: str, scorer: Scorer | None = None

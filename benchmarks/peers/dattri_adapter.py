@@ -15,9 +15,8 @@ divided by ``T - 1``, so the adapter multiplies them by ``T - 1``."""
 
 from __future__ import annotations
 
-import copy
 import shutil
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from common import RowDataset, collate_rows
@@ -28,22 +27,8 @@ from torch.func import functional_call
 from torch.utils.data import DataLoader, TensorDataset
 
 from peers.base import PeerAdapter, register_peer
-from peers.workload import Problem, example_losses, linear_twin, parameter_names
+from peers.workload import Problem, example_losses, linear_copy, parameter_names
 from tda_plugins import causal_lm_example_losses
-
-_EKFAC = (
-    "IFAttributorEKFAC.cache fails on sequence models: dattri.func.fisher."
-    "_update_covariance sets its input activations `a_prev` only for 2-D (batch, features) "
-    "layer inputs, so the (batch, tokens, features) inputs of every transformer linear layer "
-    "raise UnboundLocalError; it also ignores the loss function's token mask (always "
-    "ones(batch, 1))"
-)
-_KFAC = (
-    "no K-FAC attributor: dattri.algorithm's influence functions are Explicit, CG, LiSSA, "
-    "Arnoldi, DataInf and EK-FAC (plus LoGra/FactGraSS with an empirical Fisher of the "
-    "projected gradients); the Kronecker factors exist only inside IFAttributorEKFAC, "
-    "which always applies its corrected eigenvalues"
-)
 
 
 @register_peer
@@ -51,20 +36,12 @@ class Dattri(PeerAdapter):
     """dattri 0.3 on CPU, fp32, one checkpoint (the problem's model)."""
 
     name = "dattri"
-    notes: ClassVar[dict[str, str]] = {
-        "graddot": "TracInAttributor, proj_type='identity' (no projection), bias on",
-        "graddot_proj": "LoGraAttributor, hessian='Identity', proj_dim = k*k (k per side, "
-        "Gaussian), bias on; query scores x (T - 1) from its token-mean loss",
-    }
-    unsupported: ClassVar[dict[str, str]] = {"kfac": _KFAC, "ekfac": _EKFAC}
+    clears_scratch = True
 
     def prepare(self, problem: Problem, method: str) -> Problem:
         # LoGra hooks nn.Linear only and leaves the hooked weights without .grad: a copy.
-        self.model = linear_twin(copy.deepcopy(problem.model))
+        self.model = linear_copy(problem.model)
         return problem
-
-    def cleanup(self, problem: Problem) -> None:
-        shutil.rmtree(problem.work / "dattri", ignore_errors=True)
 
     def scores(self, problem: Problem, method: str) -> Tensor:
         if method == "graddot":
@@ -104,7 +81,7 @@ class Dattri(PeerAdapter):
             # loss): the mean of the summed losses gives each example's summed gradient.
             return example_losses(model, batch["input_ids"]).mean()
 
-        work = problem.work / "dattri"
+        work = self.scratch(problem)
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
         task = AttributionTask(

@@ -6,7 +6,7 @@ capture-time "logra" factor projection for the projected row, ``KFACAttributor``
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar
+from typing import Any
 
 from common import RowDataset
 from dattri_llm import AttributionArguments, AttributionTask, HookManagerConfig
@@ -36,11 +36,6 @@ class DattriLLM(PeerAdapter):
     "factorized" for K-FAC and EK-FAC."""
 
     name = "dattri-llm"
-    notes: ClassVar[dict[str, str]] = {
-        "graddot_proj": "logra factor projection, proj_dim = k per side (rademacher)",
-        "kfac": "damping 0.1, relative_damping=True, capture_style='factorized'",
-        "ekfac": "damping 0.1, relative_damping=True, capture_style='factorized'",
-    }
 
     def scores(self, problem: Problem, method: str) -> Tensor:
         layers = [f"{re.escape(n)}$" for n in problem.layers]

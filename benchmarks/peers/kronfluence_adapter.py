@@ -6,9 +6,7 @@ projection (only a low-rank query approximation), so the projected row is not ru
 
 from __future__ import annotations
 
-import copy
 import logging
-from typing import ClassVar
 
 from common import RowDataset
 from kronfluence.analyzer import Analyzer, prepare_model
@@ -17,7 +15,7 @@ from kronfluence.task import Task
 from torch import Tensor, nn
 
 from peers.base import PeerAdapter, register_peer
-from peers.workload import Problem, example_losses, linear_twin
+from peers.workload import Problem, example_losses, linear_copy
 
 _STRATEGY = {"graddot": "identity", "kfac": "kfac", "ekfac": "ekfac"}
 
@@ -45,20 +43,11 @@ class Kronfluence(PeerAdapter):
     """kronfluence 1.0 on CPU; damping left to its heuristic (0.1 x mean eigenvalue)."""
 
     name = "kronfluence"
-    notes: ClassVar[dict[str, str]] = {
-        "graddot": "strategy 'identity'",
-        "kfac": "strategy 'kfac', damping_factor=None (0.1 x mean eigenvalue)",
-        "ekfac": "strategy 'ekfac', damping_factor=None (0.1 x mean eigenvalue)",
-    }
-    unsupported: ClassVar[dict[str, str]] = {
-        "graddot_proj": "no gradient projection (only query_gradient_low_rank, a low-rank "
-        "SVD of the query gradient, not a factor projection)",
-    }
 
     def prepare(self, problem: Problem, method: str) -> Problem:
         self.task = _SummedLoss(problem.layers)
         # prepare_model freezes every parameter: a copy keeps the floor's model trainable.
-        self.model = prepare_model(linear_twin(copy.deepcopy(problem.model)), self.task)
+        self.model = prepare_model(linear_copy(problem.model), self.task)
         return problem
 
     def scores(self, problem: Problem, method: str) -> Tensor:

@@ -14,14 +14,14 @@ product ``S (x) A`` rather than to each factor."""
 from __future__ import annotations
 
 import copy
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from logix import LogIX
 from torch import Tensor, nn
 
 from peers.base import PeerAdapter, register_peer
-from peers.workload import Problem, example_losses, linear_twin, row_batches
+from peers.workload import Problem, example_losses, linear_copy, row_batches
 
 _COVARIANCES = {"forward": ["covariance"], "backward": ["covariance"]}
 #: What LogIX logs on the training pass, per method.
@@ -30,11 +30,6 @@ _TRAIN_LOG: dict[str, dict[str, list[str]]] = {
     "kfac": {"grad": ["log"], **_COVARIANCES},
     "ekfac": {"grad": ["log"], **_COVARIANCES},
 }
-_LORA = (
-    "its projection is LoGra through `add_lora` (a LoRA-shaped bottleneck initialised "
-    "from PCA or random weights), which changes the model it hooks; not wired to this "
-    "workload"
-)
 
 
 @register_peer
@@ -42,15 +37,9 @@ class LogIXPeer(PeerAdapter):
     """logix-ai 0.1 on CPU, fp32, log and statistics under the problem's scratch folder."""
 
     name = "logix"
-    notes: ClassVar[dict[str, str]] = {
-        "graddot": "grad log (weights only, no bias), compute_influence_all, no precondition",
-        "kfac": "covariance statistics, hessian='kfac', damping 0.1 x mean eig (first module)",
-        "ekfac": "covariance + corrected_eigval (second pass), damping 0.1 x mean (first module)",
-    }
-    unsupported: ClassVar[dict[str, str]] = {"graddot_proj": _LORA}
 
     def prepare(self, problem: Problem, method: str) -> Problem:
-        self.template = linear_twin(copy.deepcopy(problem.model))
+        self.template = linear_copy(problem.model)
         return problem
 
     def _pass(self, run: LogIX, model: nn.Module, rows: Tensor, batch: int) -> None:

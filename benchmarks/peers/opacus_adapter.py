@@ -6,17 +6,12 @@ projection, no curvature."""
 
 from __future__ import annotations
 
-import copy
-from typing import ClassVar
-
 import torch
 from opacus import GradSampleModule
 from torch import Tensor
 
 from peers.base import PeerAdapter, register_peer
-from peers.workload import Problem, example_losses, linear_twin, row_batches
-
-_NO_CURVATURE = "computes per-sample gradients only; no K-FAC/EK-FAC preconditioner"
+from peers.workload import Problem, example_losses, linear_copy, row_batches
 
 
 @register_peer
@@ -24,15 +19,9 @@ class Opacus(PeerAdapter):
     """opacus 1.6 ``GradSampleModule`` (hooks mode), query gradients held in memory."""
 
     name = "opacus"
-    notes: ClassVar[dict[str, str]] = {"graddot": "grad_sample per layer, flattened dot"}
-    unsupported: ClassVar[dict[str, str]] = {
-        "graddot_proj": "no gradient projection",
-        "kfac": _NO_CURVATURE,
-        "ekfac": _NO_CURVATURE,
-    }
 
     def prepare(self, problem: Problem, method: str) -> Problem:
-        model = linear_twin(copy.deepcopy(problem.model))
+        model = linear_copy(problem.model)
         chosen = {f"{n}.{p}" for n in problem.layers for p in ("weight", "bias")}
         for name, param in model.named_parameters():
             param.requires_grad_(name in chosen)

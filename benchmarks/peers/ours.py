@@ -14,9 +14,6 @@
 
 from __future__ import annotations
 
-import shutil
-from typing import ClassVar
-
 import torch
 from attribution import capture_store, micro_batches
 from torch import Tensor
@@ -32,7 +29,6 @@ from tda_plugins.methods import method_by_name
 
 #: Our method for each measured configuration.
 _METHOD = {"graddot": "graddot", "graddot_proj": "graddot", "kfac": "kfac", "ekfac": "ekfac"}
-_PROJECTION_NOTE = "factor projection k_a = k_g = k in the hook"
 
 
 def projection_of(problem: Problem, method: str) -> ProjectionConfig | None:
@@ -47,33 +43,21 @@ class Ours(PeerAdapter):
     """Stores on local disk, scored by the registered method (damping 0.1 x mean eig)."""
 
     name = "ours"
-    notes: ClassVar[dict[str, str]] = {
-        "graddot": "store on disk, then graddot",
-        "graddot_proj": _PROJECTION_NOTE + ", store on disk",
-        "kfac": "inline K-FAC statistics, damping 0.1 x mean eigenvalue per factor",
-        "ekfac": "inline K-FAC statistics + one pass over the store, damping 0.1 x mean",
-    }
-
-    def cleanup(self, problem: Problem) -> None:
-        shutil.rmtree(problem.work / "ours", ignore_errors=True)
+    clears_scratch = True
 
     def scores(self, problem: Problem, method: str) -> Tensor:
-        root = problem.work / "ours"
+        root = self.scratch(problem)
         projection = projection_of(problem, method)
         curvature = method in ("kfac", "ekfac")
-        train = capture_store(
-            problem.model,
-            micro_batches(problem.train, problem.batch),
-            root / "train",
-            projection,
-            curvature,
-        )
-        queries = capture_store(
-            problem.model,
-            micro_batches(problem.queries, problem.batch),
-            root / "queries",
-            projection,
-            False,
+        train, queries = (
+            capture_store(
+                problem.model,
+                micro_batches(rows, problem.batch),
+                root / part,
+                projection,
+                curvature and part == "train",
+            )
+            for part, rows in (("train", problem.train), ("queries", problem.queries))
         )
         return method_by_name(_METHOD[method]).score(train, queries).values.T
 
@@ -95,15 +79,6 @@ class OursLive(PeerAdapter):
     """In-memory query gradients, training rows scored inside their own backward."""
 
     name = "ours-live"
-    notes: ClassVar[dict[str, str]] = {
-        "graddot": "live: queries in memory, each micro-batch scored as it finishes",
-        "graddot_proj": _PROJECTION_NOTE + ", live",
-    }
-    unsupported: ClassVar[dict[str, str]] = {
-        m: "no live path: K-FAC/EK-FAC need the whole training set's factors first "
-        "(see the row of `ours`)"
-        for m in ("kfac", "ekfac")
-    }
 
     def _capture(self, problem: Problem, rows: Tensor, method: str, consumer: CaptureConsumer):
         """One captured forward + backward of ``rows`` per micro-batch into ``consumer``."""

@@ -15,22 +15,27 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from common import (
-    MIN_REPEATS,
     Comparison,
+    ModelConfig,
     Sample,
     StepTimer,
-    load_average,
-    rotated,
+    alternate,
+    require_positive,
+    require_repeats,
     runs_needed,
+    tidy,
     verdict,
 )
 from torch import nn
 
+from peers.workload import MODES, QUICK_LLAMA, Mode
+
 PLAIN = "plain"
 OURS = "ours"
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,7 @@ class RunOptions:
         quick: the tiny smoke configuration.
         write: update the results file.
         results: the results file.
+        model: the Llama's config keyword arguments (the tiny one with ``quick``).
     """
 
     seq: int
@@ -55,6 +61,12 @@ class RunOptions:
     quick: bool
     write: bool
     results: Path
+    model: ModelConfig
+
+    @property
+    def vocab(self) -> int:
+        """The model's vocabulary size."""
+        return int(self.model["vocab_size"])
 
     @property
     def runs(self) -> int:
@@ -71,9 +83,11 @@ class RunOptions:
         p.add_argument("--steps-per-run", type=int, default=4, help="steps of one train() run")
 
     @classmethod
-    def parsed(cls, p: argparse.ArgumentParser, a: argparse.Namespace, seq: int) -> RunOptions:
-        """The settings from parsed arguments ``a``, refused (``p.error``) where they
-        cannot give a valid measurement."""
+    def parsed(
+        cls, p: argparse.ArgumentParser, a: argparse.Namespace, *, seq: int, model: ModelConfig
+    ) -> RunOptions:
+        """The settings from parsed arguments ``a`` for the Llama of config ``model``,
+        refused (``p.error``) where they cannot give a valid measurement."""
         options = cls(
             seq=a.seq or (16 if a.quick else seq),
             batch=a.batch,
@@ -82,16 +96,12 @@ class RunOptions:
             quick=a.quick,
             write=a.write if a.write is not None else not a.quick,
             results=a.results,
+            model=QUICK_LLAMA if a.quick else model,
         )
-        for name in ("seq", "batch", "repeats"):
-            if getattr(options, name) < 1:
-                p.error(f"--{name} must be >= 1")
+        require_positive(p, options, ("seq", "batch", "repeats"))
         if options.steps_per_run < 2:
             p.error("--steps-per-run must be >= 2 (the first step of each run is discarded)")
-        if options.repeats < MIN_REPEATS and not options.quick:
-            p.error(
-                f"--repeats must be >= {MIN_REPEATS} (docs/design.md section 12); --quick smokes"
-            )
+        require_repeats(p, options.repeats, quick=options.quick)
         return options
 
     def protocol(self, steps: int) -> str:
@@ -107,6 +117,11 @@ class RunOptions:
 
 class Unavailable(Exception):
     """A library cannot run this workload here; the message says why (kept in its row)."""
+
+
+def not_installed(library: str, error: ImportError) -> Unavailable:
+    """The reason of a library whose import failed here (the peers' venv has it)."""
+    return Unavailable(f"{library} is not installed here ({error}); run `make bench`")
 
 
 class TrainingWay(ABC):
@@ -182,16 +197,28 @@ def run_mode(
             reasons[name] = str(e)
     if PLAIN not in lanes:
         raise RuntimeError(f"the plain way must run: {reasons.get(PLAIN)}")
-    loads = []
-    for round_ in range(rounds):
-        for name in rotated(list(lanes), round_):
-            lane = lanes[name]
-            lane.way.train(lane.model, args_for(name, round_), lane.timer)
-        loads.append(load_average())
-        print(f"  {label}: round {round_ + 1}/{rounds}", flush=True)
+
+    def run(name: str, round_: int) -> None:
+        lane = lanes[name]
+        lane.way.train(lane.model, args_for(name, round_), lane.timer)
+
+    loads = alternate(list(lanes), rounds, run, f"{label}: ")
     samples = {name: lane.timer.timed(warmup) for name, lane in lanes.items()}
     peers = [name for name, cls in ways.items() if name != PLAIN and not cls.ours]
     return ModeResult(label, list(ways), samples, reasons, peers), loads
+
+
+def each_mode(
+    names: Sequence[str], measure: Callable[[Mode], tuple[R, list[float]]]
+) -> tuple[list[R], list[float]]:
+    """``measure(mode)`` for each fine-tuning mode of ``names`` (keys of
+    :data:`~workload.MODES`), in order: the results and every load average sampled."""
+    results, loads = [], []
+    for name in names:
+        result, mode_loads = measure(MODES[name])
+        results.append(result)
+        loads += mode_loads
+    return results, loads
 
 
 def ratio_table(results: Sequence[ModeResult], target: str) -> str:
@@ -224,3 +251,27 @@ def ratio_table(results: Sequence[ModeResult], target: str) -> str:
 def notes_list(ways: Sequence[type[TrainingWay]]) -> str:
     """What each way runs, one bullet each."""
     return "\n".join(f"- `{way.name}`: {way.note}." for way in ways)
+
+
+def section(
+    head: str,
+    setup: str,
+    options: RunOptions,
+    ways: Sequence[type[TrainingWay]],
+    results: Sequence[ModeResult],
+    target: str,
+) -> str:
+    """A workload's results section: ``head`` (:func:`common.heading`), the ``Trainer``
+    setup and the model, then the workload's own ``setup`` sentences, the protocol, what
+    each way runs and the ratio table (``target``: the heading of its verdict column)."""
+    steps = min(len(v) for r in results for v in r.samples.values())
+    shape = ", ".join(f"{k}={v}" for k, v in options.model.items())
+    return tidy(f"""{head}
+
+HF `Trainer` (CPU, fp32, AdamW, `max_grad_norm=1.0`), batch {options.batch} x sequence \
+{options.seq}, no padding, `LlamaConfig({shape})`{setup} {options.protocol(steps)}
+
+{notes_list(ways)}
+
+{ratio_table(results, target)}
+""")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import shutil
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -33,11 +33,6 @@ from trak.score_computers import AbstractScoreComputer
 from peers.base import PeerAdapter, register_peer
 from peers.workload import Problem, parameter_names, row_batches
 from tda_plugins import causal_lm_example_losses
-
-_NO_CURVATURE = (
-    "no Kronecker-factored curvature: TRAK's only preconditioner is (Phi^T Phi + "
-    "lambda_reg I)^-1 of the JL-projected gradients of all training rows"
-)
 
 
 class _SummedLoss(AbstractModelOutput):
@@ -90,19 +85,11 @@ class Traker(PeerAdapter):
     """traker 0.3 on CPU, fp32 (``use_half_precision=False``), one checkpoint."""
 
     name = "traker"
-    notes: ClassVar[dict[str, str]] = {
-        "graddot": "TRAKer with NoOpProjector, Q = 1, no (Phi^T Phi)^-1; bias on",
-        "graddot_proj": "TRAKer BasicProjector, dense Gaussian JL over all of D, proj_dim = "
-        "k*k, Q = 1, no (Phi^T Phi)^-1; bias on",
-    }
-    unsupported: ClassVar[dict[str, str]] = {"kfac": _NO_CURVATURE, "ekfac": _NO_CURVATURE}
-
-    def cleanup(self, problem: Problem) -> None:
-        shutil.rmtree(problem.work / "traker", ignore_errors=True)
+    clears_scratch = True
 
     def scores(self, problem: Problem, method: str) -> Tensor:
         model = problem.model
-        work = problem.work / "traker"
+        work = self.scratch(problem)
         # A fresh folder; load_from_save_dir stays True: traker 0.3.2 writes the
         # experiments.json that start_scoring_checkpoint reads only in that mode.
         shutil.rmtree(work, ignore_errors=True)

@@ -1,5 +1,6 @@
-"""The workload every library runs: models from configs, token rows, captured layers, the
-floor passes, and the score conventions.
+"""The workloads every benchmark runs: models from configs, token rows, captured layers, the
+floor passes, and the score conventions; and the Llama models of the in-training
+workloads (a ``Trainer`` loop, ours and the peers').
 
 Models are transformers causal LMs built from configs (random init, seed 0, dropout off,
 tied input/output embeddings), so the captured layers are exactly the attention and MLP
@@ -11,13 +12,14 @@ Each example's loss is its own *summed* next-token cross-entropy; a score is
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from common import causal_lm, token_rows
+from common import causal_lm, llama, token_rows, with_lora
 from torch import Tensor, nn
 
 from tda_plugins import LayerSelection, causal_lm_example_losses
@@ -30,26 +32,23 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A transformers causal LM from its config, at full size and as a tiny smoke model."""
+    """A transformers causal LM from its config, at full size and as a tiny smoke model
+    (``note``: what a report says of its layers)."""
 
     config_cls: str
     model_cls: str
     full: dict[str, Any]
     tiny: dict[str, Any]
+    note: str = ""
 
+    def config(self, *, tiny: bool) -> dict[str, Any]:
+        """The config keyword arguments of the full or the tiny model."""
+        return dict(self.tiny if tiny else self.full)
 
-def _decoder(
-    vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int
-) -> dict[str, Any]:
-    """Config keyword arguments of a Llama-style decoder (Llama, Qwen2)."""
-    return dict(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-    )
+    def text(self, *, tiny: bool) -> str:
+        """``Config(key=value, ...)`` as a report shows it, and the note."""
+        shape = ", ".join(f"{k}={v}" for k, v in self.config(tiny=tiny).items())
+        return f"`{self.config_cls}({shape})`; {self.note}"
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -62,16 +61,18 @@ MODELS: dict[str, ModelSpec] = {
     "llama": ModelSpec(
         "LlamaConfig",
         "LlamaForCausalLM",
-        full=_decoder(2048, 384, 1024, layers=5, heads=6, kv_heads=6),
-        tiny=_decoder(64, 16, 32, layers=1, heads=2, kv_heads=2),
+        full=llama(2048, hidden=384, intermediate=1024, layers=5, heads=6),
+        tiny=llama(64, hidden=16, intermediate=32, layers=1, heads=2),
     ),
     # Qwen2-0.5B's shape (about 494M parameters, 358M of them in the captured layers), for
     # the CUDA table: bf16, sequences of 512 tokens
     "qwen2": ModelSpec(
         "Qwen2Config",
         "Qwen2ForCausalLM",
-        full=_decoder(151936, 896, 4864, layers=24, heads=14, kv_heads=2),
-        tiny=_decoder(64, 16, 32, layers=1, heads=2, kv_heads=1),
+        full=llama(
+            151936, hidden=896, intermediate=4864, layers=24, heads=14, num_key_value_heads=2
+        ),
+        tiny=llama(64, hidden=16, intermediate=32, layers=1, heads=2, num_key_value_heads=1),
     ),
 }
 
@@ -94,22 +95,27 @@ class Shape:
 
     def config(self) -> dict[str, Any]:
         """The model's config keyword arguments."""
-        spec = MODELS[self.model]
-        return dict(spec.tiny if self.tiny else spec.full)
+        return MODELS[self.model].config(tiny=self.tiny)
+
+
+def spec_model(spec: ModelSpec, *, tiny: bool, seq: int) -> nn.Module:
+    """``spec``'s model for ``seq``-token rows, fp32 on the CPU: seed 0, sdpa attention,
+    dropout off, tied embeddings, eval mode."""
+    kwargs = spec.config(tiny=tiny)
+    if spec.config_cls == "GPT2Config":
+        kwargs |= dict(n_positions=seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        kwargs |= dict(bos_token_id=0, eos_token_id=0)
+    else:
+        kwargs |= dict(max_position_embeddings=seq, tie_word_embeddings=True)
+    model = causal_lm(spec.config_cls, spec.model_cls, attn_implementation="sdpa", **kwargs)
+    return model.eval()
 
 
 def build_model(shape: Shape) -> nn.Module:
-    """The shape's model on its device, in its dtype: seed 0 (initialized in fp32 on the
-    CPU, so the same on every device), dropout off, tied embeddings, eval mode."""
-    spec = MODELS[shape.model]
-    kwargs = shape.config()
-    if shape.model == "gpt2":
-        kwargs |= dict(n_positions=shape.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        kwargs |= dict(bos_token_id=0, eos_token_id=0)
-    else:
-        kwargs |= dict(max_position_embeddings=shape.seq, tie_word_embeddings=True)
-    model = causal_lm(spec.config_cls, spec.model_cls, attn_implementation="sdpa", **kwargs)
-    return model.to(device=shape.device, dtype=DTYPES[shape.dtype]).eval()
+    """The shape's model (:func:`spec_model`) on its device, in its dtype (initialized in
+    fp32 on the CPU, so the same on every device)."""
+    model = spec_model(MODELS[shape.model], tiny=shape.tiny, seq=shape.seq)
+    return model.to(device=shape.device, dtype=DTYPES[shape.dtype])
 
 
 @dataclass(frozen=True)
@@ -206,6 +212,11 @@ def floor_forward(problem: Problem) -> None:
         example_losses(problem.model, ids)
 
 
+def linear_copy(model: nn.Module) -> nn.Module:
+    """A :func:`linear_twin` of a copy of ``model`` (``model`` itself is left as it is)."""
+    return linear_twin(copy.deepcopy(model))
+
+
 def linear_twin(model: nn.Module) -> nn.Module:
     """``model`` with every transformers ``Conv1D`` replaced in place by the equivalent
     ``nn.Linear`` (weight transposed): same function, same gradients up to the transpose,
@@ -221,3 +232,66 @@ def linear_twin(model: nn.Module) -> nn.Module:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, linear)
     return model
+
+
+# -- the in-training workloads: a Trainer loop on a Llama built from its config ----------
+
+#: The Llama of the capture-in-training workloads (training_overhead.py, peer_capture.py,
+#: trajectory_cost.py), untied head.
+TRAINING_LLAMA = llama(
+    8000, hidden=512, intermediate=1376, layers=6, heads=8, tie_word_embeddings=False
+)
+#: The Llama of the data-selection workloads (selection_overhead.py, peer_selection.py).
+SELECTION_LLAMA = llama(
+    8000, hidden=256, intermediate=688, layers=4, heads=4, tie_word_embeddings=False
+)
+#: The tiny Llama of their ``--quick`` smoke runs.
+QUICK_LLAMA = llama(256, hidden=32, intermediate=64, layers=1, heads=2, tie_word_embeddings=False)
+#: PEFT LoRA rank of the in-training LoRA runs (every linear layer but the head).
+LORA_RANK = 8
+
+
+def trainer_llama(config: dict[str, Any], *, seq: int) -> nn.Module:
+    """The Llama of ``config`` for ``seq``-token rows: fp32, seed 0, sdpa, train mode."""
+    model = causal_lm(
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        max_position_embeddings=seq,
+        attn_implementation="sdpa",
+        **config,
+    )
+    return model.train()
+
+
+def lora_copy(base: nn.Module, rank: int = LORA_RANK) -> nn.Module:
+    """An identical copy of ``base`` with PEFT LoRA of ``rank`` (adapters seeded)."""
+    model = copy.deepcopy(base)
+    torch.manual_seed(1)
+    return with_lora(model, rank)
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A fine-tuning mode of the selection workloads: LoRA rank (None: full fine-tuning)
+    and the selection callback's layer options."""
+
+    name: str
+    label: str
+    lora_rank: int | None
+    layers: dict[str, str]
+
+    def copy(self, base: nn.Module) -> nn.Module:
+        """An identical copy of ``base`` prepared for this mode (LoRA adapters seeded)."""
+        return copy.deepcopy(base) if self.lora_rank is None else lora_copy(base, self.lora_rank)
+
+
+MODES: dict[str, Mode] = {
+    "lora": Mode("lora", "LoRA r=8 (selection over the adapters)", LORA_RANK, {}),
+    "full": Mode("full", 'full fine-tuning (`layers="all"`)', None, {"layers": "all"}),
+}
+
+
+def step_rows(vocab: int, *, steps: int, batch: int, seq: int) -> Tensor:
+    """``(steps * batch, seq)`` training token rows in ``[1, vocab)`` of a ``Trainer`` run
+    (seed 4)."""
+    return token_rows(steps * batch, seq, vocab, seed=4)
