@@ -10,7 +10,8 @@ import torch
 from datasets import Dataset
 from transformers import Trainer
 
-from tda_plugins import GradientCaptureCallback, progress
+from tda_plugins import GradientCaptureCallback
+from tda_plugins.utils import progress
 from tests.models import tiny_causal_lm
 from tests.trainers import pad_rows, token_rows, training_args
 
