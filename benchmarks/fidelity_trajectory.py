@@ -37,7 +37,8 @@ from tda_plugins.integrations.transformers.normalization import CausalLMNormaliz
 from tda_plugins.methods import MicroBatch, TrainingStep, TrainingTrajectory, method_by_name
 from tda_plugins.methods import training_run as replayed
 from tda_plugins.methods.metagradient import loss_weight_derivatives
-from tda_plugins.session.capture import CaptureSession, CaptureSettings
+from tda_plugins.session.capture import CaptureSession
+from tda_plugins.session.settings import CaptureSettings
 from tda_plugins.store import StoreReader
 
 #: Validation blocks the metagradient is measured on (its cost is per query).
@@ -56,7 +57,7 @@ def recorded_stores(task: FidelityTask) -> tuple[StoreReader, StoreReader]:
     if not root.exists():
         model = task.model_factory()
         optimizer = task.run.adamw.optimizer(model)
-        settings = CaptureSettings(
+        settings = CaptureSettings.from_options(
             store_dir=str(root / "train"),
             layers=LAYERS.kind,
             curvature=False,

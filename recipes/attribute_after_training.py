@@ -143,15 +143,12 @@ def capture_queries(
 ) -> None:
     """Each query's own summed-loss gradient, with the training capture's settings."""
     store = GradientStore(path)
-    settings = like.settings
+    layers = like.settings.layers
     consumers = [store, CurvatureAccumulator(path)]
     batch = pad_examples(rows)
     model.eval()
     with CaptureEngine(
-        model,
-        layers=settings.selection(),
-        projection=settings.projection_config(),
-        consumers=consumers,
+        model, layers=layers.selection, projection=layers.projection, consumers=consumers
     ) as e:
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         causal_lm_example_losses(model(**inputs).logits, batch["labels"]).sum().backward()

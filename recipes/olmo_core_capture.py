@@ -44,7 +44,7 @@ from transformers import PretrainedConfig
 from tda_plugins import CaptureEngine, causal_lm_example_losses
 from tda_plugins.integrations.olmo_core import GradientCaptureCallback
 from tda_plugins.methods import method_by_name
-from tda_plugins.session.capture import CaptureSettings
+from tda_plugins.session.settings import CaptureSettings
 from tda_plugins.store import GradientStore, StoreReader
 
 PROBE = "The with statement is used to wrap the execution of a block."
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         max_sequence_length=args.sequence,
         optim=AdamWConfig(lr=args.learning_rate),
     ).build(model, device=torch.device("cpu"))
-    settings = CaptureSettings(store_dir=str(out / "store"), layers="linear")
+    settings = CaptureSettings.from_options(store_dir=str(out / "store"), layers="linear")
     trainer = (
         TrainerConfig(
             save_folder=str(out / "trainer"),
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     query_dir = out / "queries"
     query_store = GradientStore(query_dir)
     ids = torch.stack([torch.as_tensor(dataset[i]["input_ids"]) for i in picked]).long()
-    with CaptureEngine(model, layers=settings.selection(), consumers=[query_store]) as engine:
+    with CaptureEngine(model, layers=settings.layers.selection, consumers=[query_store]) as engine:
         engine.set_example_ids(torch.tensor(picked))
         logits = model(ids)
         causal_lm_example_losses(logits, ids).sum().backward()

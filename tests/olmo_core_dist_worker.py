@@ -46,7 +46,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from tda_plugins.integrations.olmo_core import GradientCaptureCallback
-from tda_plugins.session.capture import CaptureSettings
+from tda_plugins.session.settings import CaptureSettings
 
 Mode = Literal["single", "ddp", "fsdp", "hsdp"]
 
@@ -130,7 +130,7 @@ def train(folder: Path, mode: Mode) -> StepLog:
         )
     )
     loader, module = loader_and_module(folder, mode, dp_config)
-    settings = CaptureSettings(store_dir=str(folder / mode / "grads"), layers="all")
+    settings = CaptureSettings.from_options(store_dir=str(folder / mode / "grads"), layers="all")
     log = StepLog()
     config = TrainerConfig(
         save_folder=str(folder / mode / "run"),

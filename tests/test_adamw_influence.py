@@ -36,7 +36,8 @@ from tda_plugins.capture.normalization import SummedLoss
 from tda_plugins.cli import main as cli_main
 from tda_plugins.integrations.transformers import GradientCaptureCallback
 from tda_plugins.methods import Scores, method_by_name
-from tda_plugins.session.capture import CaptureSession, CaptureSettings, UnsupportedTrainingSetup
+from tda_plugins.session.capture import CaptureSession, UnsupportedTrainingSetup
+from tda_plugins.session.settings import CaptureSettings
 from tda_plugins.store import StoreError, StoreReader
 from tda_plugins.trajectory import TrajectoryReader
 from tests import trajectory_worker
@@ -209,8 +210,8 @@ def train_plain(
     optimizer = torch.optim.AdamW(trained, lr=lr, eps=eps, weight_decay=0.01)
     session = None
     if store_dir is not None:
-        settings = CaptureSettings(
-            str(store_dir), curvature=False, store_texts=False, record_trajectory=True
+        settings = CaptureSettings.from_options(
+            store_dir=str(store_dir), curvature=False, store_texts=False, record_trajectory=True
         )
         session = CaptureSession(settings, model, SummedLoss(), optimizer=optimizer)
     for first in range(0, len(LOO_ROWS), LOO_BATCH):

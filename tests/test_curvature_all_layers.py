@@ -40,7 +40,8 @@ from tda_plugins.precondition import (
 )
 from tda_plugins.precondition.snapshots import read_set
 from tda_plugins.session.batch import capture_batch
-from tda_plugins.session.capture import CaptureSession, CaptureSettings
+from tda_plugins.session.capture import CaptureSession
+from tda_plugins.session.settings import CaptureSettings
 from tda_plugins.store import StoreError, StoreReader
 from tests.curvature_dist_worker import SCHEDULES
 from tests.curvature_dist_worker import run as run_worker
@@ -194,7 +195,9 @@ def test_a_capture_session_plans_the_bytes_it_allocates(captured: Captured, tmp_
     diagonal counted as a vector, a norm scale's one factor alone), from shapes alone:
     the plan of the model on the meta device is the same."""
     arch, tied = MODELS[captured.name]
-    settings = CaptureSettings(str(tmp_path), layers="all", curvature=True, curvature_head=True)
+    settings = CaptureSettings.from_options(
+        store_dir=str(tmp_path), layers="all", curvature=True, curvature_head=True
+    )
     session = CaptureSession(settings, captured.model, SummedLoss())
     assert session.curvature is not None
     for batch in train_batches():

@@ -14,7 +14,8 @@ import pytest
 import tda_plugins
 from tda_plugins.precondition.snapshots import latest_set
 from tda_plugins.session import capture as session
-from tda_plugins.session.capture import CaptureSettings, capture_plan
+from tda_plugins.session.capture import capture_plan
+from tda_plugins.session.settings import CaptureSettings
 from tests.models import tiny_causal_lm
 from tests.trainers import token_rows
 
@@ -31,7 +32,7 @@ def _capture(tmp_path: Path, **options: object) -> bool:
 @pytest.fixture
 def need() -> int:
     """The tiny model's statistics bytes."""
-    plan = capture_plan(CaptureSettings(store_dir=""), tiny_causal_lm("llama"))
+    plan = capture_plan(CaptureSettings.from_options(store_dir=""), tiny_causal_lm("llama"))
     return plan.statistics_bytes()
 
 

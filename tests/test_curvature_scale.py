@@ -31,7 +31,8 @@ from tda_plugins.precondition import (
 )
 from tda_plugins.precondition.plan import assign_owners
 from tda_plugins.precondition.snapshots import KroneckerFactors, write_statistics
-from tda_plugins.session.capture import CaptureSession, CaptureSettings
+from tda_plugins.session.capture import CaptureSession
+from tda_plugins.session.settings import CaptureSettings
 from tda_plugins.store import StoreError, StoreReader
 from tda_plugins.store.codec import compact
 from tests.models import lm_batch, tiny_causal_lm
@@ -261,7 +262,9 @@ def test_over_budget_capture_is_refused_before_anything_is_written(tmp_path: Pat
         s.a_sum.nbytes + s.g_sum.nbytes for n, s in accumulator._sums.items() if ".1." in n
     )
     store, budget = tmp_path / "store", 100 * 1024 / 2**30
-    settings = CaptureSettings(str(store), layers="linear", curvature_budget_gb=budget)
+    settings = CaptureSettings.from_options(
+        store_dir=str(store), layers="linear", curvature_budget_gb=budget
+    )
     with pytest.raises(CurvatureBudgetError) as error:
         CaptureSession(settings, model, SummedLoss())
     message = str(error.value)
@@ -272,7 +275,9 @@ def test_over_budget_capture_is_refused_before_anything_is_written(tmp_path: Pat
     hint = float(message.rsplit("curvature_budget_gb=", 1)[1])
     assert need <= hint * 2**30 <= 1.1 * need
     assert not store.exists()
-    unlimited = CaptureSettings(str(store), layers="linear", curvature_budget_gb=None)
+    unlimited = CaptureSettings.from_options(
+        store_dir=str(store), layers="linear", curvature_budget_gb=None
+    )
     CaptureSession(unlimited, model, SummedLoss()).engine.detach()
 
 
@@ -282,7 +287,9 @@ def test_over_budget_capture_is_refused_before_anything_is_written(tmp_path: Pat
 def session_store(tmp: Path, curvature_head: bool = False) -> StoreReader:
     """One step of a tiny untied Llama's linear layers through a capture session."""
     model = tiny_causal_lm("llama", torch.float32)
-    settings = CaptureSettings(str(tmp), layers="linear", curvature_head=curvature_head)
+    settings = CaptureSettings.from_options(
+        store_dir=str(tmp), layers="linear", curvature_head=curvature_head
+    )
     session = CaptureSession(settings, model, SummedLoss())
     summed_loss(model, BATCH).backward()
     session.step()

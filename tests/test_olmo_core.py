@@ -34,6 +34,7 @@ from olmo_core.train.callbacks import Callback, CheckpointerCallback
 from olmo_core.train.train_module import TransformerTrainModuleConfig
 from torch import Tensor
 
+from tda_plugins.capture import LayerSelection
 from tda_plugins.integrations.olmo_core import (
     GradientCaptureCallback,
     OLMoCoreLossNormalization,
@@ -41,7 +42,8 @@ from tda_plugins.integrations.olmo_core import (
     check_train_module,
 )
 from tda_plugins.precondition import load_curvature
-from tda_plugins.session.capture import CaptureSession, CaptureSettings
+from tda_plugins.session.capture import CaptureSession
+from tda_plugins.session.settings import CaptureSettings
 from tda_plugins.store import StoreReader
 from tests.stores import rel_error
 
@@ -178,7 +180,7 @@ def test_trainer_run_stores_exact_gradients_keyed_by_instance_index(
     tmp_path: Path, z_loss: float | None
 ) -> None:
     store = tmp_path / "grads"
-    settings = CaptureSettings(store_dir=str(store), layers="all", curvature=False)
+    settings = CaptureSettings.from_options(store_dir=str(store), layers="all", curvature=False)
     trainer = fit(
         tmp_path,
         {"tda": GradientCaptureCallback(settings), "recorder": StepRecorder()},
@@ -218,7 +220,7 @@ def gloo_world_of_one() -> Iterator[None]:
 @pytest.mark.usefixtures("gloo_world_of_one")
 def test_resume_from_a_checkpoint_counts_every_step_once(tmp_path: Path) -> None:
     store = tmp_path / "grads"
-    settings = CaptureSettings(store_dir=str(store))
+    settings = CaptureSettings.from_options(store_dir=str(store))
     first = tmp_path / "first"
     trainer = fit(tmp_path, {"tda": GradientCaptureCallback(settings)}, 3, first, checkpoints=True)
     checkpointer = trainer.callbacks["checkpointer"]
@@ -257,7 +259,7 @@ def test_mean_reduction_outside_the_trainer(tmp_path: Path) -> None:
     ids = torch.randint(1, VOCAB, (3, SEQ))
     labels = F.pad(ids[:, 1:], (0, 1), value=-100)
     labels[1, :4] = -100  # a masked prompt: those tokens carry no loss
-    settings = CaptureSettings(store_dir=str(tmp_path), layers="all", curvature=False)
+    settings = CaptureSettings.from_options(store_dir=str(tmp_path), layers="all", curvature=False)
     session = CaptureSession(settings, model, OLMoCoreLossNormalization())
     session.engine.set_example_ids(torch.tensor([7, 8, 9]))
     model(ids, labels=labels).loss.backward()
@@ -283,8 +285,8 @@ def test_fused_loss_refused_only_when_it_hides_a_captured_layer() -> None:
         rank_microbatch_size=SEQ, max_sequence_length=SEQ, optim=AdamWConfig()
     ).build(config.build(init_device="cpu"), device=torch.device("cpu"))
     with pytest.raises(UnsupportedTrainingSetup, match="use LMLossImplementation"):
-        check_train_module(module, CaptureSettings(store_dir="unused"))
-    check_train_module(module, CaptureSettings(store_dir="unused", exclude="lm_head"))
+        check_train_module(module, LayerSelection())
+    check_train_module(module, LayerSelection(exclude="lm_head"))
 
 
 def test_settings_must_be_capture_settings() -> None:
@@ -303,7 +305,7 @@ def test_a_tokenizer_stores_each_instances_text(tmp_path: Path) -> None:
     """With a tokenizer the store holds every captured instance's decoded tokens under its
     instance index; without one (the other tests) it holds no texts."""
     store = tmp_path / "grads"
-    settings = CaptureSettings(store_dir=str(store), curvature=False)
+    settings = CaptureSettings.from_options(store_dir=str(store), curvature=False)
     trainer = fit(
         tmp_path,
         {

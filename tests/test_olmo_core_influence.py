@@ -35,7 +35,7 @@ from tda_plugins.integrations.olmo_core import (
     UnsupportedTrainingSetup,
 )
 from tda_plugins.live.influence import InfluenceLogger
-from tda_plugins.session.capture import CaptureSettings
+from tda_plugins.session.settings import CaptureSettings
 from tda_plugins.store import StoreReader
 from tests import olmo_core_influence_worker as worker
 from tests.launch import torchrun
@@ -86,7 +86,7 @@ class Run:
 def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     folder = tmp_path_factory.mktemp("olmo_influence")
     store = folder / "grads"
-    settings = CaptureSettings(store_dir=str(store), layers="all", curvature=False)
+    settings = CaptureSettings.from_options(store_dir=str(store), layers="all", curvature=False)
     influence = InfluenceLoggingCallback(
         QUERIES, method="graddot", every_n_steps=EVERY, top_k=2, tokenizer=words, layers="all"
     )

@@ -47,7 +47,8 @@ from tda_plugins.grads.dense import DenseGrad
 from tda_plugins.grads.embedding import EmbeddingFactors
 from tda_plugins.grads.tokens import TokenFactors
 from tda_plugins.methods import Scores, method_by_name
-from tda_plugins.session.capture import CaptureSession, CaptureSettings
+from tda_plugins.session.capture import CaptureSession
+from tda_plugins.session.settings import CaptureSettings
 from tda_plugins.store import FORMAT_VERSION, GradientStore, StoreError, StoreReader, writer
 from tda_plugins.store.index import ShardEntry
 from tda_plugins.store.io import atomic_write
@@ -620,7 +621,9 @@ def test_a_trainer_checkpoint_waits_until_every_committed_step_is_on_disk(
     checkpoint never runs ahead of the store."""
     disk = DiskLog(monkeypatch, delay=0.2)
     model = tiny_causal_lm("llama")
-    session = CaptureSession(CaptureSettings(str(tmp_path), curvature=False), model, SummedLoss())
+    session = CaptureSession(
+        CaptureSettings.from_options(store_dir=str(tmp_path), curvature=False), model, SummedLoss()
+    )
     for step in range(2):
         summed_loss(model, lm_batch(2, 8, seed=step)).backward()
         session.step()
@@ -639,7 +642,9 @@ def test_a_finished_trainer_step_is_on_disk_before_the_next_one_begins(
     first backward (which ends no capture) still leaves the step readable."""
     disk = DiskLog(monkeypatch, delay=0.2)
     model = tiny_causal_lm("llama")
-    session = CaptureSession(CaptureSettings(str(tmp_path), curvature=False), model, SummedLoss())
+    session = CaptureSession(
+        CaptureSettings.from_options(store_dir=str(tmp_path), curvature=False), model, SummedLoss()
+    )
     summed_loss(model, lm_batch(2, 8, seed=0)).backward()
     session.step()
     session.finish_step()

@@ -18,7 +18,7 @@ from olmo_core.train.callbacks import Callback
 
 from tda_plugins.capture.adapters import DEFAULT_REGISTRY
 from tda_plugins.integrations.olmo_core import GradientCaptureCallback
-from tda_plugins.session.capture import CaptureSettings
+from tda_plugins.session.settings import CaptureSettings
 from tda_plugins.store import StoreReader
 from tda_plugins.trajectory import TrajectoryReader
 from tests.stores import rel_error
@@ -50,7 +50,9 @@ class OptimizerAfterStep(Callback):
 
 def test_olmo_core_run_records_the_optimizers_steps(tmp_path: Path) -> None:
     store = tmp_path / "grads"
-    settings = CaptureSettings(store_dir=str(store), curvature=False, record_trajectory=True)
+    settings = CaptureSettings.from_options(
+        store_dir=str(store), curvature=False, record_trajectory=True
+    )
     after = OptimizerAfterStep()
     trainer = fit(
         tmp_path,

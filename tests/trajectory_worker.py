@@ -2,7 +2,7 @@
 
 ``python -m tests.trajectory_worker STORE CHECKPOINTS [--pause STEP]`` trains the linear
 layers of a tiny fp64 Llama with AdamW and gradient clipping, two micro-batches per step,
-through a :class:`~tda_plugins.session.CaptureSession` with ``record_trajectory``, from the
+through a :class:`~tda_plugins.session.capture.CaptureSession` with ``record_trajectory``, from the
 latest checkpoint in CHECKPOINTS (weights and optimizer state, safetensors) or from its
 seeded initialization. After each step it keeps what a resume needs in the store
 (``save_checkpoint``), then writes the checkpoint. With ``--pause`` it prints ``paused``
@@ -23,7 +23,8 @@ from safetensors.torch import load_file, save
 from torch import nn
 
 from tda_plugins.capture.normalization import SummedLoss
-from tda_plugins.session.capture import CaptureSession, CaptureSettings
+from tda_plugins.session.capture import CaptureSession
+from tda_plugins.session.settings import CaptureSettings
 from tda_plugins.store.io import atomic_write_bytes
 from tests.models import lm_batch, tiny_causal_lm
 from tests.stores import summed_loss
@@ -77,8 +78,8 @@ def train(store: Path, checkpoints: Path, pause: int | None = None) -> None:
     start = latest_checkpoint(checkpoints)
     if start:
         load_checkpoint(checkpoint_path(checkpoints, start), model, optimizer)
-    settings = CaptureSettings(
-        str(store), curvature=False, store_texts=False, record_trajectory=True
+    settings = CaptureSettings.from_options(
+        store_dir=str(store), curvature=False, store_texts=False, record_trajectory=True
     )
     session = CaptureSession(
         settings,

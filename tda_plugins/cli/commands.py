@@ -39,8 +39,14 @@ from tda_plugins.methods import METHODS, Checkpoint, Scores, attribute, method_b
 from tda_plugins.parallel.ranks import Ranks, launch_size, launched_ranks
 from tda_plugins.report import render_html, write_html
 from tda_plugins.report.tokens import TOKENS_FILE, require_token_scores, token_report
-from tda_plugins.session.capture import CaptureSettings
 from tda_plugins.session.dataset import capture_examples
+from tda_plugins.session.settings import (
+    LAYER_OPTION_NAMES,
+    PROJECTION_OPTION_NAMES,
+    CaptureSettings,
+    StoreSettings,
+    layer_settings,
+)
 from tda_plugins.store import StoreError, StoreReader
 from tda_plugins.store.io import atomic_write_json, refuse_existing, staged_directory
 
@@ -97,6 +103,7 @@ def _add_capture(sub: Any) -> None:
     p.add_argument("--k", type=positive_int, default=256, help="dense projection: output dimension")
     p.add_argument(
         "--map",
+        dest="projection_map",
         default="gaussian",
         choices=["gaussian", "rademacher", "sparse_jl"],
         help="random map of the projection",
@@ -284,23 +291,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _settings(args: argparse.Namespace) -> CaptureSettings:
-    """What ``tda capture`` records, as the trainer callbacks' settings."""
+    """What ``tda capture`` records, as the trainer callbacks' settings: the layer and
+    projection options are the callbacks' own (their parser destinations are the
+    settings' option names)."""
+    layer_names = LAYER_OPTION_NAMES | PROJECTION_OPTION_NAMES
     return CaptureSettings(
-        store_dir=str(args.out),
-        layers=args.layers,
-        include=args.include,
-        exclude=args.exclude,
-        last_n_blocks=args.last_n_blocks,
-        projection=args.projection,
-        k_a=args.k_a,
-        k_g=args.k_g,
-        k=args.k,
-        projection_map=args.map,
-        seed=args.seed,
+        StoreSettings(str(args.out), keep_tokens=args.keep_tokens),
+        layers=layer_settings(**{name: getattr(args, name) for name in layer_names}),
         curvature=args.curvature,
         curvature_head=args.curvature_head,
         curvature_budget_gb=args.curvature_budget_gb,
-        keep_tokens=args.keep_tokens,
     )
 
 

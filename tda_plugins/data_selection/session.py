@@ -1,7 +1,7 @@
 """A selection session: engine + target pool + selector for one training run.
 
 The trainer integrations (transformers/TRL, OLMo-core) are thin adapters over this class,
-as the capture callbacks are over :class:`~tda_plugins.session.CaptureSession`: they
+as the capture callbacks are over :class:`~tda_plugins.session.capture.CaptureSession`: they
 translate their trainer's events into :meth:`SelectionSession.refresh_target` (before a
 step's first forward), :meth:`SelectionSession.step` (after its last backward, before
 clipping and the optimizer) and :meth:`SelectionSession.end`.
@@ -93,7 +93,7 @@ class SelectionSession:
         token_counts: ``record -> (B,)`` loss tokens of each training example.
         optimizer: the torch optimizer (``score="adam"``).
         log_path: the JSONL log (written by rank 0).
-        layers: the layers to capture (default: ``settings.layer_selection()``).
+        layers: the layers to capture (default: ``settings.layers``).
         parameter_grads: as :class:`~tda_plugins.capture.engine.CaptureEngine` takes it
             (``False``: one process only, ``.grad`` built from the kept examples).
         chunk_size: target examples per forward/backward (default: all at once).
@@ -141,7 +141,7 @@ class SelectionSession:
         self.ranks = Ranks.current()
         self.engine = CaptureEngine(
             model,
-            layers=layers or settings.layer_selection(),
+            layers=layers or settings.layers,
             normalization=normalization,
             parameter_grads=parameter_grads,
         ).attach()

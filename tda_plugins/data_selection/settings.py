@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
-from tda_plugins.capture.layers import LayerSelection, SelectionKind
+from tda_plugins.capture.layers import LayerSelection
 from tda_plugins.data_selection.rules import RULES, DropRule, RankedRule, rule_by_name
 from tda_plugins.grads.projection import ProjectionConfig
 
@@ -65,15 +65,10 @@ class SelectionSettings:
     stays exact; not with ``score="adam"``); ``None``: exact scores."""
     log_path: str | None = None
     """JSONL receiving one line per optimizer step (``None``: the trainer's output folder)."""
-    layers: SelectionKind = "auto"
-    """Captured layers: ``"auto"``, ``"linear"``, ``"lora"`` or ``"all"``; every trainable
-    parameter must belong to one (checked before step 0)."""
-    include: str | None = None
-    """Regex: keep only the layers whose module name matches."""
-    exclude: str | None = None
-    """Regex: drop the layers whose module name matches."""
-    last_n_blocks: int | None = None
-    """Keep only the layers in the last N transformer blocks."""
+    layers: LayerSelection = field(default_factory=LayerSelection)
+    """The captured layers (exact gradients: scores are projected by ``score_projection``
+    alone; default ``"auto"``); every trainable parameter must belong to one (checked
+    before step 0)."""
 
     def __post_init__(self) -> None:
         self.drop_rule()  # unknown rule, fraction outside [0, 1): refused with the known ones
@@ -114,9 +109,9 @@ class SelectionSettings:
                     "parameter, which a projection mixes; a loss has no gradient to project); "
                     f"drop score_projection or the {self.score} score"
                 )
-        if self.layers not in ("auto", "linear", "lora", "all"):
+        if self.layers.kind not in ("auto", "linear", "lora", "all"):
             raise ValueError(
-                f"layers must be 'auto', 'linear', 'lora' or 'all', got {self.layers!r}"
+                f"layers must be 'auto', 'linear', 'lora' or 'all', got {self.layers.kind!r}"
             )
 
     @property
@@ -152,11 +147,3 @@ class SelectionSettings:
             return None
         k = self.score_projection
         return ProjectionConfig("factor", k_a=k, k_g=k)
-
-    def layer_selection(self) -> LayerSelection:
-        return LayerSelection(
-            kind=self.layers,
-            include=self.include,
-            exclude=self.exclude,
-            last_n_blocks=self.last_n_blocks,
-        )

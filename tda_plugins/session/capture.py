@@ -9,20 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tda_plugins.capture import CaptureConsumer, CaptureEngine, LayerSelection
+from tda_plugins.capture import CaptureConsumer, CaptureEngine
 from tda_plugins.capture.config import CaptureConfig
-from tda_plugins.capture.layers import SelectionKind
 from tda_plugins.capture.normalization import LossNormalization
-from tda_plugins.grads.projection import MapKind, ProjectionConfig
 from tda_plugins.precondition.adam import save_adam_state
 from tda_plugins.precondition.plan import (
     CapturePlan,
@@ -32,6 +29,7 @@ from tda_plugins.precondition.plan import (
 )
 from tda_plugins.precondition.snapshots import discard_after, latest_set
 from tda_plugins.precondition.statistics import CurvatureAccumulator
+from tda_plugins.session.settings import CaptureSettings
 from tda_plugins.store import GradientStore, StoreError
 from tda_plugins.store.layout import rank_dir
 from tda_plugins.store.texts import TextRecorder
@@ -41,92 +39,6 @@ from tda_plugins.trajectory.recorder import TrajectoryRecorder, uncovered_parame
 from tda_plugins.trajectory.writer import TrajectoryWriter
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class CaptureSettings:
-    """What a training run records. Every field has a default except the store directory.
-
-    Attributes:
-        store_dir: where the gradient store is written (one ``rank-<r>/`` per process).
-        layers: ``"auto"`` (LoRA adapters on PEFT models, else linear layers), ``"linear"``,
-            ``"lora"`` or ``"all"`` (linear, embedding and norm scales).
-        include: regex; keep only layers whose module name matches.
-        exclude: regex; drop layers whose module name matches.
-        last_n_blocks: keep only layers in the last N transformer blocks.
-        projection: ``"none"`` (exact gradients), ``"factor"`` (LoGra, ``k_g x k_a`` per
-            layer) or ``"dense"`` (``k`` per layer).
-        k_a: factor projection rows for layer inputs.
-        k_g: factor projection rows for output gradients.
-        k: dense projection dimension.
-        projection_map: ``"gaussian"``, ``"rademacher"`` or ``"sparse_jl"``.
-        seed: projection seed (maps are deterministic from seed and layer name).
-        curvature: accumulate K-FAC statistics in the same pass (K-FAC, EK-FAC, LoGra):
-            ``True``, ``False``, or ``"auto"`` (default): on where they are cheap, at most
-            :data:`AUTO_CURVATURE_BYTES` per rank (factor projection, small models or few
-            layers), else off with a log line giving their size and how to turn them on.
-        curvature_head: accumulate them for vocabulary-wide output layers too (an untied
-            ``lm_head``: its output factor is ``vocab x vocab``); left out by default, and
-            K-FAC then refuses a store that holds the head's gradients.
-        curvature_budget_gb: most GiB of K-FAC statistics per rank; a capture whose plan
-            (:mod:`tda_plugins.precondition.plan`) needs more is refused before the first
-            step, with the settings that would fit. ``None``: no limit.
-        curvature_save_steps: also commit the statistics every this many optimizer steps
-            (besides each trainer checkpoint and the end), so that a crashed run keeps
-            them up to there; 0: only at checkpoints and the end.
-        keep_tokens: keep per-token factors in the store (token-level scores).
-        store_texts: save each example's text, decoded by the run's tokenizer, beside the
-            store (``rank-<r>/examples.jsonl``), so reports show what was trained on;
-            ``False`` for data that must not be copied there.
-        save_optimizer_state: at the end, save Adam moments of the captured layers (LESS).
-        record_trajectory: after every optimizer step, record its learning rates, Adam
-            hyperparameters, clipping factor, examples with their loss scales, and the
-            captured layers' Adam second moments (``rank-<r>/trajectory/``), for
-            trajectory-aware attribution (``adamw_influence``). Per step it stores
-            ``4 D`` bytes (``D`` the captured parameters; fp64 optimizer state: ``8 D``)
-            plus 16 bytes per example. Needs AdamW, one process and no projection; refused
-            before the first step otherwise.
-    """
-
-    store_dir: str
-    layers: SelectionKind = "auto"
-    include: str | None = None
-    exclude: str | None = None
-    last_n_blocks: int | None = None
-    projection: Literal["none", "factor", "dense"] = "none"
-    k_a: int = 16
-    k_g: int = 16
-    k: int = 256
-    projection_map: MapKind = "gaussian"
-    seed: int = 0
-    curvature: bool | Literal["auto"] = "auto"
-    curvature_head: bool = False
-    curvature_budget_gb: float | None = 8.0
-    curvature_save_steps: int = 50
-    keep_tokens: bool = False
-    store_texts: bool = True
-    save_optimizer_state: bool = True
-    record_trajectory: bool = False
-
-    def selection(self) -> LayerSelection:
-        return LayerSelection(
-            kind=self.layers,
-            include=self.include,
-            exclude=self.exclude,
-            last_n_blocks=self.last_n_blocks,
-        )
-
-    def projection_config(self) -> ProjectionConfig | None:
-        if self.projection == "none":
-            return None
-        return ProjectionConfig(
-            kind=self.projection,
-            k_a=self.k_a,
-            k_g=self.k_g,
-            k=self.k,
-            map=self.projection_map,
-            seed=self.seed,
-        )
 
 
 class UnsupportedTrainingSetup(ValueError):
@@ -141,20 +53,6 @@ def has_adam_moments(optimizer: torch.optim.Optimizer | None) -> bool:
     return all("betas" in g and "eps" in g for g in optimizer.param_groups)
 
 
-def settings_from(settings: CaptureSettings | None, options: dict[str, Any]) -> CaptureSettings:
-    """``settings``, or a :class:`CaptureSettings` of the keyword ``options`` (unknown
-    names refused, naming the known ones); not both."""
-    if settings is not None and options:
-        raise TypeError("pass either a CaptureSettings or keyword options, not both")
-    if settings is not None:
-        return settings
-    known = {f.name for f in dataclasses.fields(CaptureSettings)}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise TypeError(f"unknown capture options {unknown}; known: {sorted(known)}")
-    return CaptureSettings(**options)
-
-
 #: ``curvature="auto"`` accumulates K-FAC statistics up to this many bytes per rank in
 #: memory (twice that on disk, in fp64). SmolLM2-135M with LoRA on q/v needs 118 MiB, on
 #: every linear layer 1.1 GiB; with ``projection="factor"`` under 1 MiB.
@@ -167,8 +65,8 @@ def capture_plan(settings: CaptureSettings, model: nn.Module, rank: int = 0) -> 
     planned as on."""
     initialized = dist.is_available() and dist.is_initialized()
     inputs = PlanInputs(
-        selection=settings.selection(),
-        projection=settings.projection_config(),
+        selection=settings.layers.selection,
+        projection=settings.layers.projection,
         curvature=settings.curvature is not False,
         curvature_head=settings.curvature_head,
         budget_gb=settings.curvature_budget_gb,
@@ -257,20 +155,20 @@ class CaptureSession:
         self.settings = settings
         self.plan.log()
         # a selection that matches nothing fails here, before anything is written
-        resolved = settings.selection().resolve(model)
+        resolved = settings.layers.selection.resolve(model)
         layers = tuple(resolved)
         if settings.record_trajectory:
             _refuse_trajectory(settings, self.plan, optimizer, resolved)
         self.store = GradientStore(
-            settings.store_dir,
+            settings.store.directory,
             rank=rank,
-            keep_tokens=settings.keep_tokens,
+            keep_tokens=settings.store.keep_tokens,
             append=start_step > 0,
             model=model,
             tokenizer=tokenizer,
         )
         try:
-            self._check_resume(CaptureConfig(layers, settings.projection_config()), start_step)
+            self._check_resume(CaptureConfig(layers, settings.layers.projection), start_step)
         except BaseException:
             self.store.close()
             raise
@@ -280,7 +178,7 @@ class CaptureSession:
         trajectory = self._open_trajectory(start_step)
         self.curvature = (
             CurvatureAccumulator(
-                settings.store_dir,
+                settings.store.directory,
                 rank,
                 shapes=self.plan.curvature_shapes,
                 excluded=self.plan.excluded,
@@ -294,19 +192,21 @@ class CaptureSession:
             if committed:
                 self.curvature.restore(start_step)
             # the previous run's statistics of the steps this one (re)does
-            discard_after(rank_dir(Path(settings.store_dir), rank), start_step)
+            discard_after(rank_dir(Path(settings.store.directory), rank), start_step)
         own: tuple[CaptureConsumer, ...] = (self.store,)
         if self.curvature is not None:
             own = (*own, self.curvature)
-        if settings.store_texts and callable(getattr(tokenizer, "decode", None)):
+        if settings.store.store_texts and callable(getattr(tokenizer, "decode", None)):
             own = (
                 *own,
-                TextRecorder(settings.store_dir, rank, tokenizer, tokens=settings.keep_tokens),
+                TextRecorder(
+                    settings.store.directory, rank, tokenizer, tokens=settings.store.keep_tokens
+                ),
             )
         self.engine = CaptureEngine(
             model,
-            settings.selection(),
-            settings.projection_config(),
+            settings.layers.selection,
+            settings.layers.projection,
             (*own, *consumers),
             normalization,
         )
@@ -323,7 +223,7 @@ class CaptureSession:
         """The trajectory folder, without steps from ``start_step`` on (so that it never
         holds a step the store does not), when this run records one or an earlier run did;
         ``None`` when this run records none."""
-        root = Path(self.settings.store_dir)
+        root = Path(self.settings.store.directory)
         if not self.settings.record_trajectory and not trajectory_dir(root, self.rank).exists():
             return None
         writer = TrajectoryWriter(root, self.rank)
@@ -338,12 +238,12 @@ class CaptureSession:
         settings, committed = self.settings, self.store.committed_steps
         if start_step == 0 and committed:
             raise StoreError(
-                f"{settings.store_dir} already holds steps {committed[0]}..{committed[-1]} of "
-                "another run; write to a new store_dir, or resume_from_checkpoint to continue it"
+                f"{settings.store.directory} already holds steps {committed[0]}..{committed[-1]} "
+                "of another run; write to a new store_dir, or resume_from_checkpoint to continue it"
             )
         if start_step > self.store.next_step:
             raise StoreError(
-                f"resuming at step {start_step}, but {settings.store_dir} (rank {self.rank}) "
+                f"resuming at step {start_step}, but {settings.store.directory} (rank {self.rank}) "
                 f"ends at step {self.store.next_step - 1}: steps would be missing; use a new "
                 "store_dir"
             )
@@ -354,7 +254,7 @@ class CaptureSession:
             and latest_set(self.store.root, at_step=start_step) is None
         ):
             raise StoreError(
-                f"{settings.store_dir} has no K-FAC statistics saved at step {start_step} "
+                f"{settings.store.directory} has no K-FAC statistics saved at step {start_step} "
                 f"(curvature-before-step{start_step}.safetensors from every rank), so resuming "
                 "there would count later steps twice; resume from a checkpoint saved while this "
                 "capture ran, or use curvature=False. Nothing in the store was changed"
@@ -364,7 +264,7 @@ class CaptureSession:
             missing = sorted({s for s in committed if s < start_step} - recorded)
             if missing:
                 raise StoreError(
-                    f"{settings.store_dir} holds steps {missing[:5]} without a recorded "
+                    f"{settings.store.directory} holds steps {missing[:5]} without a recorded "
                     "trajectory (captured without record_trajectory, or lost in a crash), so the "
                     f"resumed run's trajectory would have gaps; resume from an earlier checkpoint, "
                     "or use record_trajectory=False. Nothing in the store was changed"
@@ -414,7 +314,9 @@ class CaptureSession:
         self.engine.end()
         saves_moments = self.settings.save_optimizer_state and has_adam_moments(optimizer)
         if saves_moments and optimizer is not None:
-            save_adam_state(self.settings.store_dir, self.engine, optimizer, write=self.rank == 0)
+            save_adam_state(
+                self.settings.store.directory, self.engine, optimizer, write=self.rank == 0
+            )
         self.engine.detach()
 
 
@@ -427,7 +329,7 @@ def _refuse_trajectory(
     """Refuse, before anything is written, a ``record_trajectory`` capture the recorded
     steps could not describe exactly."""
     reasons = []
-    if settings.projection != "none":
+    if settings.layers.projection is not None:
         reasons.append(
             "trajectory methods divide each gradient entry by Adam's per-parameter "
             "denominator, which projected gradients no longer have: use projection='none'"

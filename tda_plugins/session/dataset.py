@@ -27,7 +27,8 @@ from tda_plugins.capture import CaptureEngine, content_hash
 from tda_plugins.parallel.ranks import Ranks
 from tda_plugins.precondition import CurvatureAccumulator
 from tda_plugins.session.batch import causal_lm_example_losses
-from tda_plugins.session.capture import CaptureSettings, resolve_curvature, settings_from
+from tda_plugins.session.capture import resolve_curvature
+from tda_plugins.session.settings import CaptureSettings, settings_from
 from tda_plugins.store import GradientStore, StoreReader
 from tda_plugins.store.texts import TokenTexts, token_texts
 
@@ -61,8 +62,8 @@ def capture_examples(
             ``labels``), with an optional integer ``id`` (else a content hash of its tokens).
         out: the store directory to create (or, with ``append``, to add to).
         tokenizer: tokenizes text rows and decodes the stored texts.
-        settings: what to record (``store_dir`` is replaced by ``out``); or give its fields
-            as ``options`` (``layers``, ``projection``, ``curvature``, ...).
+        settings: what to record (its store's directory is replaced by ``out``); or give its flat
+            options as ``options`` (``layers``, ``projection``, ``curvature``, ...).
         batch_size: examples per forward/backward.
         max_length: truncate examples to this many tokens (default and most: the model's
             positions; 512 for a model without a positions limit).
@@ -87,7 +88,9 @@ def capture_examples(
     if settings is None:
         settings = settings_from(None, {**options, "store_dir": str(out)})
     else:
-        settings = dataclasses.replace(settings_from(settings, options), store_dir=str(out))
+        settings = settings_from(settings, options)
+        written = dataclasses.replace(settings.store, directory=str(out))
+        settings = dataclasses.replace(settings, store=written)
     inputs_device = model.get_input_embeddings().weight.device
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     source = str(examples) if isinstance(examples, str | Path) else "examples"
@@ -117,7 +120,7 @@ def capture_examples(
     store = GradientStore(
         out,
         ranks.rank,
-        keep_tokens=settings.keep_tokens,
+        keep_tokens=settings.store.keep_tokens,
         metadata=metadata or {},
         append=append,
         unique_ids=True,
@@ -140,8 +143,8 @@ def capture_examples(
     # capture only attributes: autograd need not build the model's own weight gradients
     engine = CaptureEngine(
         model,
-        settings.selection(),
-        settings.projection_config(),
+        settings.layers.selection,
+        settings.layers.projection,
         consumers,
         parameter_grads=False,
     )
@@ -173,7 +176,9 @@ def capture_examples(
         texts = {
             i: e.text for _, ids, group in planned for i, e in zip(ids.tolist(), group, strict=True)
         }
-        store.write_examples(texts, _tokens(planned, tokenizer) if settings.keep_tokens else None)
+        store.write_examples(
+            texts, _tokens(planned, tokenizer) if settings.store.keep_tokens else None
+        )
     return StoreReader(out)
 
 

@@ -14,9 +14,9 @@ written, and each shard waits for the previous one's write (with it, every earli
 job), so at most one micro-batch's gradients are held beside the one being captured,
 and at most one committed step is not yet on disk. :meth:`GradientStore.flush`,
 the end of capture, the engine's detach, :meth:`~GradientStore.truncate` and a trainer
-checkpoint (:meth:`~tda_plugins.session.CaptureSession.save_checkpoint`) wait for all of
+checkpoint (:meth:`~tda_plugins.session.capture.CaptureSession.save_checkpoint`) wait for all of
 it; the trainer callbacks also wait at the end of each step
-(:meth:`~tda_plugins.session.CaptureSession.finish_step`), after the optimizer update.
+(:meth:`~tda_plugins.session.capture.CaptureSession.finish_step`), after the optimizer update.
 A crash can therefore lose the last committed step along with the one in progress; a
 reader opened while the writer is attached may not see the latest commit yet. A one-pass
 capture (``tda capture``, :func:`~tda_plugins.session.dataset.capture_examples`) lets

@@ -26,7 +26,8 @@ from tda_plugins import CaptureEngine, LayerSelection, ProjectionConfig
 from tda_plugins.capture.normalization import SummedLoss
 from tda_plugins.methods import Scores, method_by_name
 from tda_plugins.precondition import load_curvature
-from tda_plugins.session.capture import CaptureSession, CaptureSettings
+from tda_plugins.session.capture import CaptureSession
+from tda_plugins.session.settings import CaptureSettings
 from tda_plugins.store import GradientStore, StoreError, StoreReader
 from tda_plugins.store.index import file_checksum
 from tda_plugins.store.io import atomic_write_json
@@ -129,7 +130,7 @@ def test_a_traversal_entry_is_refused_on_resume_and_nothing_is_removed(
     store = store_of(tmp_path / "store")
     edit_index(store, lambda shards: shards[-1].update(file="../../victim.txt"))
     before, files = unchanged(sentinel), snapshot(store)
-    settings = CaptureSettings(str(store), layers="linear", curvature=False)
+    settings = CaptureSettings.from_options(store_dir=str(store), layers="linear", curvature=False)
     with pytest.raises(StoreError, match=r"victim\.txt"):
         CaptureSession(settings, model(), SummedLoss(), start_step=1)
     assert_untouched(sentinel, before)
@@ -313,7 +314,7 @@ def test_a_resume_refused_for_a_missing_curvature_snapshot_changes_nothing(
     """The issue's case: the refused resume used to truncate steps first."""
     store = tmp_path / "store"
     net = model()
-    settings = CaptureSettings(str(store), layers="linear", curvature=True)
+    settings = CaptureSettings.from_options(store_dir=str(store), layers="linear", curvature=True)
     session = CaptureSession(settings, net, SummedLoss())
     for batch in batches(4):
         summed_loss(net, batch).backward()
@@ -339,7 +340,7 @@ def test_a_refused_session_start_changes_nothing(case: str, tmp_path: Path) -> N
     layers, start, message = REFUSED_STARTS[case]
     store = store_of(tmp_path / "store")
     files = snapshot(store)
-    settings = CaptureSettings(str(store), layers=layers, curvature=False)
+    settings = CaptureSettings.from_options(store_dir=str(store), layers=layers, curvature=False)
     with pytest.raises(StoreError, match=message):
         CaptureSession(settings, model(), SummedLoss(), start_step=start)
     assert snapshot(store) == files

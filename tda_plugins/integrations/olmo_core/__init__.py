@@ -1,10 +1,10 @@
 """OLMo-core integration: trainer ``Callback``s and OLMo-core's loss normalization.
 
     from tda_plugins.integrations.olmo_core import GradientCaptureCallback
-    from tda_plugins.session.capture import CaptureSettings
+    from tda_plugins.session.settings import CaptureSettings, StoreSettings
 
     trainer_config = trainer_config.with_callback(
-        "tda", GradientCaptureCallback(CaptureSettings(store_dir="run/grads"))
+        "tda", GradientCaptureCallback(CaptureSettings(StoreSettings("run/grads")))
     )
 
 Online data selection (drop, at every step, the instances whose gradient works against a

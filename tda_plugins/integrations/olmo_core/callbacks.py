@@ -1,7 +1,7 @@
 """An OLMo-core ``Callback``: add it to the trainer and the run records.
 
     config = trainer_config.with_callback(
-        "tda", GradientCaptureCallback(CaptureSettings(store_dir="run/grads"))
+        "tda", GradientCaptureCallback(CaptureSettings(StoreSettings("run/grads")))
     )
 
 No train-module subclass and no patched optimizer: the callback hooks the model at the
@@ -32,14 +32,16 @@ from olmo_core.train.train_module import TrainModule, TransformerTrainModule
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from tda_plugins.capture import CaptureEngine
+from tda_plugins.capture import CaptureEngine, LayerSelection
 from tda_plugins.integrations.olmo_core.normalization import OLMoCoreLossNormalization
 from tda_plugins.parallel.gather import process_rank
-from tda_plugins.session.capture import CaptureSession, CaptureSettings, UnsupportedTrainingSetup
+from tda_plugins.session.capture import CaptureSession, UnsupportedTrainingSetup
+from tda_plugins.session.settings import CaptureSettings
 
 
-def check_train_module(train_module: TrainModule, settings: CaptureSettings) -> Transformer:
-    """The model to hook; refuses, before any step runs, what would make gradients wrong."""
+def check_train_module(train_module: TrainModule, layers: LayerSelection) -> Transformer:
+    """The model to hook ``layers`` of; refuses, before any step runs, what would make
+    gradients wrong."""
     if not isinstance(train_module, TransformerTrainModule):
         raise UnsupportedTrainingSetup(
             f"{type(train_module).__name__} is not a TransformerTrainModule, whose micro-batch "
@@ -64,7 +66,7 @@ def check_train_module(train_module: TrainModule, settings: CaptureSettings) -> 
     fused = LMLossImplementation.fused_linear
     if model.lm_head is not None and model.lm_head.loss_implementation == fused:
         name = next(n for n, m in model.named_modules() if m is model.lm_head.w_out)
-        if name in settings.selection().resolve(model):
+        if name in layers.resolve(model):
             raise UnsupportedTrainingSetup(
                 f"the fused linear cross-entropy computes {name}'s output without calling it, "
                 "so its gradient is never seen; use LMLossImplementation.default or exclude "
@@ -125,9 +127,9 @@ class GradientCaptureCallback(Callback):
     into the checkpoint folder once it is saved, which needs a local ``save_folder``.
 
     Args:
-        settings: what to record (``store_dir`` is required).
+        settings: what to record (its ``store`` names the store's folder).
         tokenizer: a tokenizer with ``decode`` (a transformers one): each instance's text
-            is then stored beside its gradients for reports (``settings.store_texts``),
+            is then stored beside its gradients for reports (``settings.store.store_texts``),
             and its vocabulary recorded in the store's fingerprint.
     """
 
@@ -151,7 +153,7 @@ class GradientCaptureCallback(Callback):
     # -- OLMo-core events --------------------------------------------------------------
 
     def pre_train(self) -> None:
-        check_train_module(self.trainer.train_module, self.settings)
+        check_train_module(self.trainer.train_module, self.settings.layers.selection)
 
     def pre_step(self, batch: dict[str, Any]) -> None:
         if self._session is None:
@@ -198,7 +200,7 @@ class GradientCaptureCallback(Callback):
     # -- helpers -----------------------------------------------------------------------
 
     def _open_session(self) -> CaptureSession:
-        model = check_train_module(self.trainer.train_module, self.settings)
+        model = check_train_module(self.trainer.train_module, self.settings.layers.selection)
         start_step = self.trainer.global_step - 1
         train_module = self.trainer.train_module
         session = CaptureSession(

@@ -34,9 +34,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from tda_plugins.capture import CaptureEngine, MicroBatchRecord
-from tda_plugins.capture.layers import SelectionKind
 from tda_plugins.data_selection.parallel import is_sharded
-from tda_plugins.grads.projection import MapKind
 from tda_plugins.integrations.olmo_core.callbacks import (
     before_each_forward,
     check_train_module,
@@ -52,26 +50,14 @@ from tda_plugins.integrations.olmo_core.pool import (
 from tda_plugins.live.influence import InfluenceLogger
 from tda_plugins.parallel.gather import OneProcess, rank_gather, without_gradient_sync
 from tda_plugins.session.batch import capture_batch, evaluating
-from tda_plugins.session.capture import CaptureSettings, UnsupportedTrainingSetup
+from tda_plugins.session.capture import UnsupportedTrainingSetup
+from tda_plugins.session.settings import LayerOptions, LayerSettings, ProjectionOptions
 
 Decode = Callable[[list[int]], str]
-#: The :class:`CaptureSettings` fields this callback takes: its layers and projection.
-_CAPTURE_FIELDS = (
-    "layers",
-    "include",
-    "exclude",
-    "last_n_blocks",
-    "projection",
-    "k_a",
-    "k_g",
-    "k",
-    "projection_map",
-    "seed",
-)
 
 
 @dataclass
-class InfluenceLoggingCallback(Callback):
+class InfluenceLoggingCallback(Callback, LayerOptions, ProjectionOptions):
     """Logs, during training, how each step's instances influence fixed query sequences.
 
     On OLMo-core steps ``1, 1 + n, 1 + 2n, ...`` (``n = every_n_steps``; the trainer's
@@ -125,9 +111,10 @@ class InfluenceLoggingCallback(Callback):
             step's forward).
         normalize_layers: each layer's gradient unit-normalized per example before the dot.
         layers, include, exclude, last_n_blocks, projection, k_a, k_g, k,
-            projection_map, seed: the layer and projection fields of
-            :class:`~tda_plugins.session.CaptureSettings` (default layers, ``"auto"``:
-            the linear layers of a full model).
+            projection_map, seed: keyword-only, the layer and projection options of
+            :class:`~tda_plugins.session.settings.LayerOptions` and
+            :class:`~tda_plugins.session.settings.ProjectionOptions` (default layers,
+            ``"auto"``: the linear layers of a full model).
     """
 
     queries: PoolTokens
@@ -138,22 +125,11 @@ class InfluenceLoggingCallback(Callback):
     tokenizer: Any = None
     exclude_params: tuple[str, ...] = ()
     normalize_layers: bool = False
-    layers: SelectionKind = "auto"
-    include: str | None = None
-    exclude: str | None = None
-    last_n_blocks: int | None = None
-    projection: Literal["none", "factor", "dense"] = "none"
-    k_a: int = 16
-    k_g: int = 16
-    k: int = 256
-    projection_map: MapKind = "gaussian"
-    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1, got {self.every_n_steps}")
-        capture = {name: getattr(self, name) for name in _CAPTURE_FIELDS}
-        self._settings = CaptureSettings(store_dir="", **capture)
+        self._layers = LayerSettings(self.layer_selection(), projection=self.projection_config())
         self._decode = _decoder(self.tokenizer)
         pool_batch(self.queries)  # refuses bad queries now, before any training
         #: The scores so far (replaced at the first step by one that gathers over ranks).
@@ -218,7 +194,7 @@ class InfluenceLoggingCallback(Callback):
 
     def _check_setup(self) -> nn.Module:
         train_module = self.trainer.train_module
-        model = check_train_module(train_module, self._settings)
+        model = check_train_module(train_module, self._layers.selection)
         assert isinstance(train_module, TransformerTrainModule)  # checked above
         self._train_module = train_module
         return model
@@ -232,8 +208,8 @@ class InfluenceLoggingCallback(Callback):
         self.influence_log = self.influence_log.over(rank_gather())
         engine = CaptureEngine(
             model,
-            layers=self._settings.selection(),
-            projection=self._settings.projection_config(),
+            layers=self._layers.selection,
+            projection=self._layers.projection,
             consumers=[self.influence_log],
             normalization=OLMoCoreLossNormalization(),
         ).attach()
@@ -255,8 +231,8 @@ class InfluenceLoggingCallback(Callback):
                 model,
                 batch,
                 self._query_losses,
-                self._settings.selection(),
-                self._settings.projection_config(),
+                self._layers.selection,
+                self._layers.projection,
             )
 
     def _learning_rate(self) -> float:

@@ -21,7 +21,7 @@ nothing taken over.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -49,7 +49,8 @@ from tda_plugins.integrations.olmo_core.callbacks import (
 )
 from tda_plugins.integrations.olmo_core.normalization import OLMoCoreLossNormalization
 from tda_plugins.integrations.olmo_core.pool import PoolTokens, pool_batch, summed_token_losses
-from tda_plugins.session.capture import CaptureSettings, UnsupportedTrainingSetup
+from tda_plugins.session.capture import UnsupportedTrainingSetup
+from tda_plugins.session.settings import LayerOptions
 
 
 def loss_token_counts(labels: Tensor, ignore_index: int, instance_mask: Any = None) -> Tensor:
@@ -63,7 +64,7 @@ def loss_token_counts(labels: Tensor, ignore_index: int, instance_mask: Any = No
 
 
 @dataclass
-class DataSelectionCallback(Callback):
+class DataSelectionCallback(Callback, LayerOptions):
     """Online data selection for an OLMo-core ``Trainer`` (``TransformerTrainModule``).
 
     At every optimizer step, scores the step's instances (all micro-batches of every
@@ -80,12 +81,13 @@ class DataSelectionCallback(Callback):
         target: the target pool: a ``(P, T)`` tensor of token ids, or token-id lists (any
             lengths). Its loss is each sequence's summed next-token cross-entropy.
         rule, fraction, threshold, score, granularity, refresh_every, target_examples,
-            score_projection, margin, layers, include, exclude, last_n_blocks: the fields of
+            score_projection, margin: the fields of
             :class:`~tda_plugins.data_selection.SelectionSettings`, with its defaults
-            (``refresh_every``
-            counts from the first step of a run or a resumed run; ``score="adam"`` reads
-            the train module's Adam state; ``score="loss"`` is refused: this integration
-            does not read the forward's per-instance losses). The default layers,
+            (``refresh_every`` counts from the first step of a run or a resumed run;
+            ``score="adam"`` reads the train module's Adam state; ``score="loss"`` is
+            refused: this integration does not read the forward's per-instance losses).
+        layers, include, exclude, last_n_blocks: keyword-only, the layer options of
+            :class:`~tda_plugins.session.settings.LayerOptions`. The default layers,
             ``"all"``, cover a full OLMo-core model; every trainable parameter must be
             captured, else ``pre_train`` refuses (freeze the others).
         log_path: JSONL of every step's global outcome (dropped instance indices), written
@@ -111,10 +113,7 @@ class DataSelectionCallback(Callback):
     score_projection: int | None = SelectionSettings.score_projection
     margin: float = SelectionSettings.margin
     log_path: str | None = None
-    layers: SelectionKind = "all"
-    include: str | None = None
-    exclude: str | None = None
-    last_n_blocks: int | None = None
+    layers: SelectionKind = field(default="all", kw_only=True)
 
     def __post_init__(self) -> None:
         if self.score == "loss":
@@ -133,10 +132,7 @@ class DataSelectionCallback(Callback):
             score_projection=self.score_projection,
             margin=self.margin,
             log_path=self.log_path,
-            layers=self.layers,
-            include=self.include,
-            exclude=self.exclude,
-            last_n_blocks=self.last_n_blocks,
+            layers=self.layer_selection(),
         )
         pool_batch(self.target)  # refuses a bad target now, before any training
         self._session: SelectionSession | None = None
@@ -169,7 +165,7 @@ class DataSelectionCallback(Callback):
 
     def pre_train(self) -> None:
         model = self._check_setup()
-        check_coverage(model, self._settings.layer_selection().resolve(model), _FIX)
+        check_coverage(model, self._settings.layers.resolve(model), _FIX)
 
     def pre_step(self, batch: dict[str, Any]) -> None:
         if self._session is None:
@@ -208,8 +204,7 @@ class DataSelectionCallback(Callback):
 
     def _check_setup(self) -> nn.Module:
         train_module = self.trainer.train_module
-        layer_fields = {k: getattr(self._settings, k) for k in _LAYER_FIELDS}
-        model = check_train_module(train_module, CaptureSettings(store_dir="", **layer_fields))
+        model = check_train_module(train_module, self._settings.layers)
         assert isinstance(train_module, TransformerTrainModule)  # checked above
         self._ignore_index = int(train_module.label_ignore_index)
         return model
@@ -272,5 +267,4 @@ class DataSelectionCallback(Callback):
         self._counts.clear()
 
 
-_LAYER_FIELDS = ("layers", "include", "exclude", "last_n_blocks")
 _FIX = "use layers='all' (the default) without include/exclude/last_n_blocks, or freeze them"

@@ -14,6 +14,7 @@ where that finds it done), and finishes at ``on_train_end``.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from transformers import TrainerControl, TrainerState, TrainingArguments
@@ -26,19 +27,15 @@ from tda_plugins.integrations.transformers.setup import (
     process_index,
     unwrap_optimizer,
 )
-from tda_plugins.session.capture import (
-    CaptureSession,
-    CaptureSettings,
-    UnsupportedTrainingSetup,
-    settings_from,
-)
+from tda_plugins.session.capture import CaptureSession, UnsupportedTrainingSetup
+from tda_plugins.session.settings import CaptureSettings, settings_from
 
 
 class GradientCaptureCallback(CheckedCallback):
     """Writes every step's exact per-example gradients (and K-FAC statistics) to a store.
 
-    Configure with a :class:`~tda_plugins.session.CaptureSettings` or its fields as
-    keywords (``store_dir`` is required). Stored gradients follow the store convention:
+    Configure with a :class:`~tda_plugins.session.settings.CaptureSettings` or flat
+    options as keywords (``store_dir`` is required). Stored gradients follow the store convention:
     each example's own summed token loss, whatever normalization the trainer uses
     (``num_items_in_batch``, accumulation, world size). Works unchanged with TRL's
     ``SFTTrainer`` and with PEFT LoRA models (default layers: the LoRA adapters).
@@ -59,7 +56,9 @@ class GradientCaptureCallback(CheckedCallback):
                 "steps, which the recorded trajectory does not follow; train in bf16 or fp32"
             )
         self.session = CaptureSession(
-            adapt_settings(self.settings, start.args, start.model),
+            dataclasses.replace(
+                self.settings, layers=adapt_settings(self.settings.layers, start.args, start.model)
+            ),
             start.model,
             CausalLMNormalization(),
             rank=process_index(start.args),

@@ -47,8 +47,9 @@ class InfluenceLoggingCallback(PoolCallback):
             :class:`~tda_plugins.methods.groups.ParameterGroups`; a pattern that matches
             no captured parameter is refused at ``on_train_begin``).
         normalize_layers: each layer's gradient unit-normalized per example before the dot.
-        **options: layer/projection fields of :class:`CaptureSettings` (``layers``,
-            ``include``, ``projection``, ``k_a``, ...); ``store_dir`` is not used.
+        **options: the layer and projection options of
+            :func:`~tda_plugins.session.settings.layer_settings` (``layers``, ``include``,
+            ``projection``, ``k_a``, ...).
     """
 
     def __init__(

@@ -17,7 +17,7 @@ from tda_plugins.integrations.transformers.setup import (
     adapt_settings,
 )
 from tda_plugins.session.batch import capture_batch, evaluating
-from tda_plugins.session.capture import settings_from
+from tda_plugins.session.settings import layer_settings
 
 
 class PoolCallback(MetricsCallback):
@@ -32,7 +32,7 @@ class PoolCallback(MetricsCallback):
     def __init__(self, pool: Examples, every_n_steps: int, options: dict[str, Any]):
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
-        self.settings = settings_from(None, {"store_dir": "", **options})
+        self.settings = layer_settings(**options)
         self.examples = ExamplePool(pool, type(self).__name__)
         #: The pool as one padded batch, tokenized at ``on_train_begin`` if given as texts.
         self.pool = self.examples.batch() if self.examples.tokenized else {}
@@ -47,8 +47,8 @@ class PoolCallback(MetricsCallback):
         self.settings = adapt_settings(self.settings, start.args, start.model)
         engine = CaptureEngine(
             start.model,
-            layers=self.settings.selection(),
-            projection=self.settings.projection_config(),
+            layers=self.settings.selection,
+            projection=self.settings.projection,
             normalization=CausalLMNormalization(),
         ).attach()
         engine.resume_at_step(start.state.global_step)
@@ -60,9 +60,7 @@ class PoolCallback(MetricsCallback):
         takes (default: per-example, through a temporary exclusive engine)."""
         device = next(model.parameters()).device
         batch = {k: v.to(device) for k, v in self.pool.items()}
-        return capture_batch(
-            model, batch, None, self.settings.selection(), self.settings.projection_config()
-        )
+        return capture_batch(model, batch, None, self.settings.selection, self.settings.projection)
 
     def use_pool(self, pooled: Any, lr_scheduler: Any) -> None:
         """The pool's gradients at the coming step's weights (``None``: not due)."""

@@ -33,9 +33,9 @@ from tda_plugins.integrations.transformers.setup import (
     uses_fused_head,
 )
 from tda_plugins.session.batch import causal_lm_example_losses, causal_lm_losses
-from tda_plugins.session.capture import CaptureSettings
+from tda_plugins.session.settings import LayerOptions, LayerSettings
 
-#: The ``CaptureSettings`` fields that select layers (the keyword options this callback takes).
+#: The ``LayerOptions`` fields that select layers (the keyword options this callback takes).
 LAYER_OPTIONS = ("layers", "include", "exclude", "last_n_blocks")
 
 
@@ -121,10 +121,10 @@ class DataSelectionCallback(MetricsCallback):
             :class:`~tda_plugins.data_selection.SelectionSettings`, with its defaults.
         log_path: JSONL of every step's global outcome, written by rank 0 (default
             ``<output_dir>/selection.jsonl``).
-        **options: the layer fields of :class:`CaptureSettings` (``layers``, ``include``,
-            ``exclude``, ``last_n_blocks``; default layers: LoRA adapters on PEFT models;
-            full fine-tuning needs ``layers="all"`` so that every trainable parameter is
-            covered, else ``on_train_begin`` refuses).
+        **options: the fields of :class:`~tda_plugins.session.settings.LayerOptions`
+            (``layers``, ``include``, ``exclude``, ``last_n_blocks``; default layers: LoRA
+            adapters on PEFT models; full fine-tuning needs ``layers="all"`` so that every
+            trainable parameter is covered, else ``on_train_begin`` refuses).
     """
 
     def __init__(
@@ -162,7 +162,7 @@ class DataSelectionCallback(MetricsCallback):
             seed=seed,
             margin=margin,
             drop_counts=None if drop_counts is None else tuple(drop_counts),
-            **options,
+            layers=LayerOptions(**options).layer_selection(),
         )
         if target is None and self.settings.needs_target:
             raise ValueError(f"score={score!r} needs a target pool; give target=...")
@@ -182,8 +182,7 @@ class DataSelectionCallback(MetricsCallback):
 
     def begin(self, start: TrainStart) -> None:
         args, model = start.args, start.model
-        layer_fields = {k: getattr(self.settings, k) for k in LAYER_OPTIONS}
-        capture = adapt_settings(CaptureSettings(store_dir="", **layer_fields), args, model)
+        capture = adapt_settings(LayerSettings(self.settings.layers), args, model)
         # Full fine-tuning in one process: the captured layers' .grad is built from the kept
         # examples at the optimizer step (autograd skips those weight gradients). DDP's
         # all-reduce needs autograd's own gradients; a LoRA adapter's is a cheap rank-r
@@ -206,7 +205,7 @@ class DataSelectionCallback(MetricsCallback):
             token_counts=causal_lm_token_counts,
             optimizer=start.optimizer,
             log_path=log_path,
-            layers=capture.selection(),
+            layers=capture.selection,
             parameter_grads=not built,
             chunk_size=args.per_device_train_batch_size,
             start_step=start.state.global_step,

@@ -14,7 +14,8 @@ from torch import Tensor, nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from tda_plugins.integrations.transformers.refusals import TRAINER_CHECKS
-from tda_plugins.session.capture import CaptureSettings, UnsupportedTrainingSetup
+from tda_plugins.session.capture import UnsupportedTrainingSetup
+from tda_plugins.session.settings import LayerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +41,8 @@ def uses_fused_head(args: TrainingArguments) -> bool:
 
 
 def adapt_settings(
-    settings: CaptureSettings, args: TrainingArguments, model: nn.Module
-) -> CaptureSettings:
+    settings: LayerSettings, args: TrainingArguments, model: nn.Module
+) -> LayerSettings:
     """Leave out the output head where the trainer bypasses its module call (logged)."""
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
@@ -54,8 +55,11 @@ def adapt_settings(
         name,
     )
     pattern = rf"^{re.escape(name)}$"
-    exclude = pattern if settings.exclude is None else rf"(?:{settings.exclude})|{pattern}"
-    return dataclasses.replace(settings, exclude=exclude)
+    given = settings.selection.exclude
+    exclude = pattern if given is None else rf"(?:{given})|{pattern}"
+    return dataclasses.replace(
+        settings, selection=dataclasses.replace(settings.selection, exclude=exclude)
+    )
 
 
 def process_index(args: TrainingArguments) -> int:
