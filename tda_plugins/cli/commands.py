@@ -53,13 +53,32 @@ from tda_plugins.store.io import atomic_write_json, refuse_existing, staged_dire
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
+#: Each subcommand's one-line summary (``tda --help``) and its description (``--help``).
+_SUBCOMMANDS = {
+    "capture": (
+        "per-example gradients of a JSONL dataset with a local model",
+        "Write the exact per-example gradients (each example's own summed token loss) of "
+        "every example in --data to a gradient store, with inline K-FAC statistics.",
+    ),
+    "attribute": (
+        "score training examples against queries",
+        "Score every example of --store against every query of --queries. Both stores must "
+        "be captured with the same layers, projection and seed.",
+    ),
+    "report": (
+        "HTML page of the top-k per query",
+        "Render saved scores as HTML, with texts where stored.",
+    ),
+}
+
+
+def _subcommand(sub: Any, name: str) -> argparse.ArgumentParser:
+    summary, description = _SUBCOMMANDS[name]
+    return sub.add_parser(name, help=summary, description=description)
+
+
 def _add_capture(sub: Any) -> None:
-    p = sub.add_parser(
-        "capture",
-        help="per-example gradients of a JSONL dataset with a local model",
-        description="Write the exact per-example gradients (each example's own summed token "
-        "loss) of every example in --data to a gradient store, with inline K-FAC statistics.",
-    )
+    p = _subcommand(sub, "capture")
     p.add_argument(
         "--model",
         required=True,
@@ -173,12 +192,7 @@ def _add_capture(sub: Any) -> None:
 
 
 def _add_attribute(sub: Any) -> None:
-    p = sub.add_parser(
-        "attribute",
-        help="score training examples against queries",
-        description="Score every example of --store against every query of --queries. "
-        "Both stores must be captured with the same layers, projection and seed.",
-    )
+    p = _subcommand(sub, "attribute")
     p.add_argument("--store", required=True, help="training gradient store")
     p.add_argument("--queries", required=True, help="query gradient store")
     p.add_argument(
@@ -257,11 +271,7 @@ def _add_attribute(sub: Any) -> None:
 
 
 def _add_report(sub: Any) -> None:
-    p = sub.add_parser(
-        "report",
-        help="HTML page of the top-k per query",
-        description="Render saved scores as HTML, with texts where stored.",
-    )
+    p = _subcommand(sub, "report")
     p.add_argument("--scores", required=True, help="directory written by `tda attribute`")
     p.add_argument("--store", required=True, help="training store (for texts)")
     p.add_argument("--queries", required=True, help="query store (for texts)")
