@@ -226,7 +226,9 @@ def capture_store(
     if curvature:
         consumers.append(CurvatureAccumulator(root))
     layers = layers or LayerSelection(kind="linear")
-    with CaptureEngine(model, layers, projection, consumers, parameter_grads=False) as engine:
+    with CaptureEngine(
+        model, layers=layers, projection=projection, consumers=consumers, parameter_grads=False
+    ) as engine:
         for batch in batches:
             summed_loss(model, batch).backward()
             engine.optimizer_step()

@@ -309,7 +309,9 @@ def tracin(task: FidelityTask, **groups: Any) -> Tensor:
     model = task.model_factory()
     val = {"input_ids": task.validation, "labels": task.validation}
 
-    with CaptureEngine(model, LAYERS, None, [logger], CausalLMNormalization()) as engine:
+    with CaptureEngine(
+        model, layers=LAYERS, consumers=[logger], normalization=CausalLMNormalization()
+    ) as engine:
 
         def before_update(step: int, model: nn.Module) -> None:
             lr = task.run.adamw.learning_rate

@@ -65,7 +65,9 @@ def recorded_stores(task: FidelityTask) -> tuple[StoreReader, StoreReader]:
             save_optimizer_state=False,
             record_trajectory=True,
         )
-        session = CaptureSession(settings, model, CausalLMNormalization(), optimizer=optimizer)
+        session = CaptureSession(
+            settings, model=model, normalization=CausalLMNormalization(), optimizer=optimizer
+        )
 
         def before_update(step: int, model: nn.Module) -> None:
             session.step()

@@ -83,7 +83,9 @@ def captured(model: nn.Module, ids: Tensor, consumers: list[CaptureConsumer], *,
     Returns layer -> ``(B, D)`` per-example gradients of the kept record."""
     kept = Kept()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    engine = CaptureEngine(model, LayerSelection(kind="linear"), None, [kept, *consumers])
+    engine = CaptureEngine(
+        model, layers=LayerSelection(kind="linear"), consumers=[kept, *consumers]
+    )
     with engine:
         engine.set_example_ids(torch.arange(ids.shape[0], device=ids.device))
         if sync_check:

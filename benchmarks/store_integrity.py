@@ -80,7 +80,7 @@ def capture(
     with patches:
         store = GradientStore(path, in_flight_bytes=IN_FLIGHT_BYTES if queued else None)
         engine = CaptureEngine(
-            net, LayerSelection("linear"), consumers=[store], parameter_grads=False
+            net, layers=LayerSelection("linear"), consumers=[store], parameter_grads=False
         )
         with engine:
             for batch in rows.split(32):

@@ -92,7 +92,9 @@ def train_run(
 def capture_queries(model: nn.Module, rows: torch.Tensor, path: Path) -> StoreReader:
     """The queries' exact gradients (each one's summed token loss) at ``model``'s weights."""
     batch = {"input_ids": rows, "attention_mask": torch.ones_like(rows), "labels": rows.clone()}
-    with CaptureEngine(model, LayerSelection("lora"), consumers=[GradientStore(path)]) as engine:
+    with CaptureEngine(
+        model, layers=LayerSelection("lora"), consumers=[GradientStore(path)]
+    ) as engine:
         causal_lm_losses(model, batch).sum().backward()
         engine.optimizer_step()
         engine.end()

@@ -213,7 +213,9 @@ def train_plain(
         settings = CaptureSettings.from_options(
             store_dir=str(store_dir), curvature=False, store_texts=False, record_trajectory=True
         )
-        session = CaptureSession(settings, model, SummedLoss(), optimizer=optimizer)
+        session = CaptureSession(
+            settings, model=model, normalization=SummedLoss(), optimizer=optimizer
+        )
     for first in range(0, len(LOO_ROWS), LOO_BATCH):
         rows = [
             {"input_ids": r}

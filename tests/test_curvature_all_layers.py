@@ -198,7 +198,7 @@ def test_a_capture_session_plans_the_bytes_it_allocates(captured: Captured, tmp_
     settings = CaptureSettings.from_options(
         store_dir=str(tmp_path), layers="all", curvature=True, curvature_head=True
     )
-    session = CaptureSession(settings, captured.model, SummedLoss())
+    session = CaptureSession(settings, model=captured.model, normalization=SummedLoss())
     assert session.curvature is not None
     for batch in train_batches():
         summed_loss(captured.model, batch).backward()

@@ -266,7 +266,7 @@ def test_over_budget_capture_is_refused_before_anything_is_written(tmp_path: Pat
         store_dir=str(store), layers="linear", curvature_budget_gb=budget
     )
     with pytest.raises(CurvatureBudgetError) as error:
-        CaptureSession(settings, model, SummedLoss())
+        CaptureSession(settings, model=model, normalization=SummedLoss())
     message = str(error.value)
     assert f"need {need / 1024:.1f} KiB per rank" in message
     assert f"over curvature_budget_gb={budget:g}" in message
@@ -278,7 +278,7 @@ def test_over_budget_capture_is_refused_before_anything_is_written(tmp_path: Pat
     unlimited = CaptureSettings.from_options(
         store_dir=str(store), layers="linear", curvature_budget_gb=None
     )
-    CaptureSession(unlimited, model, SummedLoss()).engine.detach()
+    CaptureSession(unlimited, model=model, normalization=SummedLoss()).engine.detach()
 
 
 # -- the head --------------------------------------------------------------------------------
@@ -290,7 +290,7 @@ def session_store(tmp: Path, curvature_head: bool = False) -> StoreReader:
     settings = CaptureSettings.from_options(
         store_dir=str(tmp), layers="linear", curvature_head=curvature_head
     )
-    session = CaptureSession(settings, model, SummedLoss())
+    session = CaptureSession(settings, model=model, normalization=SummedLoss())
     summed_loss(model, BATCH).backward()
     session.step()
     session.end()

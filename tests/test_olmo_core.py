@@ -260,7 +260,7 @@ def test_mean_reduction_outside_the_trainer(tmp_path: Path) -> None:
     labels = F.pad(ids[:, 1:], (0, 1), value=-100)
     labels[1, :4] = -100  # a masked prompt: those tokens carry no loss
     settings = CaptureSettings.from_options(store_dir=str(tmp_path), layers="all", curvature=False)
-    session = CaptureSession(settings, model, OLMoCoreLossNormalization())
+    session = CaptureSession(settings, model=model, normalization=OLMoCoreLossNormalization())
     session.engine.set_example_ids(torch.tensor([7, 8, 9]))
     model(ids, labels=labels).loss.backward()
     session.step()

@@ -622,7 +622,9 @@ def test_a_trainer_checkpoint_waits_until_every_committed_step_is_on_disk(
     disk = DiskLog(monkeypatch, delay=0.2)
     model = tiny_causal_lm("llama")
     session = CaptureSession(
-        CaptureSettings.from_options(store_dir=str(tmp_path), curvature=False), model, SummedLoss()
+        CaptureSettings.from_options(store_dir=str(tmp_path), curvature=False),
+        model=model,
+        normalization=SummedLoss(),
     )
     for step in range(2):
         summed_loss(model, lm_batch(2, 8, seed=step)).backward()
@@ -643,7 +645,9 @@ def test_a_finished_trainer_step_is_on_disk_before_the_next_one_begins(
     disk = DiskLog(monkeypatch, delay=0.2)
     model = tiny_causal_lm("llama")
     session = CaptureSession(
-        CaptureSettings.from_options(store_dir=str(tmp_path), curvature=False), model, SummedLoss()
+        CaptureSettings.from_options(store_dir=str(tmp_path), curvature=False),
+        model=model,
+        normalization=SummedLoss(),
     )
     summed_loss(model, lm_batch(2, 8, seed=0)).backward()
     session.step()

@@ -83,8 +83,8 @@ def train(store: Path, checkpoints: Path, pause: int | None = None) -> None:
     )
     session = CaptureSession(
         settings,
-        model,
-        SummedLoss(),
+        model=model,
+        normalization=SummedLoss(),
         start_step=start,
         optimizer=optimizer,
         max_grad_norm=MAX_GRAD_NORM,

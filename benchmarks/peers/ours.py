@@ -84,7 +84,13 @@ class OursLive(PeerAdapter):
         """One captured forward + backward of ``rows`` per micro-batch into ``consumer``."""
         layers = LayerSelection(kind="linear")
         projection = projection_of(problem, method)
-        engine = CaptureEngine(problem.model, layers, projection, [consumer], parameter_grads=False)
+        engine = CaptureEngine(
+            problem.model,
+            layers=layers,
+            projection=projection,
+            consumers=[consumer],
+            parameter_grads=False,
+        )
         with engine:
             for ids in row_batches(rows, problem.batch):
                 example_losses(problem.model, ids).sum().backward()

@@ -126,6 +126,7 @@ class CaptureEngine:
     def __init__(
         self,
         model: nn.Module,
+        *,
         layers: LayerSelection | None = None,
         projection: ProjectionConfig | None = None,
         consumers: Iterable[CaptureConsumer] = (),

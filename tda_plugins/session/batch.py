@@ -96,7 +96,9 @@ def capture_batch(
     loss_fn = loss_fn or causal_lm_losses
     collector = RecordCollector()
     # the model's .grad is set aside anyway: autograd need not build its weight gradients
-    engine = CaptureEngine(model, layers, projection, [collector], parameter_grads=False)
+    engine = CaptureEngine(
+        model, layers=layers, projection=projection, consumers=[collector], parameter_grads=False
+    )
     with grads_set_aside(model), engine, engine.exclusive():
         with torch.enable_grad():
             losses = loss_fn(model, batch)

@@ -137,6 +137,7 @@ class CaptureSession:
     def __init__(
         self,
         settings: CaptureSettings,
+        *,
         model: nn.Module,
         normalization: LossNormalization,
         rank: int = 0,
@@ -205,10 +206,10 @@ class CaptureSession:
             )
         self.engine = CaptureEngine(
             model,
-            settings.layers.selection,
-            settings.layers.projection,
-            (*own, *consumers),
-            normalization,
+            layers=settings.layers.selection,
+            projection=settings.layers.projection,
+            consumers=(*own, *consumers),
+            normalization=normalization,
         )
         self.engine.attach()
         self.engine.resume_at_step(start_step)

@@ -143,9 +143,9 @@ def capture_examples(
     # capture only attributes: autograd need not build the model's own weight gradients
     engine = CaptureEngine(
         model,
-        settings.layers.selection,
-        settings.layers.projection,
-        consumers,
+        layers=settings.layers.selection,
+        projection=settings.layers.projection,
+        consumers=consumers,
         parameter_grads=False,
     )
     mine = planned[ranks.rank :: ranks.size]

@@ -132,7 +132,7 @@ def test_a_traversal_entry_is_refused_on_resume_and_nothing_is_removed(
     before, files = unchanged(sentinel), snapshot(store)
     settings = CaptureSettings.from_options(store_dir=str(store), layers="linear", curvature=False)
     with pytest.raises(StoreError, match=r"victim\.txt"):
-        CaptureSession(settings, model(), SummedLoss(), start_step=1)
+        CaptureSession(settings, model=model(), normalization=SummedLoss(), start_step=1)
     assert_untouched(sentinel, before)
     assert snapshot(store) == files
 
@@ -315,7 +315,7 @@ def test_a_resume_refused_for_a_missing_curvature_snapshot_changes_nothing(
     store = tmp_path / "store"
     net = model()
     settings = CaptureSettings.from_options(store_dir=str(store), layers="linear", curvature=True)
-    session = CaptureSession(settings, net, SummedLoss())
+    session = CaptureSession(settings, model=net, normalization=SummedLoss())
     for batch in batches(4):
         summed_loss(net, batch).backward()
         net.zero_grad(set_to_none=True)
@@ -323,7 +323,7 @@ def test_a_resume_refused_for_a_missing_curvature_snapshot_changes_nothing(
     session.end()
     files = snapshot(store)
     with pytest.raises(StoreError, match=r"no K-FAC statistics saved at step 2.*Nothing"):
-        CaptureSession(settings, net, SummedLoss(), start_step=2)
+        CaptureSession(settings, model=net, normalization=SummedLoss(), start_step=2)
     assert snapshot(store) == files
 
 
@@ -342,7 +342,7 @@ def test_a_refused_session_start_changes_nothing(case: str, tmp_path: Path) -> N
     files = snapshot(store)
     settings = CaptureSettings.from_options(store_dir=str(store), layers=layers, curvature=False)
     with pytest.raises(StoreError, match=message):
-        CaptureSession(settings, model(), SummedLoss(), start_step=start)
+        CaptureSession(settings, model=model(), normalization=SummedLoss(), start_step=start)
     assert snapshot(store) == files
 
 

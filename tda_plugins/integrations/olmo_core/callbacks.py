@@ -205,8 +205,8 @@ class GradientCaptureCallback(Callback):
         train_module = self.trainer.train_module
         session = CaptureSession(
             self.settings,
-            model,
-            OLMoCoreLossNormalization(),
+            model=model,
+            normalization=OLMoCoreLossNormalization(),
             rank=process_rank(),
             start_step=start_step,
             tokenizer=self.tokenizer,

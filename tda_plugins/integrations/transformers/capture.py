@@ -59,8 +59,8 @@ class GradientCaptureCallback(CheckedCallback):
             dataclasses.replace(
                 self.settings, layers=adapt_settings(self.settings.layers, start.args, start.model)
             ),
-            start.model,
-            CausalLMNormalization(),
+            model=start.model,
+            normalization=CausalLMNormalization(),
             rank=process_index(start.args),
             start_step=start.state.global_step,
             tokenizer=start.tokenizer,
