@@ -55,6 +55,7 @@ class InfluenceLoggingCallback(PoolCallback):
     def __init__(
         self,
         queries: Examples,
+        *,
         method: Literal["graddot", "gradcos"] = "gradcos",
         every_n_steps: int = 1,
         top_k: int = 5,

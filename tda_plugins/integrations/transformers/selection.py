@@ -130,6 +130,7 @@ class DataSelectionCallback(MetricsCallback):
     def __init__(
         self,
         target: Examples | None,
+        *,
         rule: str = SelectionSettings.rule,
         fraction: float = SelectionSettings.fraction,
         threshold: float = SelectionSettings.threshold,
