@@ -9,7 +9,7 @@ gradients ``g_i`` of their summed losses, ``s_i`` their loss scales):
 
     H_s v ~= curvature * sum_{i in s} g_i (g_i . v) / s_i
 
-Reverse pass (``docs/design.md`` section 7.10), ``lambda_T = g_q`` at the final weights:
+Reverse pass (``docs/design.md`` section 7.9.1), ``lambda_T = g_q`` at the final weights:
 
     Q_t      = scale_t lambda_{t+1} + carry_{t+1} Q_{t+1}
     score_i  = c_t / s_i < intake_t Q_t , g_i >                  (i trained at step t)
@@ -47,7 +47,7 @@ class AdamWUnrolled(AdamWInfluence):
             counts the per-token Fisher once where the tokens' gradients are independent
             (factor 1) and ``T`` times where they all agree (factor ``1 / T``); the
             default 0.1 lies between, and is the value the fidelity benchmark favours on
-            both of its replicas (chosen there, not derived: ``docs/design.md`` 7.10).
+            both of its replicas (chosen there, not derived: ``docs/design.md`` 7.9.1).
     """
 
     curvature: float = 0.1
