@@ -1,7 +1,8 @@
 """Trajectory-aware rows of the fidelity benchmark: AdamW influence from a store recorded
 during the training run, and the exact metagradient (the ceiling reference).
 
-* ``adamw_influence`` / ``adamw_own_step`` / ``adamw_unrolled``: the capture session (``record_trajectory``)
+* ``adamw_influence`` / ``adamw_own_step`` / ``adamw_unrolled``: the capture session
+  (``record_trajectory``)
   attached to a replay of the training run (``task.run.replay``; the replay must end on
   the reference weights bit for bit), so the store holds each step's per-example
   gradients with that step's AdamW state; the queries are captured at the final weights
