@@ -1,10 +1,12 @@
 """Trajectory-aware rows of the fidelity benchmark: AdamW influence from a store recorded
 during the training run, and the exact metagradient (the ceiling reference).
 
-* ``adamw_influence`` / ``adamw_own_step``: the capture session (``record_trajectory``)
-  attached to a replay of the training run (``task.run.replay``; the replay must end on
-  the reference weights bit for bit), so the store holds each step's per-example
-  gradients with that step's AdamW state; the queries are captured at the final weights.
+* ``adamw_influence`` / ``adamw_own_step`` / ``adamw_unrolled``: the capture session
+  (``record_trajectory``) attached to a replay of the training run (``task.run.replay``;
+  the replay must end on the reference weights bit for bit), so the store holds each
+  step's per-example gradients with that step's AdamW state; the queries are captured at
+  the final weights (``adamw_unrolled``: the same store, each later step's empirical
+  Fisher folded in).
 * ``metagradient`` / ``metagradient:fixed-denominator``: ``tda_plugins.metagradient``
   on the run rebuilt from ``task.run`` (initial weights, each step's rows, AdamW
   settings). The run's loss is transformers' mean token loss of each step's one batch:
@@ -89,7 +91,7 @@ def trajectory_method(method: str, task: FidelityTask) -> Tensor:
     return task.select(method_by_name(method).score(store, queries))
 
 
-for _name in ("adamw_influence", "adamw_own_step"):
+for _name in ("adamw_influence", "adamw_own_step", "adamw_unrolled"):
     register_attributor(_name)(partial(trajectory_method, _name))
 
 

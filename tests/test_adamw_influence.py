@@ -126,8 +126,11 @@ def capture_queries(run: Run, path: Path) -> StoreReader:
     return capture_store(run.trainer.model, [batch], path, layers=layers, curvature=False)
 
 
-def replay_run(run: Run, accumulation: int, max_grad_norm: float) -> tuple[Any, ...]:
-    """The brute-force replay of ``run`` from its initial weights."""
+def replay_run(
+    run: Run, accumulation: int, max_grad_norm: float, curvature: float = 0.0
+) -> tuple[Any, ...]:
+    """The brute-force replay of ``run`` from its initial weights (``curvature``: the
+    oracle's empirical-Fisher factor, :class:`AdamWRun`)."""
     model = run.trainer.model
     initial = fp64_model("lora" if hasattr(model, "peft_config") else "full")
     initial.load_state_dict(run.snapshots.weights[0])
@@ -155,6 +158,7 @@ def replay_run(run: Run, accumulation: int, max_grad_norm: float) -> tuple[Any, 
         weight_decay={n: args.weight_decay if n in decayed else 0.0 for n in trained},
         max_grad_norm=max_grad_norm,
         captured=frozenset(captured),
+        curvature=curvature,
     )
     queries = [(torch.tensor(r), torch.tensor(r)) for r in query_rows()]
     return replay(initial, oracle, queries)

@@ -40,6 +40,11 @@ class AdamWRun:
         captured: the parameters whose per-example gradients carry ``w_z``.
         normalized: divide each step's gradient by its window's label-token count (the
             trainer's ``num_items_in_batch``); else the loss is the plain sum.
+        curvature: ``rho``: each step's gradient also moves with the replayed weights by
+            ``rho`` times the empirical Fisher of its examples over the captured parameters,
+            ``sum_i g_i (g_i . (theta - theta_rec)) / s_i`` (``g_i`` the example's summed-loss
+            gradient at the recorded weights, ``s_i`` the normalizer): the curvature
+            ``adamw_unrolled`` carries (0: none, as AdamW-influence).
     """
 
     steps: Sequence[Sequence[int]]
@@ -51,6 +56,7 @@ class AdamWRun:
     max_grad_norm: float
     captured: frozenset[str]
     normalized: bool = True
+    curvature: float = 0.0
 
 
 def example_loss(model: nn.Module) -> Callable[[dict[str, Tensor], Example], Tensor]:
@@ -89,9 +95,15 @@ def replay(
             # the loss scaled before the backward, as the trainer scales it: the tiny
             # Llama's RMSNorm takes its backward in fp32, whose rounding follows the scale
             parts = torch.autograd.grad(loss(at, run.examples[i]) / norm, list(at.values()))
+            moved = sum(
+                (part * (theta[n] - at[n].detach())).sum()
+                for n, part in zip(at, parts, strict=True)
+                if n in run.captured
+            )
             for (n, g), part in zip(grad.items(), parts, strict=True):
                 share = weights[row] if n in run.captured else 1.0
-                grad[n] = g + share * part
+                fisher = run.curvature * norm * part * moved if n in run.captured else 0.0
+                grad[n] = g + share * part + fisher
             row += 1
         total = torch.sqrt(sum(g.detach().pow(2).sum() for g in grad.values()))
         clip = 1.0

@@ -2,7 +2,7 @@
 metagradient (``metagradient.py``; ``tda_plugins.metagradient``), which replays the
 training run instead of reading a store."""
 
-from tda_plugins.methods import adamw_influence, curvature, gradient, less
+from tda_plugins.methods import adamw_influence, adamw_unrolled, curvature, gradient, less
 from tda_plugins.methods.attribute import attribute
 from tda_plugins.methods.base import METHODS, AttributionMethod, method_by_name, register_method
 from tda_plugins.methods.gradient import Checkpoint
@@ -28,6 +28,7 @@ __all__ = [
     "TrainingTrajectory",
     "WeightDerivatives",
     "adamw_influence",
+    "adamw_unrolled",
     "attribute",
     "curvature",
     "gradient",

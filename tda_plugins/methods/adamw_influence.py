@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from tda_plugins.grads.base import PerExampleGrad
 from tda_plugins.grads.blocks import spans
 from tda_plugins.grads.dense import DenseGrad
 from tda_plugins.grads.ops import cross_gram, layer_sum
@@ -54,36 +55,35 @@ class _LayerSweep:
     """One layer's backward pass over the steps for a block of queries.
 
     Attributes:
-        queries: ``(M, D)`` query gradients at the final weights.
+        adjoint: ``(M, D)`` running ``lambda_{t+1}``, the derivative of the query loss
+            at the final weights with respect to the weights after step ``t`` (the query
+            gradients ``g_q`` at the end, shrunk by each later step's decay).
         own_step: keep only each step's own update (no momentum from later steps).
         side: ``(M, D)`` running ``Q_t``.
-        decay_after: ``prod_{r > t} decay_r`` (fp64, ``(D,)`` or 0-dim).
         carry: the carry of the step after the current one (``None`` at the last step).
     """
 
-    queries: Tensor
+    adjoint: Tensor
     own_step: bool
     side: Tensor = field(init=False)
-    decay_after: Tensor = field(init=False)
     carry: Tensor | None = None
 
     def __post_init__(self) -> None:
-        self.side = torch.zeros_like(self.queries)
-        self.decay_after = torch.ones((), dtype=torch.float64, device=self.queries.device)
+        self.side = torch.zeros_like(self.adjoint)
 
     def step(self, terms: AdamTerms) -> Tensor | None:
         """Move to the previous step with its terms; the ``(M, D)`` side its examples are
-        scored against (``intake_t Q_t``), or ``None`` where it did not update the layer."""
+        scored against (``intake_t Q_t``), or ``None`` where it did not update the layer.
+        Leaves ``adjoint`` at ``decay_t lambda_{t+1}``."""
         if self.own_step:
             self.side.zero_()
         elif self.carry is not None:
             self.side.mul_(self.carry.to(self.side.dtype))
         out = None
         if terms.updated:
-            weight = (self.decay_after * terms.scale).to(self.side.dtype)
-            self.side.addcmul_(self.queries, weight)
+            self.side.addcmul_(self.adjoint, terms.scale.to(self.side.dtype))
             out = self.side * terms.intake.to(self.side.dtype)
-        self.decay_after = self.decay_after * terms.decay
+        self.adjoint.mul_(terms.decay.to(self.adjoint.dtype))
         self.carry = terms.carry
         return out
 
@@ -167,7 +167,8 @@ class AdamWInfluence(AttributionMethod):
                         for name in layers
                     }
                     scored = self._step_scores(store, step, records[step], sides, chunk, run.ranks)
-                    for at, dots in scored:
+                    for at, dots, grads in scored:
+                        self._absorb(sweeps, grads, dots)
                         values[rows.of(step, at), cols] += dots.cpu()
                     bar.update(len(records[step].example_ids))
         scores = rows.by_example(values, query_ids, self.name)
@@ -192,10 +193,10 @@ class AdamWInfluence(AttributionMethod):
         sides: dict[str, Tensor | None],
         chunk: int,
         ranks: Ranks,
-    ) -> Iterator[tuple[slice, Tensor]]:
+    ) -> Iterator[tuple[slice, Tensor, dict[str, PerExampleGrad]]]:
         """The step's examples in store order, chunk by chunk: their positions within the
-        step and ``(B, M)`` scores against the sides (none where the step updated no
-        layer: its examples changed nothing)."""
+        step, ``(B, M)`` scores against the sides and their gradients of the layers the
+        step updated (none where it updated no layer: its examples changed nothing)."""
         live = {name: side for name, side in sides.items() if side is not None}
         if not live:
             return
@@ -206,8 +207,15 @@ class AdamWInfluence(AttributionMethod):
             grads = on_device(part.layers, ranks.device)
             dots = layer_sum([cross_gram(grads[n], DenseGrad(side)) for n, side in live.items()])
             factor = torch.tensor([record.clip / scale[i] for i in ids], dtype=torch.float64)
-            yield slice(start, start + len(ids)), dots.double() * factor.to(dots.device)[:, None]
+            scores = dots.double() * factor.to(dots.device)[:, None]
+            yield slice(start, start + len(ids)), scores, grads
             start += len(ids)
+
+    def _absorb(
+        self, sweeps: dict[str, _LayerSweep], grads: dict[str, PerExampleGrad], scores: Tensor
+    ) -> None:
+        """Fold a chunk of a step's examples, their gradients and ``(B, M)`` scores, into
+        the adjoints before the step moves on (no curvature here: nothing to fold)."""
 
     def _blocks(
         self, trajectory: TrajectoryReader, queries: StoreReader, store: StoreReader

@@ -1,0 +1,164 @@
+"""Which curvature the unrolled AdamW reverse pass needs: a probe on the fidelity replicas.
+
+The reverse pass of ``adamw_unrolled`` (``docs/design.md`` 7.9.1), written here directly
+in parameter space on a replay of the run (each step's weights and Adam second moment
+kept), with the curvature of each step's batch loss chosen by ``--curvature``:
+
+* ``none``: no curvature (``adamw_influence``);
+* ``fisher``: ``rho sum_i g_i (g_i . v) / s_i`` from per-example gradients (``--rho``;
+  with ``--params conv`` this is ``adamw_unrolled`` itself, an independent check of it);
+* ``exact``: the Hessian of the step's batch loss, by double-backward Hessian-vector
+  products on the replayed weights (needs the model at every step: not a store method).
+
+``--params conv``: the Conv1D layers the benchmark's stores capture; ``all``: every
+trained parameter. Leave-one-out Spearman on the first ``--queries`` of the
+metagradient's validation blocks (the exact Hessian costs one HVP per query and step).
+
+Usage::
+
+    PYTHONPATH=. HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 .venv/bin/python \\
+        benchmarks/fidelity_curvature_probe.py --replica pretrained --params conv \\
+        --curvature exact --queries 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from tempfile import TemporaryDirectory
+
+import fidelity_trajectory
+import torch
+import transformers
+from fidelity import make_task
+from fidelity_metric import GroundTruth
+from fidelity_training import train
+from fidelity_truth import (
+    CACHE,
+    REPLICAS,
+    FineTuning,
+    leave_one_out,
+    prepare,
+    replica,
+    subset_runs,
+)
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+from tda_plugins import causal_lm_example_losses
+
+Params = dict[str, Tensor]
+
+
+def replayed(fine: FineTuning, model: nn.Module) -> tuple[list[Params], list[Params], dict]:
+    """Replay the run on ``model``: the weights before each step, the second moment after
+    it, and the optimizer's hyperparameters (one group's lr/betas/eps; decay per name)."""
+    optimizer = fine.config.adamw.optimizer(model)
+    thetas: list[Params] = []
+    moments: list[Params] = []
+
+    def before(step: int, m: nn.Module) -> None:
+        thetas.append({n: p.detach().clone() for n, p in m.named_parameters()})
+
+    def after(step: int, m: nn.Module) -> None:
+        state = optimizer.state
+        moments.append({n: state[p]["exp_avg_sq"].clone() for n, p in m.named_parameters()})
+
+    train(fine.config, fine.blocks, model, hook=before, after_update=after, optimizer=optimizer)
+    names = {id(p): n for n, p in model.named_parameters()}
+    group = optimizer.param_groups[0]
+    decay = {names[id(p)]: g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
+    return (
+        thetas,
+        moments,
+        {"lr": group["lr"], "betas": group["betas"], "eps": group["eps"], "decay": decay},
+    )
+
+
+def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--replica", choices=list(REPLICAS), default="pretrained")
+    p.add_argument("--params", choices=["conv", "all"], default="conv")
+    p.add_argument("--curvature", choices=["none", "fisher", "exact"], default="exact")
+    p.add_argument("--rho", type=float, default=0.1, help="Fisher factor")
+    p.add_argument("--queries", type=int, default=4)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()
+    chosen = replica(args.replica)
+    fine = prepare(chosen, CACHE)
+    loo, subsets = leave_one_out(fine, CACHE, 1), subset_runs(fine, CACHE, 1)
+    truth = GroundTruth(loo, fine.blocks.removed, subsets, chosen.config.bootstrap)
+    with TemporaryDirectory() as work:
+        task = make_task(fine, Path(work))
+    model = fine.model()
+    thetas, moments, hyper = replayed(fine, model)
+    final = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.set_attn_implementation("eager")  # double backward through attention
+    kept = [n for n in final if args.params == "all" or (".attn." in n or ".mlp." in n)]
+    lr, (b1, b2), eps = hyper["lr"], hyper["betas"], hyper["eps"]
+    frozen: Params = dict(final)
+
+    def loss(params: Params, ids: Tensor) -> Tensor:
+        logits = functional_call(model, {**frozen, **params}, (ids,)).logits
+        return causal_lm_example_losses(logits, ids).sum()
+
+    chosen_blocks = fidelity_trajectory.meta_queries(task)[: args.queries]
+    val = task.validation[chosen_blocks]
+    tokens = val.shape[1] - 1
+    adjoints = [grad(loss)({n: final[n] for n in kept}, val[q : q + 1]) for q in range(len(val))]
+    for a in adjoints:
+        for n in kept:
+            a[n] = a[n] / tokens
+    sides = [{n: torch.zeros_like(final[n]) for n in kept} for _ in adjoints]
+    scores = torch.zeros(len(val), task.train.shape[0], dtype=torch.float64)
+    for t in reversed(range(len(task.run.batches))):
+        k = t + 1
+        frozen = dict(thetas[t])
+        at = {n: thetas[t][n] for n in kept}
+        scale = {
+            n: lr / (1 - b1**k) / (moments[t][n].sqrt() / (1 - b2**k) ** 0.5 + eps) for n in kept
+        }
+        rows = task.run.batches[t]
+        ids = task.train[rows]
+        norm = ids.shape[0] * tokens
+        per_example = vmap(grad(lambda p, x: loss(p, x[None])), in_dims=(None, 0))(at, ids)
+        for q, (adjoint, side) in enumerate(zip(adjoints, sides, strict=True)):
+            for n in kept:
+                side[n] = b1 * side[n] + scale[n] * adjoint[n]
+            dots = sum(
+                per_example[n].flatten(1).double() @ ((1 - b1) * side[n]).flatten().double()
+                for n in kept
+            )
+            step_scores = dots / norm
+            scores[q, rows] += step_scores
+            for n in kept:
+                adjoint[n] = adjoint[n] * (1 - lr * hyper["decay"][n])
+            if args.curvature == "fisher":
+                for n in kept:
+                    moved = step_scores.float() @ per_example[n].flatten(1)
+                    adjoint[n] = adjoint[n] - args.rho * moved.view_as(adjoint[n])
+            elif args.curvature == "exact":
+                leaves = {n: at[n].detach().requires_grad_() for n in kept}
+                first = torch.autograd.grad(
+                    loss(leaves, ids) / norm, list(leaves.values()), create_graph=True
+                )
+                direction = sum(
+                    ((1 - b1) * (f * side[n])).sum() for f, n in zip(first, kept, strict=True)
+                )
+                hvp = torch.autograd.grad(-direction, list(leaves.values()))
+                for n, h in zip(kept, hvp, strict=True):
+                    adjoint[n] = adjoint[n] + h
+        print(f"step {t} done", flush=True)
+    full = torch.full(
+        (task.validation.shape[0], task.train.shape[0]), float("nan"), dtype=torch.float64
+    )
+    full[chosen_blocks] = scores
+    found = truth.leave_one_out(f"{args.params},{args.curvature}", full)
+    per = [round(x, 3) for x in found.per_query[chosen_blocks].tolist()]
+    print(f"{args.replica} {args.params} {args.curvature}: mean {found.mean:.3f} per block {per}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
