@@ -31,10 +31,19 @@ training forward/backward. A short cProfile run splits the selection step into s
 (the layers' per-example gradients built once where that is cheaper, the dots with the
 target, the rule) and surgery.
 
+``--setting demo`` measures instead the demo's own setting (``recipes/lora_data_selection.py``:
+SmolLM2-135M-Instruct, LoRA on its last 8 blocks, TRL ``SFTTrainer``, batch 8 of the demo
+mixture) with ``DataSelectionCallback``'s default settings, target refreshes included:
+runs of ``--steps-per-run`` steps (by default one refresh interval of the default, so that
+each run holds the refreshes a long run holds per step) alternate between no selection and
+selection, and each round's ratio is the whole run's time with selection / without
+(:func:`demo_setting`).
+
 Usage::
 
     HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false \\
         .venv/bin/python benchmarks/selection_overhead.py
+    .venv/bin/python benchmarks/selection_overhead.py --setting demo   # the demo's setting
     .venv/bin/python benchmarks/selection_overhead.py --quick     # smoke run, no write
 """
 
@@ -55,6 +64,7 @@ from common import (
     MIN_REPEATS,
     Comparison,
     Sample,
+    Spread,
     StepProfiler,
     StepTimer,
     Stopwatch,
@@ -155,6 +165,7 @@ MODES: dict[str, Mode] = {
 class Settings:
     """Resolved command-line settings."""
 
+    setting: str
     modes: tuple[str, ...]
     seq: int
     batch: int
@@ -166,6 +177,7 @@ class Settings:
     quick: bool
     write: bool
     results: Path
+    rounds: int = 3
 
     @property
     def runs(self) -> int:
@@ -531,31 +543,130 @@ The last column estimates a target refreshed every 8 steps: fixed + (select - fi
 # -- command line ----------------------------------------------------------------------
 
 
+# -- the demo's setting ----------------------------------------------------------------
+
+DEMO_SECTION = (
+    "## Data selection overhead in the demo's setting (selection_overhead.py --setting demo)"
+)
+
+
+@dataclass(frozen=True)
+class DemoRound:
+    """One round: every step of a run without selection and of one with it."""
+
+    plain: list[Sample]
+    select: list[Sample]
+
+    def ratio(self, attr: str) -> float:
+        """The selecting run's summed step time / the plain run's."""
+        return sum(getattr(s, attr) for s in self.select) / sum(
+            getattr(s, attr) for s in self.plain
+        )
+
+
+def demo_setting(rounds: int, steps: int, quick: bool) -> tuple[list[DemoRound], list[float], str]:
+    """Alternating runs of the demo's ``none`` and ``ours`` arms (order rotated each round):
+    the rounds, the load averages and the settings line the demo prints."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
+    import lora_data_selection as demo
+    from demo_arms import ARMS
+    from tqdm.auto import tqdm
+
+    options = demo.parse_options(
+        ["--steps", str(steps), "--eval_steps", str(10**9), *(["--model", "tiny"] * quick)]
+    )
+    demo.quiet()
+    mixture = demo.build_mixture(0)
+    base = demo.base_model(options, mixture)
+    results, loads = [], []
+    with tempfile.TemporaryDirectory(prefix="tda-select-demo-") as work:
+        for index in range(rounds):
+            times: dict[str, list[Sample]] = {}
+            for name in rotated(["none", "ours"], index):
+                timer = StepTimer()
+                job = demo.Job(
+                    base, mixture, options, 0, Path(work) / str(index), tqdm(disable=True)
+                )
+                demo.train_arm(job, ARMS[name], None, eval_on_start=False, first=timer)
+                times[name] = timer.runs[-1]
+            results.append(DemoRound(times["none"], times["ours"]))
+            loads.append(load_average())
+            print(
+                f"  demo round {index + 1}/{rounds}: {results[-1].ratio('cpu'):.3f}x CPU",
+                flush=True,
+            )
+    return results, loads, demo.settings_line(options)
+
+
+def demo_report(rounds: list[DemoRound], loads: list[float], line: str, argv: Sequence[str]) -> str:
+    """The markdown section of the demo setting's measurement."""
+    cpu = Spread.of([r.ratio("cpu") for r in rounds])
+    wall = Spread.of([r.ratio("wall") for r in rounds])
+    steps = len(rounds[0].plain)
+    plain = Spread.of([sum(s.cpu for s in r.plain) / steps for r in rounds])
+    cells = [
+        ("CPU (`process_time`)", plain.text(), f"**{cpu.text('.3f', 'x')}**", cpu.median),
+        ("wall", "—", wall.text(".3f", "x"), wall.median),
+    ]
+    table = "\n".join(
+        [
+            "| clock | plain step, s (median [IQR] over rounds) | whole run with / without "
+            "selection | target | met |",
+            "|---|---:|---:|---:|:-:|",
+            *(
+                f"| {clock} | {step} | {ratio} | {TARGET:.2f}x | {verdict(median, TARGET)} |"
+                for clock, step, ratio, median in cells
+            ),
+        ]
+    )
+    return tidy(f"""{DEMO_SECTION}
+
+Command: `{command_line(SCRIPT, argv)}`
+
+Date: {utc_now()}. Machine: {machine_info()}; {load_text(loads)}.
+
+The demo's setting ({line}): {len(rounds)} rounds, each one run of {steps} steps without \
+selection and one with `DataSelectionCallback`'s default settings, order rotated; every \
+step timed (`on_step_begin` -> `on_step_end`, the target refreshes included), none \
+discarded. Ratio = the selecting run's summed step time / the plain run's, per round; \
+median [quartiles] over rounds. Target: <= {TARGET}x.
+
+{table}
+""")
+
+
 def parse_args(argv: Sequence[str]) -> Settings:
     """Parse and validate the command line into :class:`Settings`."""
     p = base_parser(__doc__.split("\n\n")[0])
+    p.add_argument("--setting", choices=["synthetic", "demo"], default="synthetic")
     p.add_argument("--mode", choices=[*MODES, "both"], default="both")
     p.add_argument("--seq", type=int, help="sequence length (default 128; quick 16)")
     p.add_argument("--batch", type=int, default=8, help="examples per step")
     p.add_argument("--pool", type=int, default=16, help="target pool size")
     p.add_argument("--repeats", type=int, help="timed steps per configuration (default 12)")
-    p.add_argument("--steps-per-run", type=int, default=4, help="steps of one train() run")
+    p.add_argument(
+        "--steps-per-run", type=int, help="steps of one train() run (default 4; demo: 16)"
+    )
+    p.add_argument("--rounds", type=int, help="--setting demo: rounds (default 3; quick 1)")
     p.add_argument("--warmup-steps", type=int, default=1, help="discarded steps of each run")
     p.add_argument("--profile-steps", type=int, help="cProfiled selection steps (default 3)")
     a = p.parse_args(argv)
     quick = a.quick
+    demo = a.setting == "demo"
     settings = Settings(
+        setting=a.setting,
         modes=tuple(MODES) if a.mode == "both" else (a.mode,),
         seq=a.seq or (16 if quick else 128),
         batch=a.batch,
         pool=a.pool,
         repeats=a.repeats or (3 if quick else 12),
-        steps_per_run=a.steps_per_run,
+        steps_per_run=a.steps_per_run or (16 if demo else 4),
         warmup_steps=a.warmup_steps,
         profile_steps=a.profile_steps if a.profile_steps is not None else (1 if quick else 3),
         quick=quick,
         write=a.write if a.write is not None else not quick,
         results=a.results,
+        rounds=a.rounds or (1 if quick else 3),
     )
     check(p, settings)
     return settings
@@ -568,6 +679,8 @@ def check(p: argparse.ArgumentParser, settings: Settings) -> None:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 <= settings.warmup_steps < settings.steps_per_run:
         p.error("--warmup-steps must be in [0, --steps-per-run)")
+    if settings.rounds < 1:
+        p.error("--rounds must be >= 1")
     if settings.repeats < MIN_REPEATS and not settings.quick:
         p.error(
             f"--repeats must be >= {MIN_REPEATS} (docs/design.md section 12); use --quick to smoke"
@@ -578,6 +691,11 @@ def main(argv: Sequence[str]) -> None:
     """Run the benchmark, print the tables and the command, update the results file."""
     settings = parse_args(argv)
     quiet_transformers()
+    if settings.setting == "demo":
+        rounds, loads, line = demo_setting(settings.rounds, settings.steps_per_run, settings.quick)
+        section = demo_report(rounds, loads, line, argv)
+        publish(section, DEMO_SECTION, settings.results, settings.write)
+        return
     base = build_base(settings)
     results, loads = [], []
     with tempfile.TemporaryDirectory(prefix="tda-select-") as work:
