@@ -8,14 +8,19 @@ Every arm trains the same model from the same LoRA initialization, on the same d
   ceiling);
 * ``ours``: :class:`~tda_plugins.integrations.transformers.DataSelectionCallback` with the
   library's default settings against the target pool; ``ours_identity``: the same without
-  Adam's metric (``score="dot"``);
+  Adam's metric (``score="dot"``); ``ours_margin0``: without its margin;
 * the ranked scores, each dropping exactly as many examples per step as ``ours`` dropped
   (``drop_counts``): the lowest Adam-preconditioned dot, cosine or dot with the target, and
   per layer the lowest cosine;
 * ``random``, ``high_loss``, ``low_loss``: the baselines, through the same callback with no
   target, as many per step as ``ours`` too: drop examples at random, the highest-loss or
   the lowest-loss ones, so that every selecting arm keeps the same number of examples at
-  every step.
+  every step;
+* ``oracle``: the batches without their planted corrupted examples (what a perfect rule
+  would keep);
+* other rules with ours' score, each deciding its own count: the lowest half of every
+  step, every example with a negative score, and the previous demo's settings (the lowest
+  62.5% by cosine, the target refreshed every 4 steps).
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ ARMS = {
         ),
         Arm("oracle", "oracle: drops exactly the corrupted", oracle=True),
         Arm("ours_identity", "ours, score=dot (no Adam metric)", {"score": "dot"}, target=True),
+        Arm("ours_margin0", "ours, margin=0", {"margin": 0.0}, target=True),
         Arm(
             "lowest_adam",
             "as many, lowest Adam score",
@@ -103,6 +109,24 @@ ARMS = {
             {"rule": "bottom_fraction", "score": "cosine", "granularity": "per_layer"},
             target=True,
             matched=True,
+        ),
+        Arm(
+            "half_lowest_adam",
+            "rule: lowest half by Adam score",
+            {"rule": "bottom_fraction", "fraction": 0.5},
+            target=True,
+        ),
+        Arm(
+            "negative_adam",
+            "rule: negative Adam score",
+            {"rule": "threshold", "threshold": 0.0},
+            target=True,
+        ),
+        Arm(
+            "previous_default",
+            "previous demo: lowest 62.5% by cosine",
+            {"rule": "bottom_fraction", "fraction": 0.625, "score": "cosine", "refresh_every": 4},
+            target=True,
         ),
     )
 }

@@ -23,13 +23,16 @@ def spread(values: Sequence[float], digits: int = 3, scale: float = 1.0) -> str:
 
 
 def results_table(results: Sequence[SeedResult], arms: Sequence[str], steps: int) -> str:
-    """One row per arm: final target eval loss (the tasks' mean, and each), the share of
-    the no-selection-to-clean gap it closes, and what it dropped."""
+    """One row per arm: final target eval loss (the tasks' mean, and each), its difference
+    from no selection on the same seed (each seed has its own evaluation split, so the
+    paired figures are the ones to compare across arms), the share of the
+    no-selection-to-clean gap it closes, and what it dropped."""
     seeds = ", ".join(str(r.seed) for r in results)
     header = [
         f"arm (seeds {seeds}; {steps} steps)",
         "target eval loss",
         *(f"{task} eval loss" for task in TASKS),
+        "minus no selection (same seed)",
         "gap closed",
         "drop precision",
         "corrupted dropped (recall)",
@@ -48,6 +51,9 @@ def results_table(results: Sequence[SeedResult], arms: Sequence[str], steps: int
             ARMS[arm].label,
             spread(each(lambda run: run.final_loss)),
             *(spread(each(lambda run, t=task: run.final_task_loss(t))) for task in TASKS),
+            "—"
+            if arm == "none"
+            else spread([r.runs[arm].final_loss - r.runs["none"].final_loss for r in results]),
             spread([r.gap_closed(arm) for r in results], 0, 100) + " %"
             if arm not in ("none", "clean")
             else "—",
@@ -129,3 +135,44 @@ def write_json(
         ],
     }
     (out / "results.json").write_text(json.dumps(summary, indent=1))
+
+
+def read_results(path: Path) -> tuple[list[SeedResult], list[str], dict[str, Any]]:
+    """The seeds, arms and context of a ``results.json``."""
+    summary = json.loads(path.read_text())
+    seeds = [
+        SeedResult(s["seed"], {arm: RunResult(**run) for arm, run in s["runs"].items()})
+        for s in summary.pop("seeds")
+    ]
+    return seeds, summary.pop("arms"), summary
+
+
+def merge(out: Path, parts: Sequence[Path]) -> str:
+    """One report from the ``results.json`` of runs of one seed each (the seeds of
+    ``make demo-seeds`` run as parallel processes): the same arms and options but the seed
+    are required. Writes the merged outputs into ``out``; returns the table."""
+    seeds: list[SeedResult] = []
+    arms: list[str] = []
+    context: dict[str, Any] = {}
+    for part in parts:
+        found, part_arms, part_context = read_results(part / "results.json")
+        options = {k: v for k, v in part_context["options"].items() if k not in ("seed", "out")}
+        if context and (part_arms != arms or options != context["options"]):
+            raise ValueError(f"{part} ran other arms or options than {parts[0]}")
+        arms, context = part_arms, {**part_context, "options": options}
+        context["parts"] = [*context.get("parts", []), part_context["command"]]
+        seeds += found
+    context["command"] = "merged: " + " && ".join(context.pop("parts"))
+    out.mkdir(parents=True, exist_ok=True)
+    steps = int(context["options"]["steps"])
+    return write_outputs(sorted(seeds, key=lambda s: s.seed), arms, out, steps, context)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=merge.__doc__)
+    parser.add_argument("--out", type=Path, required=True, help="where the merged report goes")
+    parser.add_argument("parts", type=Path, nargs="+", help="output folders of one seed each")
+    arguments = parser.parse_args()
+    print(merge(arguments.out, arguments.parts))

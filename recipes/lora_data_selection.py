@@ -42,7 +42,7 @@ import torch
 from datasets import Dataset
 from demo_arms import ARMS, Arm, RunResult, SeedResult, arm_names
 from demo_data import CORRUPTED_KINDS, DemoExample, DemoMixture, build_mixture
-from demo_report import write_json, write_outputs
+from demo_report import read_results, write_json, write_outputs
 from peft import LoraConfig, get_peft_model
 from smollm2 import DEFAULT_CACHE, INSTALL_HINT, smollm2_checkpoint
 from tqdm.auto import tqdm
@@ -114,6 +114,13 @@ class DemoOptions:
     cache_dir: str = field(
         default=str(DEFAULT_CACHE),
         metadata={"help": "where the converted SmolLM2 model is kept between runs"},
+    )
+    reuse: str = field(
+        default="",
+        metadata={
+            "help": "results.json (or its folder) of an earlier run with the same training "
+            "options: its runs of the same seed and arm are taken instead of trained again"
+        },
     )
     threads: int = field(
         default=0, metadata={"help": "torch CPU threads (0: one per core of the machine)"}
@@ -393,14 +400,22 @@ def train_arm(
 
 
 def train_seed(
-    job: Job, arms: Sequence[str], after_run: Callable[[SeedResult], None]
+    job: Job,
+    arms: Sequence[str],
+    after_run: Callable[[SeedResult], None],
+    reused: dict[str, RunResult] | None = None,
 ) -> SeedResult:
     """Every arm of one seed; the first (no selection) evaluates the start, which is every
-    arm's (LoRA starts at B = 0: the base model), and the others reuse it. ``after_run``
-    gets the seed's runs so far after each run."""
+    arm's (LoRA starts at B = 0: the base model), and the others reuse it. ``reused``:
+    runs of this seed taken as they are instead of trained again. ``after_run`` gets the
+    seed's runs so far after each run."""
     runs: dict[str, RunResult] = {}
     for name in arms:
         job.bar.set_description(f"seed {job.seed}, {ARMS[name].label}")
+        if reused and name in reused:
+            runs[name] = reused[name]
+            job.bar.update(job.options.steps)
+            continue
         run = train_arm(job, ARMS[name], runs.get("ours"), eval_on_start=not runs)
         if runs:
             start = next(iter(runs.values()))
@@ -409,6 +424,33 @@ def train_seed(
         runs[name] = run
         after_run(SeedResult(job.seed, runs))
     return SeedResult(job.seed, runs)
+
+
+#: The options that decide what a run trains: a run is reused only if they all match.
+TRAINING_OPTIONS = (
+    "model",
+    "steps",
+    "ours",
+    "batch_size",
+    "learning_rate",
+    "lora_rank",
+    "lora_layers",
+    "max_length",
+    "eval_steps",
+)
+
+
+def reusable_runs(path: str, options: DemoOptions) -> dict[int, dict[str, RunResult]]:
+    """``--reuse``: seed -> arm -> run of an earlier ``results.json`` (or its folder)
+    trained with the same :data:`TRAINING_OPTIONS`."""
+    if not path:
+        return {}
+    found = Path(path)
+    seeds, _, context = read_results(found / "results.json" if found.is_dir() else found)
+    differ = [k for k in TRAINING_OPTIONS if context["options"].get(k) != getattr(options, k)]
+    if differ:
+        raise ValueError(f"--reuse {path} was trained with other {differ}; its runs differ")
+    return {s.seed: s.runs for s in seeds}
 
 
 # -- the job -------------------------------------------------------------------------------
@@ -428,7 +470,8 @@ def parse_options(argv: Sequence[str] | None = None) -> DemoOptions:
     try:
         arm_names(options.arms)
         options.ours_settings()
-    except (ValueError, TypeError) as error:
+        reusable_runs(options.reuse, options)
+    except (ValueError, TypeError, OSError) as error:
         parser.error(str(error))
     return options
 
@@ -449,12 +492,18 @@ def quiet() -> None:
 def settings_line(options: DemoOptions) -> str:
     """The settings the demo trains with, as it prints them (the README quotes this line)."""
     blocks = f"the last {options.lora_layers} blocks" if options.lora_layers else "every block"
-    ours = ", ".join(f"{k}={v!r}" for k, v in options.ours_settings().items())
+    changed = options.ours_settings()
+    ours = SelectionSettings(**changed)
+    shown = {"score": ours.score, "rule": ours.rule, "refresh_every": ours.refresh_every}
+    shown.update({"margin": ours.margin} if ours.rule == "step_cosine" else {})
+    shown.update({"fraction": ours.fraction} if "fraction" in ours.rule else {})
+    values = ", ".join(f"{k}={v!r}" for k, v in shown.items())
+    origin = "the library's defaults" if not changed else f"changed: {', '.join(changed)}"
     return (
         f"LoRA r={options.lora_rank} on the attention and MLP projections of {blocks}, "
         f"lr {options.learning_rate:g}, batch {options.batch_size}, {options.steps} steps, "
         f"at most {options.max_length} tokens per example; ours: "
-        f"DataSelectionCallback(target{', ' + ours if ours else ''})"
+        f"DataSelectionCallback(target) with {values} ({origin})"
     )
 
 
@@ -476,12 +525,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         "options": vars(options),
         "train_counts": mixtures[seeds[0]].counts(),
     }
+    reused = reusable_runs(options.reuse, options)
     results: list[SeedResult] = []
     with tqdm(total=len(arms) * options.steps * len(seeds), desc="training", unit="step") as bar:
         for seed in seeds:
             job = Job(base, mixtures[seed], options, seed, out / f"seed{seed}", bar)
             results.append(
-                train_seed(job, arms, lambda part: write_json([*results, part], arms, out, context))
+                train_seed(
+                    job,
+                    arms,
+                    lambda part: write_json([*results, part], arms, out, context),
+                    reused.get(seed),
+                )
             )
     context["seconds"] = time.perf_counter() - started
     table = write_outputs(results, arms, out, options.steps, context)
