@@ -78,8 +78,9 @@ bench: $(PEERS_STAMP)
 	$(PEERS_PY) benchmarks/peer_capture.py
 	$(PEERS_PY) benchmarks/peer_selection.py
 
-# `make bench-fidelity`: the leave-one-out and LDS table, ours and the peers' (the
-# retraining runs are cached in benchmarks/out/fidelity/, so reruns only attribute).
+# `make bench-fidelity`: the leave-one-out and LDS tables of both replicas (random init,
+# pre-trained start), ours and the peers' (the pre-training and the retraining runs are
+# cached in benchmarks/out/fidelity/, so reruns only attribute).
 bench-fidelity: $(PEERS_STAMP)
 	$(PEERS_PY) benchmarks/fidelity.py
 

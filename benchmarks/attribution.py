@@ -285,13 +285,15 @@ def capture_store(
     projection: ProjectionConfig | None,
     curvature: bool,
     optimizer: torch.optim.Optimizer | None = None,
+    layers: LayerSelection | None = None,
 ) -> StoreReader:
-    """One committed step per micro-batch into a new store at ``root`` (linear layers);
-    inline K-FAC statistics with ``curvature``; AdamW moments when ``optimizer`` is given."""
+    """One committed step per micro-batch into a new store at ``root`` (``layers``,
+    default linear layers); inline K-FAC statistics with ``curvature``; AdamW moments
+    when ``optimizer`` is given."""
     consumers: list[CaptureConsumer] = [GradientStore(root)]
     if curvature:
         consumers.append(CurvatureAccumulator(root))
-    layers = LayerSelection(kind="linear")
+    layers = layers or LayerSelection(kind="linear")
     with CaptureEngine(model, layers, projection, consumers, parameter_grads=False) as engine:
         for batch in batches:
             summed_loss(model, batch).backward()

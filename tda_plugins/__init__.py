@@ -1,6 +1,7 @@
 """tda-plugins: training-data attribution from the training run's own backward pass.
 
     from tda_plugins import GradientCaptureCallback, attribute, capture_examples
+    from tda_plugins import metagradient  # exact, replays the run (docs/design.md section 13)
 
 The engine (``tda_plugins.capture``) imports torch only; framework integrations live in
 ``tda_plugins.integrations``. The transformers/TRL callbacks and ``use_id_column`` are
@@ -21,7 +22,15 @@ from tda_plugins.capture import (
 )
 from tda_plugins.dataset_capture import capture_examples
 from tda_plugins.grads import ProjectionConfig, Route, cross_gram, per_token_scores, sq_norms
-from tda_plugins.methods import Scores, attribute
+from tda_plugins.methods import (
+    AdamWSettings,
+    MicroBatch,
+    Scores,
+    TrainingStep,
+    TrainingTrajectory,
+    attribute,
+)
+from tda_plugins.methods.metagradient import metagradient
 from tda_plugins.queries import QueryCollector, score_record
 
 __version__ = "0.1.0"
@@ -44,6 +53,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AdamWSettings",
     "CaptureConsumer",
     "CaptureEngine",
     "DataSelectionCallback",
@@ -51,17 +61,21 @@ __all__ = [
     "InfluenceLoggingCallback",
     "LayerSelection",
     "LayerSelectionError",
+    "MicroBatch",
     "MicroBatchRecord",
     "ProjectionConfig",
     "QueryCollector",
     "RecordCollector",
     "Route",
     "Scores",
+    "TrainingStep",
+    "TrainingTrajectory",
     "__version__",
     "attribute",
     "capture_examples",
     "causal_lm_example_losses",
     "cross_gram",
+    "metagradient",
     "per_example_gradients",
     "per_token_scores",
     "score_record",

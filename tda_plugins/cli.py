@@ -16,6 +16,7 @@ merged scores. Both give what one process gives.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Sequence
@@ -29,12 +30,13 @@ from tda_plugins.capture import LayerSelectionError
 from tda_plugins.cli_models import ModelSource
 from tda_plugins.cli_types import device, finite_float, non_negative_float, positive_int, regex
 from tda_plugins.dataset_capture import capture_examples
-from tda_plugins.methods import METHODS, Checkpoint, Scores, attribute
+from tda_plugins.methods import METHODS, Checkpoint, Scores, attribute, method_by_name
 from tda_plugins.ranks import Ranks, launch_size, launched_ranks
 from tda_plugins.report import write_html
+from tda_plugins.report.tokens import TOKENS_FILE, require_token_scores, token_report
 from tda_plugins.session import CaptureSettings
 from tda_plugins.store import StoreError, StoreReader
-from tda_plugins.store.io import refuse_existing, staged_directory
+from tda_plugins.store.io import atomic_write_json, refuse_existing, staged_directory
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -194,7 +196,28 @@ def _add_attribute(sub: Any) -> None:
         metavar=("STORE", "QUERIES", "LR"),
         help="tracin: another checkpoint",
     )
+    p.add_argument(
+        "--exclude-params",
+        nargs="+",
+        default=[],
+        metavar="PATTERN",
+        help="graddot/gradcos/tracin/less: leave out of both sides every parameter whose "
+        "name within its layer (bias, weight) or full name <layer>.<name> matches a glob "
+        "pattern, e.g. --exclude-params bias '*.ln_*'",
+    )
+    p.add_argument(
+        "--layer-norm",
+        action="store_true",
+        help="graddot/gradcos/tracin/less: unit-normalize each layer's gradient per example "
+        "before the dot, so that every layer weighs alike",
+    )
     p.add_argument("--top-k", type=positive_int, default=10, help="examples per query in the top-k")
+    p.add_argument(
+        "--tokens",
+        action="store_true",
+        help="also score each token of the top-k examples (tokens.json, shaded in the report); "
+        "needs a store captured with --keep-tokens",
+    )
     p.add_argument(
         "--chunk",
         type=positive_int,
@@ -328,6 +351,12 @@ def _attribute_on(args: argparse.Namespace, ranks: Ranks) -> None:
         )
     elif args.checkpoint:
         raise ValueError("--checkpoint applies to --method tracin only")
+    if args.exclude_params:
+        options["exclude_params"] = tuple(args.exclude_params)
+    if args.layer_norm:
+        options["normalize_layers"] = True
+    if args.tokens:
+        require_token_scores(store, args.method)
     start = time.perf_counter()
     scores = attribute(
         store,
@@ -342,10 +371,22 @@ def _attribute_on(args: argparse.Namespace, ranks: Ranks) -> None:
     seconds = time.perf_counter() - start
     if ranks.rank != 0:
         return
+    tokens = (
+        token_report(method_by_name(args.method, **options), store, queries, scores, args.top_k)
+        if args.tokens
+        else None
+    )
     with staged_directory(args.out) as stage:
         scores.save(stage, k=args.top_k)
+        if tokens is not None:
+            atomic_write_json(stage / TOKENS_FILE, tokens)
         write_html(
-            stage / "report.html", scores, scores.train_texts, scores.query_texts, args.top_k
+            stage / "report.html",
+            scores,
+            scores.train_texts,
+            scores.query_texts,
+            args.top_k,
+            tokens=tokens,
         )
     n, m = scores.values.shape
     print(
@@ -360,7 +401,9 @@ def _report(args: argparse.Namespace) -> None:
         refuse_existing(path, args.force)
     scores = Scores.load(args.scores)
     store, queries = StoreReader(args.store), StoreReader(args.queries)
-    write_html(path, scores, store.texts(), queries.texts(), args.top_k)
+    saved = Path(args.scores) / TOKENS_FILE  # from `tda attribute --tokens`
+    tokens = json.loads(saved.read_text()) if saved.is_file() else None
+    write_html(path, scores, store.texts(), queries.texts(), args.top_k, tokens=tokens)
     print(f"wrote {path}")
 
 

@@ -29,6 +29,7 @@ from tda_plugins.precondition import CurvatureAccumulator
 from tda_plugins.ranks import Ranks
 from tda_plugins.session import CaptureSettings, resolve_curvature, settings_from
 from tda_plugins.store import GradientStore, StoreReader
+from tda_plugins.store.texts import TokenTexts, token_texts
 
 #: Shard bytes a one-pass capture lets wait for the disk before it waits itself.
 IN_FLIGHT_BYTES = 256 * 2**20
@@ -172,8 +173,23 @@ def capture_examples(
         texts = {
             i: e.text for _, ids, group in planned for i, e in zip(ids.tolist(), group, strict=True)
         }
-        store.write_examples(texts)
+        store.write_examples(texts, _tokens(planned, tokenizer) if settings.keep_tokens else None)
     return StoreReader(out)
+
+
+def _tokens(planned: list[Any], tokenizer: Any) -> dict[int, TokenTexts] | None:
+    """Each example's tokens (for token-level scores), where a tokenizer can decode them."""
+    if not callable(getattr(tokenizer, "decode", None)):
+        return None
+    return {
+        i: pieces
+        for inputs, ids, _ in planned
+        for i, pieces in zip(
+            ids.tolist(),
+            token_texts(tokenizer, inputs["input_ids"], inputs["attention_mask"]),
+            strict=True,
+        )
+    }
 
 
 def _length(model: Any, max_length: int | None) -> int:

@@ -8,14 +8,16 @@ operations as the offline methods:
     score(z, q) = <g_q, g_z>            (graddot)  or its cosine  (gradcos)
 
 with ``g`` each example's own summed-token-loss gradient (the record's ``loss_scale``
-applied). Per step it keeps the per-query mean and max; over the run it keeps each
-training example's cumulative, learning-rate-weighted influence (TracIn over the steps
-it was trained in), whose extremes are the running top-k helpful and harmful examples.
+applied), of the parameters that count, each layer unit-normalized where asked (the
+parameter groups of :mod:`~tda_plugins.methods.groups`, as offline). Per step it keeps
+the per-query mean and max; over the run it keeps each training example's cumulative,
+learning-rate-weighted influence (TracIn over the steps it was trained in), whose
+extremes are the running top-k helpful and harmful examples.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -23,10 +25,14 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
+from tda_plugins.capture.config import CaptureConfig
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.records import MicroBatchRecord
 from tda_plugins.distributed import OneProcess, RankGather
+from tda_plugins.grads.base import PerExampleGrad
+from tda_plugins.grads.dense import sum_of_uses
 from tda_plugins.grads.ops import QueryGradients
+from tda_plugins.methods.groups import ParameterGroups, ScoringSpace
 from tda_plugins.methods.scores import Scores
 from tda_plugins.queries import query_gradients, score_record
 from tda_plugins.report.html import write_html
@@ -67,6 +73,10 @@ class InfluenceLogger(CaptureConsumer):
         method: ``"gradcos"`` (default; comparable across steps) or ``"graddot"``.
         gather: how the ranks' scores come together (default: one process, nothing to
             exchange; see :func:`~tda_plugins.distributed.rank_gather`).
+        exclude_params: parameter name patterns left out of both sides (``("bias",)``;
+            :class:`~tda_plugins.methods.groups.ParameterGroups`), checked against the
+            engine's layers when it attaches, before any step.
+        normalize_layers: each layer's gradient unit-normalized per example before the dot.
     """
 
     wants_step_records: ClassVar[bool] = True
@@ -75,16 +85,48 @@ class InfluenceLogger(CaptureConsumer):
         self,
         method: Literal["graddot", "gradcos"] = "gradcos",
         gather: RankGather | None = None,
+        *,
+        exclude_params: str | Sequence[str] = (),
+        normalize_layers: bool = False,
     ):
         if method not in ("graddot", "gradcos"):
             raise ValueError(f"live influence supports 'graddot' or 'gradcos', got {method!r}")
         self.method = method
         self.gather: RankGather = gather if gather is not None else OneProcess()
+        self.groups = ParameterGroups.of(exclude_params, normalize_layers)
+        #: The groups resolved against the engine's layers (at :meth:`on_attach`).
+        self.space = ScoringSpace(normalize_layers=self.groups.normalize_layers)
+        self._resolved = False
+        self.ties: tuple[tuple[str, ...], ...] = ()
         self.queries: QueryGradients | None = None
         self.learning_rate = 1.0
         self.history: list[StepInfluence] = []
         self._cumulative: dict[int, Tensor] = {}
         self._tokens: dict[int, list[int]] = {}
+
+    def on_attach(self, config: CaptureConfig) -> None:
+        self.space = self.groups.resolve(config)
+        self._resolved = True
+        self.ties = config.tied
+        if self.ties and (self.method == "gradcos" or self.groups.normalize_layers):
+            unit = " and ".join(self.ties[0])
+            raise ValueError(
+                f"the captured layers {unit} share one weight, which a cosine or per-layer "
+                "normalization would count as two: log influence with method='graddot' "
+                "(which counts it once), or capture one of the two uses (e.g. "
+                "layers='linear')"
+            )
+
+    def _query_layers(self, layers: Mapping[str, PerExampleGrad]) -> dict[str, PerExampleGrad]:
+        """A query record's layers as scored: the parameter groups applied, and the uses
+        of a tied weight given one side, the sum of their gradients (so that the dots
+        with each use's training gradients add up to the weight's)."""
+        out = self.space.apply(layers)
+        for unit in self.ties:
+            kept = [n for n in unit if n in out]  # a use left out by exclude_params is gone
+            shared = sum_of_uses([out[n] for n in kept])
+            out.update(dict.fromkeys(kept, shared))
+        return out
 
     def set_queries(
         self,
@@ -98,7 +140,13 @@ class InfluenceLogger(CaptureConsumer):
         own examples' gradients stay on it, so it needs every query's gradient to score
         them, and one forward and backward over the queries costs about what sending
         their gradients would (under FSDP2 that forward is a collective anyway)."""
-        self.queries = None if queries is None else query_gradients(queries)
+        if queries is not None and self.groups.exclude and not self._resolved:
+            raise ValueError(
+                "this InfluenceLogger leaves parameters out (exclude_params), which it "
+                "resolves against the capture engine's layers: attach it to the engine "
+                "(consumers=[...] or engine.add_consumer) before setting queries"
+            )
+        self.queries = None if queries is None else query_gradients(queries, self._query_layers)
         self.learning_rate = learning_rate
 
     def on_optimizer_step(self, step: int, records: list[MicroBatchRecord]) -> None:
@@ -106,7 +154,9 @@ class InfluenceLogger(CaptureConsumer):
             return
         cosine = self.method == "gradcos"
         if records:
-            local = torch.cat([score_record(r, self.queries, cosine) for r in records]).float()
+            local = torch.cat(
+                [score_record(r, self.queries, cosine, self.space.apply) for r in records]
+            ).float()
             local_ids = torch.cat([r.example_ids for r in records]).to(local.device)
         else:  # this rank had no example in the step: an empty share, (0, M)
             norms = self.queries.sq_norms()

@@ -25,7 +25,7 @@ at the end.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -37,6 +37,13 @@ from tda_plugins.grads.base import PerExampleGrad, empty_values
 from tda_plugins.grads.dense import DenseGrad, stack_examples
 from tda_plugins.grads.ops import QueryGradients, example_norms
 from tda_plugins.grads.routing import Route, choose_route
+
+#: What is scored of a record's layers (parameter groups: ``ScoringSpace.apply``).
+LayerTransform = Callable[[Mapping[str, PerExampleGrad]], dict[str, PerExampleGrad]]
+
+
+def _as_captured(layers: Mapping[str, PerExampleGrad]) -> dict[str, PerExampleGrad]:
+    return dict(layers)
 
 
 class _LayerRows(Protocol):
@@ -92,13 +99,17 @@ class QueryCollector(CaptureConsumer):
     Args:
         rows: number of query examples that will arrive (the size of each layer's
             buffer); score columns follow the examples in arrival order.
+        transform: what is kept of each micro-batch's layers (parameter groups; default
+            all of them, as captured).
     """
 
-    def __init__(self, rows: int):
+    def __init__(self, rows: int, transform: LayerTransform = _as_captured):
         if rows < 1:
             raise ValueError(f"QueryCollector needs at least one query row, got rows={rows}")
         self.rows = rows
+        self.transform = transform
         self._filled = 0
+        self._captured: set[str] = set()
         self._layers: dict[str, _LayerRows] = {}
 
     def on_micro_batch(self, record: MicroBatchRecord) -> None:
@@ -106,10 +117,10 @@ class QueryCollector(CaptureConsumer):
 
     def add(self, record: MicroBatchRecord) -> None:
         """Take one captured query micro-batch (its ``loss_scale`` applied)."""
-        if self._layers and record.layers.keys() != self._layers.keys():
+        if self._filled and record.layers.keys() != self._captured:
             raise ValueError(
                 "query micro-batches were captured on different layers: "
-                f"{sorted(set(record.layers) ^ set(self._layers))[:3]} are in some only; "
+                f"{sorted(set(record.layers) ^ self._captured)[:3]} are in some only; "
                 "capture them with one engine configuration"
             )
         if self._filled + record.batch_size > self.rows:
@@ -117,11 +128,12 @@ class QueryCollector(CaptureConsumer):
                 f"QueryCollector was made for {self.rows} query rows but received "
                 f"{self._filled + record.batch_size}; pass the number of query examples"
             )
-        for name, grads in record.example_grads().items():
+        for name, grads in self.transform(record.example_grads()).items():
             if name not in self._layers:
                 form = _FORMS[choose_route(grads.gram_costs(grads))]
                 self._layers[name] = form(grads, self.rows)
             self._layers[name].add(grads, self._filled)
+        self._captured = set(record.layers)
         self._filled += record.batch_size
 
     def gradients(self) -> QueryGradients:
@@ -134,24 +146,32 @@ class QueryCollector(CaptureConsumer):
         return QueryGradients({name: rows.result() for name, rows in self._layers.items()})
 
 
-def query_gradients(queries: MicroBatchRecord | Sequence[MicroBatchRecord]) -> QueryGradients:
+def query_gradients(
+    queries: MicroBatchRecord | Sequence[MicroBatchRecord],
+    transform: LayerTransform = _as_captured,
+) -> QueryGradients:
     """Captured query micro-batches, prepared once for scoring many training micro-batches
-    (as :class:`QueryCollector`, from records already in memory). Score columns follow
-    the records' examples in order."""
+    (as :class:`QueryCollector`, from records already in memory, ``transform`` applied to
+    each). Score columns follow the records' examples in order."""
     records = [queries] if isinstance(queries, MicroBatchRecord) else list(queries)
     if not records:
         raise ValueError("query_gradients needs at least one captured query micro-batch")
-    collector = QueryCollector(sum(r.batch_size for r in records))
+    collector = QueryCollector(sum(r.batch_size for r in records), transform)
     for record in records:
         collector.add(record)
     return collector.gradients()
 
 
-def score_record(record: MicroBatchRecord, queries: QueryGradients, cosine: bool) -> Tensor:
+def score_record(
+    record: MicroBatchRecord,
+    queries: QueryGradients,
+    cosine: bool,
+    transform: LayerTransform = _as_captured,
+) -> Tensor:
     """``(B, M)`` scores of a training micro-batch against query gradients prepared once
     (:class:`QueryCollector`, :func:`query_gradients`) for all the micro-batches scored
-    against them."""
-    train = record.example_grads()
+    against them, ``transform`` applied to the record's layers as to the queries'."""
+    train = transform(record.example_grads())
     scores = queries.scores(train)
     if cosine:
         scores = scores / torch.outer(example_norms(train), queries.norms()).to(scores.dtype)

@@ -35,6 +35,10 @@ from tda_plugins.precondition.statistics import CurvatureAccumulator
 from tda_plugins.store import GradientStore, StoreError
 from tda_plugins.store.layout import rank_dir
 from tda_plugins.store.texts import TextRecorder
+from tda_plugins.trajectory.layout import read_step_index, trajectory_dir
+from tda_plugins.trajectory.optimizer import optimizer_refusal
+from tda_plugins.trajectory.recorder import TrajectoryRecorder, uncovered_parameters
+from tda_plugins.trajectory.writer import TrajectoryWriter
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +79,13 @@ class CaptureSettings:
             store (``rank-<r>/examples.jsonl``), so reports show what was trained on;
             ``False`` for data that must not be copied there.
         save_optimizer_state: at the end, save Adam moments of the captured layers (LESS).
+        record_trajectory: after every optimizer step, record its learning rates, Adam
+            hyperparameters, clipping factor, examples with their loss scales, and the
+            captured layers' Adam second moments (``rank-<r>/trajectory/``), for
+            trajectory-aware attribution (``adamw_influence``). Per step it stores
+            ``4 D`` bytes (``D`` the captured parameters; fp64 optimizer state: ``8 D``)
+            plus 16 bytes per example. Needs AdamW, one process and no projection; refused
+            before the first step otherwise.
     """
 
     store_dir: str
@@ -95,6 +106,7 @@ class CaptureSettings:
     keep_tokens: bool = False
     store_texts: bool = True
     save_optimizer_state: bool = True
+    record_trajectory: bool = False
 
     def selection(self) -> LayerSelection:
         return LayerSelection(
@@ -208,6 +220,9 @@ class CaptureSession:
         consumers: further consumers (influence logging, data selection).
         tokenizer: the run's tokenizer, recorded in the store's fingerprint and decoding
             the stored texts (optional).
+        optimizer: the run's optimizer (the torch one), for ``record_trajectory``.
+        max_grad_norm: the trainer's gradient clipping threshold (``None``/0: none), for
+            ``record_trajectory``.
 
     A fresh run (``start_step == 0``) refuses a store that already holds steps; a resumed
     run drops the store's steps from ``start_step`` on, so the store continues with no
@@ -230,6 +245,8 @@ class CaptureSession:
         start_step: int = 0,
         consumers: tuple[CaptureConsumer, ...] = (),
         tokenizer: Any = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        max_grad_norm: float | None = None,
     ):
         self.rank = rank
         if settings.curvature_save_steps < 0:
@@ -240,7 +257,10 @@ class CaptureSession:
         self.settings = settings
         self.plan.log()
         # a selection that matches nothing fails here, before anything is written
-        layers = tuple(settings.selection().resolve(model))
+        resolved = settings.selection().resolve(model)
+        layers = tuple(resolved)
+        if settings.record_trajectory:
+            _refuse_trajectory(settings, self.plan, optimizer, resolved)
         self.store = GradientStore(
             settings.store_dir,
             rank=rank,
@@ -257,6 +277,7 @@ class CaptureSession:
         committed = self.store.committed_steps
         if committed and committed[-1] >= start_step:
             self.store.truncate(from_step=start_step)
+        trajectory = self._open_trajectory(start_step)
         self.curvature = (
             CurvatureAccumulator(
                 settings.store_dir,
@@ -278,7 +299,10 @@ class CaptureSession:
         if self.curvature is not None:
             own = (*own, self.curvature)
         if settings.store_texts and callable(getattr(tokenizer, "decode", None)):
-            own = (*own, TextRecorder(settings.store_dir, rank, tokenizer))
+            own = (
+                *own,
+                TextRecorder(settings.store_dir, rank, tokenizer, tokens=settings.keep_tokens),
+            )
         self.engine = CaptureEngine(
             model,
             settings.selection(),
@@ -288,6 +312,26 @@ class CaptureSession:
         )
         self.engine.attach()
         self.engine.resume_at_step(start_step)
+        self.trajectory: TrajectoryRecorder | None = None
+        if trajectory is not None and optimizer is not None:
+            self.trajectory = TrajectoryRecorder(
+                trajectory, self.engine.captured_layers, optimizer, model, max_grad_norm
+            )
+            self.engine.add_consumer(self.trajectory)
+
+    def _open_trajectory(self, start_step: int) -> TrajectoryWriter | None:
+        """The trajectory folder, without steps from ``start_step`` on (so that it never
+        holds a step the store does not), when this run records one or an earlier run did;
+        ``None`` when this run records none."""
+        root = Path(self.settings.store_dir)
+        if not self.settings.record_trajectory and not trajectory_dir(root, self.rank).exists():
+            return None
+        writer = TrajectoryWriter(root, self.rank)
+        writer.truncate(from_step=start_step)
+        if self.settings.record_trajectory:
+            return writer
+        writer.close()
+        return None
 
     def _check_resume(self, config: CaptureConfig, start_step: int) -> None:
         """Every check a start or resume needs, before anything is removed."""
@@ -315,17 +359,36 @@ class CaptureSession:
                 "there would count later steps twice; resume from a checkpoint saved while this "
                 "capture ran, or use curvature=False. Nothing in the store was changed"
             )
+        if settings.record_trajectory:
+            recorded = {e.step for e in read_step_index(trajectory_dir(self.store.root, self.rank))}
+            missing = sorted({s for s in committed if s < start_step} - recorded)
+            if missing:
+                raise StoreError(
+                    f"{settings.store_dir} holds steps {missing[:5]} without a recorded "
+                    "trajectory (captured without record_trajectory, or lost in a crash), so the "
+                    f"resumed run's trajectory would have gaps; resume from an earlier checkpoint, "
+                    "or use record_trajectory=False. Nothing in the store was changed"
+                )
 
     def step(self) -> None:
         """An optimizer step is about to happen: commit its micro-batches (the disk waits
         run in the background, beside the optimizer update)."""
         self.engine.optimizer_step()
 
+    def after_optimizer_step(self) -> None:
+        """The optimizer has updated the weights, and the learning rate is still the one it
+        used: record the step's trajectory (``record_trajectory``; else nothing)."""
+        if self.trajectory is not None:
+            self.trajectory.after_update()
+
     def finish_step(self) -> None:
-        """The step is over: wait until its commit is on disk, so that an exception later
-        in the run (which ends no capture) leaves every finished step readable; every
-        ``curvature_save_steps`` steps, commit the K-FAC statistics too."""
+        """The step is over: wait until its commit (and trajectory step) is on disk, so
+        that an exception later in the run (which ends no capture) leaves every finished
+        step readable; every ``curvature_save_steps`` steps, commit the K-FAC statistics
+        too."""
         self.store.flush()
+        if self.trajectory is not None:
+            self.trajectory.writer.flush()
         every, next_step = self.settings.curvature_save_steps, self.engine.step
         if self.curvature is not None and every and next_step % every == 0:
             self.curvature.commit(next_step)
@@ -337,6 +400,8 @@ class CaptureSession:
         checkpoint where the trainer allows (then a crash between the two leaves the
         checkpoint resumable); calling it again for the same step writes nothing."""
         self.store.flush()
+        if self.trajectory is not None:
+            self.trajectory.writer.flush()
         if self.curvature is not None:
             self.curvature.commit(next_step, "checkpoint")
 
@@ -351,3 +416,33 @@ class CaptureSession:
         if saves_moments and optimizer is not None:
             save_adam_state(self.settings.store_dir, self.engine, optimizer, write=self.rank == 0)
         self.engine.detach()
+
+
+def _refuse_trajectory(
+    settings: CaptureSettings,
+    plan: CapturePlan,
+    optimizer: torch.optim.Optimizer | None,
+    layers: dict[str, Any],
+) -> None:
+    """Refuse, before anything is written, a ``record_trajectory`` capture the recorded
+    steps could not describe exactly."""
+    reasons = []
+    if settings.projection != "none":
+        reasons.append(
+            "trajectory methods divide each gradient entry by Adam's per-parameter "
+            "denominator, which projected gradients no longer have: use projection='none'"
+        )
+    if plan.inputs.world_size > 1:
+        reasons.append("it is recorded in one process: train without data parallelism")
+    refusal = optimizer_refusal(optimizer)
+    if refusal is not None:
+        reasons.append(refusal)
+    elif optimizer is not None:
+        missing = uncovered_parameters(optimizer, layers)
+        if missing:
+            reasons.append(
+                f"the optimizer does not update the captured parameters {missing[:3]}; "
+                "capture only trained layers"
+            )
+    if reasons:
+        raise UnsupportedTrainingSetup(f"record_trajectory: {'; '.join(reasons)}")

@@ -2,6 +2,11 @@
 loop (gloo), into one store per reduction schedule.
 
 Usage: python -m torch.distributed.run --nproc-per-node=2 tests/curvature_dist_worker.py OUT
+[KIND]
+
+``KIND``: ``linear`` (default: a tiny Llama's linear layers, its head included) or
+``all`` (every layer of a tiny GPT-2: embeddings, norm scales, the head tied to the
+input embedding).
 
 Each rank trains on its half of every global batch, backpropagating ``world`` times its
 summed loss (DDP averages gradients, so every update is that of the global summed loss, as
@@ -30,9 +35,13 @@ GLOBAL_BATCH = 4
 SCHEDULES = ("local", "owner")
 
 
-def run(out: Path, rank: int = 0, world: int = 1) -> None:
-    model = tiny_causal_lm("llama", torch.float32)
-    selection = LayerSelection("linear")
+#: Model and layers of each kind of run.
+KINDS = {"linear": ("llama", LayerSelection("linear")), "all": ("gpt2", LayerSelection("all"))}
+
+
+def run(out: Path, rank: int = 0, world: int = 1, kind: str = "linear") -> None:
+    arch, selection = KINDS[kind]
+    model = tiny_causal_lm(arch, torch.float32)
     planned = plan_capture(model, PlanInputs(selection, curvature_head=True, world_size=world))
     accumulators = [
         CurvatureAccumulator(
@@ -65,5 +74,5 @@ def run(out: Path, rank: int = 0, world: int = 1) -> None:
 if __name__ == "__main__":
     plan.REDUCE_BLOCK_BYTES = 1024  # a few rows of each product per reduction
     dist.init_process_group("gloo")
-    run(Path(sys.argv[1]), dist.get_rank(), dist.get_world_size())
+    run(Path(sys.argv[1]), dist.get_rank(), dist.get_world_size(), *sys.argv[2:])
     dist.destroy_process_group()

@@ -103,12 +103,20 @@ _ARCHS = {
 ARCHS = tuple(_ARCHS)
 
 
-def tiny_causal_lm(arch: str, dtype: torch.dtype = torch.float64, seed: int = 0) -> nn.Module:
-    """A 2-layer, 32-wide causal LM of architecture ``arch`` in ``dtype``, eval mode."""
+def tiny_causal_lm(
+    arch: str,
+    dtype: torch.dtype = torch.float64,
+    seed: int = 0,
+    tie_word_embeddings: bool | None = None,
+) -> nn.Module:
+    """A 2-layer, 32-wide causal LM of architecture ``arch`` in ``dtype``, eval mode;
+    ``tie_word_embeddings`` overrides the architecture's default (GPT-2 ties, Llama not)."""
     import transformers
 
     _register_attention()
     config_name, model_name, kwargs = _ARCHS[arch]
+    if tie_word_embeddings is not None:
+        kwargs = {**kwargs, "tie_word_embeddings": tie_word_embeddings}
     config = getattr(transformers, config_name)(
         vocab_size=VOCAB, pad_token_id=0, attn_implementation=ATTENTION, **kwargs
     )

@@ -23,6 +23,7 @@ from tda_plugins.integrations.transformers import (
     use_id_column,
 )
 from tda_plugins.store import StoreReader
+from tda_plugins.store.texts import TokenTexts
 from tests.models import tiny_causal_lm, with_lora
 from tests.selection_helpers import PINNED
 from tests.trainers import (
@@ -105,6 +106,18 @@ def test_texts_are_stored_unless_turned_off(tmp_path: Path) -> None:
     assert store.texts() == {r["id"]: words(r["input_ids"]) for r in rows}
     private = StoreReader(_train(tmp_path / "private", rows, ids=True, store_texts=False))
     assert private.texts() == {}
+    assert store.token_texts() == {}  # tokens only where per-token factors are kept
+
+
+def test_a_keep_tokens_run_stores_each_examples_tokens(tmp_path: Path) -> None:
+    """With ``keep_tokens`` each example's tokens are saved one by one, at their positions
+    in the padded batch row (the token axis of its token scores)."""
+    rows = _tokenized_rows(duplicate=False)
+    store = StoreReader(_train(tmp_path, rows, ids=True, keep_tokens=True))
+    assert store.token_texts() == {
+        r["id"]: TokenTexts([f"w{t}" for t in r["input_ids"]], list(range(len(r["input_ids"]))))
+        for r in rows
+    }
 
 
 def _sft_rows(form: str) -> list[dict[str, Any]]:

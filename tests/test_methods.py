@@ -18,16 +18,17 @@ from unittest import mock
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from tda_plugins import CaptureEngine, ProjectionConfig
+from tda_plugins import CaptureEngine, LayerSelection, ProjectionConfig
 from tda_plugins.capture import content_hash
 from tda_plugins.grads import Route
 from tda_plugins.grads.dense import DenseGrad
 from tda_plugins.grads.tokens import TokenFactors
 from tda_plugins.methods import Checkpoint, Scores, method_by_name
 from tda_plugins.methods.base import SCORE_GROUP_BYTES, default_chunk, layer_groups
-from tda_plugins.precondition.adam import save_adam_state
+from tda_plugins.precondition.adam import OPTIMIZER_FILE, save_adam_state
 from tda_plugins.store import StoreError, StoreReader
 from tests.models import VOCAB, lm_batch, tiny_causal_lm
 from tests.oracle import func_oracle
@@ -299,6 +300,23 @@ def save_optimizer(model: nn.Module, store: StoreReader, optimizer: torch.optim.
     """Save the Adam moments of the store's (default-selected) layers into the store."""
     with CaptureEngine(model) as engine:
         save_adam_state(store.root, engine, optimizer)
+
+
+def test_adam_state_of_a_tied_weight_is_saved_for_each_use(tmp_path: Path) -> None:
+    """With every layer of a tied GPT-2 captured, the embedding and the head share one
+    weight: its moments are written under both layer names (not refused as shared
+    memory), each equal to the optimizer's own state of that weight. In fp32, where no
+    dtype cast copies the moments on the way."""
+    model = tiny_causal_lm("gpt2").float()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_steps(model, optimizer, TRAIN)
+    with CaptureEngine(model, LayerSelection(kind="all")) as engine:
+        save_adam_state(tmp_path, engine, optimizer)
+    saved = load_file(tmp_path / OPTIMIZER_FILE)
+    state = optimizer.state[model.get_input_embeddings().weight]
+    for name in ("transformer.wte", "lm_head"):
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(saved[f"{name}::{moment}"], state[moment].flatten())
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])

@@ -99,12 +99,12 @@ def test_rules_that_choose_their_count_refuse_a_replayed_one(rule: str) -> None:
 
 def test_settings_refuse_what_the_loss_score_cannot_do() -> None:
     with pytest.raises(ValueError, match="granularity='global'"):
-        SelectionSettings(score="loss", granularity="per_layer")
+        SelectionSettings(score="loss", rule="bottom_fraction", granularity="per_layer")
     with pytest.raises(ValueError, match="score_projection"):
-        SelectionSettings(score="loss", score_projection=4)
+        SelectionSettings(score="loss", rule="bottom_fraction", score_projection=4)
     with pytest.raises(ValueError, match="counts >= 0"):
         SelectionSettings(drop_counts=(1, -1))
-    assert not SelectionSettings(score="loss").needs_target
+    assert not SelectionSettings(score="loss", rule="bottom_fraction").needs_target
     assert SelectionSettings(score="cosine").needs_target
     with pytest.raises(ValueError, match="needs a target"):
         DataSelectionCallback(None, score="dot")
@@ -232,7 +232,9 @@ def test_trainer_loss_baseline_needs_no_target_and_is_exact(tmp_path: Path) -> N
     """``DataSelectionCallback(None, score="loss", drop_counts=...)`` on a ``Trainer``: each
     step drops its scheduled count, the highest-loss examples, and the optimizer steps
     with the clipped fresh backward over the kept ones."""
-    selection = DataSelectionCallback(None, score="loss", drop_counts=[1, 3, 2])
+    selection = DataSelectionCallback(
+        None, score="loss", rule="bottom_fraction", drop_counts=[1, 3, 2]
+    )
     audit = SelectionAudit()
     trainer = Trainer(
         model=with_lora(tiny_causal_lm("llama", torch.float32)),
@@ -263,7 +265,9 @@ def test_sft_trainer_reads_losses_from_its_fused_head(tmp_path: Path) -> None:
     from trl import SFTConfig, SFTTrainer
 
     pairs = prompt_completion_pairs(16)
-    selection = DataSelectionCallback(None, score="loss", fraction=0.5)  # 1 of 2 per step
+    selection = DataSelectionCallback(
+        None, score="loss", rule="bottom_fraction", fraction=0.5
+    )  # 1 of 2 per step
     audit = SelectionAudit()
     trainer = SFTTrainer(
         model=with_lora(tiny_causal_lm("llama", torch.float32)),

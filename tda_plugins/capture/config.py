@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tda_plugins.grads.parameters import ParameterLayout
 from tda_plugins.grads.projection import ProjectionConfig
 
 
@@ -17,26 +19,46 @@ class CaptureConfig:
         projection: the projection applied in the hook, or ``None`` for exact gradients.
         loss_convention: what each stored per-example gradient is the gradient of:
             ``"sum"`` = the example's own loss summed over its predicted tokens.
+        parameters: layer name -> where its parameters sit in its unprojected gradient
+            (what scoring needs to leave some of them out); ``None`` where not known (a
+            store written before they were recorded). Not compared (``==``,
+            :meth:`differences`): captures of the same layers and shapes have the same.
+        tied: the groups of captured layers that share a parameter (a tied embedding and
+            head), each in model order: their per-example gradients add up to that
+            parameter's, which scoring must count as one (section 7.1 of docs/design.md).
+            Empty where none, or in a store written before ties were recorded.
     """
 
     layers: tuple[str, ...]
     projection: ProjectionConfig | None
     loss_convention: str = "sum"
+    parameters: Mapping[str, ParameterLayout] | None = field(default=None, compare=False)
+    tied: tuple[tuple[str, ...], ...] = field(default=(), compare=False)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "layers": list(self.layers),
             "projection": None if self.projection is None else asdict(self.projection),
             "loss_convention": self.loss_convention,
         }
+        if self.parameters is not None:
+            out["parameters"] = {name: p.to_json() for name, p in self.parameters.items()}
+        if self.tied:
+            out["tied"] = [list(unit) for unit in self.tied]
+        return out
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> CaptureConfig:
         projection = value.get("projection")
+        parameters = value.get("parameters")
         return cls(
             layers=tuple(value["layers"]),
             projection=None if projection is None else ProjectionConfig(**projection),
             loss_convention=value["loss_convention"],
+            parameters=None
+            if parameters is None
+            else {name: ParameterLayout.from_json(p) for name, p in parameters.items()},
+            tied=tuple(tuple(unit) for unit in value.get("tied", [])),
         )
 
     def differences(self, other: CaptureConfig) -> list[str]:

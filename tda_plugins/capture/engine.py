@@ -35,7 +35,7 @@ from tda_plugins.capture.adapters import LayerAdapter
 from tda_plugins.capture.config import CaptureConfig
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.identity import EXAMPLE_IDS_KEY, content_hash
-from tda_plugins.capture.layers import LayerSelection, shared_parameter_ids
+from tda_plugins.capture.layers import LayerSelection, shared_parameter_ids, tied_units
 from tda_plugins.capture.normalization import LossNormalization, LossScale, SummedLoss
 from tda_plugins.capture.records import LayerRecord, MicroBatchRecord
 from tda_plugins.grads.base import PerExampleGrad, unique_nbytes
@@ -173,9 +173,12 @@ class CaptureEngine:
 
     @property
     def config(self) -> CaptureConfig:
-        """Layers and projection of this capture (layers are known after :meth:`attach`)."""
+        """Layers, projection and parameter layouts of this capture (layers are known after
+        :meth:`attach`)."""
         projection = None if self.projector is None else self.projector.config
-        return CaptureConfig(tuple(self._layers), projection)
+        layouts = {name: adapter.parameter_layout(m) for name, (m, adapter) in self._layers.items()}
+        ties = tuple(dict.fromkeys(tied_units(self._layers).values()))
+        return CaptureConfig(tuple(self._layers), projection, parameters=layouts, tied=ties)
 
     @property
     def step(self) -> int:

@@ -238,3 +238,19 @@ def shared_parameter_ids(layers: Mapping[str, tuple[nn.Module, LayerAdapter]]) -
         for p in adapter.captured_parameters(module).values():
             owners[id(p)] = owners.get(id(p), 0) + 1
     return {key for key, count in owners.items() if count > 1}
+
+
+def tied_units(layers: Mapping[str, tuple[nn.Module, LayerAdapter]]) -> dict[str, tuple[str, ...]]:
+    """Layer -> the selected layers that share one of its captured parameters (itself
+    included, in model order), for every layer that shares one (tied weights)."""
+    owners: dict[int, list[str]] = {}
+    for name, (module, adapter) in layers.items():
+        for p in adapter.captured_parameters(module).values():
+            owners.setdefault(id(p), []).append(name)
+    units: dict[str, set[str]] = {}
+    for names in owners.values():
+        if len(names) > 1:
+            for name in names:
+                units.setdefault(name, set()).update(names)
+    order = list(layers)
+    return {n: tuple(sorted(u, key=order.index)) for n, u in units.items()}

@@ -22,13 +22,40 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Self
+from typing import Literal, Self
 
 import torch
 from torch import Tensor
 
 from tda_plugins.grads.blocks import output_blocks, row_runs, summed
 from tda_plugins.grads.routing import Route
+
+#: How the output (row) side of a rotation acts: a dense ``(R, R)`` matrix, an ``(R,)``
+#: diagonal, or none at all (the identity: no tensor).
+RowForm = Literal["dense", "diagonal", "none"]
+
+
+def row_form(u_out: Tensor | None) -> RowForm:
+    """The :data:`RowForm` of a rotation's output side: ``None`` is the identity, a 1-D
+    tensor a diagonal, a 2-D one a dense matrix."""
+    if u_out is None:
+        return "none"
+    return "diagonal" if u_out.dim() == 1 else "dense"
+
+
+def row_cost(rows: int, form: RowForm) -> int:
+    """Multiply-adds of applying an output side of ``form`` to one length-``rows`` vector."""
+    return {"dense": rows, "diagonal": 1, "none": 0}[form] * rows
+
+
+def rotate_rows(x: Tensor, u_out: Tensor | None) -> Tensor:
+    """``U_out^T`` applied to every length-``R`` vector along the last axis of ``x``:
+    ``x @ U_out`` for a dense ``(R, R)`` ``u_out``, ``x * u_out`` for an ``(R,)``
+    diagonal, ``x`` itself for ``None``; in ``x``'s dtype."""
+    if u_out is None:
+        return x
+    u = u_out.to(x.dtype)
+    return x @ u if u.dim() == 2 else x * u
 
 
 def tensors_of(grads: PerExampleGrad) -> list[Tensor]:
@@ -243,23 +270,30 @@ class PerExampleGrad(ABC):
         """``(B1, B2, T1)`` token scores against the materialized query."""
         raise NotImplementedError
 
-    def rotation_costs(self, out_dim: int, in_dim: int) -> dict[Route, float]:
+    def rotation_costs(
+        self, out_dim: int, in_dim: int, *, out_form: RowForm = "dense"
+    ) -> dict[Route, float]:
         """FLOP estimate per route of the rotated gradients ``U_out^T dW_i U_in`` of a
-        layer whose gradient is ``(out_dim, in_dim)``."""
-        dense = self.batch_size * out_dim * in_dim * (out_dim + in_dim)
+        layer whose gradient is ``(out_dim, in_dim)``, ``U_out`` of form ``out_form``
+        (:func:`row_form`)."""
+        dense = self.batch_size * in_dim * (row_cost(out_dim, out_form) + out_dim * in_dim)
         return {Route.MATERIALIZED: self._materialize_flops() + dense}
 
-    def rotated_factorized(self, u_out: Tensor, u_in: Tensor) -> PerExampleGrad:
+    def rotated_factorized(self, u_out: Tensor | None, u_in: Tensor) -> PerExampleGrad:
         """The rotated gradients as rotated factors, not materialized; only where costs
         list it."""
         raise NotImplementedError(f"{type(self).__name__} has no factorized rotation")
 
-    def rotated_materialized(self, u_out: Tensor, u_in: Tensor) -> Tensor:
+    def rotated_materialized(self, u_out: Tensor | None, u_in: Tensor) -> Tensor:
         """``(B, N_o N_i')`` rotated gradients ``U_out^T dW_i U_in`` of the materialized
-        gradients, in the accumulation dtype."""
+        gradients, in the accumulation dtype (``u_out`` as in :func:`rotate_rows`)."""
         dw = self.materialize()
-        dw = dw.view(-1, u_out.shape[0], u_in.shape[0])
-        return (u_out.to(dw.dtype).T @ dw @ u_in.to(dw.dtype)).flatten(1)
+        dw = dw.view(self.batch_size, -1, u_in.shape[0])
+        if u_out is not None and u_out.dim() == 2:
+            dw = u_out.to(dw.dtype).T @ dw
+        elif u_out is not None:
+            dw = dw * u_out.to(dw.dtype).unsqueeze(1)
+        return (dw @ u_in.to(dw.dtype)).flatten(1)
 
     @abstractmethod
     def _materialize_flops(self) -> float:

@@ -76,3 +76,15 @@ def stack_examples(parts: list[PerExampleGrad]) -> PerExampleGrad:
     if all(type(p) is first for p in parts):
         return first.stack(parts)
     return DenseGrad.stack([DenseGrad(p.materialize()) for p in parts])
+
+
+def sum_of_uses(parts: list[PerExampleGrad]) -> PerExampleGrad:
+    """The per-example gradients of one parameter used by several layers (a tied weight:
+    its gradient is the sum of its uses', all in one layout), materialized and added; a
+    single part as it is."""
+    if len(parts) == 1:
+        return parts[0]
+    total = parts[0].materialize().clone()
+    for part in parts[1:]:
+        total += part.materialize()
+    return DenseGrad(total)

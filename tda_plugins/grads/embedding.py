@@ -10,7 +10,7 @@ from typing import Self
 import torch
 from torch import Tensor
 
-from tda_plugins.grads.base import PerExampleGrad
+from tda_plugins.grads.base import PerExampleGrad, RowForm, row_cost
 from tda_plugins.grads.blocks import accumulation_dtype, stack_tokens
 from tda_plugins.grads.routing import Route
 from tda_plugins.grads.tokens import PerTokenGrad
@@ -133,6 +133,61 @@ class EmbeddingFactors(PerTokenGrad):
 
     def _token_width(self) -> int:
         return self.g.shape[2]
+
+    def rotation_costs(
+        self, out_dim: int, in_dim: int, *, out_form: RowForm = "dense"
+    ) -> dict[Route, float]:
+        costs = super().rotation_costs(out_dim, in_dim, out_form=out_form)
+        if out_form == "dense":  # the vocabulary side rotated densely: no factor form
+            return costs
+        per_token = in_dim * in_dim + row_cost(1, out_form)
+        return {Route.FACTORIZED: self.batch_size * self.tokens * per_token, **costs}
+
+    def rotated_factorized(self, u_out: Tensor | None, u_in: Tensor) -> EmbeddingFactors:
+        # diag(u) dE_i U_in = sum_t e_{id_it} (u[id_it] U_in^T g_it)^T: the same rows, each
+        # token's gradient rotated and scaled by its row's entry; a dense vocabulary side
+        # would mix rows, and is not offered (rotation_costs)
+        g = self._g() @ u_in.to(self._g().dtype)
+        if u_out is not None:
+            if u_out.dim() != 1:
+                raise ValueError("an embedding's factor rotation takes a diagonal row side")
+            g = g * u_out.to(g.dtype)[self.ids].unsqueeze(2)
+        return EmbeddingFactors(self.ids, g, self.num_embeddings)
+
+    def row_blocks(self, width: int, dtype: torch.dtype) -> Callable[[slice], Tensor]:
+        # Each block holds only the rows it covers: the tokens whose ids fall in it are
+        # added there, so no (B, V D) table is built for the whole vocabulary.
+        if width != self.g.shape[2]:
+            raise ValueError(
+                f"row blocks of width {width} asked of an embedding whose rows are "
+                f"{self.g.shape[2]} wide"
+            )
+        g = self.g.to(dtype)
+
+        def block(rows: slice) -> Tensor:
+            out = g.new_zeros(self.batch_size, rows.stop - rows.start, width)
+            inside = (self.ids >= rows.start) & (self.ids < rows.stop)
+            example, token = inside.nonzero(as_tuple=True)
+            row = self.ids[example, token] - rows.start
+            out.index_put_((example, row), g[example, token], accumulate=True)
+            return out.view(self.batch_size, -1)
+
+        return block
+
+    def add_squared_entries(self, total: Tensor) -> Tensor:
+        # Only the rows an example looks up are non-zero in its gradient: each example's
+        # tokens are summed into its distinct rows (one key per example and id), which are
+        # squared and added to theirs; cost B T D, nothing of size V D per example.
+        g = self._g().reshape(-1, self.g.shape[2])
+        example = torch.arange(self.batch_size, device=self.ids.device).repeat_interleave(
+            self.tokens
+        )
+        keys, slot = torch.unique(
+            example * self.num_embeddings + self.ids.reshape(-1), return_inverse=True
+        )
+        rows = g.new_zeros(keys.shape[0], g.shape[1]).index_add_(0, slot, g)
+        total.index_add_(0, keys % self.num_embeddings, rows.square().to(total.dtype))
+        return total
 
     def token_scores_materialized(self, query: PerExampleGrad) -> Tensor:
         q = query.materialize().view(query.batch_size, self.num_embeddings, -1)

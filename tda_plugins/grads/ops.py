@@ -7,15 +7,22 @@ use it); by default :func:`~tda_plugins.grads.routing.choose_route` picks the ch
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import cast
 
 import torch
 from torch import Tensor
 
-from tda_plugins.grads.base import PerExampleGrad, values_dtype
-from tda_plugins.grads.blocks import TensorKey, accumulation_dtype, row_runs, tensor_key
+from tda_plugins.grads.base import PerExampleGrad, row_form, values_dtype
+from tda_plugins.grads.blocks import (
+    TensorKey,
+    accumulation_dtype,
+    output_blocks,
+    row_runs,
+    summed,
+    tensor_key,
+)
 from tda_plugins.grads.dense import DenseGrad
 from tda_plugins.grads.routing import Route, choose_route
 from tda_plugins.grads.tokens import TokenFactors
@@ -212,30 +219,57 @@ def per_token_scores(
 
 
 def rotated_grads(
-    grads: PerExampleGrad, u_out: Tensor, u_in: Tensor, route: Route | None = None
+    grads: PerExampleGrad, u_out: Tensor | None, u_in: Tensor, route: Route | None = None
 ) -> PerExampleGrad:
     """Per-example gradients ``U_out^T dW_i U_in`` for ``(N_o, N_o)`` ``u_out`` and
     ``(N_i', N_i')`` ``u_in``: Kronecker eigenbases (EK-FAC), or K-FAC's symmetric damped
-    inverses. Where the factorized route is cheaper they stay per-token factors (each
-    token's ``(U_out^T g_it, U_in^T [a_it; 1])``, nothing materialized), else dense. In the
+    inverses. ``u_out`` may also be an ``(N_o,)`` diagonal or ``None`` (the identity), as
+    for a vocabulary-wide row side (:func:`~tda_plugins.grads.base.rotate_rows`). Where
+    the factorized route is cheaper they stay per-token factors (each token's
+    ``(U_out^T g_it, U_in^T [a_it; 1])``, nothing materialized), else dense. In the
     accumulation dtype (the matrices are cast to it: a rotation keeps norms, so fp32 loses
     nothing an fp32 gradient had; a damped inverse scales the fp32 rounding by at most its
     condition number).
 
-    Cost (with one materialization): factorized ``~ B T (N_o^2 + N_i^2 + N_o N_i)``;
-    materialized ``~ B T N_o N_i + B N_o N_i (N_o + N_i)``.
+    Cost (with one materialization, a dense ``u_out``): factorized
+    ``~ B T (N_o^2 + N_i^2 + N_o N_i)``; materialized ``~ B T N_o N_i + B N_o N_i (N_o + N_i)``.
     """
-    chosen = choose_route(grads.rotation_costs(u_out.shape[0], u_in.shape[0]), route)
+    in_dim = u_in.shape[0]
+    costs = grads.rotation_costs(grads.dim // in_dim, in_dim, out_form=row_form(u_out))
+    chosen = choose_route(costs, route)
     if chosen is Route.FACTORIZED:
         return grads.rotated_factorized(u_out, u_in)
     return DenseGrad(grads.rotated_materialized(u_out, u_in))
 
 
 def rotated(
-    grads: PerExampleGrad, u_out: Tensor, u_in: Tensor, route: Route | None = None
+    grads: PerExampleGrad, u_out: Tensor | None, u_in: Tensor, route: Route | None = None
 ) -> Tensor:
     """``(B, N_o N_i')`` materialized :func:`rotated_grads`."""
     return rotated_grads(grads, u_out, u_in, route).materialize()
+
+
+def add_squared_entries_of_sum(parts: Sequence[PerExampleGrad], total: Tensor) -> Tensor:
+    """``total += sum_i (sum_u dW_i^u) * (sum_u dW_i^u)`` entrywise, for the per-example
+    gradients of several uses ``u`` of one parameter (a tied weight's, all in one
+    ``(N_o, N_i)`` layout, ``total``'s); returns ``total``.
+
+    The uses' gradients add before they are squared, so they are built a block of output
+    rows at a time (:meth:`~tda_plugins.grads.base.PerExampleGrad.row_blocks`), added,
+    squared and summed over the examples: nothing of size ``B N_o N_i`` is held. One use
+    alone is :meth:`~tda_plugins.grads.base.PerExampleGrad.add_squared_entries`.
+    """
+    if len(parts) == 1:
+        return parts[0].add_squared_entries(total)
+    n_o, width = total.shape
+    dtype = values_dtype(parts[0])
+    batch = parts[0].batch_size
+    blocks = [p.row_blocks(width, dtype) for p in parts]
+    for rows in output_blocks(n_o, len(parts) * batch * width * dtype.itemsize, total):
+        # a fresh first block: a factor side writes each of its blocks into one buffer
+        block = summed([blocks[0](rows).clone(), *(b(rows) for b in blocks[1:])])
+        total[rows] += block.view(batch, -1, width).square().sum(dim=0)
+    return total
 
 
 Group = list[tuple[str, TokenFactors]]

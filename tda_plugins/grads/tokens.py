@@ -11,7 +11,7 @@ from typing import Self
 import torch
 from torch import Tensor
 
-from tda_plugins.grads.base import PerExampleGrad, values_dtype
+from tda_plugins.grads.base import PerExampleGrad, RowForm, rotate_rows, row_cost, values_dtype
 from tda_plugins.grads.blocks import accumulation_dtype, output_blocks, row_chunks, stack_tokens
 from tda_plugins.grads.dense import DenseGrad
 from tda_plugins.grads.routing import Route
@@ -308,20 +308,22 @@ class TokenFactors(PerTokenGrad):
     def _token_width(self) -> int:
         return self.dim
 
-    def rotation_costs(self, out_dim: int, in_dim: int) -> dict[Route, float]:
-        rotate = self.batch_size * self.tokens * (out_dim * out_dim + in_dim * in_dim)
+    def rotation_costs(
+        self, out_dim: int, in_dim: int, *, out_form: RowForm = "dense"
+    ) -> dict[Route, float]:
+        rotate = self.batch_size * self.tokens * (row_cost(out_dim, out_form) + in_dim * in_dim)
         return {
             Route.FACTORIZED: rotate + self._materialize_flops(),
-            **super().rotation_costs(out_dim, in_dim),
+            **super().rotation_costs(out_dim, in_dim, out_form=out_form),
         }
 
-    def rotated_factorized(self, u_out: Tensor, u_in: Tensor) -> TokenFactors:
+    def rotated_factorized(self, u_out: Tensor | None, u_in: Tensor) -> TokenFactors:
         # U_out^T dW_i U_in = sum_t (U_out^T g_it)(U_in^T [a_it; 1])^T: each token's factors
         # rotated (the bias column rotates with the inputs, so it is explicit here), never
         # the dense rotation.
         a = self.augmented_a()
         g = self.g.to(accumulation_dtype(self.g))
-        return TokenFactors(a @ u_in.to(a.dtype), g @ u_out.to(g.dtype))
+        return TokenFactors(a @ u_in.to(a.dtype), rotate_rows(g, u_out))
 
     def token_scores_materialized(self, query: PerExampleGrad) -> Tensor:
         b2, n_o, n_i = query.batch_size, self.out_dim, self.in_dim

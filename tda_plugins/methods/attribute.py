@@ -36,7 +36,12 @@ def attribute(
         ranks: the ranks to spread the scoring over (under ``torchrun``: each scores a part
             of the store, every rank gets the whole result); ``None``: this process alone.
         **options: the method's own options (``damping=0.1`` for the curvature methods,
-            refused for the others; TracIn's ``learning_rate`` and ``extra`` checkpoints).
+            refused for the others; TracIn's ``learning_rate`` and ``extra`` checkpoints),
+            and, for ``graddot``, ``gradcos``, ``tracin`` and ``less``, which parameters
+            count: ``exclude_params=("bias",)`` leaves out every parameter whose name
+            within its layer, or full name ``<layer>.<name>``, matches one of the glob
+            patterns, and ``normalize_layers=True`` unit-normalizes each layer's gradient
+            per example before the dot (:class:`~tda_plugins.methods.groups.ParameterGroups`).
 
     Returns:
         :class:`Scores` (``(N, M)``, higher = more helpful; each example's gradient is that

@@ -3,7 +3,9 @@
 A method is a small strategy: what it does to query gradients (a preconditioner), what
 it does to training gradients (LESS: Adam), and whether it unit-normalizes both sides
 (cosine). :meth:`AttributionMethod.score` streams the training store in chunks and sums
-the per-layer cross-Grams, each routed by the cost model.
+the per-layer cross-Grams, each routed by the cost model. The first-order methods also
+take parameter groups (:mod:`~tda_plugins.methods.groups`: parameters left out, layers
+unit-normalized), applied to both sides after the method's own transforms.
 
 Score convention: ``score(z, q) = <P g_q, T g_z>`` summed over layers, with ``g`` each
 example's gradient of its own summed token loss; higher = more helpful to the query.
@@ -12,8 +14,8 @@ example's gradient of its own summed token loss; higher = more helpful to the qu
 from __future__ import annotations
 
 from abc import ABC
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -22,6 +24,7 @@ from tqdm.auto import tqdm
 
 from tda_plugins.grads.base import PerExampleGrad, values_dtype
 from tda_plugins.grads.blocks import spans
+from tda_plugins.grads.dense import sum_of_uses
 from tda_plugins.grads.ops import (
     QueryGradients,
     example_norms,
@@ -31,8 +34,9 @@ from tda_plugins.grads.ops import (
     safe_norms,
 )
 from tda_plugins.heap import release_free_heap
+from tda_plugins.methods.groups import ParameterGroups, ScoringSpace
 from tda_plugins.methods.scores import Scores
-from tda_plugins.precondition.base import Identity, Preconditioner
+from tda_plugins.precondition.base import PRECONDITIONERS, Preconditioner
 from tda_plugins.ranks import Ranks, on_device
 from tda_plugins.registry import Registry
 from tda_plugins.store.layout import StoreError
@@ -48,32 +52,93 @@ def method_by_name(name: str, **options: Any) -> AttributionMethod:
     return METHODS.create(name, **options)
 
 
+@dataclass(frozen=True)
+class ScoreRun:
+    """How one scoring call runs (the options of :meth:`AttributionMethod.score`).
+
+    Attributes:
+        chunk_examples: training examples read and scored at once (whole micro-batches);
+            ``None``: :func:`default_chunk` of the query count.
+        progress: show progress bars (on rank 0).
+        allow_mismatch: score queries of another model than the store's.
+        ranks: the processes that share the work and where they compute (default: this
+            process, on the CPU).
+    """
+
+    chunk_examples: int | None = None
+    progress: bool = False
+    allow_mismatch: bool = False
+    ranks: Ranks = field(default_factory=Ranks)
+
+    def chunk(self, queries: int) -> int:
+        """Training examples per chunk against ``queries`` queries."""
+        return self.chunk_examples or default_chunk(queries)
+
+
 class AttributionMethod(ABC):
     """Scores training examples against queries from two compatible stores."""
 
     name: ClassVar[str]
     #: Unit-normalize train and query gradients (over all layers) before the dot.
     normalize: ClassVar[bool] = False
+    #: The registered preconditioner (``precondition/``) applied to the queries; what it
+    #: needs from the store (``needs_curvature``) is read from it, not from the method.
+    preconditioner_name: ClassVar[str] = "identity"
+    #: Why the method refuses parameter groups (``exclude_params``, ``normalize_layers``);
+    #: ``None``: it takes them.
+    no_parameter_groups: ClassVar[str | None] = None
+    #: The score is linear in each side's raw gradient, so the uses of a tied weight are
+    #: scored as the one parameter they share by giving them one query side (the sum of
+    #: their query gradients); a method that normalizes or transforms the training side
+    #: per layer cannot, and refuses stores with tied layers.
+    scores_tied_weights: ClassVar[bool] = True
 
-    def __init__(self, damping: float = 0.1):
-        self.preconditioner: Preconditioner = Identity(damping)
+    def __init__(
+        self,
+        damping: float = 0.1,
+        *,
+        exclude_params: str | Sequence[str] = (),
+        normalize_layers: bool = False,
+    ):
+        """``damping``: the curvature methods' (relative); ``exclude_params``: parameter
+        name patterns left out of both sides, ``normalize_layers``: each layer's gradient
+        unit-normalized per example before the dot (:class:`ParameterGroups`)."""
+        self.preconditioner: Preconditioner = PRECONDITIONERS.create(
+            self.preconditioner_name, damping=damping
+        )
+        self.groups = ParameterGroups.of(exclude_params, normalize_layers)
+        if self.groups.active and self.no_parameter_groups is not None:
+            raise ValueError(
+                f"{type(self).__name__} takes no exclude_params or normalize_layers: "
+                f"{self.no_parameter_groups}; leave them out, or score with graddot, "
+                "gradcos, tracin or less"
+            )
+        #: The groups resolved against the store being scored (set by :meth:`prepare`).
+        self.space = ScoringSpace()
 
     def prepare(
-        self,
-        store: StoreReader,
-        queries: StoreReader,
-        progress: bool = False,
-        *,
-        allow_mismatch: bool = False,
-        ranks: Ranks | None = None,
+        self, store: StoreReader, queries: StoreReader, run: ScoreRun | None = None
     ) -> None:
-        """Validate the pair of stores (``allow_mismatch``: queries of another model than
-        the store's are scored all the same, see
+        """Validate the pair of stores (``run.allow_mismatch``: queries of another model
+        than the store's are scored all the same, see
         :meth:`~tda_plugins.store.StoreReader.require_compatible`) and fit what the method
-        needs (spread over ``ranks``, its results on their device; default: this process,
-        on the CPU)."""
-        store.require_compatible(queries, allow_mismatch)
-        self.preconditioner.fit(store, progress, ranks=ranks or Ranks())
+        needs (spread over ``run.ranks``, its results on their device). The method's own
+        refusals (:meth:`refuse`) come first, then the parameter groups are resolved, so
+        that a pattern that matches nothing fails before any work."""
+        run = run or ScoreRun()
+        self.refuse(store, run)
+        store.require_compatible(queries, run.allow_mismatch)
+        self.space = self.groups.resolve(store.config, queries.config)
+        require_tie_support(store, self.scores_tied_weights and not self.groups.normalize_layers)
+        self.preconditioner.fit(store, run.progress, ranks=run.ranks)
+        #: The tied units as recorded by the capture, and as the curvature statistics tie
+        #: them (older stores record them only there).
+        self.ties = list(dict.fromkeys([*store.config.tied, *self.preconditioner.tied_units]))
+
+    def refuse(self, store: StoreReader, run: ScoreRun) -> None:
+        """Raise, before any work, where the method cannot score ``store`` as ``run``
+        asks; set up what it reads besides the preconditioner. Default: nothing."""
+        return None
 
     def train_side(self, layer: str, grads: PerExampleGrad) -> PerExampleGrad:
         """Transform of the training gradients: LESS's Adam step, or the preconditioner's
@@ -82,6 +147,15 @@ class AttributionMethod(ABC):
 
     def query_side(self, layer: str, grads: PerExampleGrad) -> PerExampleGrad:
         return self.preconditioner(layer, grads)
+
+    def _train_layers(self, layers: Mapping[str, PerExampleGrad]) -> dict[str, PerExampleGrad]:
+        """The training side of ``layers`` as scored: the method's transform, then the
+        parameter groups."""
+        return {n: self.space.side(n, self.train_side(n, g)) for n, g in layers.items()}
+
+    def _query_layer(self, layer: str, grads: PerExampleGrad) -> PerExampleGrad:
+        """One layer's query side as scored (the preconditioner, then the groups)."""
+        return self.space.side(layer, self.query_side(layer, grads))
 
     def score(
         self,
@@ -106,16 +180,29 @@ class AttributionMethod(ABC):
         The heap a training or capture pass freed is given back first
         (:func:`~tda_plugins.heap.release_free_heap`), so that scoring's buffers do not
         come on top of it."""
-        ranks = ranks or Ranks()
+        run = ScoreRun(
+            chunk_examples, progress, allow_mismatch=allow_mismatch, ranks=ranks or Ranks()
+        )
+        return self.scores(store, queries, run)
+
+    def scores(self, store: StoreReader, queries: StoreReader, run: ScoreRun) -> Scores:
+        """:meth:`score` with its options in one value: what a method overrides."""
+        ranks = run.ranks
         release_free_heap()
-        self.prepare(store, queries, progress, allow_mismatch=allow_mismatch, ranks=ranks)
+        self.prepare(store, queries, run)
         _require_queries(queries)
-        chunk = chunk_examples or default_chunk(queries.num_examples)
+        chunk = run.chunk(queries.num_examples)
         # layer groups and the query cache follow the whole store, as in one process
-        groups = layer_groups(store, queries, chunk)
+        groups = layer_groups(
+            store,
+            queries,
+            chunk,
+            self.space.layers(store.layer_names),
+            self.ties,
+        )
         part = ranks.part(store, chunk)
         examples = 0 if part is None else part.num_examples
-        show = progress and ranks.rank == 0
+        show = run.progress and ranks.rank == 0
         bar = tqdm(total=examples, desc=f"{self.name} scores", disable=not show)
         totals = _Totals(queries.num_examples, self.normalize)
         query_ids = torch.empty(0, dtype=torch.long)
@@ -160,11 +247,7 @@ class AttributionMethod(ABC):
         leave ``query`` as soon as its prepared side exists, so that the two are not held
         together for every layer (a preconditioned side is a second copy)."""
         layers = list(query.layers)
-        sides = {}
-        for name in layers:
-            grads = query.layers.pop(name) if release else query.layers[name]
-            sides[name] = self.query_side(name, grads.select(rows))
-            del grads
+        sides = self._query_sides(query, rows, release)
         # materialized queries are worth keeping only for a second training chunk
         cache = QUERY_CACHE_BYTES if source.store.num_examples > source.chunk else 0
         prepared = QueryGradients(sides, cache)
@@ -173,7 +256,7 @@ class AttributionMethod(ABC):
         blocks = [torch.empty(0, rows.stop - rows.start, device=source.device)]
         squares = [torch.empty(0, device=source.device)]
         for part in source.chunks(layers):
-            t_layers = {n: self.train_side(n, g) for n, g in part.layers.items()}
+            t_layers = self._train_layers(part.layers)
             ids.append(part.example_ids)
             blocks.append(prepared.scores(t_layers))
             if self.normalize:
@@ -189,6 +272,28 @@ class AttributionMethod(ABC):
             prepared.sq_norms() if self.normalize else None,
         )
 
+    def _query_sides(
+        self, query: StoreChunk, rows: slice, release: bool
+    ) -> dict[str, PerExampleGrad]:
+        """Each layer's query side of the queries ``rows``; the uses of a tied weight
+        (:attr:`~tda_plugins.precondition.base.Preconditioner.tied_units`) share one,
+        prepared from the sum of their query gradients, so that their dots with each use's
+        training gradients add up to the weight's. ``release``: each loaded query leaves
+        ``query`` once its side exists."""
+        unit_of = {n: unit for unit in self.ties for n in unit}
+        sides: dict[str, PerExampleGrad] = {}
+        for name in list(query.layers):
+            if name in sides:
+                continue
+            unit = unit_of.get(name, (name,))
+            uses = [
+                (query.layers.pop(n) if release else query.layers[n]).select(rows) for n in unit
+            ]
+            side = self._query_layer(name, sum_of_uses(uses))
+            del uses
+            sides.update(dict.fromkeys(unit, side))
+        return sides
+
     def token_scores(
         self, store: StoreReader, queries: StoreReader, train_ids: list[int]
     ) -> dict[int, Tensor]:
@@ -197,17 +302,19 @@ class AttributionMethod(ABC):
         Needs per-token training gradients (a store written with ``keep_tokens``).
         """
         self.prepare(store, queries)
-        query = _load_queries(queries)
-        q_layers = {n: self.query_side(n, g) for n, g in query.layers.items()}
+        layers = self.space.layers(store.layer_names)
+        _require_queries(queries)
+        query = queries.load_all(layers)
+        q_layers = self._query_sides(query, slice(None), release=False)
         q_norms = example_norms(q_layers) if self.normalize else None
         wanted = set(train_ids)
         out: dict[int, Tensor] = {}
-        for chunk in store.iter_chunks():
+        for chunk in store.iter_chunks(layers=layers):
             rows = [i for i, x in enumerate(chunk.example_ids.tolist()) if x in wanted]
             if not rows:
                 continue
             index = torch.tensor(rows)
-            t_layers = {n: self.train_side(n, g.select(index)) for n, g in chunk.layers.items()}
+            t_layers = self._train_layers({n: g.select(index) for n, g in chunk.layers.items()})
             per_token = layer_sum([per_token_scores(t_layers[n], q_layers[n]) for n in q_layers])
             if q_norms is not None:
                 scale = torch.outer(example_norms(t_layers), q_norms)
@@ -294,21 +401,33 @@ class _Totals:
 SCORE_GROUP_BYTES = 1 << 29
 
 
-def layer_groups(store: StoreReader, queries: StoreReader, chunk: int) -> list[list[str]]:
-    """Consecutive layers whose stored gradients, every query's and a training chunk's of
-    ``chunk`` examples, fit :data:`SCORE_GROUP_BYTES` together (at least one layer a
-    group); sizes from the shards' headers."""
+def layer_groups(
+    store: StoreReader,
+    queries: StoreReader,
+    chunk: int,
+    layers: list[str] | None = None,
+    units: Sequence[tuple[str, ...]] = (),
+) -> list[list[str]]:
+    """Consecutive layers (of ``layers``, default all) whose stored gradients, every
+    query's and a training chunk's of ``chunk`` examples, fit :data:`SCORE_GROUP_BYTES`
+    together (at least one layer a group); sizes from the shards' headers. The layers of
+    each of ``units`` (the uses of a tied weight) go in one group, at the place of the
+    first."""
     train, query = store.layer_nbytes(), queries.layer_nbytes()
     rows = min(chunk, max(store.num_examples, 1))
+    unit_of = {n: unit for unit in units for n in unit}
     groups: list[list[str]] = []
     used = 0
-    for name in store.layer_names:
-        size = rows * train[name] + queries.num_examples * query[name]
+    for name in store.layer_names if layers is None else layers:
+        unit = unit_of.get(name, (name,))
+        if name != unit[0]:
+            continue
+        size = sum(rows * train[n] + queries.num_examples * query[n] for n in unit)
         if groups and used + size <= SCORE_GROUP_BYTES:
-            groups[-1].append(name)
+            groups[-1].extend(unit)
             used += size
         else:
-            groups.append([name])
+            groups.append(list(unit))
             used = size
     return groups
 
@@ -319,6 +438,19 @@ def layer_groups(store: StoreReader, queries: StoreReader, chunk: int) -> list[l
 #: this at most doubles that layer's materialization work). A store read in one chunk
 #: keeps none: each query is then built once either way.
 QUERY_CACHE_BYTES = 1 << 29
+
+
+def require_tie_support(store: StoreReader, supported: bool) -> None:
+    """Refuse a store holding the uses of a tied weight (an embedding and the head that
+    shares its weight) for a method that cannot score them as one parameter."""
+    if store.config.tied and not supported:
+        unit = " and ".join(store.config.tied[0])
+        raise StoreError(
+            f"{store.root} holds {unit}, which share one weight; this method normalizes or "
+            "transforms each layer's gradient on its own and would miss the terms between "
+            "the two uses: score with graddot, tracin, kfac, ekfac or logra (which count the "
+            "shared weight once), or capture one of the two uses only (e.g. --layers linear)"
+        )
 
 
 def default_chunk(queries: int) -> int:
@@ -332,8 +464,3 @@ def default_chunk(queries: int) -> int:
 def _require_queries(queries: StoreReader) -> None:
     if queries.num_examples == 0:
         raise StoreError(f"the query store {queries.root} holds no example; capture queries first")
-
-
-def _load_queries(queries: StoreReader) -> StoreChunk:
-    _require_queries(queries)
-    return queries.load_all()

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from tda_plugins.methods.base import AttributionMethod, register_method
+from tda_plugins.methods.base import AttributionMethod, ScoreRun, register_method
 from tda_plugins.methods.scores import Scores
-from tda_plugins.ranks import Ranks
 from tda_plugins.store.layout import StoreError
 from tda_plugins.store.reader import StoreReader
 
@@ -23,6 +23,7 @@ class GradCos(AttributionMethod):
     """``<g_q, g_z> / (|g_q| |g_z|)``: cosine over all captured layers together."""
 
     normalize = True
+    scores_tied_weights = False
 
 
 @dataclass(frozen=True)
@@ -40,35 +41,29 @@ class TracIn(AttributionMethod):
 
     The store and queries passed to :meth:`score` are one checkpoint (weighted by
     ``learning_rate``); ``extra`` adds the others. Training ids are aligned across
-    checkpoints; an example missing from a checkpoint contributes nothing there.
+    checkpoints; an example missing from a checkpoint contributes nothing there. Each
+    checkpoint is scored with the same parameter groups.
     """
 
     def __init__(
-        self, damping: float = 0.1, learning_rate: float = 1.0, extra: tuple[Checkpoint, ...] = ()
+        self,
+        damping: float = 0.1,
+        learning_rate: float = 1.0,
+        extra: tuple[Checkpoint, ...] = (),
+        *,
+        exclude_params: str | Sequence[str] = (),
+        normalize_layers: bool = False,
     ):
-        super().__init__(damping)
+        super().__init__(damping, exclude_params=exclude_params, normalize_layers=normalize_layers)
         self.learning_rate = learning_rate
         self.extra = extra
 
-    def score(
-        self,
-        store: StoreReader,
-        queries: StoreReader,
-        chunk_examples: int | None = None,
-        progress: bool = False,
-        *,
-        allow_mismatch: bool = False,
-        ranks: Ranks | None = None,
-    ) -> Scores:
+    def scores(self, store: StoreReader, queries: StoreReader, run: ScoreRun) -> Scores:
         checkpoints = (Checkpoint(store, queries, self.learning_rate), *self.extra)
+        groups = self.groups
         per_checkpoint = [
-            GradDot().score(
-                c.store,
-                c.queries,
-                chunk_examples,
-                progress,
-                allow_mismatch=allow_mismatch,
-                ranks=ranks,
+            GradDot(exclude_params=groups.exclude, normalize_layers=groups.normalize_layers).scores(
+                c.store, c.queries, run
             )
             for c in checkpoints
         ]

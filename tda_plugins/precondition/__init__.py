@@ -1,7 +1,9 @@
 """Preconditioners (identity, K-FAC, EK-FAC) and the inline curvature statistics."""
 
 from tda_plugins.precondition.base import PRECONDITIONERS, Identity, Preconditioner
-from tda_plugins.precondition.kfac import EKFACPreconditioner, KFACPreconditioner
+from tda_plugins.precondition.ekfac import EKFACPreconditioner
+from tda_plugins.precondition.forms import FactorSpec
+from tda_plugins.precondition.kfac import KFACPreconditioner
 from tda_plugins.precondition.plan import (
     CapturePlan,
     CurvatureBudgetError,
@@ -18,6 +20,7 @@ __all__ = [
     "CurvatureAccumulator",
     "CurvatureBudgetError",
     "EKFACPreconditioner",
+    "FactorSpec",
     "Identity",
     "KFACPreconditioner",
     "KroneckerFactors",

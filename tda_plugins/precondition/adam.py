@@ -76,7 +76,10 @@ def save_adam_state(
         for moment in ("exp_avg", "exp_avg_sq"):
             values = {local: _full(s[moment]) for local, s in zip(params, states, strict=True)}
             if write:
-                tensors[f"{name}::{moment}"] = adapter.flatten(module, values).float().cpu()
+                # a copy: a tied weight's uses (embedding and head) flatten to one tensor,
+                # which safetensors refuses to write twice
+                flat = adapter.flatten(module, values)
+                tensors[f"{name}::{moment}"] = flat.to("cpu", torch.float32, copy=True)
                 bar.update(4 * sum(p.numel() for p in params.values()))
     bar.close()
     if not write:

@@ -31,11 +31,10 @@ class Preconditioner(ABC):
     name: ClassVar[str]
     #: Needs the inline K-FAC statistics saved in the store.
     needs_curvature: ClassVar[bool] = False
-    #: Needs a pass over the stored per-example gradients (EK-FAC eigenvalue correction).
-    needs_store_pass: ClassVar[bool] = False
     #: Returns dense ``(B2, D)`` queries whatever their input form (an elementwise step
-    #: breaks the factor structure), so scoring takes the queries in groups that fit.
-    dense_queries: ClassVar[bool] = False
+    #: breaks the factor structure), so scoring takes the queries in groups that fit; a
+    #: fit may set it for the store it fitted (K-FAC's tied weights).
+    dense_queries: bool = False
 
     def __init__(self, damping: float = 0.1):
         if damping <= 0:
@@ -43,6 +42,12 @@ class Preconditioner(ABC):
                 f"damping must be > 0 (relative to the mean eigenvalue), got {damping}"
             )
         self.damping = damping
+        #: Groups of layers (model order) that are uses of one tied weight, set by the fit.
+        #: Such a weight's per-example gradient is the sum of its uses' (one layout), so
+        #: its query side is preconditioned once, from the sum of its uses' query
+        #: gradients, and that one side is scored against each use's training gradients
+        #: (their dots add up to the dot with the summed training gradient).
+        self.tied_units: list[tuple[str, ...]] = []
 
     @abstractmethod
     def fit(
@@ -54,7 +59,8 @@ class Preconditioner(ABC):
 
     @abstractmethod
     def __call__(self, layer: str, query: PerExampleGrad) -> PerExampleGrad:
-        """Preconditioned ``(B2, D)`` queries of one layer."""
+        """Preconditioned ``(B2, D)`` queries of one layer (for a use of a tied weight,
+        ``query`` is the sum of all its uses' query gradients: :attr:`tied_units`)."""
 
     def train_side(self, layer: str, grads: PerExampleGrad) -> PerExampleGrad:
         """The training gradients in the basis the last preconditioned queries of

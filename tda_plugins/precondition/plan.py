@@ -1,7 +1,8 @@
 """The memory plan of a capture, from shapes alone (a model on the meta device will do).
 
 Computed when a capture session starts, before any step: per captured layer, the K-FAC
-statistics it will hold (``A``: ``n_a x n_a``, ``S``: ``n_s x n_s``), which rank owns them,
+statistics it will hold (``A``: ``n_a x n_a``, ``S``: ``n_s x n_s``, or a diagonal, or
+none: :mod:`~tda_plugins.precondition.forms`), which rank owns them,
 and what its per-example records hold per token; per rank, the statistics in memory, the
 records of one micro-batch, the store's shard bytes per step and the communication the
 statistics cost, against the plain training step's own memory (parameters, gradients and
@@ -37,10 +38,16 @@ from typing import Literal
 import torch
 from torch import nn
 
-from tda_plugins.capture.adapters import LayerAdapter
-from tda_plugins.capture.adapters.linear import LinearAdapter
 from tda_plugins.capture.layers import LayerSelection
 from tda_plugins.grads.projection import ProjectionConfig
+from tda_plugins.precondition.forms import (
+    CURVATURE_OFF,
+    NOT_FACTORED,
+    FactorSpec,
+    Form,
+    layer_specs,
+)
+from tda_plugins.precondition.layer_plan import LayerPlan, layer_plan
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +55,6 @@ GIB = 1 << 30
 #: Owner schedule: most bytes of one product block taken and reduced at a time.
 REDUCE_BLOCK_BYTES = 64 << 20
 Schedule = Literal["local", "owner"]
-#: Why a layer holds no statistics: K-FAC factors exist for linear-family layers only.
-NOT_FACTORED = "no Kronecker factors (not a linear layer, or dense projection)"
-CURVATURE_OFF = "curvature off"
 
 
 class CurvatureBudgetError(ValueError):
@@ -92,36 +96,6 @@ class PlanInputs:
 
 
 @dataclass(frozen=True)
-class LayerPlan:
-    """One captured layer.
-
-    Attributes:
-        name: module name.
-        factors: ``(n_a, n_s)``, the widths of ``A`` and ``S``; ``None`` when the layer
-            gets no statistics (see ``note``).
-        note: why it gets none.
-        owner: the rank that holds (and saves) its statistics.
-        token_bytes: bytes its record holds per token (input and output-gradient factors;
-            an input shared by several layers, as q/k/v's, is counted for each of them).
-        example_bytes: bytes its record holds per example (materialized captures).
-        dense_bytes: one example's materialized gradient, the most a shard stores for it.
-        token_shard_bytes: per token, what a shard stores of its per-token factors.
-    """
-
-    name: str
-    factors: tuple[int, int] | None
-    note: str | None
-    owner: int | None
-    token_bytes: int
-    example_bytes: int
-    dense_bytes: int
-    token_shard_bytes: int
-
-    def statistics_numel(self) -> int:
-        return 0 if self.factors is None else self.factors[0] ** 2 + self.factors[1] ** 2
-
-
-@dataclass(frozen=True)
 class CapturePlan:
     """Per-layer and per-rank memory of a capture (see the module docstring).
 
@@ -143,8 +117,9 @@ class CapturePlan:
     # -- what the accumulator needs ------------------------------------------------------
 
     @property
-    def curvature_shapes(self) -> dict[str, tuple[int, int]]:
-        """Layer -> ``(n_a, n_s)`` of every layer that accumulates statistics."""
+    def curvature_shapes(self) -> dict[str, FactorSpec]:
+        """Layer -> the statistics of every layer that accumulates them (each unpacks as
+        ``(n_a, n_s)``)."""
         return {layer.name: layer.factors for layer in self.layers if layer.factors is not None}
 
     @property
@@ -171,7 +146,7 @@ class CapturePlan:
         schedule adds products straight into its sums."""
         if self.schedule == "local":
             return 0
-        widths = [n for shape in self.curvature_shapes.values() for n in shape]
+        widths = [n for spec in self.curvature_shapes.values() for n in spec.dense_widths]
         return max(
             (self.itemsize * n * reduce_block_rows(n, self.itemsize) for n in widths), default=0
         )
@@ -225,7 +200,7 @@ class CapturePlan:
     def factorization_bytes(self) -> int:
         """Attribution, one process: the largest factor's fp64 eigendecomposition (the
         matrix, its eigenvectors and LAPACK's workspace, about three copies)."""
-        widest = max((max(f) for f in self.curvature_shapes.values()), default=0)
+        widest = max((n for f in self.curvature_shapes.values() for n in f.dense_widths), default=0)
         return 3 * 8 * widest**2
 
     @property
@@ -245,15 +220,19 @@ class CapturePlan:
             kinds.setdefault(re.sub(r"\.\d+\.", ".*.", layer.name), []).append(layer)
         width = max(len(k) for k in kinds) + 6
         rows = [
-            f"{'layer':<{width}} {'n_a':>7} {'n_s':>7} {'statistics':>11} {'records/1k tok':>14}"
+            f"{'layer':<{width}} {'n_a':>11} {'n_s':>11} {'statistics':>11} {'records/1k tok':>14}"
         ]
         for kind, layers in kinds.items():
-            first = layers[0]
-            a, s = first.factors if first.factors is not None else ("-", "-")
+            spec = layers[0].factors
+            a, s = (
+                (_width(spec.a, spec.a_form), _width(spec.s, spec.s_form))
+                if spec is not None
+                else ("-", "-")
+            )
             stats = self.itemsize * sum(layer.statistics_numel() for layer in layers)
             records = 1024 * sum(layer.token_bytes for layer in layers)
             label = f"{kind} ({len(layers)})"
-            rows.append(f"{label:<{width}} {a:>7} {s:>7} {_size(stats):>11} {_size(records):>14}")
+            rows.append(f"{label:<{width}} {a:>11} {s:>11} {_size(stats):>11} {_size(records):>14}")
         training = "sharded over" if inputs.sharded else "whole on each of"
         tokens = (
             f"per micro-batch of {self.tokens_per_micro_batch} tokens"
@@ -284,6 +263,11 @@ class CapturePlan:
         logger.info("capture plan (rank %d)\n%s", self.inputs.rank, self.table())
 
 
+def _width(n: int, form: Form) -> str:
+    """A factor's width as the plan's table shows it (a diagonal marked, none as ``-``)."""
+    return {"dense": str(n), "diagonal": f"{n} diag", "none": "-"}[form]
+
+
 def _size(n: int) -> str:
     for unit, scale in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
@@ -303,67 +287,6 @@ def vocabulary_size(model: nn.Module) -> int | None:
     """The widest ``nn.Embedding`` of ``model`` (its vocabulary), or ``None``."""
     sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
     return max(sizes) if sizes else None
-
-
-def _linear_plan(
-    name: str,
-    module: nn.Module,
-    adapter: LinearAdapter,
-    inputs: PlanInputs,
-    vocab: int | None,
-) -> LayerPlan:
-    params = adapter.captured_parameters(module)
-    weight = params["weight"]
-    n_o, n_i = adapter.weight_layout(weight).shape
-    in_dim = n_i + int("bias" in params)
-    itemsize = weight.element_size()
-    a_width, g_width, a_factor, s_factor = n_i, n_o, in_dim, n_o
-    projection = inputs.projection
-    if projection is not None and projection.kind == "factor":
-        if projection.k_a < in_dim:
-            a_width = a_factor = projection.k_a
-        if projection.k_g < n_o:
-            g_width = s_factor = projection.k_g
-    dense = projection is not None and projection.kind == "dense"
-    note = None
-    if not inputs.curvature:
-        note = CURVATURE_OFF
-    elif dense:
-        note = NOT_FACTORED
-    elif vocab is not None and s_factor == vocab and not inputs.curvature_head:
-        note = (
-            f"vocabulary-wide output layer, left out by default (its output factor would be "
-            f"{vocab} x {vocab}); curvature_head=True includes it"
-        )
-    accumulation = 8 if itemsize == 8 else 4
-    dense_bytes = accumulation * (
-        projection.k if projection is not None and dense else a_factor * s_factor
-    )
-    return LayerPlan(
-        name=name,
-        factors=None if note is not None else (a_factor, s_factor),
-        note=note,
-        owner=None,
-        token_bytes=0 if dense else itemsize * (a_width + g_width),
-        example_bytes=dense_bytes if dense else 0,
-        dense_bytes=dense_bytes,
-        token_shard_bytes=0 if dense else itemsize * (a_width + g_width),
-    )
-
-
-def _other_plan(
-    name: str, module: nn.Module, adapter: LayerAdapter, inputs: PlanInputs
-) -> LayerPlan:
-    """Embeddings (token ids and output gradients per token) and materialized captures
-    (norm scales: one vector per example)."""
-    params = adapter.captured_parameters(module)
-    numel = sum(p.numel() for p in params.values())
-    itemsize = next(iter(params.values())).element_size()
-    if adapter.family == "embedding":
-        width = params["weight"].shape[1]
-        per_token = 8 + itemsize * width
-        return LayerPlan(name, None, NOT_FACTORED, None, per_token, 0, 4 * numel, per_token)
-    return LayerPlan(name, None, NOT_FACTORED, None, 0, 4 * numel, 4 * numel, 0)
 
 
 def assign_owners(sizes: Mapping[str, int], world_size: int) -> dict[str, int]:
@@ -398,16 +321,23 @@ def training_bytes(model: nn.Module, world_size: int, sharded: bool) -> int:
 
 def plan_capture(model: nn.Module, inputs: PlanInputs) -> CapturePlan:
     """The plan of capturing ``inputs.selection`` of ``model`` (any device, meta included)."""
-    vocab = vocabulary_size(model)
+    selected = inputs.selection.resolve(model)
+    specs: dict[str, FactorSpec | str] = (
+        layer_specs(
+            selected,
+            projection=inputs.projection,
+            curvature_head=inputs.curvature_head,
+            vocab=vocabulary_size(model),
+        )
+        if inputs.curvature
+        else dict.fromkeys(selected, CURVATURE_OFF)
+    )
     layers = []
     dtypes: set[torch.dtype] = set()
-    for name, (module, adapter) in inputs.selection.resolve(model).items():
-        params = adapter.captured_parameters(module)
-        if isinstance(adapter, LinearAdapter) and "weight" in params:
-            layer = _linear_plan(name, module, adapter, inputs, vocab)
-            dtypes |= {p.dtype for p in params.values()} if layer.factors else set()
-        else:
-            layer = _other_plan(name, module, adapter, inputs)
+    for name, (module, adapter) in selected.items():
+        layer = layer_plan(name, module, adapter, inputs.projection, specs[name])
+        if layer.factors is not None:
+            dtypes |= {p.dtype for p in adapter.captured_parameters(module).values()}
         layers.append(layer)
     sizes = {layer.name: layer.statistics_numel() for layer in layers if layer.factors is not None}
     owners = assign_owners(sizes, inputs.world_size)
@@ -452,10 +382,13 @@ def require_within_budget(model: nn.Module, plan: CapturePlan) -> None:
             options.append(f"curvature_head=False ({_size(without.statistics_bytes())})")
     options.append("curvature=False (no K-FAC/EK-FAC/LoGra afterwards)")
     options.append(f"curvature_budget_gb={_round_up(need / GIB):g}")
-    widest = max(plan.curvature_shapes.items(), key=lambda item: max(item[1]))
+    widest = max(
+        plan.curvature_shapes.items(), key=lambda item: max(item[1].dense_widths, default=0)
+    )
     raise CurvatureBudgetError(
         f"K-FAC statistics need {_size(need)} per rank ({len(plan.curvature_shapes)} layers "
-        f"over {inputs.world_size} rank(s), widest {widest[0]}: {max(widest[1])}^2), over "
+        f"over {inputs.world_size} rank(s), widest {widest[0]}: "
+        f"{max(widest[1].dense_widths, default=0)}^2), over "
         f"curvature_budget_gb={inputs.budget_gb:g}; ways out: {'; '.join(options)}"
     )
 

@@ -7,11 +7,14 @@ STORE/rank-<r>/curvature-commit-before-step<n>.safetensors every curvature_save_
 ```
 
 Each file holds, for the layers rank ``r`` owns, the fp64 sums over token rows of the
-steps before ``n`` (the end: every step): ``<layer>::A`` ``(n_a, n_a)``, ``<layer>::S``
-``(n_s, n_s)`` and ``<layer>::tokens`` ``(1,)``, with metadata ``format``, ``next_step``,
-``rank``, ``world_size``, ``owners`` (layer -> rank, JSON) and ``excluded`` (layer -> why
-it has no statistics, JSON). A file is written streamed, layer by layer (never all of a
-rank's fp64 sums in memory at once), into a temporary file that is fsynced and renamed.
+steps before ``n`` (the end: every step): ``<layer>::A``, ``<layer>::S`` and
+``<layer>::tokens`` ``(1,)``, with metadata ``format``, ``next_step``, ``rank``,
+``world_size``, ``owners`` (layer -> rank, JSON), ``excluded`` (layer -> why it has no
+statistics, JSON) and ``units`` (the groups of layers that share a tied weight, JSON). A
+factor is ``(n, n)`` when kept dense, ``(n,)`` when diagonal and ``(0,)`` when the layer has
+none (:mod:`~tda_plugins.precondition.forms`), so the shapes say each layer's forms. A file
+is written streamed, layer by layer (never all of a rank's fp64 sums in memory at once),
+into a temporary file that is fsynced and renamed.
 
 A *set* is the files of one kind and step across ranks; it is complete when every rank
 that wrote gradients (``index.json``) and every rank of the writers' world has its file.
@@ -37,6 +40,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
+from tda_plugins.precondition.forms import FactorSpec
 from tda_plugins.progress import end_of_run_bar
 from tda_plugins.store.io import atomic_write
 from tda_plugins.store.layout import CURVATURE_FILE, INDEX_FILE, StoreError
@@ -54,8 +58,11 @@ class KroneckerFactors:
 
     Attributes:
         a_sum: ``(N_i', N_i')`` sum of ``[a;1][a;1]^T`` over token rows (fp64 once read
-            from a store; the accumulator's running part is fp32 for fp32/bf16 models).
-        g_sum: ``(N_o, N_o)`` sum of ``g g^T`` over token rows.
+            from a store; the accumulator's running part is fp32 for fp32/bf16 models);
+            an embedding's ``(V,)`` token counts (the diagonal of its one-hot inputs'
+            sum); ``(0,)`` for a layer with one factor (norm scales).
+        g_sum: ``(N_o, N_o)`` sum of ``g g^T`` over token rows; a tied head's ``(V,)``
+            diagonal of it; for norm scales, the sum over examples of ``dw dw^T``.
         tokens: number of token rows summed (fp64 scalar tensor).
     """
 
@@ -97,20 +104,18 @@ def snapshot_step(path: Path) -> tuple[Kind, int] | None:
 
 def write_statistics(
     path: Path,
-    shapes: Mapping[str, tuple[int, int]],
+    shapes: Mapping[str, FactorSpec | tuple[int, int]],
     totals: Callable[[str], KroneckerFactors],
     metadata: Mapping[str, str],
 ) -> None:
-    """Write ``totals(layer)`` of every layer of ``shapes`` (``(n_a, n_s)``) as fp64
-    safetensors, one layer in memory at a time (the header is known from the shapes, so
-    each layer's bytes follow as it is computed); atomically, fsynced."""
+    """Write ``totals(layer)`` of every layer of ``shapes`` (a :class:`FactorSpec`, or
+    ``(n_a, n_s)`` for dense factors) as fp64 safetensors, one layer in memory at a time
+    (the header is known from the shapes, so each layer's bytes follow as it is
+    computed); atomically, fsynced."""
+    layer_shapes = {name: (*FactorSpec.of(spec).shapes(), (1,)) for name, spec in shapes.items()}
     entries: list[tuple[str, tuple[int, ...]]] = []
-    for name, (n_a, n_s) in shapes.items():
-        entries += [
-            (f"{name}::A", (n_a, n_a)),
-            (f"{name}::S", (n_s, n_s)),
-            (f"{name}::tokens", (1,)),
-        ]
+    for name, (a_shape, s_shape, _) in layer_shapes.items():
+        entries += [(f"{name}::A", a_shape), (f"{name}::S", s_shape), (f"{name}::tokens", (1,))]
     header: dict[str, object] = {"__metadata__": {"format": FORMAT, **metadata}}
     offset = 0
     for key, shape in entries:
@@ -130,13 +135,10 @@ def write_statistics(
             end_of_run_bar(offset, f"writing K-FAC statistics ({path.name})") as bar,
         ):
             f.write(struct.pack("<Q", len(raw)) + raw)
-            for name, (n_a, n_s) in shapes.items():
+            for name, layer_shape in layer_shapes.items():
                 stats = totals(name)
-                for tensor, shape in (
-                    (stats.a_sum, (n_a, n_a)),
-                    (stats.g_sum, (n_s, n_s)),
-                    (stats.tokens.reshape(1), (1,)),
-                ):
+                tensors = (stats.a_sum, stats.g_sum, stats.tokens.reshape(1))
+                for tensor, shape in zip(tensors, layer_shape, strict=True):
                     values = tensor.detach().to("cpu", torch.float64).contiguous()
                     if tuple(values.shape) != shape:
                         raise ValueError(
@@ -177,6 +179,14 @@ class StatisticsSet:
         for meta in self.metadata():
             out.update(json.loads(meta.get("excluded", "{}")))
         return out
+
+    @property
+    def units(self) -> list[tuple[str, ...]]:
+        """The groups of layers that share one tied weight (model order)."""
+        found: dict[tuple[str, ...], None] = {}
+        for meta in self.metadata():
+            found.update(dict.fromkeys(tuple(u) for u in json.loads(meta.get("units", "[]"))))
+        return list(found)
 
     def layer_names(self) -> list[str]:
         names: dict[str, None] = {}

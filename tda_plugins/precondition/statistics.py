@@ -1,15 +1,19 @@
 """Inline K-FAC statistics, accumulated from the captured factors during training.
 
-Per factorized layer (linear, Conv1D, LoRA, factor-projected):
+Per linear layer (linear, Conv1D, LoRA, factor-projected):
 
     A = sum over token rows of [a;1][a;1]^T      (N_i' x N_i')
     S = sum over token rows of g g^T              (N_o x N_o)
 
-divided by the number of real (non-padding) token rows when read. ``g`` is scaled by the
-record's ``loss_scale``, i.e. taken under the store's per-example summed-loss convention.
-Padding rows are excluded through the record's token mask, by multiplication (no host
-sync). Layers fed by one input (q/k/v, gate/up) share one ``A`` product per micro-batch,
-and each product adds to the upper triangle of the symmetric sum only (mirrored when read).
+divided by the number of real (non-padding) token rows when read; an embedding keeps the
+diagonal ``A`` of its one-hot inputs (token counts), the head use of a tied weight the
+diagonal of its vocabulary-wide ``S``, a norm scale one dense factor of its per-example
+gradients (:mod:`~tda_plugins.precondition.forms`, what each micro-batch adds:
+:mod:`~tda_plugins.precondition.products`). ``g`` is scaled by the record's
+``loss_scale``, i.e. taken under the store's per-example summed-loss convention. Padding
+rows are excluded through the record's token mask, by multiplication (no host sync).
+Layers fed by one input (q/k/v, gate/up) share one ``A`` product per micro-batch, and
+each product adds to the upper triangle of the symmetric sum only (mirrored when read).
 
 Precision and memory: each micro-batch's products are taken, and summed until the next
 commit, in the gradients' accumulation dtype (fp32 for fp32/bf16 models; half the bytes
@@ -26,8 +30,7 @@ Ranks: each layer has one owner (balanced by size,
 Under the ``"local"`` schedule every rank sums its own tokens for every layer and the sums
 are reduced to the owners at each commit; under ``"owner"`` each micro-batch's products
 are reduced to the owner at once and only owners hold sums (see
-:mod:`~tda_plugins.precondition.plan` for when each is chosen). Embedding and norm layers
-get no K-FAC factors.
+:mod:`~tda_plugins.precondition.plan` for when each is chosen).
 """
 
 from __future__ import annotations
@@ -43,9 +46,12 @@ from torch import Tensor
 from tda_plugins.capture.config import CaptureConfig
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.records import MicroBatchRecord
-from tda_plugins.grads.blocks import TensorKey, accumulation_dtype, tensor_key
+from tda_plugins.grads.blocks import tensor_key
+from tda_plugins.grads.projection import ProjectionConfig
 from tda_plugins.grads.tokens import TokenFactors
+from tda_plugins.precondition.forms import FactorSpec, Form, form_of, layer_specs
 from tda_plugins.precondition.plan import Schedule, assign_owners, reduce_block_rows
+from tda_plugins.precondition.products import Contribution, Products
 from tda_plugins.precondition.snapshots import (
     Kind,
     KroneckerFactors,
@@ -65,22 +71,6 @@ __all__ = [
     "load_curvature",
     "mirrored",
 ]
-
-
-def _token_rows(t: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
-    """``(B, T', N)`` factor -> its ``(rows, N)`` token rows with padding rows zeroed, and
-    their count (fp64 scalar).
-
-    A module called ``k`` times on the sequence holds ``k T`` token rows (the calls are
-    concatenated), so the ``(B, T)`` mask is tiled ``k`` times; rows of calls on other
-    lengths cannot be matched to tokens and all count.
-    """
-    if mask is not None and mask.shape[0] == t.shape[0] and t.shape[1] % mask.shape[1] == 0:
-        keep = mask.to(t.dtype).repeat(1, t.shape[1] // mask.shape[1]).unsqueeze(2)
-        t, count = t * keep, keep.sum(dtype=torch.float64)
-    else:
-        count = torch.tensor(float(t.shape[0] * t.shape[1]), dtype=torch.float64, device=t.device)
-    return t.reshape(-1, t.shape[2]), count
 
 
 #: Widest Gram taken as one product; wider ones are halved (see :func:`add_upper_gram`).
@@ -124,7 +114,7 @@ def load_curvature(root: str | Path) -> dict[str, KroneckerFactors]:
 
 
 class CurvatureAccumulator(CaptureConsumer):
-    """Consumer that accumulates :class:`KroneckerFactors` per factorized layer.
+    """Consumer that accumulates :class:`KroneckerFactors` per captured layer.
 
     Args:
         path: the gradient store directory the statistics are saved into.
@@ -132,10 +122,13 @@ class CurvatureAccumulator(CaptureConsumer):
         product_dtype: dtype of each micro-batch's products and of the running sums;
             ``None`` (default): the gradients' accumulation dtype (fp32 unless the model
             is fp64); ``torch.float64``: exact fp64 products, at about twice the cost.
-        shapes: layer -> ``(n_a, n_s)`` of the layers to accumulate
+        shapes: layer -> its :class:`~tda_plugins.precondition.forms.FactorSpec` (or
+            ``(n_a, n_s)``: two dense factors) for the layers to accumulate
             (:attr:`~tda_plugins.precondition.plan.CapturePlan.curvature_shapes`); every
-            other layer gets none. ``None``: every factorized layer, found as it arrives
-            (one process only: ranks must agree on the layers they reduce).
+            other layer gets none. ``None``: every layer with factors, its spec found from
+            its module and the capture's projection as it arrives (a vocabulary-wide
+            untied head included; one process only: ranks must agree on the layers they
+            reduce).
         excluded: layer -> why it has no statistics, saved for readers' error messages.
         world_size: ranks that capture together (default: ``torch.distributed``'s world,
             else 1); each layer's statistics are reduced to, and saved by, its owner.
@@ -149,7 +142,7 @@ class CurvatureAccumulator(CaptureConsumer):
         rank: int = 0,
         product_dtype: torch.dtype | None = None,
         *,
-        shapes: Mapping[str, tuple[int, int]] | None = None,
+        shapes: Mapping[str, FactorSpec | tuple[int, int]] | None = None,
         excluded: Mapping[str, str] | None = None,
         world_size: int | None = None,
         schedule: Schedule = "local",
@@ -167,12 +160,16 @@ class CurvatureAccumulator(CaptureConsumer):
         if schedule not in ("local", "owner"):
             raise ValueError(f"schedule must be 'local' or 'owner', got {schedule!r}")
         self.schedule = schedule
-        self.shapes = None if shapes is None else dict(shapes)
+        self.shapes = None if shapes is None else {n: FactorSpec.of(v) for n, v in shapes.items()}
         self.excluded = dict(excluded or {})
-        sizes = {n: a * a + s * s for n, (a, s) in (self.shapes or {}).items()}
         #: layer -> the rank that owns (reduces to, saves) its statistics
-        self.owners = assign_owners(sizes, self.world_size)
+        self.owners = assign_owners(
+            {n: spec.numel for n, spec in (self.shapes or {}).items()}, self.world_size
+        )
         self._member = dist.get_rank() if self.world_size > 1 else 0
+        # every layer's spec: the planned ones, or (no plan) each one's as it arrives
+        self._specs: dict[str, FactorSpec] = dict(self.shapes or {})
+        self._projection: ProjectionConfig | None = None
         # running sums since the last commit, exact in their upper triangles only (see
         # add_upper_gram); under "owner", of the owned layers only
         self._sums: dict[str, KroneckerFactors] = {}
@@ -208,8 +205,7 @@ class CurvatureAccumulator(CaptureConsumer):
         base = sum_files(self._base, [name]).get(name)
         running = self._sums.get(name)
         if running is None and base is None:  # a planned layer no micro-batch reached
-            n_a, n_s = self._shape(name)
-            return _zeros(n_a, n_s, torch.float64, torch.device("cpu"))
+            return _zeros(self._shape(name), torch.float64, torch.device("cpu"))
         if running is not None:  # mirrored in host memory, not beside the device's sums
             running = KroneckerFactors(
                 _mirrored_on_host(running.a_sum),
@@ -224,6 +220,7 @@ class CurvatureAccumulator(CaptureConsumer):
     # -- events ------------------------------------------------------------------------------
 
     def on_attach(self, config: CaptureConfig) -> None:
+        self._projection = config.projection
         final = snapshot_path(rank_dir(self.root, self.rank), "final", 0)
         if final.exists() and not self._resumed and self.world_size == 1 and not self._base:
             self._base = [final]  # an appending capture continues the saved sums
@@ -257,106 +254,126 @@ class CurvatureAccumulator(CaptureConsumer):
         # Layers fed by one input (q/k/v, gate/up) share its A product: a lone layer's is
         # added straight into its running sum (no (N_i', N_i') temporary per micro-batch),
         # a shared one is taken once and added to each.
-        groups: dict[tuple[TensorKey, bool], list[tuple[str, TokenFactors]]] = {}
-        for name, grads in self._factored(record).items():
-            groups.setdefault((tensor_key(grads.a), grads.bias), []).append((name, grads))
-        for group in groups.values():
-            a, count = self._rows(group[0][1].augmented_a(), record)
-            stats = [self._running(name, grads) for name, grads in group]
-            if len(stats) == 1:
-                add_upper_gram(stats[0].a_sum, a)
-            else:
-                a_sum = torch.zeros_like(stats[0].a_sum)
-                add_upper_gram(a_sum, a)
-                for s in stats:
-                    s.a_sum += a_sum
-            for (_, grads), s in zip(group, stats, strict=True):
-                add_upper_gram(s.g_sum, self._g_rows(grads, record))
-                s.tokens += count
+        products = Products(record, self.product_dtype)
+        for group in self._input_groups(record):
+            shared = None
+            for name in group:
+                spec = self._specs[name]
+                c = products(record.layers[name].grads, spec)
+                stats = self._running(name, c)
+                if len(group) > 1:
+                    shared = c.a
+                else:
+                    _add(stats.a_sum, c.a, spec.a_form)
+                _add(stats.g_sum, c.s, spec.s_form)
+                stats.tokens += c.tokens
+            if shared is not None:
+                a_sum = torch.zeros_like(self._sums[group[0]].a_sum)
+                add_upper_gram(a_sum, shared)
+                for name in group:
+                    self._sums[name].a_sum += a_sum
+            products.forget()
 
     def on_end(self) -> None:
         self.commit(self._next_step, "final")
 
     # -- products ------------------------------------------------------------------------------
 
-    def _factored(self, record: MicroBatchRecord) -> dict[str, TokenFactors]:
-        return {
-            name: layer.grads
-            for name, layer in record.layers.items()
-            if isinstance(layer.grads, TokenFactors)
-            and (self.shapes is None or name in self.shapes)
-        }
+    def _input_groups(self, record: MicroBatchRecord) -> list[list[str]]:
+        """The record's layers that keep statistics, grouped by input: linear layers fed by
+        one input (one ``[a; 1]`` tensor) together, every other layer alone."""
+        self._learn_specs(record)
+        groups: dict[object, list[str]] = {}
+        key: object
+        for name, layer in record.layers.items():
+            if name not in self._specs:
+                continue
+            grads, key = layer.grads, name
+            if isinstance(grads, TokenFactors) and self._specs[name].a_form == "dense":
+                key = (tensor_key(grads.a), grads.bias)
+            groups.setdefault(key, []).append(name)
+        return list(groups.values())
 
-    def _dtype(self, grads: TokenFactors) -> torch.dtype:
-        return self.product_dtype or accumulation_dtype(grads.g)
+    def _learn_specs(self, record: MicroBatchRecord) -> None:
+        """Without a plan: the spec of each layer seen for the first time, from its module
+        and the capture's projection (a layer without factors noted in ``excluded``)."""
+        if self.shapes is not None or all(n in self._specs for n in record.layers):
+            return
+        modules = {n: (r.module, r.adapter) for n, r in record.layers.items()}
+        for name, spec in layer_specs(modules, projection=self._projection).items():
+            if isinstance(spec, FactorSpec):
+                self._specs.setdefault(name, spec)
+            else:
+                self.excluded.setdefault(name, spec)
 
-    def _rows(self, t: Tensor, record: MicroBatchRecord) -> tuple[Tensor, Tensor]:
-        return _token_rows(
-            t if self.product_dtype is None else t.to(self.product_dtype), record.token_mask
-        )
-
-    def _g_rows(self, grads: TokenFactors, record: MicroBatchRecord) -> Tensor:
-        g = grads.g.to(accumulation_dtype(grads.g)) * record.loss_scale
-        return self._rows(g, record)[0]
-
-    def _running(self, name: str, grads: TokenFactors) -> KroneckerFactors:
-        """Layer ``name``'s running sums, zero ones first."""
+    def _running(self, name: str, c: Contribution) -> KroneckerFactors:
+        """Layer ``name``'s running sums, zero ones first (in the products' dtype)."""
         if name not in self._sums:
-            self._sums[name] = _zeros(
-                grads.in_dim, grads.out_dim, self._dtype(grads), grads.g.device
-            )
+            self._sums[name] = _zeros(self._specs[name], c.s.dtype, c.s.device)
         return self._sums[name]
 
     def _reduce_products(self, record: MicroBatchRecord) -> None:
         """Owner schedule: each layer's products of this micro-batch, in the planned
         order on every rank, reduced to its owner (zeros for a layer this rank did not
-        see), which adds them to its running sums. Each product is taken and reduced a
-        block of rows at a time (at most
+        see), which adds them to its running sums. A dense factor's product is taken and
+        reduced a block of rows at a time (at most
         :data:`~tda_plugins.precondition.plan.REDUCE_BLOCK_BYTES`; the upper triangle's
-        rows only), so no rank holds a whole ``(n, n)`` product beside its sums; an input
-        shared by several layers (q/k/v) is multiplied again for each of them."""
+        rows only), so no rank holds a whole ``(n, n)`` product beside its sums; a
+        diagonal one is reduced whole; an input shared by several layers (q/k/v) is
+        multiplied again for each of them."""
         assert self.shapes is not None
-        factored = self._factored(record)
-        some = next(iter(factored.values()), None)
-        dtype = self.product_dtype or (
-            accumulation_dtype(some.g) if some is not None else torch.float32
-        )
-        device = some.g.device if some is not None else torch.device("cpu")
+        products = Products(record, self.product_dtype)
+        dtype, device = products.dtype_and_device(self.shapes)
         counts = torch.zeros(len(self.shapes), dtype=torch.float64, device=device)
-        for i, (name, (n_a, n_s)) in enumerate(self.shapes.items()):
-            grads = factored.get(name)
+        for i, (name, spec) in enumerate(self.shapes.items()):
             if self.owns(name) and name not in self._sums:
-                self._sums[name] = _zeros(n_a, n_s, dtype, device)
-            a_rows = g_rows = None
-            if grads is not None:
-                a_rows, counts[i] = self._rows(grads.augmented_a(), record)
-                g_rows = self._g_rows(grads, record)
-            self._reduce_gram(name, "a_sum", a_rows, n_a, dtype, device)
-            del a_rows
-            self._reduce_gram(name, "g_sum", g_rows, n_s, dtype, device)
+                self._sums[name] = _zeros(spec, dtype, device)
+            layer = record.layers.get(name)
+            c = None if layer is None else products(layer.grads, spec)
+            if c is not None:
+                counts[i] = c.tokens
+            for field, part, n, form in (
+                ("a_sum", None if c is None else c.a, spec.a, spec.a_form),
+                ("g_sum", None if c is None else c.s, spec.s, spec.s_form),
+            ):
+                self._reduce_factor(name, field, part, n, form, dtype, device)
+            del c
+            products.forget()
         dist.all_reduce(counts)
         for i, name in enumerate(self.shapes):
             if self.owns(name):
                 self._sums[name].tokens += counts[i]
 
-    def _reduce_gram(
+    def _reduce_factor(
         self,
         name: str,
         field: str,
-        rows: Tensor | None,
+        part: Tensor | None,
         n: int,
+        form: Form,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        """``rows^T rows`` (zeros for ``None``), upper block rows at a time, reduced to
-        the owner of ``name``, which adds each block to its running ``field``."""
-        owner, step = self.owners[name], reduce_block_rows(n, dtype.itemsize)
+        """One factor's product of this micro-batch reduced to the owner of ``name``, which
+        adds it to its running ``field``: for a dense factor the Gram of its rows ``part``
+        (zeros for ``None``), upper block rows at a time; for a diagonal one the vector
+        ``part``, whole."""
+        if form == "none":
+            return
+        owner = self.owners[name]
+        if form == "diagonal":
+            vector = torch.zeros(n, dtype=dtype, device=device) if part is None else part
+            dist.reduce(vector, dst=owner)
+            if self.owns(name):
+                getattr(self._sums[name], field).add_(vector)
+            return
+        step = reduce_block_rows(n, dtype.itemsize)
         for start in range(0, n, step):
             stop = min(n, start + step)
-            if rows is None:
+            if part is None:
                 block = torch.zeros(stop - start, n - start, dtype=dtype, device=device)
             else:
-                block = rows[:, start:stop].T @ rows[:, start:]
+                block = part[:, start:stop].T @ part[:, start:]
             dist.reduce(block, dst=owner)
             if self.owns(name):
                 getattr(self._sums[name], field)[start:stop, start:] += block
@@ -376,12 +393,14 @@ class CurvatureAccumulator(CaptureConsumer):
             self._reduce_running_sums()
         names = self._owned_names()
         shapes = {n: self._shape(n) for n in names}
+        units = sorted({spec.unit for spec in self._specs.values() if spec.unit})
         metadata = {
             "next_step": str(next_step),
             "rank": str(self.rank),
             "world_size": str(self.world_size),
             "owners": json.dumps(self.owners, sort_keys=True),
             "excluded": json.dumps(self.excluded, sort_keys=True),
+            "units": json.dumps(units),
         }
         target.parent.mkdir(parents=True, exist_ok=True)
         write_statistics(target, shapes, self._total, metadata)
@@ -390,42 +409,61 @@ class CurvatureAccumulator(CaptureConsumer):
             prune_commits(target.parent, keep=target)
         return target
 
-    def _shape(self, name: str) -> tuple[int, int]:
-        if self.shapes is not None:
-            return self.shapes[name]
-        if name in self._sums:
-            s = self._sums[name]
-            return s.a_sum.shape[0], s.g_sum.shape[0]
-        base = sum_files(self._base, [name])[name]
-        return base.a_sum.shape[0], base.g_sum.shape[0]
+    def _shape(self, name: str) -> FactorSpec:
+        if name in self._specs:
+            return self._specs[name]
+        return spec_of(sum_files(self._base, [name])[name])
 
     def _reduce_running_sums(self) -> None:
         """Local schedule: every layer's running sums, in the planned order, reduced to
         its owner; the other ranks' running sums restart from zero."""
         assert self.shapes is not None
-        for name, (n_a, n_s) in self.shapes.items():
+        for name, spec in self.shapes.items():
             running = self._sums.get(name)
             if running is None:
-                dtype = next((s.a_sum.dtype for s in self._sums.values()), torch.float32)
-                device = next((s.a_sum.device for s in self._sums.values()), torch.device("cpu"))
-                running = _zeros(n_a, n_s, self.product_dtype or dtype, device)
+                dtype = next((s.g_sum.dtype for s in self._sums.values()), torch.float32)
+                device = next((s.g_sum.device for s in self._sums.values()), torch.device("cpu"))
+                running = _zeros(spec, self.product_dtype or dtype, device)
             for tensor in (running.a_sum, running.g_sum, running.tokens):
-                dist.reduce(tensor, dst=self.owners[name])
+                if tensor.numel():
+                    dist.reduce(tensor, dst=self.owners[name])
             if self.owns(name):
                 self._sums[name] = running
             else:
                 self._sums.pop(name, None)
 
 
+def spec_of(stats: KroneckerFactors) -> FactorSpec:
+    """The :class:`~tda_plugins.precondition.forms.FactorSpec` of statistics read back
+    (their forms are their shapes; the unit is not known from them)."""
+    a, s = stats.a_sum, stats.g_sum
+    return FactorSpec(a.shape[0], s.shape[0], form_of(a), form_of(s))
+
+
+def _add(total: Tensor, part: Tensor | None, form: Form) -> None:
+    """Add one micro-batch's ``part`` (:class:`~tda_plugins.precondition.products.
+    Contribution`) to a factor's running sum of ``form``."""
+    if form == "dense":
+        assert part is not None
+        add_upper_gram(total, part)
+    elif form == "diagonal":
+        assert part is not None
+        total += part.to(total.dtype)
+
+
 def _mirrored_on_host(upper: Tensor) -> Tensor:
-    """:func:`mirrored` of a running sum, in fp64 on the CPU (one temporary)."""
+    """:func:`mirrored` of a running sum (a dense factor; a diagonal one as it is), in
+    fp64 on the CPU (one temporary)."""
+    if upper.dim() < 2:
+        return upper.to("cpu", torch.float64)
     out = upper.to("cpu", torch.float64).triu_()
     return out.add_(out.triu(1).T)
 
 
-def _zeros(n_a: int, n_s: int, dtype: torch.dtype, device: torch.device) -> KroneckerFactors:
+def _zeros(spec: FactorSpec, dtype: torch.dtype, device: torch.device) -> KroneckerFactors:
+    a_shape, s_shape = spec.shapes()
     return KroneckerFactors(
-        torch.zeros(n_a, n_a, dtype=dtype, device=device),
-        torch.zeros(n_s, n_s, dtype=dtype, device=device),
+        torch.zeros(a_shape, dtype=dtype, device=device),
+        torch.zeros(s_shape, dtype=dtype, device=device),
         torch.zeros((), dtype=torch.float64, device=device),
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from html import escape
 from pathlib import Path
+from typing import Any
 
 from tda_plugins.methods.scores import Scores
 from tda_plugins.store.io import atomic_write_bytes
@@ -17,7 +18,11 @@ td.score { text-align: right; font-family: monospace; white-space: nowrap; }
 td.id { font-family: monospace; color: #555; }
 pre { white-space: pre-wrap; margin: 0; font-size: .85rem; }
 .helpful td.score { color: #1a7f37; } .harmful td.score { color: #cf222e; }
+pre span { border-radius: 2px; }
 """
+
+#: ``(query id, train id)`` -> a :func:`~tda_plugins.report.tokens.token_report` entry.
+TokenEntries = dict[tuple[int, int], dict[str, Any]]
 
 
 def _text(texts: dict[int, str], example_id: int, limit: int = 600) -> str:
@@ -28,10 +33,36 @@ def _text(texts: dict[int, str], example_id: int, limit: int = 600) -> str:
     return f"<pre>{escape(short)}</pre>"
 
 
-def _table(kind: str, rows: list[dict], texts: dict[int, str]) -> str:
+def _highlighted(entry: dict[str, Any]) -> str:
+    """The example's tokens, each on a background whose strength is its share of the
+    example's largest token score: green where it helps the query, red where it harms."""
+    peak = max((abs(v) for v in entry["values"]), default=0.0) or 1.0
+    spans = []
+    for piece, value in zip(entry["tokens"], entry["values"], strict=True):
+        rgb = "26,127,55" if value > 0 else "207,34,46"
+        spans.append(
+            f"<span title='{value:+.3g}' style='background: rgba({rgb},{abs(value) / peak:.2f})'>"
+            f"{escape(piece)}</span>"
+        )
+    return f"<pre>{''.join(spans)}</pre>"
+
+
+def _table(
+    kind: str,
+    rows: list[dict],
+    texts: dict[int, str],
+    query_id: int,
+    tokens: TokenEntries,
+) -> str:
+    def cell(r: dict[str, Any]) -> str:
+        entry = tokens.get((query_id, r["id"]))
+        if entry is None or entry["tokens"] is None:
+            return _text(texts, r["id"])
+        return _highlighted(entry)
+
     body = "".join(
         f"<tr><td class='id'>{r['id']}</td><td class='score'>{r['score']:+.4g}</td>"
-        f"<td>{_text(texts, r['id'])}</td></tr>"
+        f"<td>{cell(r)}</td></tr>"
         for r in rows
     )
     return (
@@ -46,9 +77,18 @@ def render_html(
     query_texts: dict[int, str],
     k: int = 10,
     query_names: dict[int, str] | None = None,
+    tokens: list[dict[str, Any]] | None = None,
 ) -> str:
     """The report page as a string (texts are escaped; missing texts are marked); each
-    query is headed by its name where ``query_names`` gives one (as the logs call it)."""
+    query is headed by its name where ``query_names`` gives one (as the logs call it).
+    With ``tokens`` (a :func:`~tda_plugins.report.tokens.token_report`), each example's
+    tokens are shaded by their share of its score."""
+    by_pair: TokenEntries = {
+        (q["query_id"], e["id"]): e
+        for q in tokens or []
+        for side in ("helpful", "harmful")
+        for e in q[side]
+    }
     sections = []
     for entry in scores.top_k(k):
         qid = entry["query_id"]
@@ -56,8 +96,8 @@ def render_html(
         title = f"Query {escape(name)} (id {qid})" if name else f"Query {qid}"
         sections.append(
             f"<div class='query'><h2>{title}</h2>{_text(query_texts, qid, 2000)}"
-            f"{_table('helpful', entry['helpful'], train_texts)}"
-            f"{_table('harmful', entry['harmful'], train_texts)}</div>"
+            f"{_table('helpful', entry['helpful'], train_texts, qid, by_pair)}"
+            f"{_table('harmful', entry['harmful'], train_texts, qid, by_pair)}</div>"
         )
     n, m = scores.values.shape
     return (
@@ -76,10 +116,11 @@ def write_html(
     query_texts: dict[int, str],
     k: int = 10,
     query_names: dict[int, str] | None = None,
+    tokens: list[dict[str, Any]] | None = None,
 ) -> Path:
     """Write :func:`render_html` to ``path`` atomically; returns the path."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    page = render_html(scores, train_texts, query_texts, k, query_names)
+    page = render_html(scores, train_texts, query_texts, k, query_names, tokens)
     atomic_write_bytes(out, page.encode())
     return out

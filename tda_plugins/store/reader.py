@@ -8,6 +8,7 @@ id). A damaged or crafted store is a :class:`StoreError`, never a wrong score.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ from tda_plugins.store.layout import (
     StoreError,
     read_store_header,
 )
-from tda_plugins.store.texts import read_texts
+from tda_plugins.store.texts import TokenTexts, read_texts, read_token_texts
 
 
 @dataclass
@@ -126,6 +127,20 @@ class StoreReader:
         """Distinct committed optimizer steps, ascending."""
         return sorted({s.step for s in self._shards})
 
+    def step_example_ids(self) -> dict[int, list[int]]:
+        """Committed step -> its example ids in store order (from the indexes alone)."""
+        out: dict[int, list[int]] = {}
+        for shard in self._shards:
+            out.setdefault(shard.step, []).extend(shard.example_ids)
+        return out
+
+    def at_step(self, step: int) -> StoreReader:
+        """A view of this store holding optimizer step ``step`` alone (its chunks are read
+        exactly as :meth:`iter_chunks` reads them)."""
+        view = copy.copy(self)
+        view._shards = [s for s in self._shards if s.step == step]
+        return view
+
     def require_compatible(self, other: StoreReader, allow_mismatch: bool = False) -> None:
         """Raise unless ``other`` (queries) was captured with the same layers, projection
         and loss (always required: the gradients could not be paired otherwise) and, when
@@ -158,6 +173,11 @@ class StoreReader:
                 f"{'; '.join(differences)}. Capture the queries with the trained model, or "
                 "pass --allow-mismatch (allow_mismatch=True) to score them anyway"
             )
+
+    def token_texts(self) -> dict[int, TokenTexts]:
+        """Example id -> its tokens, where the capture kept per-token factors and a
+        tokenizer (else empty)."""
+        return read_token_texts(self.root)
 
     def texts(self) -> dict[int, str]:
         """Example id -> text, where the capture saved texts (else empty)."""

@@ -1,5 +1,9 @@
 """Example texts beside a store, for reports: ``{"id": ..., "text": ...}`` lines.
 
+A store kept with per-token factors (``keep_tokens``) also saves each example's tokens,
+so that token-level scores can be shown on them: ``"tokens"`` (each real token decoded
+alone) and ``"positions"`` (its index in the captured row, where its score sits).
+
 ``tda capture`` saves its texts once at the end (``examples.jsonl`` at the store's root);
 a training run appends the texts of each step's new examples to its rank's
 ``rank-<r>/examples.jsonl`` (:class:`TextRecorder`), so a run killed mid-way keeps the
@@ -9,12 +13,51 @@ texts of what it committed. A reader merges them all.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from torch import Tensor
 
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.records import MicroBatchRecord
 from tda_plugins.store.layout import EXAMPLES_FILE, StoreError, rank_dir
+
+
+@dataclass(frozen=True)
+class TokenTexts:
+    """An example's real tokens, each decoded alone, and their positions in its row.
+
+    Attributes:
+        pieces: the decoded tokens, in order.
+        positions: the index of each in the captured (padded) row: the token axis of its
+            per-token scores.
+    """
+
+    pieces: list[str]
+    positions: list[int]
+
+
+def token_texts(tokenizer: Any, input_ids: Tensor, mask: Tensor | None) -> list[TokenTexts]:
+    """Per row of ``(B, T)`` ``input_ids``: its real tokens (``mask`` set; all without a
+    mask), each decoded alone."""
+    out = []
+    for row in range(input_ids.shape[0]):
+        positions = (
+            list(range(input_ids.shape[1])) if mask is None else mask[row].nonzero()[:, 0].tolist()
+        )
+        ids = input_ids[row, positions].tolist()
+        out.append(TokenTexts([tokenizer.decode([t]) for t in ids], positions))
+    return out
+
+
+def example_line(example_id: int, text: str, tokens: TokenTexts | None = None) -> str:
+    """One ``examples.jsonl`` line (newline included)."""
+    row: dict[str, Any] = {"id": example_id, "text": text}
+    if tokens is not None:
+        row["tokens"], row["positions"] = tokens.pieces, tokens.positions
+    return json.dumps(row) + "\n"
 
 
 class TextRecorder(CaptureConsumer):
@@ -22,13 +65,15 @@ class TextRecorder(CaptureConsumer):
 
     Each micro-batch's real tokens (``input_ids`` where the attention mask is set) are
     decoded with ``tokenizer.decode``: the text the model was trained on, special tokens
-    and chat template included. Lines are appended at each optimizer step (no fsync: a
-    text is for reading, and a torn last line is skipped on read).
+    and chat template included; with ``tokens``, each token decoded alone too. Lines are
+    appended at each optimizer step (no fsync: a text is for reading, and a torn last line
+    is skipped on read).
     """
 
-    def __init__(self, root: str | Path, rank: int, tokenizer: Any):
+    def __init__(self, root: str | Path, rank: int, tokenizer: Any, *, tokens: bool = False):
         self.path = rank_dir(Path(root), rank) / EXAMPLES_FILE
-        self.decode = tokenizer.decode
+        self.tokenizer = tokenizer
+        self.tokens = tokens
         self._seen: set[int] = set()
         self._lines: list[str] = []
 
@@ -38,13 +83,16 @@ class TextRecorder(CaptureConsumer):
         ids = record.example_ids.tolist()
         tokens = record.input_ids.cpu()
         mask = None if record.token_mask is None else record.token_mask.cpu()
+        pieces = token_texts(self.tokenizer, tokens, mask) if self.tokens else None
         for row, example_id in enumerate(ids):
             if example_id in self._seen:
                 continue
             self._seen.add(example_id)
             real = tokens[row] if mask is None else tokens[row][mask[row]]
-            text = self.decode(real.tolist())
-            self._lines.append(json.dumps({"id": example_id, "text": text}) + "\n")
+            text = self.tokenizer.decode(real.tolist())
+            self._lines.append(
+                example_line(example_id, text, None if pieces is None else pieces[row])
+            )
 
     def on_optimizer_step(self, step: int, records: list[MicroBatchRecord]) -> None:
         self._append()
@@ -61,11 +109,10 @@ class TextRecorder(CaptureConsumer):
         self._lines = []
 
 
-def read_texts(root: Path) -> dict[int, str]:
-    """Example id -> text from the store's root file and every rank's file (empty when
-    no capture saved texts). A rank file's unfinished last line (a killed run) is
-    skipped; any other damaged line is refused."""
-    texts: dict[int, str] = {}
+def _rows(root: Path) -> Iterator[dict[str, Any]]:
+    """Every example line of the store's root file and of every rank's file. A rank
+    file's unfinished last line (a killed run) is skipped; any other damaged line is
+    refused."""
     files = [root / EXAMPLES_FILE, *sorted(root.glob(f"rank-*/{EXAMPLES_FILE}"))]
     for path in files:
         if not path.is_file():
@@ -76,7 +123,12 @@ def read_texts(root: Path) -> dict[int, str]:
                 continue
             try:
                 row = json.loads(line)
-                texts[int(row["id"])] = str(row["text"])
+                row["id"], row["text"] = int(row["id"]), str(row["text"])
+                if "tokens" in row:
+                    row["tokens"] = [str(piece) for piece in row["tokens"]]
+                    row["positions"] = [int(i) for i in row["positions"]]
+                    if len(row["tokens"]) != len(row["positions"]):
+                        raise ValueError("its tokens and positions differ in number")
             except (ValueError, KeyError, TypeError) as error:
                 if number == len(lines):  # no newline after it: an append cut short
                     continue
@@ -84,4 +136,19 @@ def read_texts(root: Path) -> dict[int, str]:
                     f"{path}:{number} is not an example text line ({error}); delete the "
                     "file to read the store without texts"
                 ) from error
-    return texts
+            yield row
+
+
+def read_texts(root: Path) -> dict[int, str]:
+    """Example id -> text from the store's root file and every rank's file (empty when
+    no capture saved texts)."""
+    return {row["id"]: row["text"] for row in _rows(root)}
+
+
+def read_token_texts(root: Path) -> dict[int, TokenTexts]:
+    """Example id -> its tokens, for the examples saved with them (``keep_tokens``)."""
+    return {
+        row["id"]: TokenTexts(row["tokens"], row["positions"])
+        for row in _rows(root)
+        if "tokens" in row
+    }

@@ -80,6 +80,7 @@ from tda_plugins.store.layout import (
 )
 from tda_plugins.store.lock import WriterLock
 from tda_plugins.store.sync import BackgroundSync
+from tda_plugins.store.texts import TokenTexts, example_line
 
 
 @dataclass
@@ -344,17 +345,19 @@ class GradientStore(CaptureConsumer):
         """The first step number a run appending to this store may use."""
         return max(self._steps) + 1 if self._steps else 0
 
-    def write_examples(self, texts: dict[int, str]) -> None:
-        """Save example texts (id -> text) for reports, merged with any already saved."""
+    def write_examples(
+        self, texts: dict[int, str], tokens: dict[int, TokenTexts] | None = None
+    ) -> None:
+        """Save example texts (id -> text) for reports, and the tokens of those that
+        ``tokens`` gives, merged with the lines already saved."""
         path = self.root / EXAMPLES_FILE
         known: dict[int, str] = {}
         if path.exists():
             for line in path.read_text().splitlines():
-                row = json.loads(line)
-                known[int(row["id"])] = row["text"]
-        known.update(texts)
-        lines = [json.dumps({"id": i, "text": t}) for i, t in sorted(known.items())]
-        atomic_write_bytes(path, ("\n".join(lines) + "\n").encode())
+                known[int(json.loads(line)["id"])] = line + "\n"
+        pieces = tokens or {}
+        known.update({i: example_line(i, t, pieces.get(i)) for i, t in texts.items()})
+        atomic_write_bytes(path, "".join(known[i] for i in sorted(known)).encode())
 
     # -- checks and clean-up -----------------------------------------------------------
 

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 from torch import Tensor, nn
 
 from tda_plugins.grads.base import PerExampleGrad
+from tda_plugins.grads.parameters import ParameterLayout
 
 
 class LayerAdapter(ABC):
@@ -35,6 +36,11 @@ class LayerAdapter(ABC):
     @abstractmethod
     def captured_parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:
         """Local name -> parameter, for the trainable parameters this adapter captures."""
+
+    @abstractmethod
+    def parameter_layout(self, module: nn.Module) -> ParameterLayout:
+        """Where each captured parameter sits in the materialized layout (the one
+        :meth:`unflatten` reads), for scoring some parameters without the others."""
 
     @abstractmethod
     def capture(self, module: nn.Module, x: Tensor, grad_output: Tensor) -> PerExampleGrad:

@@ -9,6 +9,7 @@ from tda_plugins.capture.adapters.base import LayerAdapter, register_adapter
 from tda_plugins.capture.adapters.linear import trainable
 from tda_plugins.grads.base import PerExampleGrad
 from tda_plugins.grads.embedding import EmbeddingFactors
+from tda_plugins.grads.parameters import ParameterLayout
 
 
 @register_adapter(nn.Embedding)
@@ -31,6 +32,10 @@ class EmbeddingAdapter(LayerAdapter):
 
     def _weight(self, module: nn.Module) -> nn.Parameter:
         return self.captured_parameters(module)["weight"]
+
+    def parameter_layout(self, module: nn.Module) -> ParameterLayout:
+        width = self._weight(module).shape[1]
+        return ParameterLayout(width, (("weight", 0, width),))
 
     def unflatten(self, module: nn.Module, flat: Tensor) -> dict[str, Tensor]:
         return {"weight": flat.reshape(*flat.shape[:-1], *self._weight(module).shape)}

@@ -9,6 +9,7 @@ from tda_plugins.capture.adapters.base import LayerAdapter, register_adapter
 from tda_plugins.grads.base import PerExampleGrad
 from tda_plugins.grads.blocks import accumulation_dtype
 from tda_plugins.grads.dense import DenseGrad
+from tda_plugins.grads.parameters import ParameterLayout
 from tda_plugins.grads.tokens import TokenFactors
 
 
@@ -42,6 +43,15 @@ class LinearAdapter(LayerAdapter):
         if "weight" not in params:
             return DenseGrad(g.to(accumulation_dtype(g)).sum(dim=1))
         return TokenFactors(as_tokens(x.detach()), g, bias="bias" in params)
+
+    def parameter_layout(self, module: nn.Module) -> ParameterLayout:
+        params = self.captured_parameters(module)
+        if "weight" not in params:
+            return ParameterLayout(params["bias"].numel(), (("bias", 0, params["bias"].numel()),))
+        n_i = self.weight_layout(params["weight"]).shape[1]
+        if "bias" not in params:
+            return ParameterLayout(n_i, (("weight", 0, n_i),))
+        return ParameterLayout(n_i + 1, (("weight", 0, n_i), ("bias", n_i, n_i + 1)))
 
     def weight_layout(self, t: Tensor) -> Tensor:
         """``(..., N_o, N_i)`` <-> the weight's own layout (an involution)."""

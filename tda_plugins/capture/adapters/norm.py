@@ -21,6 +21,7 @@ from tda_plugins.capture.adapters.linear import trainable
 from tda_plugins.grads.base import PerExampleGrad
 from tda_plugins.grads.blocks import accumulation_dtype
 from tda_plugins.grads.dense import DenseGrad
+from tda_plugins.grads.parameters import ParameterLayout
 
 
 @register_adapter(nn.LayerNorm, nn.RMSNorm, suffixes=("RMSNorm",))
@@ -76,6 +77,13 @@ class NormAdapter(LayerAdapter):
         if "bias" in params:
             parts.append(g.reshape(batch, -1, n).sum(1))
         return DenseGrad(torch.cat(parts, dim=1))
+
+    def parameter_layout(self, module: nn.Module) -> ParameterLayout:
+        columns, start = [], 0
+        for name, p in self.captured_parameters(module).items():
+            columns.append((name, start, start + p.numel()))
+            start += p.numel()
+        return ParameterLayout(start, tuple(columns))
 
     def unflatten(self, module: nn.Module, flat: Tensor) -> dict[str, Tensor]:
         params = self.captured_parameters(module)

@@ -155,6 +155,8 @@ class GradientCaptureCallback(Callback):
 
     def post_step(self) -> None:
         if self._session is not None:
+            # OLMo-core sets each step's learning rate before its optimizer step
+            self._session.after_optimizer_step()
             self._session.finish_step()
 
     def state_dict(self) -> dict[str, Any]:
@@ -186,6 +188,7 @@ class GradientCaptureCallback(Callback):
     def _open_session(self) -> CaptureSession:
         model = check_train_module(self.trainer.train_module, self.settings)
         start_step = self.trainer.global_step - 1
+        train_module = self.trainer.train_module
         session = CaptureSession(
             self.settings,
             model,
@@ -193,6 +196,8 @@ class GradientCaptureCallback(Callback):
             rank=process_rank(),
             start_step=start_step,
             tokenizer=self.tokenizer,
+            optimizer=getattr(train_module, "optim", None),
+            max_grad_norm=getattr(train_module, "max_grad_norm", None),
         )
         self._ids_hook = model.register_forward_pre_hook(
             self._give_example_ids, prepend=True, with_kwargs=True

@@ -37,7 +37,7 @@ from tda_plugins.api import capture_batch, evaluating
 from tda_plugins.capture import CaptureEngine, MicroBatchRecord
 from tda_plugins.capture.layers import SelectionKind
 from tda_plugins.data_selection.parallel import is_sharded
-from tda_plugins.distributed import rank_gather, without_gradient_sync
+from tda_plugins.distributed import OneProcess, RankGather, rank_gather, without_gradient_sync
 from tda_plugins.grads.projection import MapKind
 from tda_plugins.influence import InfluenceLogger
 from tda_plugins.integrations.olmo_core.callbacks import check_train_module, give_example_ids
@@ -115,6 +115,11 @@ class InfluenceLoggingCallback(Callback):
         tokenizer: how the report writes token ids as text: an object with ``decode``
             (a Hugging Face tokenizer) or a callable ``list[int] -> str``; ``None``:
             token ids separated by spaces.
+        exclude_params: parameter name patterns left out of the scores (``("bias",)``:
+            :class:`~tda_plugins.methods.groups.ParameterGroups`; a pattern that matches
+            no captured parameter is refused when the engine attaches, before the first
+            step's forward).
+        normalize_layers: each layer's gradient unit-normalized per example before the dot.
         layers, include, exclude, last_n_blocks, projection, k_a, k_g, k,
             projection_map, seed: the layer and projection fields of
             :class:`~tda_plugins.session.CaptureSettings` (default layers, ``"auto"``:
@@ -127,6 +132,8 @@ class InfluenceLoggingCallback(Callback):
     top_k: int = 5
     report_dir: str | None = None
     tokenizer: Any = None
+    exclude_params: tuple[str, ...] = ()
+    normalize_layers: bool = False
     layers: SelectionKind = "auto"
     include: str | None = None
     exclude: str | None = None
@@ -146,7 +153,7 @@ class InfluenceLoggingCallback(Callback):
         self._decode = _decoder(self.tokenizer)
         pool_batch(self.queries)  # refuses bad queries now, before any training
         #: The scores so far (replaced at the first step by one that gathers over ranks).
-        self.influence_log = InfluenceLogger(self.method)
+        self.influence_log = self._logger(OneProcess())
         #: The report's files, by kind (``json``, ``html``, ``png``), once written.
         self.report: dict[str, Path] = {}
         self._engine: CaptureEngine | None = None
@@ -207,13 +214,21 @@ class InfluenceLoggingCallback(Callback):
         self._train_module = train_module
         return model
 
+    def _logger(self, gather: RankGather) -> InfluenceLogger:
+        return InfluenceLogger(
+            self.method,
+            gather,
+            exclude_params=self.exclude_params,
+            normalize_layers=self.normalize_layers,
+        )
+
     def _attach(self) -> CaptureEngine:
         model = self._check_setup()
         assert self._train_module is not None  # set by the check
         ignore_index = int(self._train_module.label_ignore_index)
         self._query_batch = pool_batch(self.queries, ignore_index)
         self._query_losses = partial(summed_token_losses, ignore_index=ignore_index)
-        self.influence_log = InfluenceLogger(self.method, rank_gather())
+        self.influence_log = self._logger(rank_gather())
         engine = CaptureEngine(
             model,
             self._settings.selection(),

@@ -4,7 +4,9 @@
 
 No trainer subclass, no patched optimizer, no extra dataset column: the callback hooks the
 model at ``on_train_begin``, commits each optimizer step's per-example gradients at
-``on_pre_optimizer_step`` (after every micro-batch's backward), saves what a resumed run
+``on_pre_optimizer_step`` (after every micro-batch's backward), records the step's
+trajectory at ``on_optimizer_step`` with ``record_trajectory`` (before the scheduler moves
+the learning rate on), saves what a resumed run
 needs as soon as the trainer decides to checkpoint (``control.should_save`` at
 ``on_step_end``/``on_epoch_end``, before it writes the checkpoint; again at ``on_save``,
 where that finds it done), and finishes at ``on_train_end``.
@@ -24,7 +26,12 @@ from tda_plugins.integrations.transformers.setup import (
     process_index,
     unwrap_optimizer,
 )
-from tda_plugins.session import CaptureSession, CaptureSettings, settings_from
+from tda_plugins.session import (
+    CaptureSession,
+    CaptureSettings,
+    UnsupportedTrainingSetup,
+    settings_from,
+)
 
 
 class GradientCaptureCallback(TrainerCallback):
@@ -52,9 +59,15 @@ class GradientCaptureCallback(TrainerCallback):
         control: TrainerControl,
         model: nn.Module | None = None,
         processing_class: Any = None,
+        optimizer: Any = None,
         **kwargs: Any,
     ) -> None:
         model = check_trainer_setup(args, model)
+        if self.settings.record_trajectory and args.fp16:
+            raise UnsupportedTrainingSetup(
+                "record_trajectory: fp16 loss scaling rescales .grad before clipping and skips "
+                "steps, which the recorded trajectory does not follow; train in bf16 or fp32"
+            )
         self.session = CaptureSession(
             adapt_settings(self.settings, args, model),
             model,
@@ -62,6 +75,8 @@ class GradientCaptureCallback(TrainerCallback):
             rank=process_index(args),
             start_step=state.global_step,
             tokenizer=processing_class,
+            optimizer=unwrap_optimizer(optimizer),
+            max_grad_norm=args.max_grad_norm,
         )
 
     def on_pre_optimizer_step(
@@ -69,6 +84,12 @@ class GradientCaptureCallback(TrainerCallback):
     ) -> None:
         if self.session is not None:
             self.session.step()
+
+    def on_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self.session is not None:  # before the scheduler moves the learning rate on
+            self.session.after_optimizer_step()
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

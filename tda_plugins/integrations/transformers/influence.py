@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -9,7 +10,7 @@ from torch import nn
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from tda_plugins.capture import MicroBatchRecord, content_hash
-from tda_plugins.distributed import rank_gather
+from tda_plugins.distributed import OneProcess, RankGather, rank_gather
 from tda_plugins.influence import InfluenceLogger
 from tda_plugins.integrations.transformers.data import Examples
 from tda_plugins.integrations.transformers.pool import PoolCallback
@@ -43,6 +44,10 @@ class InfluenceLoggingCallback(PoolCallback):
         every_n_steps: score every n-th optimizer step.
         top_k: examples per query in the report.
         report_dir: where the report goes.
+        exclude_params: parameter name patterns left out of the scores (``("bias",)``:
+            :class:`~tda_plugins.methods.groups.ParameterGroups`; a pattern that matches
+            no captured parameter is refused at ``on_train_begin``).
+        normalize_layers: each layer's gradient unit-normalized per example before the dot.
         **options: layer/projection fields of :class:`CaptureSettings` (``layers``,
             ``include``, ``projection``, ``k_a``, ...); ``store_dir`` is not used.
     """
@@ -54,11 +59,15 @@ class InfluenceLoggingCallback(PoolCallback):
         every_n_steps: int = 1,
         top_k: int = 5,
         report_dir: str | None = None,
+        exclude_params: str | Sequence[str] = (),
+        normalize_layers: bool = False,
         **options: Any,
     ):
         super().__init__(queries, every_n_steps, options)
         self.method = method
-        self.influence_log = InfluenceLogger(method)
+        self.exclude_params = exclude_params
+        self.normalize_layers = normalize_layers
+        self.influence_log = self._logger(OneProcess())
         self.top_k = top_k
         self.report_dir = report_dir
         self.report: dict[str, Path] = {}
@@ -73,8 +82,16 @@ class InfluenceLoggingCallback(PoolCallback):
         **kwargs: Any,
     ) -> None:
         model = check_trainer_setup(args, model)
-        self.influence_log = InfluenceLogger(self.method, rank_gather())
+        self.influence_log = self._logger(rank_gather())
         self.attach(args, model, state, processing_class).add_consumer(self.influence_log)
+
+    def _logger(self, gather: RankGather) -> InfluenceLogger:
+        return InfluenceLogger(
+            self.method,
+            gather,
+            exclude_params=self.exclude_params,
+            normalize_layers=self.normalize_layers,
+        )
 
     def use_pool(self, pooled: MicroBatchRecord | None, lr_scheduler: Any) -> None:
         rate = float(lr_scheduler.get_last_lr()[0]) if lr_scheduler is not None else 1.0
