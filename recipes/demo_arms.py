@@ -156,6 +156,8 @@ class RunResult:
     Attributes:
         curves: task -> ``[(step, eval loss)]``.
         step_seconds: wall time of each optimizer step.
+        step_cpu_seconds: this process's CPU time of each optimizer step (empty in runs
+            recorded before it was measured).
         seen: kind -> examples of that kind that reached a batch.
         dropped: kind -> of those, the ones dropped.
         drop_counts: examples dropped at each step.
@@ -164,6 +166,7 @@ class RunResult:
 
     curves: dict[str, list[tuple[int, float]]]
     step_seconds: list[float]
+    step_cpu_seconds: list[float] = field(default_factory=list)
     seen: dict[str, int] = field(default_factory=dict)
     dropped: dict[str, int] = field(default_factory=dict)
     drop_counts: list[int] = field(default_factory=list)
@@ -238,6 +241,12 @@ class SeedResult:
         return (none - self.runs[arm].final_loss) / (none - clean)
 
     def time_ratio(self, arm: str) -> float:
-        """Summed step time of ``arm`` / no selection (target refreshes included; the
-        runs are sequential, not interleaved: see benchmarks/selection_overhead.py)."""
-        return sum(self.runs[arm].step_seconds) / sum(self.runs["none"].step_seconds)
+        """Summed step CPU time of ``arm`` / no selection, target refreshes included (NaN
+        for runs without CPU times). Each run trains in a process of one torch thread, so
+        its CPU time is its own work: the wall time of runs made one after another, or
+        side by side, on a shared machine also counts whatever else ran meanwhile.
+        ``benchmarks/selection_overhead.py --setting demo`` is the interleaved measurement."""
+        mine, plain = self.runs[arm].step_cpu_seconds, self.runs["none"].step_cpu_seconds
+        if not mine or not plain:
+            return math.nan
+        return sum(mine) / sum(plain)

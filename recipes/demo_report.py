@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,7 +39,7 @@ def results_table(results: Sequence[SeedResult], arms: Sequence[str], steps: int
         "corrupted dropped (recall)",
         "good dropped",
         "target-task dropped",
-        "time / no selection",
+        "CPU time / no selection",
     ]
     lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
     for arm in arms:
@@ -67,7 +68,8 @@ def results_table(results: Sequence[SeedResult], arms: Sequence[str], steps: int
             ]
         else:
             cells += ["—"] * 4
-        cells.append(spread([r.time_ratio(arm) for r in results], 2) + "x")
+        ratios = [r.time_ratio(arm) for r in results]
+        cells.append("—" if any(map(math.isnan, ratios)) else spread(ratios, 2) + "x")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -27,6 +27,7 @@ is mostly its own).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -40,9 +41,10 @@ from typing import Any, Literal
 import datasets
 import torch
 from datasets import Dataset
-from demo_arms import ARMS, Arm, RunResult, SeedResult, arm_names
+from demo_arms import ARMS, Arm, RunResult, arm_names
 from demo_data import CORRUPTED_KINDS, DemoExample, DemoMixture, build_mixture
 from demo_report import read_results, write_json, write_outputs
+from demo_schedule import Task, run_all, seed_results, tasks
 from peft import LoraConfig, get_peft_model
 from smollm2 import DEFAULT_CACHE, INSTALL_HINT, smollm2_checkpoint
 from tqdm.auto import tqdm
@@ -122,9 +124,14 @@ class DemoOptions:
             "options: its runs of the same seed and arm are taken instead of trained again"
         },
     )
-    threads: int = field(
-        default=0, metadata={"help": "torch CPU threads (0: one per core of the machine)"}
+    workers: int = field(
+        default=0,
+        metadata={
+            "help": "training processes, each training one run at a time (0: one per core "
+            "of the machine)"
+        },
     )
+    threads: int = field(default=1, metadata={"help": "torch CPU threads per process"})
 
     def ours_settings(self) -> dict[str, Any]:
         """``--ours`` parsed (values as the ``SelectionSettings`` field types)."""
@@ -233,20 +240,27 @@ def with_lora(model: PreTrainedModel, options: DemoOptions) -> Any:
 
 
 class StepTimer(TrainerCallback):
-    """Wall time of each optimizer step, ``on_step_begin`` to ``on_step_end`` (placed first,
-    so a selection callback's target refresh and gradient surgery fall inside)."""
+    """Each optimizer step's CPU time (this process's, ``time.process_time``) and wall
+    time, ``on_step_begin`` to ``on_step_end`` (placed first, so a selection callback's
+    target refresh and gradient surgery fall inside). The demo compares CPU times: with
+    one torch thread per process they count the step's own work, not the time it waited
+    for a core on a shared machine, which the wall time of runs made one after the other
+    does (see ``RunResult.time_ratio``)."""
 
-    def __init__(self, bar: tqdm) -> None:
+    def __init__(self, bar: tqdm | None = None) -> None:
         self.bar = bar
         self.seconds: list[float] = []
-        self._start = 0.0
+        self.cpu_seconds: list[float] = []
+        self._start = (0.0, 0.0)
 
     def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
-        self._start = time.perf_counter()
+        self._start = (time.perf_counter(), time.process_time())
 
     def on_step_end(self, *args: Any, **kwargs: Any) -> None:
-        self.seconds.append(time.perf_counter() - self._start)
-        self.bar.update(1)
+        self.seconds.append(time.perf_counter() - self._start[0])
+        self.cpu_seconds.append(time.process_time() - self._start[1])
+        if self.bar is not None:
+            self.bar.update(1)
 
 
 def sft_config(options: DemoOptions, seed: int, out_dir: Path, eval_on_start: bool) -> SFTConfig:
@@ -312,7 +326,7 @@ class Job:
     options: DemoOptions
     seed: int
     out: Path
-    bar: tqdm
+    bar: tqdm | None = None
 
 
 def selection_callback(job: Job, arm: Arm, ours: RunResult | None) -> DataSelectionCallback | None:
@@ -391,7 +405,7 @@ def train_arm(
         for task in job.mixture.eval:
             if f"eval_{task}_loss" in entry:
                 curves.setdefault(task, []).append((int(entry["step"]), entry[f"eval_{task}_loss"]))
-    result = RunResult(curves, timer.seconds)
+    result = RunResult(curves, timer.seconds, timer.cpu_seconds)
     if selection is not None:
         result.tally(selection.history, kinds)
     for batch_kinds, dropped in oracle.batches[: job.options.steps] if oracle else []:
@@ -399,31 +413,29 @@ def train_arm(
     return result
 
 
-def train_seed(
-    job: Job,
-    arms: Sequence[str],
-    after_run: Callable[[SeedResult], None],
-    reused: dict[str, RunResult] | None = None,
-) -> SeedResult:
-    """Every arm of one seed; the first (no selection) evaluates the start, which is every
-    arm's (LoRA starts at B = 0: the base model), and the others reuse it. ``reused``:
-    runs of this seed taken as they are instead of trained again. ``after_run`` gets the
-    seed's runs so far after each run."""
-    runs: dict[str, RunResult] = {}
-    for name in arms:
-        job.bar.set_description(f"seed {job.seed}, {ARMS[name].label}")
-        if reused and name in reused:
-            runs[name] = reused[name]
-            job.bar.update(job.options.steps)
-            continue
-        run = train_arm(job, ARMS[name], runs.get("ours"), eval_on_start=not runs)
-        if runs:
-            start = next(iter(runs.values()))
-            for task, curve in run.curves.items():
-                curve.insert(0, start.curves[task][0])
-        runs[name] = run
-        after_run(SeedResult(job.seed, runs))
-    return SeedResult(job.seed, runs)
+#: A worker process's base model and mixtures, loaded once (:func:`run_task`).
+_LOADED: dict[Any, Any] = {}
+
+
+def start_worker(options: DemoOptions) -> None:
+    """A process that trains runs: one torch thread (``--threads``), a quiet console."""
+    quiet()
+    torch.set_num_threads(options.threads)
+    _LOADED.clear()
+    _LOADED["options"] = options
+
+
+def run_task(task: Task, ours: RunResult | None) -> RunResult:
+    """Trains one (seed, arm) of :func:`start_worker`'s options (``ours``: the run a
+    matched arm replays); only the no-selection run evaluates step 0 (every arm's start)."""
+    options: DemoOptions = _LOADED["options"]
+    if task.seed not in _LOADED:
+        _LOADED[task.seed] = build_mixture(task.seed)
+    if "base" not in _LOADED:
+        _LOADED["base"] = base_model(options, build_mixture(options.seed))
+    out = Path(options.out) / f"seed{task.seed}"
+    job = Job(_LOADED["base"], _LOADED[task.seed], options, task.seed, out)
+    return train_arm(job, ARMS[task.arm], ours, eval_on_start=task.arm == "none")
 
 
 #: The options that decide what a run trains: a run is reused only if they all match.
@@ -510,35 +522,50 @@ def settings_line(options: DemoOptions) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     options = parse_options(argv)
     quiet()
-    torch.set_num_threads(options.threads or os.cpu_count() or 1)
+    torch.set_num_threads(options.threads)
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     arms = arm_names(options.arms)
     seeds = [options.seed + i for i in range(options.seeds)]
-    mixtures = {seed: build_mixture(seed) for seed in seeds}
-    base = base_model(options, mixtures[seeds[0]])
+    mixture = build_mixture(seeds[0])
+    base = base_model(options, mixture)  # converts SmolLM2 once, before the workers start
+    if base.checkpoint is None:
+        options = dataclasses.replace(options, model="tiny")  # the workers need not look again
     context = {
         "command": " ".join(sys.argv),
         "model": base.name,
         "settings": settings_line(options),
         "options": vars(options),
-        "train_counts": mixtures[seeds[0]].counts(),
+        "train_counts": mixture.counts(),
     }
-    reused = reusable_runs(options.reuse, options)
-    results: list[SeedResult] = []
-    with tqdm(total=len(arms) * options.steps * len(seeds), desc="training", unit="step") as bar:
-        for seed in seeds:
-            job = Job(base, mixtures[seed], options, seed, out / f"seed{seed}", bar)
-            results.append(
-                train_seed(
-                    job,
-                    arms,
-                    lambda part: write_json([*results, part], arms, out, context),
-                    reused.get(seed),
-                )
-            )
+    done = {
+        Task(seed, arm): run
+        for seed, runs in reusable_runs(options.reuse, options).items()
+        for arm, run in runs.items()
+        if seed in seeds and arm in arms
+    }
+    todo = [t for t in tasks(seeds, arms) if t not in done]
+    workers = max(1, min(options.workers or os.cpu_count() or 1, len(todo)))
+    description = f"{len(todo)} runs of {options.steps} steps on {workers} process(es)"
+    with tqdm(total=len(todo) * options.steps, desc=description, unit="step") as bar:
+
+        def after_run(task: Task, run: RunResult) -> None:
+            bar.update(options.steps)
+            bar.set_postfix_str(f"done: seed {task.seed}, {ARMS[task.arm].label}")
+            write_json(seed_results(done, seeds, arms), arms, out, context)
+
+        run_all(
+            todo,
+            run_task,
+            workers=workers,
+            done=done,
+            on_done=after_run,
+            initializer=start_worker,
+            initargs=(options,),
+        )
     context["seconds"] = time.perf_counter() - started
+    results = seed_results(done, seeds, arms)
     table = write_outputs(results, arms, out, options.steps, context)
     print(f"\n{base.name}; training mixture {context['train_counts']}")
     print(f"{settings_line(options)}\n")
