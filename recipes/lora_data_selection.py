@@ -15,8 +15,10 @@ examples per step at random, or the highest- or lowest-loss ones.
 
 It prints a markdown table (target eval loss, the share of the no-selection-to-clean gap
 each arm closes, drop precision and recall against the planted corrupted examples, the
-share of good and of target-task examples dropped, step time) and writes
-``eval_loss.png`` (every arm's curve), ``results.md`` and ``results.json`` to ``--out``.
+share of good and of target-task examples dropped, each run's summed step CPU time over
+no selection's) and writes ``eval_loss.png`` (every arm's curve), ``results.md`` and
+``results.json`` to ``--out``. The runs train on ``--workers`` processes (one per core)
+of one torch thread each, two at a time on a 2-core machine.
 
 Why these settings: LoRA on the last 8 of 30 blocks keeps a CPU step to a few seconds (the
 backward stops there); a constant learning rate of 1e-4 for 32 steps is where the
@@ -128,7 +130,7 @@ class DemoOptions:
         default=0,
         metadata={
             "help": "training processes, each training one run at a time (0: one per core "
-            "of the machine)"
+            "this process may use)"
         },
     )
     threads: int = field(default=1, metadata={"help": "torch CPU threads per process"})
@@ -546,7 +548,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         if seed in seeds and arm in arms
     }
     todo = [t for t in tasks(seeds, arms) if t not in done]
-    workers = max(1, min(options.workers or os.cpu_count() or 1, len(todo)))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    workers = max(1, min(options.workers or cores or 1, len(todo)))
     description = f"{len(todo)} runs of {options.steps} steps on {workers} process(es)"
     with tqdm(total=len(todo) * options.steps, desc=description, unit="step") as bar:
 
