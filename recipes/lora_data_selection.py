@@ -419,24 +419,30 @@ def train_arm(
 _LOADED: dict[Any, Any] = {}
 
 
-def start_worker(options: DemoOptions) -> None:
-    """A process that trains runs: one torch thread (``--threads``), a quiet console."""
+def start_worker(options: DemoOptions, mixtures: dict[int, DemoMixture]) -> None:
+    """A process that trains runs: one torch thread (``--threads``), a quiet console, and
+    the mixtures the main process built (others are built when first needed)."""
     quiet()
     torch.set_num_threads(options.threads)
     _LOADED.clear()
-    _LOADED["options"] = options
+    _LOADED.update(options=options, mixtures=dict(mixtures))
+
+
+def _mixture(seed: int) -> DemoMixture:
+    mixtures: dict[int, DemoMixture] = _LOADED["mixtures"]
+    if seed not in mixtures:
+        mixtures[seed] = build_mixture(seed)
+    return mixtures[seed]
 
 
 def run_task(task: Task, ours: RunResult | None) -> RunResult:
     """Trains one (seed, arm) of :func:`start_worker`'s options (``ours``: the run a
     matched arm replays); only the no-selection run evaluates step 0 (every arm's start)."""
     options: DemoOptions = _LOADED["options"]
-    if task.seed not in _LOADED:
-        _LOADED[task.seed] = build_mixture(task.seed)
     if "base" not in _LOADED:
-        _LOADED["base"] = base_model(options, build_mixture(options.seed))
+        _LOADED["base"] = base_model(options, _mixture(options.seed))
     out = Path(options.out) / f"seed{task.seed}"
-    job = Job(_LOADED["base"], _LOADED[task.seed], options, task.seed, out)
+    job = Job(_LOADED["base"], _mixture(task.seed), options, task.seed, out)
     return train_arm(job, ARMS[task.arm], ours, eval_on_start=task.arm == "none")
 
 
@@ -565,7 +571,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             done=done,
             on_done=after_run,
             initializer=start_worker,
-            initargs=(options,),
+            initargs=(options, {seeds[0]: mixture}),
         )
     context["seconds"] = time.perf_counter() - started
     results = seed_results(done, seeds, arms)
