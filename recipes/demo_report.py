@@ -27,7 +27,9 @@ def results_table(results: Sequence[SeedResult], arms: Sequence[str], steps: int
     """One row per arm: final target eval loss (the tasks' mean, and each), its difference
     from no selection on the same seed (each seed has its own evaluation split, so the
     paired figures are the ones to compare across arms), the share of the
-    no-selection-to-clean gap it closes, and what it dropped."""
+    no-selection-to-clean gap it closes, what it dropped, and its step CPU time over no
+    selection's (over the seeds whose runs recorded CPU times, saying how many when not
+    all: runs reused from before they were recorded have none)."""
     seeds = ", ".join(str(r.seed) for r in results)
     header = [
         f"arm (seeds {seeds}; {steps} steps)",
@@ -68,8 +70,9 @@ def results_table(results: Sequence[SeedResult], arms: Sequence[str], steps: int
             ]
         else:
             cells += ["—"] * 4
-        ratios = [r.time_ratio(arm) for r in results]
-        cells.append("—" if any(map(math.isnan, ratios)) else spread(ratios, 2) + "x")
+        ratios = [x for x in (r.time_ratio(arm) for r in results) if not math.isnan(x)]
+        timed = "" if len(ratios) == len(results) else f" ({len(ratios)} of {len(results)} seeds)"
+        cells.append(spread(ratios, 2) + "x" + timed if ratios else "—")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
