@@ -32,7 +32,7 @@ demo: $(DEMO_STAMP)
 	$(PY) recipes/lora_data_selection.py --out demo_out
 
 demo-seeds: $(DEMO_STAMP)
-	$(PY) recipes/lora_data_selection.py --seeds 3 --out demo_out/seeds3
+	$(PY) recipes/lora_data_selection.py --seeds 3 --steps 32 --arms all --out demo_out/seeds3
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check tda_plugins tests benchmarks recipes

@@ -23,6 +23,14 @@ round); a ``TrainerCallback`` first in the list times each step from ``on_step_b
 and the median of at least 10 timed steps per configuration is compared: ratio =
 median(select) / median(plain), wall and CPU (``time.process_time``).
 
+``--setting demo`` measures instead the demo's own setting (``recipes/lora_data_selection.py``:
+SmolLM2-135M-Instruct, LoRA on its last 8 blocks, TRL ``SFTTrainer``, batch 8 of the demo
+mixture) with ``DataSelectionCallback``'s default settings, target refreshes included:
+runs of ``--demo-steps`` steps (by default one refresh interval of the default, so that
+each run holds the refreshes a long run holds per step) alternate between no selection and
+selection, and each round's ratio is the whole run's time with selection / without
+(:func:`demo_setting`).
+
 Where the time goes: the selection callback used here is a subclass that times its own
 two entry points in the same timed runs -- the target gradient (``on_step_begin``) and the
 selection at the optimizer step (``on_pre_optimizer_step``: scoring, dropping, ``.grad``
@@ -96,6 +104,9 @@ class Settings:
     quick: bool
     write: bool
     results: Path
+    setting: str = "synthetic"
+    rounds: int = 3
+    demo_steps: int = 16
 
     @property
     def model_config(self) -> dict[str, Any]:
@@ -436,19 +447,117 @@ The last column estimates a target refreshed every 8 steps: fixed + (select - fi
 # -- command line ----------------------------------------------------------------------
 
 
+# -- the demo's setting ----------------------------------------------------------------
+
+DEMO_SECTION = (
+    "## Data selection overhead in the demo's setting (selection_overhead.py --setting demo)"
+)
+
+
+@dataclass(frozen=True)
+class DemoRound:
+    """One round: every step of a run without selection and of one with it."""
+
+    plain: list[common.Sample]
+    select: list[common.Sample]
+
+    def ratio(self, attr: str) -> float:
+        """The selecting run's summed step time / the plain run's."""
+        return sum(getattr(s, attr) for s in self.select) / sum(
+            getattr(s, attr) for s in self.plain
+        )
+
+
+def demo_setting(rounds: int, steps: int, quick: bool) -> tuple[list[DemoRound], list[float], str]:
+    """Alternating runs of the demo's ``none`` and ``ours`` arms (order rotated each round):
+    the rounds, the load averages and the settings line the demo prints."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
+    import lora_data_selection as demo
+    from demo_arms import ARMS
+    from tqdm.auto import tqdm
+
+    options = demo.parse_options(
+        ["--steps", str(steps), "--eval_steps", str(10**9), *(["--model", "tiny"] * quick)]
+    )
+    demo.quiet()
+    mixture = demo.build_mixture(0)
+    base = demo.base_model(options, mixture)
+    results, loads = [], []
+    with tempfile.TemporaryDirectory(prefix="tda-select-demo-") as work:
+        for index in range(rounds):
+            times: dict[str, list[common.Sample]] = {}
+            for name in common.rotated(["none", "ours"], index):
+                timer = common.StepTimer()
+                job = demo.Job(
+                    base, mixture, options, 0, Path(work) / str(index), tqdm(disable=True)
+                )
+                demo.train_arm(job, ARMS[name], None, eval_on_start=False, first=timer)
+                times[name] = timer.runs[-1]
+            results.append(DemoRound(times["none"], times["ours"]))
+            loads.append(common.load_average())
+            print(
+                f"  demo round {index + 1}/{rounds}: {results[-1].ratio('cpu'):.3f}x CPU",
+                flush=True,
+            )
+    return results, loads, demo.settings_line(options)
+
+
+def demo_report(rounds: list[DemoRound], loads: list[float], line: str, argv: Sequence[str]) -> str:
+    """The markdown section of the demo setting's measurement."""
+    cpu = common.Spread.of([r.ratio("cpu") for r in rounds])
+    wall = common.Spread.of([r.ratio("wall") for r in rounds])
+    steps = len(rounds[0].plain)
+    plain = common.Spread.of([sum(s.cpu for s in r.plain) / steps for r in rounds])
+    cells = [
+        ("CPU (`process_time`)", plain.text(), f"**{cpu.text('.3f', 'x')}**", cpu.median),
+        ("wall", "—", wall.text(".3f", "x"), wall.median),
+    ]
+    table = "\n".join(
+        [
+            "| clock | plain step, s (median [IQR] over rounds) | whole run with / without "
+            "selection | target | met |",
+            "|---|---:|---:|---:|:-:|",
+            *(
+                f"| {clock} | {step} | {ratio} | {TARGET:.2f}x | {common.verdict(median, TARGET)} |"
+                for clock, step, ratio, median in cells
+            ),
+        ]
+    )
+    return common.tidy(f"""{DEMO_SECTION}
+
+Command: `{common.command_line(SCRIPT, argv)}`
+
+Date: {common.utc_now()}. Machine: {common.machine_info()}; {common.load_text(loads)}.
+
+The demo's setting ({line}): {len(rounds)} rounds, each one run of {steps} steps without \
+selection and one with `DataSelectionCallback`'s default settings, order rotated; every \
+step timed (`on_step_begin` -> `on_step_end`, the target refreshes included), none \
+discarded. Ratio = the selecting run's summed step time / the plain run's, per round; \
+median [quartiles] over rounds. Target: <= {TARGET}x.
+
+{table}
+""")
+
+
 def parse_args(argv: Sequence[str]) -> Settings:
     """Parse and validate the command line into :class:`Settings`."""
     p = common.base_parser(__doc__.split("\n\n")[0])
     p.add_argument("--mode", choices=[*workload.MODES, "both"], default="both")
     p.add_argument("--pool", type=int, default=16, help="target pool size")
+    p.add_argument("--setting", choices=["synthetic", "demo"], default="synthetic")
+    p.add_argument("--rounds", type=int, help="--setting demo: rounds (default 3; quick 1)")
+    p.add_argument("--demo-steps", type=int, default=16, help="--setting demo: steps of one run")
     common.add_step_flags(p, seq=128, repeats=12, steps_per_run=4, profiled="selection")
     a = p.parse_args(argv)
     settings = Settings(
         modes=tuple(workload.MODES) if a.mode == "both" else (a.mode,),
         pool=a.pool,
+        setting=a.setting,
+        rounds=a.rounds or (1 if a.quick else 3),
+        demo_steps=a.demo_steps,
         **common.step_settings(a, seq=128, repeats=12),
     )
-    common.require_steps(p, settings, ("pool",))
+    common.require_steps(p, settings, ("pool", "rounds", "demo_steps"))
     return settings
 
 
@@ -456,6 +565,11 @@ def main(argv: Sequence[str]) -> None:
     """Run the benchmark, print the tables and the command, update the results file."""
     settings = parse_args(argv)
     common.quiet_transformers()
+    if settings.setting == "demo":
+        rounds, loads, line = demo_setting(settings.rounds, settings.demo_steps, settings.quick)
+        section = demo_report(rounds, loads, line, argv)
+        common.publish(section, DEMO_SECTION, settings.results, settings.write)
+        return
     base = workload.trainer_llama(settings.model_config, seq=settings.seq)
     with tempfile.TemporaryDirectory(prefix="tda-select-") as work:
         results, loads = each_mode(

@@ -1,15 +1,22 @@
 """The data selection demo's mixture, built offline from text every CPython install has.
 
-* **Target task**: continue the Python language reference. Each example is one prose
-  paragraph of a ``pydoc_data.topics`` section: the prompt names the section and gives the
-  paragraph's first words, the completion is the words that follow. Sections are split
-  three ways, so that no paragraph of the held-out evaluation appears in training or in
-  the target pool the selection scores against.
-* **Useful off-target data**: the same task on the standard library's module docstrings
-  (read from the source files with :mod:`ast`, nothing is imported).
-* **Planted corrupted examples** (``corrupted=True``): *wrong answers* (a reference
-  prompt completed with a paragraph of another section) and *shuffled text* (a reference
-  prompt whose correct completion has its words permuted).
+* **Two target tasks**, each with its own held-out evaluation split and its half of the
+  target pool the selection scores against:
+
+  - ``reference``: continue the Python language reference. The prompt names a
+    ``pydoc_data.topics`` section and gives a prose paragraph's first words, the
+    completion is the words that follow.
+  - ``docstring``: document a standard-library function from its signature. The prompt
+    is ``Docstring of module.name(arguments):``, the completion the opening sentences of
+    its docstring (read from the source files with :mod:`ast`, nothing is imported).
+
+  Each task's sources (sections, modules) are split three ways, so that no held-out
+  evaluation example shares its section or module with training or the target pool.
+* **Useful off-target data**: continuing the standard library's module docstrings.
+* **Planted corrupted examples** (``corrupted=True``), half on each task's prompts:
+  *wrong answers* (a task prompt answered with a snippet of unrelated source code) and
+  *shuffled text* (a task prompt whose correct completion has the letters of every word
+  shuffled).
 
 Everything is deterministic given ``seed`` and the Python version.
 """
@@ -28,8 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from pydoc_data.topics import topics
 
+#: The target tasks, each a kind of clean training example too.
+TASKS = ("reference", "docstring")
 #: The kinds of training example, in the order the mixture lists them.
-KINDS = ("target", "off_target", "wrong_answer", "shuffled")
+KINDS = (*TASKS, "off_target", "wrong_answer", "shuffled")
 CORRUPTED_KINDS = frozenset({"wrong_answer", "shuffled"})
 
 
@@ -43,11 +52,13 @@ class Passage:
 
 @dataclass(frozen=True)
 class DemoExample:
-    """A prompt/completion pair (TRL trains on the completion only) and what it is."""
+    """A prompt/completion pair (TRL trains on the completion only), what it is, and the
+    task whose prompt it has (``None`` for off-target text)."""
 
     prompt: str
     completion: str
     kind: str
+    task: str | None = None
 
     @property
     def corrupted(self) -> bool:
@@ -63,42 +74,52 @@ class MixtureSizes:
     """How many examples of each part the mixture holds, and how long they are.
 
     Attributes:
-        target_train: clean target-task training examples.
+        target_train: clean training examples of each target task.
         off_target: clean off-target training examples (module docstrings).
-        wrong_answers: corrupted: a reference prompt answered with unrelated source code.
-        shuffled: corrupted: a reference prompt whose continuation has its letters shuffled.
-        target_pool: target examples the selection scores against (never trained on).
-        eval: held-out target examples the evaluation loss is measured on.
-        prompt_words: words of the passage that go into the prompt.
-        min_words: fewest words of a passage (prompt and completion together).
-        max_words: most words of a passage; a passage is whole sentences.
+        wrong_answers: corrupted, per task: a task prompt answered with unrelated code.
+        shuffled: corrupted, per task: a task prompt whose answer has its letters shuffled.
+        target_pool: target examples of each task the selection scores against (never
+            trained on).
+        eval: held-out examples of each task the evaluation loss is measured on.
+        prompt_words: words of a reference passage that go into the prompt.
+        min_words: fewest words of a reference passage (prompt and completion together).
+        max_words: most words of a passage or docstring answer; whole sentences.
+        min_doc_words: fewest words of a docstring answer.
+        max_signature: most characters of a function's arguments in a docstring prompt.
         code_chars: most characters of a wrong answer's code snippet (code takes more
             tokens per character than prose: this keeps the examples about as long).
     """
 
-    target_train: int = 128
+    target_train: int = 96
     off_target: int = 64
-    wrong_answers: int = 96
-    shuffled: int = 96
-    target_pool: int = 16
-    eval: int = 32
+    wrong_answers: int = 48
+    shuffled: int = 48
+    target_pool: int = 8
+    eval: int = 24
     prompt_words: int = 8
     min_words: int = 14
     max_words: int = 28
+    min_doc_words: int = 8
+    max_signature: int = 60
     code_chars: int = 100
 
 
 @dataclass(frozen=True)
 class DemoMixture:
-    """The training set (shuffled, with kinds), the target pool and the evaluation split."""
+    """The training set (shuffled, with kinds), the target pool (both tasks) and each
+    task's evaluation split."""
 
     train: list[DemoExample]
     target_pool: list[DemoExample]
-    eval: list[DemoExample]
+    eval: dict[str, list[DemoExample]]
 
     def counts(self) -> dict[str, int]:
         """Training examples per kind."""
         return {kind: sum(e.kind == kind for e in self.train) for kind in KINDS}
+
+    def clean(self) -> list[DemoExample]:
+        """The training set without the planted corrupted examples (the ceiling's data)."""
+        return [e for e in self.train if not e.corrupted]
 
 
 # -- real text on the machine ----------------------------------------------------------------
@@ -169,6 +190,29 @@ def module_docstring_passages(min_words: int) -> tuple[Passage, ...]:
     return tuple(passages)
 
 
+@functools.cache
+def function_docstrings() -> tuple[tuple[str, str, str], ...]:
+    """``(module, "name(arguments)", docstring)`` of every public function and method of the
+    standard library that has a docstring (parsed with :mod:`ast`, nothing imported;
+    a few seconds, once per process)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found = []
+    for path in _stdlib_sources():
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            docstring = ast.get_docstring(node)
+            if docstring:
+                signature = f"{node.name}({ast.unparse(node.args)})"
+                found.append((module, signature, docstring))
+    return tuple(found)
+
+
 def code_snippets(max_chars: int) -> list[str]:
     """One snippet per standard-library file: the code from its first ``def`` (comment and
     docstring lines left out), cut at a space to at most ``max_chars`` characters."""
@@ -214,39 +258,42 @@ def opening_window(passage: Passage, min_words: int, max_words: int) -> Passage 
     return None
 
 
-def _split(passage: Passage, sizes: MixtureSizes) -> tuple[str, str]:
-    words = passage.text.split()
-    return " ".join(words[: sizes.prompt_words]), " " + " ".join(words[sizes.prompt_words :])
-
-
 def reference_example(passage: Passage, sizes: MixtureSizes) -> DemoExample:
-    """Continue a paragraph of the language reference (the target task)."""
-    head, tail = _split(passage, sizes)
-    return DemoExample(f'Python reference, "{passage.source}":\n{head}', tail, "target")
+    """Continue a paragraph of the language reference (target task ``reference``)."""
+    words = passage.text.split()
+    head, tail = " ".join(words[: sizes.prompt_words]), " " + " ".join(words[sizes.prompt_words :])
+    prompt = f'Python reference, "{passage.source}":\n{head}'
+    return DemoExample(prompt, tail, "reference", "reference")
+
+
+def docstring_example(passage: Passage) -> DemoExample:
+    """Document a function from its signature (target task ``docstring``); the passage's
+    source is ``module.name(arguments)``, its text the docstring's opening sentences."""
+    prompt = f"Docstring of {passage.source}:\n"
+    return DemoExample(prompt, passage.text, "docstring", "docstring")
 
 
 def module_example(passage: Passage, sizes: MixtureSizes) -> DemoExample:
-    """Continue a paragraph of a module docstring (useful, off the target task)."""
-    head, tail = _split(passage, sizes)
+    """Continue a paragraph of a module docstring (useful, off the target tasks)."""
+    words = passage.text.split()
+    head, tail = " ".join(words[: sizes.prompt_words]), " " + " ".join(words[sizes.prompt_words :])
     return DemoExample(f"Python module {passage.source}:\n{head}", tail, "off_target")
 
 
-def wrong_answer(passage: Passage, code: str, sizes: MixtureSizes) -> DemoExample:
-    """A reference prompt "answered" with a snippet of unrelated source code (a misaligned
+def wrong_answer(clean: DemoExample, code: str) -> DemoExample:
+    """A task prompt "answered" with a snippet of unrelated source code (a misaligned
     prompt/answer pair, as a scrape that mixes up documentation and code produces)."""
-    prompt = reference_example(passage, sizes).prompt
-    return DemoExample(prompt, " " + code, "wrong_answer")
+    return DemoExample(clean.prompt, " " + code, "wrong_answer", clean.task)
 
 
-def shuffled(passage: Passage, sizes: MixtureSizes, rng: random.Random) -> DemoExample:
-    """A reference prompt whose correct continuation has the letters of every word shuffled."""
-    clean = reference_example(passage, sizes)
+def shuffled(clean: DemoExample, rng: random.Random) -> DemoExample:
+    """A task prompt whose correct answer has the letters of every word shuffled."""
     words = []
     for word in clean.completion.split():
         letters = list(word)
         rng.shuffle(letters)
         words.append("".join(letters))
-    return DemoExample(clean.prompt, " " + " ".join(words), "shuffled")
+    return DemoExample(clean.prompt, " " + " ".join(words), "shuffled", clean.task)
 
 
 def _take(pool: list[Passage], count: int, what: str) -> list[Passage]:
@@ -258,49 +305,97 @@ def _take(pool: list[Passage], count: int, what: str) -> list[Passage]:
     return taken
 
 
-def _windows(passages: list[Passage], sizes: MixtureSizes) -> list[Passage]:
-    found = (opening_window(p, sizes.min_words, sizes.max_words) for p in passages)
+def _windows(passages: list[Passage], min_words: int, max_words: int) -> list[Passage]:
+    found = (opening_window(p, min_words, max_words) for p in passages)
     return [w for w in found if w is not None]
+
+
+def _three_ways(
+    sources: dict[str, list[Passage]], rng: random.Random, pool_sources: int
+) -> tuple[list[Passage], list[Passage], list[Passage]]:
+    """Sources shuffled and split into evaluation (a quarter), target pool
+    (``pool_sources`` of them) and training; each part's passages shuffled."""
+    titles = sorted(sources)
+    rng.shuffle(titles)
+    held_out = len(titles) // 4
+    groups = (
+        titles[:held_out],
+        titles[held_out : held_out + pool_sources],
+        titles[held_out + pool_sources :],
+    )
+    parts = []
+    for group in groups:
+        found = [p for t in group for p in sources[t]]
+        rng.shuffle(found)
+        parts.append(found)
+    return parts[0], parts[1], parts[2]
+
+
+def reference_splits(
+    sizes: MixtureSizes, rng: random.Random
+) -> tuple[list[Passage], list[Passage], list[Passage]]:
+    """Task ``reference``: evaluation, pool and training passages, split by section."""
+    sections = {
+        title: _windows(passages, sizes.min_words, sizes.max_words)
+        for title, passages in reference_passages(sizes.min_words).items()
+    }
+    return _three_ways(sections, rng, pool_sources=8)
+
+
+def docstring_splits(
+    sizes: MixtureSizes, rng: random.Random
+) -> tuple[list[Passage], list[Passage], list[Passage]]:
+    """Task ``docstring``: evaluation, pool and training passages, split by top-level
+    module (a function and its near-twins in one module never straddle two splits); one
+    function per module and name."""
+    by_module: dict[str, list[Passage]] = {}
+    seen = set()
+    for module, signature, docstring in function_docstrings():
+        name = signature.split("(", 1)[0]
+        arguments = signature[len(name) :]
+        first = _clean(docstring.split("\n\n", 1)[0])
+        window = opening_window(Passage("", first), sizes.min_doc_words, sizes.max_words)
+        if window is None or len(arguments) > sizes.max_signature or (module, name) in seen:
+            continue
+        seen.add((module, name))
+        passage = Passage(f"{module}.{signature}", window.text)
+        by_module.setdefault(module.split(".")[0], []).append(passage)
+    return _three_ways(by_module, rng, pool_sources=8)
 
 
 def build_mixture(seed: int = 0, sizes: MixtureSizes | None = None) -> DemoMixture:
     """The demo's data, deterministic in ``seed``.
 
-    Reference sections are shuffled and split into evaluation sections (a quarter),
-    target-pool sections and training sections; corrupted examples use training sections
-    only, each paragraph at most once in the whole mixture.
+    Each task's sources are shuffled and split into evaluation, target-pool and training
+    sources (:func:`reference_splits`, :func:`docstring_splits`); the corrupted examples
+    use training sources only, each passage at most once in the whole mixture.
     """
     sizes = sizes or MixtureSizes()
     rng = random.Random(seed)
-    sections = reference_passages(sizes.min_words)
-    titles = sorted(sections)
-    rng.shuffle(titles)
-    held_out = len(titles) // 4
-    groups = titles[:held_out], titles[held_out : held_out + 8], titles[held_out + 8 :]
-
-    def passages_of(group: list[str]) -> list[Passage]:
-        found = _windows([p for t in group for p in sections[t]], sizes)
-        rng.shuffle(found)
-        return found
-
-    eval_passages, pool_passages, train_passages = (passages_of(g) for g in groups)
-    evaluation = [reference_example(p, sizes) for p in _take(eval_passages, sizes.eval, "eval")]
-    pool = [reference_example(p, sizes) for p in _take(pool_passages, sizes.target_pool, "pool")]
-    target = [
-        reference_example(p, sizes) for p in _take(train_passages, sizes.target_train, "target")
-    ]
     code = code_snippets(sizes.code_chars)
     rng.shuffle(code)
-    wrong = [
-        wrong_answer(p, snippet, sizes)
-        for p, snippet in zip(
-            _take(train_passages, sizes.wrong_answers, "reference"), code, strict=False
-        )
-    ]
-    permuted = [shuffled(p, sizes, rng) for p in _take(train_passages, sizes.shuffled, "reference")]
-    modules = _windows(list(module_docstring_passages(sizes.min_words)), sizes)
+    train: list[DemoExample] = []
+    pool: list[DemoExample] = []
+    evaluation: dict[str, list[DemoExample]] = {}
+    makers = {
+        "reference": (reference_splits, lambda p: reference_example(p, sizes)),
+        "docstring": (docstring_splits, docstring_example),
+    }
+    for task in TASKS:
+        splits, make = makers[task]
+        held_out, pool_passages, train_passages = splits(sizes, rng)
+        evaluation[task] = [make(p) for p in _take(held_out, sizes.eval, f"{task} eval")]
+        pool += [make(p) for p in _take(pool_passages, sizes.target_pool, f"{task} pool")]
+        clean = [make(p) for p in _take(train_passages, sizes.target_train, task)]
+        wrong = [make(p) for p in _take(train_passages, sizes.wrong_answers, task)]
+        permuted = [make(p) for p in _take(train_passages, sizes.shuffled, task)]
+        train += clean
+        train += [wrong_answer(e, code.pop()) for e in wrong]
+        train += [shuffled(e, rng) for e in permuted]
+    modules = _windows(
+        list(module_docstring_passages(sizes.min_words)), sizes.min_words, sizes.max_words
+    )
     rng.shuffle(modules)
-    off_target = [module_example(p, sizes) for p in _take(modules, sizes.off_target, "docstring")]
-    train = target + off_target + wrong + permuted
+    train += [module_example(p, sizes) for p in _take(modules, sizes.off_target, "docstring")]
     rng.shuffle(train)
     return DemoMixture(train, pool, evaluation)

