@@ -63,10 +63,14 @@ def test_dense_projection_is_p_vec(kind: str) -> None:
 @pytest.mark.parametrize("kind", MAPS)
 def test_maps_are_deterministic_per_seed_and_layer(kind: str) -> None:
     like = torch.zeros(1)
-    first = RandomMap(kind, 50, 8, "0/h.0.mlp/a").matrix(like)
-    assert torch.equal(first, RandomMap(kind, 50, 8, "0/h.0.mlp/a").matrix(like))
-    assert not torch.equal(first, RandomMap(kind, 50, 8, "1/h.0.mlp/a").matrix(like))
-    assert not torch.equal(first, RandomMap(kind, 50, 8, "0/h.1.mlp/a").matrix(like))
+    first = RandomMap(kind, in_dim=50, out_dim=8, key="0/h.0.mlp/a").matrix(like)
+    assert torch.equal(first, RandomMap(kind, in_dim=50, out_dim=8, key="0/h.0.mlp/a").matrix(like))
+    assert not torch.equal(
+        first, RandomMap(kind, in_dim=50, out_dim=8, key="1/h.0.mlp/a").matrix(like)
+    )
+    assert not torch.equal(
+        first, RandomMap(kind, in_dim=50, out_dim=8, key="0/h.1.mlp/a").matrix(like)
+    )
 
 
 def test_engine_projection_is_bit_identical_across_runs() -> None:
@@ -98,7 +102,7 @@ def _jl_epsilon(n_vectors: int, k: int, delta: float = 0.01) -> float:
 def test_dense_maps_preserve_inner_products_within_jl_bound(kind: str) -> None:
     n, dim, k = 16, 3000, 1024
     x = _randn(n, dim)
-    p = RandomMap(kind, dim, k, f"jl/{kind}")
+    p = RandomMap(kind, in_dim=dim, out_dim=k, key=f"jl/{kind}")
     gram, projected = x @ x.T, p.apply(x) @ p.apply(x).T
     norms = x.norm(dim=1)
     worst = ((projected - gram).abs() / torch.outer(norms, norms)).max().item()
@@ -119,7 +123,7 @@ def test_factor_projection_converges_as_k_grows() -> None:
 
 def test_oversized_dense_map_is_refused_with_a_fix() -> None:
     with pytest.raises(ValueError, match="sparse_jl"):
-        RandomMap("gaussian", 1 << 20, 1 << 10, "big")
+        RandomMap("gaussian", in_dim=1 << 20, out_dim=1 << 10, key="big")
 
 
 @pytest.mark.parametrize("field,value", [("kind", "tucker"), ("map", "srht"), ("k_a", 0)])

@@ -64,6 +64,7 @@ class _PendingBatch:
     def __init__(
         self,
         example_ids: Tensor,
+        *,
         token_mask: Tensor | None,
         input_ids: Tensor | None,
         labels: Tensor | None,
@@ -342,7 +343,7 @@ class CaptureEngine:
         )
         labels = kwargs.get("labels")
         labels = labels if isinstance(labels, Tensor) else None
-        self._pending = _PendingBatch(ids, token_mask, tokens, labels)
+        self._pending = _PendingBatch(ids, token_mask=token_mask, input_ids=tokens, labels=labels)
 
     def _on_root_output(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         batch = self._pending

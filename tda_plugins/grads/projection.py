@@ -83,7 +83,7 @@ def _seed_for(key: str) -> int:
 class RandomMap:
     """A random linear map ``x -> P x`` with ``P`` of shape ``(out_dim, in_dim)``."""
 
-    def __init__(self, kind: MapKind, in_dim: int, out_dim: int, key: str, nnz: int = 4):
+    def __init__(self, kind: MapKind, *, in_dim: int, out_dim: int, key: str, nnz: int = 4):
         self.kind, self.in_dim, self.out_dim = kind, in_dim, out_dim
         gen = torch.Generator().manual_seed(_seed_for(key))
         if kind == "sparse_jl":
@@ -169,7 +169,9 @@ class Projector:
         key = (layer, side, in_dim)
         if key not in self._maps:
             seed_key = f"{self.config.seed}/{layer}/{side}/{in_dim}x{out_dim}"
-            self._maps[key] = RandomMap(self.config.map, in_dim, out_dim, seed_key, self.config.nnz)
+            self._maps[key] = RandomMap(
+                self.config.map, in_dim=in_dim, out_dim=out_dim, key=seed_key, nnz=self.config.nnz
+            )
         return self._maps[key]
 
     def __call__(self, layer: str, grads: PerExampleGrad) -> PerExampleGrad:

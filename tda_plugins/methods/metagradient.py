@@ -140,6 +140,7 @@ class _Metagradient:
     def __init__(
         self,
         run: _Run,
+        *,
         trajectory: TrainingTrajectory,
         settings: AdamWSettings,
         convention: LossConvention,
@@ -346,10 +347,10 @@ def loss_weight_derivatives(
     optimizer.require_names(run.names)
     plan = _Metagradient(
         run,
-        trajectory,
-        optimizer,
-        convention_by_name(loss_convention),
-        denominator_by_name(adam_denominator),
+        trajectory=trajectory,
+        settings=optimizer,
+        convention=convention_by_name(loss_convention),
+        denominator=denominator_by_name(adam_denominator),
     )
     batches = [queries] if isinstance(queries, MicroBatch) else list(queries)
     if sum(b.size for b in batches) == 0:

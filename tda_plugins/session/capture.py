@@ -216,7 +216,11 @@ class CaptureSession:
         self.trajectory: TrajectoryRecorder | None = None
         if trajectory is not None and optimizer is not None:
             self.trajectory = TrajectoryRecorder(
-                trajectory, self.engine.captured_layers, optimizer, model, max_grad_norm
+                trajectory,
+                layers=self.engine.captured_layers,
+                optimizer=optimizer,
+                model=model,
+                max_grad_norm=max_grad_norm,
             )
             self.engine.add_consumer(self.trajectory)
 

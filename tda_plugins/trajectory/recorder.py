@@ -93,6 +93,7 @@ class TrajectoryRecorder(CaptureConsumer):
     def __init__(
         self,
         writer: TrajectoryWriter,
+        *,
         layers: Mapping[str, tuple[nn.Module, LayerAdapter]],
         optimizer: torch.optim.Optimizer,
         model: nn.Module,
