@@ -85,14 +85,8 @@ class ProjectionOptions:
     def projection_config(self) -> ProjectionConfig | None:
         if self.projection == "none":
             return None
-        return ProjectionConfig(
-            kind=self.projection,
-            k_a=self.k_a,
-            k_g=self.k_g,
-            k=self.k,
-            map=self.projection_map,
-            seed=self.seed,
-        )
+        sizes = {name: getattr(self, name) for name in ("k_a", "k_g", "k", "seed")}
+        return ProjectionConfig(kind=self.projection, map=self.projection_map, **sizes)
 
 
 #: The flat option names of :class:`LayerOptions` and :class:`ProjectionOptions`.

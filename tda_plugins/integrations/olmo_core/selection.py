@@ -63,6 +63,21 @@ def loss_token_counts(labels: Tensor, ignore_index: int, instance_mask: Any = No
     return counts
 
 
+#: The :class:`SelectionSettings` fields this callback takes as its own.
+_SELECTION_FIELDS = (
+    "rule",
+    "fraction",
+    "threshold",
+    "score",
+    "granularity",
+    "refresh_every",
+    "target_examples",
+    "score_projection",
+    "margin",
+    "log_path",
+)
+
+
 @dataclass
 class DataSelectionCallback(Callback, LayerOptions):
     """Online data selection for an OLMo-core ``Trainer`` (``TransformerTrainModule``).
@@ -121,19 +136,8 @@ class DataSelectionCallback(Callback, LayerOptions):
                 "score='loss' reads each instance's loss from the forward's output, which the "
                 "OLMo-core integration does not provide; use score 'dot', 'cosine' or 'adam'"
             )
-        self._settings = SelectionSettings(
-            rule=self.rule,
-            fraction=self.fraction,
-            threshold=self.threshold,
-            score=self.score,
-            granularity=self.granularity,
-            refresh_every=self.refresh_every,
-            target_examples=self.target_examples,
-            score_projection=self.score_projection,
-            margin=self.margin,
-            log_path=self.log_path,
-            layers=self.layer_selection(),
-        )
+        given = {name: getattr(self, name) for name in _SELECTION_FIELDS}
+        self._settings = SelectionSettings(**given, layers=self.layer_selection())
         pool_batch(self.target)  # refuses a bad target now, before any training
         self._session: SelectionSession | None = None
         self._ids_hook: RemovableHandle | None = None
