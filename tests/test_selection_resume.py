@@ -26,8 +26,10 @@ from datasets import Dataset
 from transformers import Trainer
 
 from tda_plugins.data_selection.resume import STATE_FILE
+from tda_plugins.integrations.olmo_core import DataSelectionCallback as OlmoSelection
 from tda_plugins.integrations.transformers import DataSelectionCallback
 from tests.models import tiny_causal_lm
+from tests.test_olmo_core import fit, gloo_world_of_one  # noqa: F401 (a fixture)
 from tests.trainers import pad_rows, token_rows, training_args
 
 STEPS, SAVE_EVERY = 6, 3
@@ -102,3 +104,36 @@ def test_resume_without_the_saved_schedule_warns(
     assert len(warnings) == 1
     assert STATE_FILE.format(rank=0) in warnings[0]
     assert "differ from an uninterrupted run" in warnings[0]
+
+
+@pytest.mark.usefixtures("gloo_world_of_one")
+def test_olmo_core_resumed_run_selects_as_the_uninterrupted_run(tmp_path: Path) -> None:
+    """OLMo-core: the schedule travels in the callback's ``state_dict`` (a 2-row pool, 4
+    instances a step: the default refreshes at steps 0 and 4, a fresh schedule would at
+    2). Resumed from ``step2`` of a 4-step run, steps 2 and 3 select as the uninterrupted
+    run's and the final weights are equal."""
+    pool = token_rows(2, seed=1)
+
+    def selection(log: str) -> OlmoSelection:
+        return OlmoSelection(target=pool, log_path=str(tmp_path / log))
+
+    reference = fit(
+        tmp_path, {"selection": selection("a.jsonl")}, 4, tmp_path / "first", checkpoints=True
+    )
+    resumed = fit(
+        tmp_path,
+        {"selection": selection("b.jsonl")},
+        4,
+        tmp_path / "second",
+        load_path=tmp_path / "first" / "step2",
+        checkpoints=True,
+    )
+    want, got = lines(tmp_path / "a.jsonl"), lines(tmp_path / "b.jsonl")
+    assert len(want) == 4 and sorted(got) == sorted(want)[2:]
+    assert got == {step: want[step] for step in got}
+    for (name, a), b in zip(
+        resumed.train_module.model.named_parameters(),
+        reference.train_module.model.parameters(),
+        strict=True,
+    ):
+        assert torch.equal(a, b), name
