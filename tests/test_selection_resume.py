@@ -88,21 +88,29 @@ def test_resumed_run_selects_as_the_uninterrupted_run(tmp_path: Path, case: str)
         assert torch.equal(a, b), name
 
 
-def test_resume_without_the_saved_schedule_warns(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("fault", ["missing", "another_step"])
+def test_resume_without_a_usable_schedule_warns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, fault: str
 ) -> None:
     """A checkpoint without the schedule (written before it was saved, or the process
-    killed between the trainer's save and the callback's): the resumed run says that its
-    selection will differ from an uninterrupted run's, naming the missing file."""
+    killed between the trainer's save and the callback's), or with the schedule of another
+    step: the resumed run says that its selection will differ from an uninterrupted run's,
+    naming the cause."""
     output = tmp_path / "out"
     run(output, tmp_path / "reference.jsonl", {})
+    name = STATE_FILE.format(rank=0)
     checkpoint = output / f"checkpoint-{SAVE_EVERY}"
-    (checkpoint / STATE_FILE.format(rank=0)).unlink()
+    if fault == "missing":
+        (checkpoint / name).unlink()
+        cause = name
+    else:
+        (output / f"checkpoint-{STEPS}" / name).replace(checkpoint / name)
+        cause = f"saved at step {STEPS}, not {SAVE_EVERY}"
     with caplog.at_level(logging.WARNING, logger="tda_plugins"):
         run(output, tmp_path / "resumed.jsonl", {}, resume=checkpoint)
     warnings = [r.getMessage() for r in caplog.records if "selection schedule" in r.getMessage()]
     assert len(warnings) == 1
-    assert STATE_FILE.format(rank=0) in warnings[0]
+    assert cause in warnings[0]
     assert "differ from an uninterrupted run" in warnings[0]
 
 
