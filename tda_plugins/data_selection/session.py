@@ -199,7 +199,8 @@ class SelectionSession:
 
     def refresh_target(self, step: int) -> bool:
         """Before optimizer step ``step``'s first forward: recompute the target if due
-        (every ``refresh_every`` steps from the first step this session sees; ``None``:
+        (every ``refresh_every`` steps from the run's first step, a resumed run going on
+        from the schedule :meth:`restore_schedule` gave it; ``None``:
         :meth:`SelectionSettings.refresh_interval` of the last step's batch). The model
         runs in eval mode, unrecorded by any engine. Returns whether it was recomputed
         (never for a score without a target).
