@@ -51,6 +51,16 @@ class DropRule(ABC):
         """``(N,)`` bool mask of the examples the rule drops (``count``: how many, for the
         ranked rules; the others refuse it)."""
 
+    def state(self) -> dict[str, int]:
+        """What the rule carries from one decision to the next (saved with a checkpoint);
+        none for a rule that decides from the step alone."""
+        return {}
+
+    def load_state(self, state: dict[str, int]) -> None:
+        """Go on from :meth:`state` (a resumed run)."""
+        if state:
+            raise ValueError(f"rule {self.name!r} keeps no state between steps, got {state}")
+
     def keep(self, scores: Tensor, count: int | None = None) -> Tensor:
         """``(N,)`` bool mask of kept examples: the rule over the finite scores (non-finite
         ones dropped), never empty unless no score is finite."""
@@ -133,6 +143,12 @@ class RandomFraction(RankedRule):
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.calls)
         self.calls += 1
         return torch.randperm(scores.shape[0], generator=generator).to(scores.device)
+
+    def state(self) -> dict[str, int]:
+        return {"calls": self.calls}
+
+    def load_state(self, state: dict[str, int]) -> None:
+        self.calls = int(state["calls"])
 
 
 @register_rule("threshold")

@@ -42,10 +42,12 @@ from tda_plugins.capture.normalization import LossNormalization
 from tda_plugins.data_selection.losses import ForwardLosses, OutputLosses
 from tda_plugins.data_selection.outcome import StepSelection
 from tda_plugins.data_selection.parallel import Ranks, check_layout, divide_factor, is_sharded
+from tda_plugins.data_selection.resume import ScheduleState, ScheduleStateError
 from tda_plugins.data_selection.selector import DataSelector, TokenCounter
 from tda_plugins.data_selection.settings import SelectionSettings
 from tda_plugins.data_selection.target import (
     ExampleLosses,
+    ShardedTarget,
     TargetPool,
     nonfinite,
     shared_target,
@@ -179,6 +181,8 @@ class SelectionSession:
         self.engine.add_consumer(self.selector)
         self.engine.resume_at_step(start_step)
         self._target_step: int | None = None
+        #: The last selected step's global batch size, as restored (before any step here).
+        self._restored_step_examples: int | None = None
 
     @property
     def model(self) -> nn.Module:
@@ -195,7 +199,8 @@ class SelectionSession:
 
     def refresh_target(self, step: int) -> bool:
         """Before optimizer step ``step``'s first forward: recompute the target if due
-        (every ``refresh_every`` steps from the first step this session sees; ``None``:
+        (every ``refresh_every`` steps from the run's first step, a resumed run going on
+        from the schedule :meth:`restore_schedule` gave it; ``None``:
         :meth:`SelectionSettings.refresh_interval` of the last step's batch). The model
         runs in eval mode, unrecorded by any engine. Returns whether it was recomputed
         (never for a score without a target).
@@ -242,10 +247,67 @@ class SelectionSession:
     def _refresh_interval(self) -> int:
         """Steps between refreshes (``refresh_every=None``: from the last step's global
         batch size and the pool's examples per refresh)."""
-        history = self.selector.history
-        step_examples = history[-1].example_ids.numel() if history else 1
         assert self.pool is not None  # a target is refreshed only with a pool
-        return self.settings.refresh_interval(self.pool.per_refresh, step_examples)
+        return self.settings.refresh_interval(self.pool.per_refresh, self._step_examples() or 1)
+
+    def _step_examples(self) -> int | None:
+        """Examples of the last selected step's global batch (``None``: none yet)."""
+        history = self.selector.history
+        if history:
+            return int(history[-1].example_ids.numel())
+        return self._restored_step_examples
+
+    def schedule_state(self, step: int) -> ScheduleState | None:
+        """What a run resumed at optimizer step ``step`` (the checkpoint's: the next to
+        run) needs to select as this one goes on to (:mod:`.resume`); ``None`` for a
+        ``fully_shard``-ed target, which is not saved."""
+        target = self.selector.target
+        if isinstance(target, ShardedTarget):
+            return None
+        return ScheduleState(
+            step=step,
+            target_step=self._target_step,
+            step_examples=self._step_examples(),
+            pool_next=self.pool.next if self.pool is not None else 0,
+            summed_share=self.selector.surgery.summed_share,
+            rule=self.selector.rule.state(),
+            target=target,
+        )
+
+    def restore_schedule(self, state: ScheduleState, *, step: int) -> None:
+        """Go on from ``state``, saved by :meth:`schedule_state` at the checkpoint this run
+        resumes at optimizer step ``step``; before the run's first step.
+
+        Raises:
+            ScheduleStateError: ``state`` is of another step, its target of other layers
+                or sizes than this session captures, its pool cursor past this pool or its
+                rule state not this rule's; nothing is restored then.
+        """
+        if state.step != step:
+            raise ScheduleStateError(f"it was saved at step {state.step}, not {step}")
+        target = state.target
+        if target is not None:
+            captured = self.engine.captured_layers
+            if set(target) != set(captured):
+                raise ScheduleStateError("its target is of other layers than this run captures")
+            for name, vector in target.vectors.items():
+                module, adapter = captured[name]
+                size = sum(p.numel() for p in adapter.captured_parameters(module).values())
+                if vector.numel() != size:
+                    raise ScheduleStateError(f"its target of layer {name} has another size")
+        if self.pool is not None and not 0 <= state.pool_next < self.pool.size:
+            raise ScheduleStateError(f"its pool cursor {state.pool_next} is past this pool")
+        try:
+            self.selector.rule.load_state(state.rule)
+        except (KeyError, ValueError) as error:
+            raise ScheduleStateError(f"its rule state does not fit this rule: {error}") from error
+        if target is not None:
+            self.selector.set_target(target)
+        self._target_step = state.target_step
+        self._restored_step_examples = state.step_examples
+        if self.pool is not None:
+            self.pool.next = state.pool_next
+        self.selector.surgery.summed_share = state.summed_share
 
     def step(self) -> StepSelection | None:
         """After the step's last backward: select and edit ``.grad``. Returns the step's

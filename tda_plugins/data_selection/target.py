@@ -354,13 +354,14 @@ class TargetPool:
                 f"{per_refresh}"
             )
         self.per_refresh = per_refresh or self.size
-        self._next = 0
+        #: Pool position of the next refresh's first example (saved with a checkpoint).
+        self.next = 0
         #: Pool positions of the last :meth:`next_batch`.
         self.last_rows: list[int] = []
 
     def next_batch(self, device: torch.device | None = None) -> dict[str, Tensor]:
         """The examples of the coming refresh, moved to ``device``."""
-        rows = (torch.arange(self.per_refresh) + self._next) % self.size
-        self._next = (self._next + self.per_refresh) % self.size
+        rows = (torch.arange(self.per_refresh) + self.next) % self.size
+        self.next = (self.next + self.per_refresh) % self.size
         self.last_rows = rows.tolist()
         return {k: v[rows].to(device) for k, v in self.batch.items()}

@@ -40,6 +40,11 @@ from tda_plugins.data_selection import (
     SelectionSettings,
     StepSelection,
 )
+from tda_plugins.data_selection.resume import (
+    ScheduleState,
+    ScheduleStateError,
+    warn_not_restored,
+)
 from tda_plugins.data_selection.session import check_coverage
 from tda_plugins.data_selection.settings import Granularity, ScoreMode
 from tda_plugins.integrations.olmo_core.callbacks import (
@@ -98,9 +103,10 @@ class DataSelectionCallback(Callback, LayerOptions):
         rule, fraction, threshold, score, granularity, refresh_every, target_examples,
             score_projection, margin: the fields of
             :class:`~tda_plugins.data_selection.SelectionSettings`, with its defaults
-            (``refresh_every`` counts from the first step of a run or a resumed run;
-            ``score="adam"`` reads the train module's Adam state; ``score="loss"`` is
-            refused: this integration does not read the forward's per-instance losses).
+            (``refresh_every`` counts from the run's first step, a resumed run going on
+            with the schedule saved in the checkpoint; ``score="adam"`` reads the train
+            module's Adam state; ``score="loss"`` is refused: this integration does not
+            read the forward's per-instance losses).
         layers, include, exclude, last_n_blocks: keyword-only, the layer options of
             :class:`~tda_plugins.session.settings.LayerOptions`. The default layers,
             ``"all"``, cover a full OLMo-core model; every trainable parameter must be
@@ -145,6 +151,8 @@ class DataSelectionCallback(Callback, LayerOptions):
         self._ignore_index = -100
         # Loss tokens of this step's micro-batches, keyed by their labels tensor (kept alive).
         self._counts: dict[int, tuple[Tensor, Tensor]] = {}
+        # The schedule a loaded checkpoint held, restored when the session opens.
+        self._loaded: dict[str, Any] | None = None
 
     @property
     def settings(self) -> SelectionSettings:
@@ -193,6 +201,25 @@ class DataSelectionCallback(Callback, LayerOptions):
             if summary["mean_score"] is not None:
                 self.trainer.record_metric("selection/mean_score", summary["mean_score"], None)
 
+    def state_dict(self) -> dict[str, Any]:
+        """Called as OLMo-core takes a checkpoint (saved in its per-rank trainer state):
+        the selection's schedule (:mod:`~tda_plugins.data_selection.resume`), so that a run
+        resumed from it selects as an uninterrupted one; empty before the first step and
+        for a ``fully_shard``-ed target, which is not saved."""
+        if self._session is None:
+            return {}
+        # After global_step OLMo-core steps, the next selection step is global_step.
+        schedule = self._session.schedule_state(self.trainer.global_step)
+        if schedule is None:
+            return {}
+        tensors, meta = schedule.tensors()
+        return {"selection_schedule": {"tensors": tensors, "meta": meta}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A checkpoint was loaded: keep its schedule for the session (opened at the first
+        step)."""
+        self._loaded = state_dict.get("selection_schedule")
+
     def post_train(self) -> None:
         if self._session is not None:
             self._session.end()
@@ -237,7 +264,28 @@ class DataSelectionCallback(Callback, LayerOptions):
             fix=_FIX,
         )
         self._ids_hook = before_each_forward(model, self._observe_call)
+        if self.trainer.global_step > 1:  # resumed from a checkpoint
+            self._restore(session, self.trainer.global_step - 1)
         return session
+
+    def _restore(self, session: SelectionSession, step: int) -> None:
+        """Go on from the loaded checkpoint's schedule, or warn that the selection will
+        differ from an uninterrupted run's."""
+        loaded, self._loaded = self._loaded, None
+        if loaded is None:
+            cause = (
+                "the target of a fully_shard-ed model is not saved"
+                if session.sharded
+                else "the loaded checkpoint holds no selection schedule"
+            )
+            warn_not_restored(cause, step)
+            return
+        try:
+            device = next(session.model.parameters()).device
+            state = ScheduleState.from_tensors(loaded["tensors"], loaded["meta"], device)
+            session.restore_schedule(state, step=step)
+        except ScheduleStateError as error:
+            warn_not_restored(str(error), step)
 
     def _observe_call(self, module: nn.Module, kwargs: dict[str, Any]) -> None:
         """Before each training micro-batch's forward: its example ids (the batch's

@@ -23,6 +23,12 @@ from tda_plugins.capture import MicroBatchRecord
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.layers import has_lora
 from tda_plugins.data_selection import SelectionSession, SelectionSettings, StepSelection
+from tda_plugins.data_selection.resume import (
+    ScheduleStateError,
+    read_state,
+    warn_not_restored,
+    write_state,
+)
 from tda_plugins.data_selection.session import DEFAULT_FIX
 from tda_plugins.integrations.transformers.data import ExamplePool, Examples
 from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
@@ -30,6 +36,9 @@ from tda_plugins.integrations.transformers.setup import (
     MetricsCallback,
     TrainStart,
     adapt_settings,
+    checkpoint_folder,
+    process_index,
+    resumed_checkpoint,
     uses_fused_head,
 )
 from tda_plugins.session.batch import causal_lm_example_losses, causal_lm_losses
@@ -87,6 +96,26 @@ class ClippingTakeover(CaptureConsumer):
         self.args.max_grad_norm = self.max_grad_norm
 
 
+def restore_schedule(
+    session: SelectionSession, checkpoint: Path, step: int, args: TrainingArguments
+) -> None:
+    """Restore the schedule saved in ``checkpoint`` (a run resumed at ``step``); if it
+    cannot be, warn that the selection will differ from an uninterrupted run's."""
+    if session.sharded:
+        warn_not_restored("the target of a fully_shard-ed model is not saved", step)
+        return
+    try:
+        device = next(session.model.parameters()).device
+        state = read_state(checkpoint, process_index(args), device)
+        session.restore_schedule(state, step=step)
+    except ScheduleStateError as error:
+        fix = (
+            "if the run resumed from a checkpoint outside output_dir, set "
+            "TrainingArguments.resume_from_checkpoint to its path"
+        )
+        warn_not_restored(f"{error}; {fix}", step)
+
+
 class DataSelectionCallback(MetricsCallback):
     """Online data selection for ``Trainer``/``SFTTrainer`` (LoRA or full fine-tuning).
 
@@ -109,6 +138,15 @@ class DataSelectionCallback(MetricsCallback):
     finite example is skipped (every ``.grad`` dropped, so the optimizer changes neither
     the weights nor its state, as a skipped mixed-precision step). A target whose
     examples have no loss token or a non-finite gradient raises ``SelectionError``.
+
+    Resuming: at each checkpoint (``on_save``) the selection's schedule (the current target,
+    the step it was computed at, the refresh interval's batch size, the target pool's
+    cursor, the random rule's draws) is saved in ``checkpoint-<step>/`` beside the
+    trainer's own files, so a run resumed with ``resume_from_checkpoint`` selects exactly as
+    an uninterrupted one. A resumed run that finds no usable state (a checkpoint written
+    before this was saved, killed between the trainer's save and ``on_save``, a
+    ``fully_shard``-ed model) logs a warning naming the cause and starts a fresh schedule,
+    which differs from an uninterrupted run's.
 
     Args:
         target: the target pool: a JSONL path, a ``datasets.Dataset`` or a list of dicts,
@@ -216,6 +254,21 @@ class DataSelectionCallback(MetricsCallback):
         self._clipping = ClippingTakeover(args)
         self.session.engine.add_consumer(self._clipping)
         self._hooks.append(model.register_forward_pre_hook(self._clipping.restore))
+        checkpoint = resumed_checkpoint(args, start.state)
+        if checkpoint is not None:
+            restore_schedule(self.session, checkpoint, start.state.global_step, args)
+
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """The trainer has just saved ``checkpoint-<global_step>``: save the selection's
+        schedule in it, one file per rank (:mod:`~tda_plugins.data_selection.resume`)."""
+        if self.session is None:
+            return
+        schedule = self.session.schedule_state(state.global_step)
+        if schedule is not None:
+            folder = checkpoint_folder(args, state.global_step)
+            write_state(schedule, folder, process_index(args))
 
     def on_substep_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

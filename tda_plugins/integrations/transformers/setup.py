@@ -7,11 +7,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+from pathlib import Path
 from typing import Any, Self
 
 import torch
 from torch import Tensor, nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from tda_plugins.integrations.transformers.refusals import TRAINER_CHECKS
 from tda_plugins.session.capture import UnsupportedTrainingSetup
@@ -60,6 +62,32 @@ def adapt_settings(
     return dataclasses.replace(
         settings, selection=dataclasses.replace(settings.selection, exclude=exclude)
     )
+
+
+def checkpoint_folder(args: TrainingArguments, step: int) -> Path:
+    """The folder the trainer saves its checkpoint of ``step`` optimizer steps in.
+
+    The one place that knows the trainer's checkpoint layout and how a callback learns
+    which checkpoint a run resumed from, neither of which transformers hands callbacks:
+    the trainer saves to ``<output_dir>/checkpoint-<global_step>`` (``PREFIX_CHECKPOINT_DIR``;
+    a hyperparameter search's trial folders are not followed), and ``train(
+    resume_from_checkpoint=True)`` resumes from the highest-numbered such folder, then sets
+    ``state.global_step`` to the step saved there; a path given to ``train()`` is not
+    passed on to callbacks. So a run resumed at ``global_step > 0`` resumed from
+    ``args.resume_from_checkpoint`` when that field is a path, else from this folder.
+    """
+    return Path(str(args.output_dir)) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+
+
+def resumed_checkpoint(args: TrainingArguments, state: TrainerState) -> Path | None:
+    """The checkpoint folder a run resumed from (``None``: a run from step 0); see
+    :func:`checkpoint_folder`."""
+    if state.global_step == 0:
+        return None
+    given = getattr(args, "resume_from_checkpoint", None)
+    if isinstance(given, str) and given:
+        return Path(given)
+    return checkpoint_folder(args, state.global_step)
 
 
 def process_index(args: TrainingArguments) -> int:
