@@ -36,6 +36,6 @@ def test_scores_through_a_memory_store_equal_the_disk_stores_exactly(tmp_path: P
 
 
 def test_no_shared_memory_is_refused_naming_the_way_out(tmp_path: Path) -> None:
-    with pytest.raises(OSError, match="capture into a folder on disk"):
-        with memory_store(under=tmp_path / "absent"):
-            pass
+    absent = memory_store(under=tmp_path / "absent")
+    with pytest.raises(OSError, match="capture into a folder on disk"), absent:
+        pass
