@@ -52,7 +52,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,6 +92,10 @@ from tda_plugins.store.layout import (
 from tda_plugins.store.lock import WriterLock
 from tda_plugins.store.sync import BackgroundSync
 from tda_plugins.store.texts import TokenTexts, example_line
+
+
+#: Shard fsyncs in flight at once in the end sync (each waits on the disk, not the CPU).
+_END_SYNC_THREADS = 8
 
 
 @dataclass(frozen=True)
@@ -326,9 +330,9 @@ class GradientStore(CaptureConsumer):
 
     def _sync_written(self) -> None:
         """The end sync (background thread, after every write): each shard written since
-        the last sync, the folder, then the index again, durably."""
-        for path in self._unsynced:
-            fsync_path(path)
+        the last sync (several at once), then the folder, then the index again, durably."""
+        with ThreadPoolExecutor(_END_SYNC_THREADS, thread_name_prefix="tda-end-sync") as pool:
+            list(pool.map(fsync_path, self._unsynced))  # the disk queues them together
         self._unsynced = []
         with self._shards_lock:
             shards = list(self._shards)
