@@ -93,7 +93,6 @@ from tda_plugins.store.lock import WriterLock
 from tda_plugins.store.sync import BackgroundSync
 from tda_plugins.store.texts import TokenTexts, example_line
 
-
 #: Shard fsyncs in flight at once in the end sync (each waits on the disk, not the CPU).
 _END_SYNC_THREADS = 8
 
