@@ -467,9 +467,9 @@ class DiskLog:
             real_write(path, fill)
             self.events.append(("write", path.name))
 
-        def publish(path: Path, entries: list[ShardEntry]) -> None:
+        def publish(path: Path, entries: list[ShardEntry], *, durable: bool = True) -> None:
             self.events.append(("index", ",".join(e.file for e in entries)))
-            real_index(path, entries)
+            real_index(path, entries, durable=durable)
 
         monkeypatch.setattr(writer, "fsync_path", fsync)
         monkeypatch.setattr(writer, "write_renamed", write)

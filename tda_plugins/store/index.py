@@ -147,6 +147,7 @@ def read_index(path: Path) -> list[ShardEntry]:
     return entries
 
 
-def write_index(path: Path, entries: list[ShardEntry]) -> None:
-    """Replace the index atomically (a reader sees the old or the new one, never a mix)."""
-    atomic_write_json(path, {"shards": [e.to_json() for e in entries]})
+def write_index(path: Path, entries: list[ShardEntry], *, durable: bool = True) -> None:
+    """Replace the index atomically (a reader sees the old or the new one, never a mix);
+    ``durable=False``: without its fsyncs (on disk only after a later sync)."""
+    atomic_write_json(path, {"shards": [e.to_json() for e in entries]}, durable=durable)

@@ -60,11 +60,15 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     atomic_write(path, lambda tmp: tmp.write_bytes(data))
 
 
-def atomic_write_json(path: Path, value: Any) -> None:
+def atomic_write_json(path: Path, value: Any, *, durable: bool = True) -> None:
     """:func:`atomic_write_bytes` of ``value`` as indented JSON (strict: NaN/inf are an
-    error, not the non-JSON tokens ``json`` would write)."""
-    text = json.dumps(value, indent=1, sort_keys=True, allow_nan=False)
-    atomic_write_bytes(path, (text + "\n").encode())
+    error, not the non-JSON tokens ``json`` would write); ``durable=False``: through
+    :func:`write_renamed`, without the fsyncs."""
+    data = (json.dumps(value, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
+    if durable:
+        atomic_write_bytes(path, data)
+    else:
+        write_renamed(path, lambda tmp: tmp.write_bytes(data))
 
 
 def read_json(path: Path) -> Any:

@@ -22,7 +22,18 @@ reader opened while the writer is attached may not see the latest commit yet. A 
 capture (``tda capture``, :func:`~tda_plugins.session.dataset.capture_examples`) lets
 shards queue for the disk instead (``in_flight_bytes``): the next micro-batch waits only
 once that many bytes are not yet written, so a disk slower than the capture stalls it
-only when the queue is full; what is listed is on disk all the same.
+only when the queue is full.
+
+Durability (``durability``, :data:`DURABILITY`): ``"step"`` (training, the default) fsyncs
+each shard and the folder before its step is listed, as above. ``"end"`` (one-pass
+captures) writes shards and index to the page cache only and fsyncs them all once, at the
+end of capture, before the durable index and end marker: no fsync on the capture's
+critical path (the store's header is written durably once, before the first micro-batch).
+``"none"`` never fsyncs (scratch stores). Either way a step is listed only
+after its shards are completely written and checksummed, so a crashed *process* leaves
+every listed step readable; a crashed *machine* before the end sync may leave a listed
+shard torn, which the reader's checksum refuses ("the store is damaged: recapture") --
+never a silently half-written store.
 
 Integrity: each writer holds an exclusive lock on its rank directory for its lifetime
 (:class:`~tda_plugins.store.lock.WriterLock`), each shard's XXH3 checksum is listed in
@@ -41,7 +52,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,6 +92,26 @@ from tda_plugins.store.layout import (
 from tda_plugins.store.lock import WriterLock
 from tda_plugins.store.sync import BackgroundSync
 from tda_plugins.store.texts import TokenTexts, example_line
+
+#: Shard fsyncs in flight at once in the end sync (each waits on the disk, not the CPU).
+_END_SYNC_THREADS = 8
+
+
+@dataclass(frozen=True)
+class Durability:
+    """When a store's files are fsynced: each shard before its step is listed
+    (``per_step``), or all of them once at the end of capture (``at_end``)."""
+
+    per_step: bool
+    at_end: bool
+
+
+#: The store's durability modes (see the module docstring).
+DURABILITY = {
+    "step": Durability(per_step=True, at_end=True),
+    "end": Durability(per_step=False, at_end=True),
+    "none": Durability(per_step=False, at_end=False),
+}
 
 
 @dataclass
@@ -124,6 +155,9 @@ class GradientStore(CaptureConsumer):
             one's shard is on disk, so one shard's tensors are held at most and at most
             one committed step is not yet durable. A number: shards queue for the disk
             until their tensors pass that many bytes (then the oldest is waited for).
+        durability: ``"step"`` (default: each step durable once committed), ``"end"``
+            (one fsync pass at the end of capture) or ``"none"`` (page cache only); see
+            :data:`DURABILITY` and the module docstring for what a crash leaves.
     """
 
     def __init__(
@@ -138,7 +172,13 @@ class GradientStore(CaptureConsumer):
         model: nn.Module | None = None,
         tokenizer: Any = None,
         in_flight_bytes: int | None = None,
+        durability: str = "step",
     ):
+        if durability not in DURABILITY:
+            raise ValueError(f"durability must be one of {sorted(DURABILITY)}, got {durability!r}")
+        self.durability = DURABILITY[durability]
+        #: Shard files written without their fsync (for the end sync).
+        self._unsynced: list[Path] = []
         if in_flight_bytes is not None and in_flight_bytes < 0:
             raise ValueError(f"in_flight_bytes must be >= 0 or None, got {in_flight_bytes}")
         self.in_flight_bytes = in_flight_bytes
@@ -197,7 +237,7 @@ class GradientStore(CaptureConsumer):
                 "fingerprint": self.fingerprint,
                 "metadata": {**self.metadata, "keep_tokens": self.keep_tokens},
             }
-            atomic_write_json(self.root / STORE_FILE, header)
+            atomic_write_json(self.root / STORE_FILE, header, durable=self.durability.at_end)
         self.config = config
         self._remove_uncommitted()
 
@@ -251,7 +291,10 @@ class GradientStore(CaptureConsumer):
 
         def write() -> None:
             write_renamed(path, lambda tmp: save_file(tensors, tmp, metadata))
-            fsync_path(path)
+            if self.durability.per_step:
+                fsync_path(path)
+            else:
+                self._unsynced.append(path)
             shard.digest = file_checksum(path)
 
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -275,11 +318,25 @@ class GradientStore(CaptureConsumer):
 
     def on_end(self) -> None:
         self.commit()
+        if self.durability.at_end and not self.durability.per_step:
+            self._sync.submit(self._sync_written)
         if self.model is not None and self.config is not None:
             digest = weights_digest(self.model, self.config.layers)
             end = {"weights_sha256": digest, "last_step": max(self._steps, default=None)}
-            self._sync.submit(lambda: atomic_write_json(self._dir / END_FILE, end))
+            durable = self.durability.at_end
+            self._sync.submit(lambda: atomic_write_json(self._dir / END_FILE, end, durable=durable))
         self._sync.close()
+
+    def _sync_written(self) -> None:
+        """The end sync (background thread, after every write): each shard written since
+        the last sync (several at once), then the folder, then the index again, durably."""
+        with ThreadPoolExecutor(_END_SYNC_THREADS, thread_name_prefix="tda-end-sync") as pool:
+            list(pool.map(fsync_path, self._unsynced))  # the disk queues them together
+        self._unsynced = []
+        with self._shards_lock:
+            shards = list(self._shards)
+        fsync_path(self._dir)
+        write_index(self._dir / INDEX_FILE, shards)
 
     def on_detach(self) -> None:
         try:
@@ -307,8 +364,9 @@ class GradientStore(CaptureConsumer):
             with self._shards_lock:
                 self._shards.extend(w.entry() for w in pending)
                 shards = list(self._shards)
-            fsync_path(self._dir)
-            write_index(self._dir / INDEX_FILE, shards)
+            if self.durability.per_step:
+                fsync_path(self._dir)
+            write_index(self._dir / INDEX_FILE, shards, durable=self.durability.per_step)
 
         self._sync.submit(publish)
 

@@ -1,0 +1,120 @@
+"""What the store's durability mode buys a one-pass capture: GradDot through the store
+(capture of the training rows, then scoring 8 queries) against the floor, one plain
+forward and backward over the same rows, in one process, modes alternated by round.
+
+    python benchmarks/store_durability.py --rows 64 256 --rounds 3
+
+Modes: ``step-queued`` (what ``tda capture`` did before: each shard fsynced before its step
+is listed, shards queued for the disk up to 256 MiB), ``end`` (the one-pass default now:
+one fsync pass at the end of capture) and ``none`` (page cache only). The peer harness's
+Llama-style decoder (``store_integrity.model``), micro-batches of 32, one step each; with
+``--slow-fsync S`` each fsync is ``S`` seconds longer (a slow disk). Reports each mode's
+ratio to the floor of its round: median (range), and the load average of each round.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from unittest import mock
+
+import torch
+from common import base_parser, load_average
+from store_integrity import model
+
+from tda_plugins import CaptureEngine, LayerSelection, causal_lm_example_losses
+from tda_plugins.dataset_capture import IN_FLIGHT_BYTES
+from tda_plugins.methods import method_by_name
+from tda_plugins.store import GradientStore, StoreReader, writer
+
+MODES = {"step-queued": "step", "end": "end", "none": "none"}
+
+
+def floor(net: torch.nn.Module, rows: torch.Tensor) -> float:
+    """Seconds of one plain forward and backward over ``rows`` in micro-batches of 32."""
+    start = time.perf_counter()
+    for batch in rows.split(32):
+        causal_lm_example_losses(net(input_ids=batch).logits, batch).sum().backward()
+    net.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def capture(net: torch.nn.Module, rows: torch.Tensor, path: Path, durability: str) -> None:
+    """Capture ``rows`` into a new store at ``path`` (one step per micro-batch of 32)."""
+    store = GradientStore(path, durability=durability, in_flight_bytes=IN_FLIGHT_BYTES)
+    engine = CaptureEngine(net, LayerSelection("linear"), consumers=[store], parameter_grads=False)
+    with engine:
+        for batch in rows.split(32):
+            causal_lm_example_losses(net(input_ids=batch).logits, batch).sum().backward()
+            engine.optimizer_step()
+        engine.end()
+
+
+def store_path(
+    net: torch.nn.Module, rows: torch.Tensor, folder: Path, mode: str, queries: Path
+) -> float:
+    """Seconds to capture ``rows`` with ``mode`` and score them against ``queries``."""
+    start = time.perf_counter()
+    capture(net, rows, folder / mode, MODES[mode])
+    method_by_name("graddot").score(StoreReader(folder / mode), StoreReader(queries))
+    return time.perf_counter() - start
+
+
+def main(argv: list[str]) -> int:
+    parser = base_parser(__doc__ or "")
+    parser.add_argument("--rows", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--slow-fsync", type=float, default=0.0)
+    parser.add_argument("--dir", type=Path, default=Path.cwd(), help="where the stores go")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    net = model()
+    real = writer.fsync_path
+
+    def slow(target: Path) -> None:
+        time.sleep(args.slow_fsync)
+        real(target)
+
+    patch = (
+        mock.patch.object(writer, "fsync_path", slow)
+        if args.slow_fsync
+        else contextlib.nullcontext()
+    )
+    with patch:
+        for count in args.rows:
+            rows = torch.randint(1, 4096, (count, 128), generator=torch.Generator().manual_seed(0))
+            ratios: dict[str, list[float]] = {m: [] for m in MODES}
+            loads = []
+            for r in range(args.rounds):
+                with tempfile.TemporaryDirectory(dir=args.dir) as name:
+                    folder = Path(name)
+                    queries = folder / "queries"
+                    capture(net, rows[:8], queries, "end")
+                    order = list(MODES) if r % 2 == 0 else list(reversed(MODES))
+                    base = floor(net, rows)
+                    for mode in order:
+                        ratios[mode].append(store_path(net, rows, folder, mode, queries) / base)
+                    base = (base + floor(net, rows)) / 2  # the floor before and after
+                    loads.append(load_average())
+                    print(
+                        f"rows {count} round {r} floor {base:.2f}s load {loads[-1]:.1f} "
+                        + " ".join(f"{m} {ratios[m][-1]:.2f}" for m in MODES),
+                        flush=True,
+                    )
+            cells = " | ".join(
+                f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" for v in ratios.values()
+            )
+            print(
+                f"| {count} | slow-fsync {args.slow_fsync:g} s | {cells} "
+                f"| load {', '.join(f'{x:.1f}' for x in loads)} |",
+                flush=True,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

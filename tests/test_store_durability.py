@@ -1,0 +1,158 @@
+"""The store's durability modes: ``"step"`` fsyncs before each step is listed, ``"end"``
+once at the end of capture, ``"none"`` never; what each leaves after a crash."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from tda_plugins import CaptureEngine, LayerSelection
+from tda_plugins.store import GradientStore, StoreError, StoreReader, io, writer
+from tda_plugins.store.layout import END_FILE, INDEX_FILE, STORE_FILE, rank_dir
+from tests.models import lm_batch, tiny_causal_lm
+from tests.stores import summed_loss
+
+STEPS = [[lm_batch(2, 8, seed=10 * s + m) for m in range(2)] for s in range(2)]
+
+
+def fsync_log(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record the name of every path the writer fsyncs (the real fsync still runs)."""
+    names: list[str] = []
+    real = writer.fsync_path
+
+    def fsync(path: Path) -> None:
+        names.append(path.name)
+        real(path)
+
+    monkeypatch.setattr(writer, "fsync_path", fsync)
+    monkeypatch.setattr(io, "fsync_path", fsync)  # the atomic writes' own fsyncs
+    return names
+
+
+def capture(path: Path, durability: str, *, end: bool = True) -> GradientStore:
+    """Capture :data:`STEPS` (one step each); without ``end`` the capture is left as a
+    crashed process leaves it (committed, flushed, never ended)."""
+    model = tiny_causal_lm("llama", seed=0)
+    store = GradientStore(path, model=model, durability=durability, in_flight_bytes=2**30)
+    with CaptureEngine(model, LayerSelection(), consumers=[store]) as engine:
+        for step in STEPS:
+            for batch in step:
+                summed_loss(model, batch).backward()
+            engine.optimizer_step()
+        store.flush()
+        if end:
+            engine.end()
+    return store
+
+
+def grads(path: Path) -> dict[str, torch.Tensor]:
+    """Layer -> ``(N, d_out, d_in)`` stored gradients of every example, in store order."""
+    chunk = StoreReader(path).load_all()
+    return {name: g.materialize() for name, g in chunk.layers.items()}
+
+
+@pytest.mark.parametrize("durability", ["end", "none"])
+def test_no_fsync_before_the_end_and_the_same_store_as_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durability: str
+) -> None:
+    """``"end"`` and ``"none"`` fsync nothing while capturing (``"end"``: the header,
+    before the first micro-batch); at the end ``"end"`` fsyncs
+    every shard, then the folder, then the index and end marker are written durably,
+    ``"none"`` fsyncs nothing. Either store reads back exactly the ``"step"`` store."""
+    capture(tmp_path / "step", "step")
+    names = fsync_log(monkeypatch)
+    store = capture(tmp_path / durability, durability, end=False)
+    header = [f".{STORE_FILE}", durability]  # "end": the header at attach, then its folder
+    assert [n.split(".tmp-")[0] for n in names] == (header if durability == "end" else [])
+    del names[:]
+    store.on_end()
+    shards = {p.name for p in rank_dir(tmp_path / durability, 0).glob("*.safetensors")}
+    if durability == "end":
+        assert set(names[:4]) == shards and len(shards) == 4
+        # the folder, then the index and the end marker: each temp file, then the folder
+        tmp = [n.split(".tmp-")[0] for n in names[5::2]]
+        assert names[4::2] == ["rank-0"] * 3 and tmp == [f".{INDEX_FILE}", f".{END_FILE}"]
+    else:
+        assert names == []
+    expected, got = grads(tmp_path / "step"), grads(tmp_path / durability)
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def test_a_crashed_process_leaves_every_committed_step_readable(tmp_path: Path) -> None:
+    """Without the end sync (the process died), the listed steps read back (the page
+    cache holds them), and queries against the unfinished capture are refused unless
+    allowed, as for any crashed capture."""
+    capture(tmp_path / "step", "step")
+    capture(tmp_path / "end", "end", end=False)
+    assert StoreReader(tmp_path / "end").steps == [0, 1]
+    assert StoreReader(tmp_path / "end").end_weights() is None
+    expected, got = grads(tmp_path / "step"), grads(tmp_path / "end")
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def test_a_shard_torn_by_a_machine_crash_before_the_end_sync_is_refused(
+    tmp_path: Path,
+) -> None:
+    """A machine crash before the end sync can lose a listed shard's unsynced bytes: the
+    reader's checksum refuses the store instead of scoring what is left."""
+    capture(tmp_path, "end", end=False)
+    shard = sorted(rank_dir(tmp_path, 0).glob("*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(StoreError, match="damaged: recapture"):
+        grads(tmp_path)
+
+
+def test_under_the_budget_a_micro_batch_never_waits_for_the_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the shard writes held, every micro-batch of a capture under its in-flight
+    budget returns; the writes run once the disk is released."""
+    release, returned = threading.Event(), []
+    real = writer.write_renamed
+
+    def held(path: Path, fill: object) -> None:
+        assert release.wait(timeout=10), "a micro-batch waited for the held disk"
+        real(path, fill)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(writer, "write_renamed", held)
+    model = tiny_causal_lm("llama", seed=0)
+    store = GradientStore(tmp_path, durability="end", in_flight_bytes=2**30)
+    with CaptureEngine(model, LayerSelection(), consumers=[store]) as engine:
+        for k, batch in enumerate(STEPS[0] + STEPS[1]):
+            summed_loss(model, batch).backward()
+            returned.append(k)
+        assert returned == [0, 1, 2, 3] and not (rank_dir(tmp_path, 0) / INDEX_FILE).exists()
+        release.set()
+        engine.optimizer_step()
+        engine.end()
+    assert StoreReader(tmp_path).steps == [0]
+
+
+def test_an_unknown_durability_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"durability must be one of \['end', 'none', 'step'\]"):
+        GradientStore(tmp_path, durability="sometimes")
+
+
+def test_a_one_pass_capture_syncs_once_at_the_end_and_training_at_each_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``capture_examples`` (``tda capture``) writes with ``"end"``; a store made without
+    saying (a training session's) with ``"step"``."""
+    from tda_plugins import capture_examples, dataset_capture
+
+    made: list[GradientStore] = []
+
+    class Recording(GradientStore):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            made.append(self)
+
+    monkeypatch.setattr(dataset_capture, "GradientStore", Recording)
+    rows = [{"input_ids": [2, 3, 4, 5]}, {"input_ids": [6, 7, 8]}]
+    capture_examples(tiny_causal_lm("llama"), rows, tmp_path / "q", progress=False)
+    assert [s.durability for s in made] == [writer.DURABILITY["end"]]
+    assert GradientStore(tmp_path / "other").durability == writer.DURABILITY["step"]
