@@ -27,7 +27,7 @@ from common import base_parser, load_average
 from store_integrity import model
 
 from tda_plugins import CaptureEngine, LayerSelection, causal_lm_example_losses
-from tda_plugins.dataset_capture import IN_FLIGHT_BYTES
+from tda_plugins.session.dataset import IN_FLIGHT_BYTES
 from tda_plugins.methods import method_by_name
 from tda_plugins.store import GradientStore, StoreReader, writer
 
@@ -46,7 +46,9 @@ def floor(net: torch.nn.Module, rows: torch.Tensor) -> float:
 def capture(net: torch.nn.Module, rows: torch.Tensor, path: Path, durability: str) -> None:
     """Capture ``rows`` into a new store at ``path`` (one step per micro-batch of 32)."""
     store = GradientStore(path, durability=durability, in_flight_bytes=IN_FLIGHT_BYTES)
-    engine = CaptureEngine(net, LayerSelection("linear"), consumers=[store], parameter_grads=False)
+    engine = CaptureEngine(
+        net, layers=LayerSelection("linear"), consumers=[store], parameter_grads=False
+    )
     with engine:
         for batch in rows.split(32):
             causal_lm_example_losses(net(input_ids=batch).logits, batch).sum().backward()

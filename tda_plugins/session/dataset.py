@@ -127,7 +127,6 @@ def capture_examples(
         model=model,
         tokenizer=tokenizer,
         in_flight_bytes=IN_FLIGHT_BYTES,  # a slow disk stalls the capture only when full
-        durability="end",  # one fsync pass at the end, none on the critical path
     )
     consumers: list[Any] = [store]
     if settings.curvature:
