@@ -15,6 +15,7 @@ import tda_plugins
 from tda_plugins import LayerSelection
 from tda_plugins.methods import Scores, method_by_name
 from tda_plugins.store import GradientStore, StoreReader
+from tda_plugins.store.writer import DURABILITY
 from tests.models import lm_batch, tiny_causal_lm
 from tests.stores import capture_store
 
@@ -136,7 +137,9 @@ def test_the_transformers_callbacks_load_lazily_from_the_package() -> None:
 def test_capture_examples_queues_its_shards_for_the_disk(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A one-pass capture lets shards queue for the disk (training stores do not)."""
+    """A one-pass capture lets shards queue for the disk (training stores do not); both
+    keep ``"step"`` durability (``"end"`` and ``"none"`` are opt-in: measured no faster on a
+    local disk)."""
     from tda_plugins.session import dataset as dataset_capture
 
     made: list[GradientStore] = []
@@ -150,7 +153,10 @@ def test_capture_examples_queues_its_shards_for_the_disk(
     rows = [{"input_ids": [2, 3, 4, 5]}, {"input_ids": [6, 7, 8]}]
     tda_plugins.capture_examples(tiny_causal_lm("llama"), rows, tmp_path / "q", progress=False)
     assert [s.in_flight_bytes for s in made] == [dataset_capture.IN_FLIGHT_BYTES]
-    assert GradientStore(tmp_path / "other").in_flight_bytes is None
+    assert [s.durability for s in made] == [DURABILITY["step"]]
+    other = GradientStore(tmp_path / "other")
+    assert other.in_flight_bytes is None
+    assert other.durability == DURABILITY["step"]
 
 
 def test_capture_options_are_checked_by_name(tmp_path: Path) -> None:

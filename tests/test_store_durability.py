@@ -135,26 +135,3 @@ def test_under_the_budget_a_micro_batch_never_waits_for_the_disk(
 def test_an_unknown_durability_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"durability must be one of \['end', 'none', 'step'\]"):
         GradientStore(tmp_path, durability="sometimes")
-
-
-def test_every_capture_keeps_step_durability_unless_told(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``capture_examples`` (``tda capture``) and a training session's store write with
-    ``"step"`` (measured no faster with ``"end"`` on a local disk: benchmarks/RESULTS.md);
-    ``"end"`` and ``"none"`` are opt-in."""
-    from tda_plugins import capture_examples
-    from tda_plugins.session import dataset as dataset_capture
-
-    made: list[GradientStore] = []
-
-    class Recording(GradientStore):
-        def __init__(self, *args: object, **kwargs: object) -> None:
-            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-            made.append(self)
-
-    monkeypatch.setattr(dataset_capture, "GradientStore", Recording)
-    rows = [{"input_ids": [2, 3, 4, 5]}, {"input_ids": [6, 7, 8]}]
-    capture_examples(tiny_causal_lm("llama"), rows, tmp_path / "q", progress=False)
-    assert [s.durability for s in made] == [writer.DURABILITY["step"]]
-    assert GradientStore(tmp_path / "other").durability == writer.DURABILITY["step"]

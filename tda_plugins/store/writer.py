@@ -24,9 +24,9 @@ shards queue for the disk instead (``in_flight_bytes``): the next micro-batch wa
 once that many bytes are not yet written, so a disk slower than the capture stalls it
 only when the queue is full.
 
-Durability (``durability``, :data:`DURABILITY`): ``"step"`` (training, the default) fsyncs
-each shard and the folder before its step is listed, as above. ``"end"`` (one-pass
-captures) writes shards and index to the page cache only and fsyncs them all once, at the
+Durability (``durability``, :data:`DURABILITY`): ``"step"`` (the default, for training
+and ``tda capture``) fsyncs each shard and the folder before its step is listed, as above.
+``"end"`` (opt-in) writes shards and index to the page cache only and fsyncs them all once, at the
 end of capture, before the durable index and end marker: no fsync on the capture's
 critical path (the store's header is written durably once, before the first micro-batch).
 ``"none"`` never fsyncs (scratch stores). Either way a step is listed only
