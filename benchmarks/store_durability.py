@@ -27,8 +27,8 @@ from common import base_parser, load_average
 from store_integrity import model
 
 from tda_plugins import CaptureEngine, LayerSelection, causal_lm_example_losses
-from tda_plugins.session.dataset import IN_FLIGHT_BYTES
 from tda_plugins.methods import method_by_name
+from tda_plugins.session.dataset import IN_FLIGHT_BYTES
 from tda_plugins.store import GradientStore, StoreReader, writer
 
 MODES = {"step-queued": "step", "end": "end", "none": "none"}
