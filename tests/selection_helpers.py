@@ -29,6 +29,11 @@ from tda_plugins import causal_lm_example_losses
 from tda_plugins.capture import content_hash
 from tests.oracle import max_rel_error
 
+#: Tolerance of an fp64 ``.grad`` against the fresh backward over the kept examples.
+FP64_TOL = 1e-6
+#: Right-padded lengths of the 8 examples of a step (length 10).
+LENGTHS = (10, 7, 9, 5, 10, 8, 6, 10)
+
 Batch = Mapping[str, Tensor]
 
 #: The selection settings the mechanism tests were written for, pinned so that they do not

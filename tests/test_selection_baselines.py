@@ -34,6 +34,8 @@ from tda_plugins.integrations.transformers.selection import (
 from tests.models import lm_batch, tiny_causal_lm, with_lora
 from tests.oracle import max_rel_error
 from tests.selection_helpers import (
+    FP64_TOL,
+    LENGTHS,
     SelectionAudit,
     assert_trainer_grads_match_fresh,
     current_grads,
@@ -51,10 +53,6 @@ from tests.trainers import (
     training_args,
     word_tokenizer,
 )
-
-FP64_TOL = 1e-6
-LENGTHS = (10, 7, 9, 5, 10, 8, 6, 10)
-
 
 # -- rules ------------------------------------------------------------------------------
 

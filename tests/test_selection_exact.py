@@ -50,6 +50,8 @@ from tda_plugins.session.capture import UnsupportedTrainingSetup
 from tests.models import lm_batch, tiny_causal_lm, with_lora
 from tests.oracle import loop_oracle, max_rel_error
 from tests.selection_helpers import (
+    FP64_TOL,
+    LENGTHS,
     PINNED,
     SelectionAudit,
     StepAudit,
@@ -70,9 +72,6 @@ from tests.trainers import (
     word_tokenizer,
 )
 
-FP64_TOL = 1e-6
-#: Right-padded lengths of the 8 examples of a step (length 10).
-LENGTHS = (10, 7, 9, 5, 10, 8, 6, 10)
 EXAMPLES = len(LENGTHS)
 MODELS = ("llama-full", "llama-lora", "gpt2-full", "gpt2-lora")
 SCORES = ("dot", "cosine", "adam")
