@@ -15,12 +15,16 @@ from demo_arms import ARMS, GOOD_KINDS, TASK_KINDS, RunResult, SeedResult
 from demo_data import TASKS
 
 
-def spread(values: Sequence[float], digits: int = 3, scale: float = 1.0) -> str:
-    """``mean ± std`` over seeds (the value alone for one seed)."""
+def spread(values: Sequence[float], digits: int = 3, scale: float = 1.0, unit: str = "") -> str:
+    """``mean ± std{unit}`` over seeds (the value alone for one seed; ``—`` where a seed
+    lacks it, e.g. the gap closed without the clean run)."""
     values = [v * scale for v in values]
+    if any(math.isnan(v) for v in values):
+        return "—"
     if len(values) == 1:
-        return f"{values[0]:.{digits}f}"
-    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+        return f"{values[0]:.{digits}f}{unit}"
+    mean, std = statistics.mean(values), statistics.stdev(values)
+    return f"{mean:.{digits}f} ± {std:.{digits}f}{unit}"
 
 
 def results_table(results: Sequence[SeedResult], arms: Sequence[str], steps: int) -> str:
@@ -57,16 +61,16 @@ def results_table(results: Sequence[SeedResult], arms: Sequence[str], steps: int
             "—"
             if arm == "none"
             else spread([r.runs[arm].final_loss - r.runs["none"].final_loss for r in results]),
-            spread([r.gap_closed(arm) for r in results], 0, 100) + " %"
+            spread([r.gap_closed(arm) for r in results], 0, 100, " %")
             if arm not in ("none", "clean")
             else "—",
         ]
         if selects:
             cells += [
-                spread(each(lambda run: run.precision), 0, 100) + " %",
-                spread(each(lambda run: run.recall), 0, 100) + " %",
-                spread(each(lambda run: run.share(GOOD_KINDS)), 0, 100) + " %",
-                spread(each(lambda run: run.share(TASK_KINDS)), 0, 100) + " %",
+                spread(each(lambda run: run.precision), 0, 100, " %"),
+                spread(each(lambda run: run.recall), 0, 100, " %"),
+                spread(each(lambda run: run.share(GOOD_KINDS)), 0, 100, " %"),
+                spread(each(lambda run: run.share(TASK_KINDS)), 0, 100, " %"),
             ]
         else:
             cells += ["—"] * 4

@@ -254,3 +254,43 @@ def test_the_demo_compares_every_arm_at_equal_kept_examples(tmp_path: Path) -> N
     table = (out / "results.md").read_text()
     assert all(arms.ARMS[name].label in table for name in arms.STANDARD_ARMS)
     assert demo.DemoOptions().ours_settings() == {}  # ours: the library's defaults
+
+
+def _run(loss: float, arms: ModuleType, dropped: bool = False) -> object:
+    """A finished run whose every task ends at eval loss ``loss`` (one selecting step)."""
+    curves = {task: [(0, 4.0), (3, loss)] for task in recipe("demo_data").TASKS}
+    run = arms.RunResult(curves=curves, step_seconds=[1.0], step_cpu_seconds=[1.0])
+    if dropped:
+        run.tally_step(["shuffled", "reference"], [-1.0, 1.0], [True, False])
+    return run
+
+
+def test_the_demo_table_reads_the_gap_only_where_every_seed_has_the_clean_run() -> None:
+    """Over two seeds the gap closed is the paired share ``(none - ours) / (none - clean)``
+    (here 50 % and 25 %); without the clean run the column reads ``—`` instead of failing
+    on the missing seeds' NaN."""
+    arms, report = recipe("demo_arms"), recipe("demo_report")
+    with_clean = [
+        arms.SeedResult(
+            0, {"none": _run(3.0, arms), "clean": _run(2.0, arms), "ours": _run(2.5, arms, True)}
+        ),
+        arms.SeedResult(
+            1, {"none": _run(3.0, arms), "clean": _run(1.0, arms), "ours": _run(2.5, arms, True)}
+        ),
+    ]
+    row = next(
+        line
+        for line in report.results_table(with_clean, ["none", "clean", "ours"], 3).splitlines()
+        if line.startswith(f"| {arms.ARMS['ours'].label} |")
+    )
+    assert "38 ± 18 %" in row  # mean and sample std of 50 % and 25 %
+    without = [
+        arms.SeedResult(s.seed, {k: v for k, v in s.runs.items() if k != "clean"})
+        for s in with_clean
+    ]
+    row = next(
+        line
+        for line in report.results_table(without, ["none", "ours"], 3).splitlines()
+        if line.startswith(f"| {arms.ARMS['ours'].label} |")
+    )
+    assert row.split(" | ")[5] == "—"
