@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -102,6 +103,22 @@ def fresh_kept_gradient(
         n: torch.zeros_like(p) if g is None else g * rescale
         for (n, p), g in zip(params.items(), grads, strict=True)
     }
+
+
+def adam_step_metric(optimizer: torch.optim.Optimizer, param: Tensor, grad: Tensor) -> Tensor:
+    """Adam's ``1 / (sqrt(v_hat) + eps)`` in the step it takes from ``param``'s state with
+    ``grad``: read from torch's own Adam stepping a copy of the parameter and its state
+    (no state: the first step)."""
+    group = optimizer.param_groups[0]
+    shadow = param.detach().clone().requires_grad_(True)
+    stepper = torch.optim.Adam([shadow], lr=group["lr"], betas=group["betas"], eps=group["eps"])
+    if param in optimizer.state:
+        stepper.state[shadow] = copy.deepcopy(optimizer.state[param])
+    shadow.grad = grad.detach().clone().to(shadow.dtype)
+    stepper.step()
+    state = stepper.state[shadow]
+    v_hat = state["exp_avg_sq"] / (1 - group["betas"][1] ** float(state["step"]))
+    return 1.0 / (v_hat.sqrt() + group["eps"])
 
 
 def global_norm(grads: Mapping[str, Tensor]) -> float:

@@ -55,6 +55,7 @@ from tests.selection_helpers import (
     PINNED,
     SelectionAudit,
     StepAudit,
+    adam_step_metric,
     assert_trainer_grads_match_fresh,
     current_grads,
     example_losses,
@@ -113,15 +114,12 @@ class Subject:
         return groups
 
     def preconditioner(self, name: str) -> Tensor | None:
-        """Adam's ``1 / (sqrt(v_hat) + eps)`` for a parameter, from the optimizer's state."""
+        """Adam's ``1 / (sqrt(v_hat) + eps)`` for a parameter in the step it is about to
+        take with the window's gradient ``sum_i g_i / N_window`` (the ``.grad`` scored)."""
         if self.optimizer is None:
             return None
-        param = self.model.get_parameter(name)
-        state = self.optimizer.state[param]
-        group = self.optimizer.param_groups[0]
-        beta2, eps = group["betas"][1], group["eps"]
-        v_hat = state["exp_avg_sq"] / (1 - beta2 ** float(state["step"]))
-        return 1.0 / (v_hat.sqrt() + eps)
+        grad = self.per_example[name].sum(0) / self.window_tokens
+        return adam_step_metric(self.optimizer, self.model.get_parameter(name), grad)
 
     def fresh(self, accumulation: int, keep: Tensor) -> dict[str, Tensor]:
         """:func:`fresh_kept_gradient` over the kept examples (``(8,)`` mask), cached."""
@@ -428,7 +426,8 @@ def test_row_terms_sum_to_the_fresh_backward(spec: str) -> None:
 @pytest.mark.parametrize("spec", MODELS)
 def test_global_scores_are_each_examples_gradient_against_the_target(spec: str, score: str) -> None:
     """The step's recorded scores are the oracle's ``<g_i, T>`` (cosine: over the norms;
-    adam: ``T`` preconditioned by the optimizer's ``1 / (sqrt(v_hat) + eps)``), with
+    adam: ``T`` preconditioned by Adam's ``1 / (sqrt(v_hat) + eps)`` of the step the
+    window's gradient is about to take), with
     ``g_i`` and ``T`` each parameter's full gradient: for a tied weight (GPT-2's
     ``lm_head``/``wte``) the sum of both layers' contributions, cross terms included.
     Scores are kept in fp32."""

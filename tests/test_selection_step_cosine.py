@@ -24,6 +24,7 @@ from tda_plugins.session.batch import causal_lm_losses
 from tests.models import lm_batch, tiny_causal_lm, with_lora
 from tests.oracle import loop_oracle, max_rel_error
 from tests.selection_helpers import (
+    adam_step_metric,
     current_grads,
     example_losses,
     fresh_kept_gradient,
@@ -91,15 +92,18 @@ def test_a_clean_step_along_the_target_keeps_everything() -> None:
 # -- through the engine -------------------------------------------------------------------
 
 
-def subject(spec: str, adam: bool) -> tuple[nn.Module, torch.optim.Adam | None]:
+def subject(spec: str, adam: bool, warm: bool = True) -> tuple[nn.Module, torch.optim.Adam | None]:
     """A tiny fp64 model (``"llama-lora"`` or ``"gpt2-full"``, whose head is tied to the
-    embedding); with ``adam``, after one Adam step on another batch (moments exist)."""
+    embedding); with ``adam``, its optimizer: after one Adam step on another batch
+    (moments exist) or, not ``warm``, before its first step (no state)."""
     arch, kind = spec.split("-")
     model = tiny_causal_lm(arch, torch.float64)
     model = with_lora(model) if kind == "lora" else model
     if not adam:
         return model, None
     optimizer = torch.optim.Adam(trainable(model).values(), lr=1e-3)
+    if not warm:
+        return model, optimizer
     warmup = lm_batch(4, 10, lengths=(10, 6, 8, 9), seed=3)
     (example_losses(model, warmup).sum() / label_counts(warmup).sum()).backward()
     optimizer.step()
@@ -121,28 +125,30 @@ def oracle_kept(
         if optimizer is None:
             scale[name] = torch.ones_like(target_grad[name])
             continue
-        state = optimizer.state[model.get_parameter(name)]
-        beta2, eps = optimizer.param_groups[0]["betas"][1], optimizer.param_groups[0]["eps"]
-        v_hat = state["exp_avg_sq"] / (1 - beta2 ** float(state["step"]))
-        scale[name] = (1.0 / (v_hat.sqrt() + eps)).sqrt()
+        grad = per_example[name].sum(0) / label_counts(window).sum()
+        scale[name] = adam_step_metric(optimizer, model.get_parameter(name), grad).sqrt()
     vectors = torch.cat([(per_example[n] * scale[n]).flatten(1) for n in names], dim=1)
     direction = torch.cat([(target_grad[n] * scale[n]).flatten() for n in names])
     return greedy_by_hand(vectors, direction, MARGIN)
 
 
 CASES = [
-    pytest.param("llama-lora", 1, "dot", id="lora-ga1-dot"),
-    pytest.param("llama-lora", 2, "cosine", id="lora-ga2-cosine"),
-    pytest.param("llama-lora", 2, "adam", id="lora-ga2-adam"),
-    pytest.param("gpt2-full", 2, "dot", id="gpt2-full-tied-ga2-dot"),
+    pytest.param("llama-lora", 1, "dot", True, id="lora-ga1-dot"),
+    pytest.param("llama-lora", 2, "cosine", True, id="lora-ga2-cosine"),
+    pytest.param("llama-lora", 2, "adam", True, id="lora-ga2-adam"),
+    pytest.param("llama-lora", 1, "adam", False, id="lora-ga1-adam-first-step"),
+    pytest.param("gpt2-full", 2, "dot", True, id="gpt2-full-tied-ga2-dot"),
 ]
 
 
-@pytest.mark.parametrize("spec, accumulation, score", CASES)
+@pytest.mark.parametrize("spec, accumulation, score, warm", CASES)
 def test_engine_keeps_the_greedy_set_and_grad_is_fresh_over_it(
-    spec: str, accumulation: int, score: str
+    spec: str, accumulation: int, score: str, warm: bool
 ) -> None:
-    model, optimizer = subject(spec, adam=score == "adam")
+    """The engine's kept set is the greedy's by hand (in Adam's metric of the step being
+    taken: its first step too, where the optimizer has no state yet), and ``.grad`` is
+    the fresh backward over it."""
+    model, optimizer = subject(spec, adam=score == "adam", warm=warm)
     window = lm_batch(8, 10, lengths=(10, 7, 9, 5, 10, 8, 6, 10), seed=1)
     # a target of a different batch: some examples of the window point away from it
     target = lm_batch(2, 8, lengths=(8, 5), seed=2)

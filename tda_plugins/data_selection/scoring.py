@@ -3,7 +3,8 @@ share a parameter), from the gradients the training backward captured.
 
     dot:     s_i = <g_i, T>
     cosine:  s_i = <g_i, T> / (|g_i| |T|)       (a zero gradient scores 0)
-    adam:    s_i = <g_i, P T>, P = 1 / (sqrt(v_hat) + eps)   (the optimizer's current state)
+    adam:    s_i = <g_i, P T>, P = 1 / (sqrt(v_hat) + eps)   (the metric of the step Adam
+             is about to take: its second moment with this step's gradient folded in)
 
 A rule that weighs the examples together (``step_cosine``) also gets the step's Gram
 matrix ``<g_i, g_j>`` (``<g_i, P g_j>`` for ``adam``), over every captured parameter.
@@ -130,17 +131,33 @@ class Scorer:
         return self._projected_target[name]
 
     def _adam_scale(self, name: str, like: Tensor) -> Tensor:
+        """Layer ``name``'s ``P = 1 / (sqrt(v_hat) + eps)``, flattened like its gradients:
+        the metric of the step Adam is about to take. Its second moment has this step's
+        ``.grad`` folded in, ``v = beta2 v_prev + (1 - beta2) grad^2`` bias-corrected for
+        step ``t + 1``, as the optimizer computes it before updating (from the whole
+        batch's gradient: the kept set is what the scores choose). At the first step that
+        is ``1 / (|grad| + eps)``, Adam's sign-like first update. Without a ``.grad``
+        (``parameter_grads=False``): the state alone, the identity before any step."""
         module, adapter = self.layers[name]
         params = adapter.captured_parameters(module)
         optimizer = self.optimizer
         assert optimizer is not None  # checked in __init__
+        beta2, eps = optimizer.param_groups[0]["betas"][1], optimizer.param_groups[0]["eps"]
         state = [optimizer.state.get(p, {}) for p in params.values()]
-        if any("exp_avg_sq" not in s for s in state):
-            return torch.ones_like(like)  # before the first step Adam has no moments: dot
-        group = optimizer.param_groups[0]
-        beta2, eps = group["betas"][1], group["eps"]
-        step = max(float(gathered(torch.as_tensor(s["step"]))) for s in state)
-        v = {local: gathered(s["exp_avg_sq"]) for local, s in zip(params, state, strict=True)}
+        fold = all(p.grad is not None for p in params.values())
+        if not fold and any("exp_avg_sq" not in s for s in state):
+            return torch.ones_like(like)
+        steps = [float(gathered(torch.as_tensor(s["step"]))) for s in state if "step" in s]
+        step = max(steps, default=0.0) + fold
+        v: dict[str, Tensor] = {}
+        for (local, p), s in zip(params.items(), state, strict=True):
+            prior = (
+                gathered(s["exp_avg_sq"]).double()
+                if "exp_avg_sq" in s
+                else torch.zeros((), dtype=torch.float64)
+            )
+            grad = gathered(p.grad).detach().double() if p.grad is not None else None
+            v[local] = prior if grad is None else beta2 * prior + (1 - beta2) * grad.square()
         v_hat = adapter.flatten(module, v).to(like.dtype) / (1 - beta2**step)
         return 1.0 / (v_hat.sqrt() + eps)
 
