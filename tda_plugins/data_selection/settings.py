@@ -48,7 +48,8 @@ class SelectionSettings:
     examples per step as that run; ``None``: the rule's own count."""
     score: ScoreMode = "adam"
     """``"dot"`` ``<g_i, T>``, ``"cosine"``, ``"adam"`` ``<g_i, T / (sqrt(v_hat) + eps)>``
-    (``v_hat`` of the step Adam is about to take: this step's gradient folded in), or ``"loss"``: minus the example's mean token loss in the training forward (no target:
+    (``v_hat`` of the step Adam is about to take: this step's gradient folded in), or
+    ``"loss"``: minus the example's mean token loss in the training forward (no target:
     ``bottom_fraction`` drops the highest losses, ``top_fraction`` the lowest)."""
     granularity: Granularity = "global"
     """``"global"``: one kept set; ``"per_layer"``: each layer keeps its own best examples."""
