@@ -130,8 +130,9 @@ class Scorer:
             self._projected_target[name] = self.projector.project_vector(name, template, vector)
         return self._projected_target[name]
 
-    def _adam_scale(self, name: str, like: Tensor) -> Tensor:
-        """Layer ``name``'s ``P = 1 / (sqrt(v_hat) + eps)``, flattened like its gradients:
+    def _adam_scale(self, name: str, dtype: torch.dtype) -> Tensor:
+        """Layer ``name``'s ``(D,)`` ``P = 1 / (sqrt(v_hat) + eps)`` in ``dtype``, flattened
+        like its gradients (a scalar 1 where there is no metric yet):
         the metric of the step Adam is about to take. Its second moment has this step's
         ``.grad`` folded in, ``v = beta2 v_prev + (1 - beta2) grad^2`` bias-corrected for
         step ``t + 1``, as the optimizer computes it before updating (from the whole
@@ -146,7 +147,7 @@ class Scorer:
         state = [optimizer.state.get(p, {}) for p in params.values()]
         fold = all(p.grad is not None for p in params.values())
         if not fold and any("exp_avg_sq" not in s for s in state):
-            return torch.ones_like(like)
+            return torch.ones((), dtype=dtype)
         steps = [float(gathered(torch.as_tensor(s["step"]))) for s in state if "step" in s]
         step = max(steps, default=0.0) + fold
         v: dict[str, Tensor] = {}
@@ -158,7 +159,7 @@ class Scorer:
             )
             grad = gathered(p.grad).detach().double() if p.grad is not None else None
             v[local] = prior if grad is None else beta2 * prior + (1 - beta2) * grad.square()
-        v_hat = adapter.flatten(module, v).to(like.dtype) / (1 - beta2**step)
+        v_hat = adapter.flatten(module, v).to(dtype) / (1 - beta2**step)
         return 1.0 / (v_hat.sqrt() + eps)
 
     def _in_parameters(self, unit: list[str], per_layer: dict[str, Tensor]) -> Tensor:
@@ -229,8 +230,9 @@ class Scorer:
                 out += grads @ grads.T
                 continue
             for name in unit:
+                metric = self._adam_scale(name, torch.float64) if self.score == "adam" else None
                 for i, first in enumerate(records):
-                    left = self._in_metric(name, self.grads(first, name))
+                    left = _in_metric(self.grads(first, name), metric)
                     for j, second in enumerate(records):
                         block = cross_gram(left, self.grads(second, name)).double().cpu()
                         block *= _scale(first).view(-1, 1) * _scale(second).view(1, -1)
@@ -238,13 +240,6 @@ class Scorer:
                             block
                         )
         return out
-
-    def _in_metric(self, name: str, grads: PerExampleGrad) -> PerExampleGrad:
-        """``grads`` with the score's metric applied (``P g`` for ``adam``, else as is)."""
-        if self.score != "adam":
-            return grads
-        values = grads.materialize()
-        return DenseGrad(values * self._adam_scale(name, values[0]).to(values.dtype))
 
     def scores(
         self, records: list[MicroBatchRecord], target: Target, *, per_unit: bool
@@ -282,7 +277,7 @@ class Scorer:
         if self.projector is not None or self.score == "adam":
             scored = {name: self._layer_target(name, records, vectors[name]) for name in names}
         if self.score == "adam":
-            scored = {name: v * self._adam_scale(name, v) for name, v in scored.items()}
+            scored = {name: v * self._adam_scale(name, v.dtype) for name, v in scored.items()}
         per_record = [
             dots_with({name: self.grads(r, name) for name in names}, scored, factors)
             for r in records
@@ -301,3 +296,11 @@ class Scorer:
         squares = torch.stack([self._unit_sq_norms(u, records).double() for u in units], dim=1)
         target_sq = torch.stack([self._unit_target_sq(u, records, vectors) for u in units])
         return UnitScores(dots, squares, target_sq)
+
+
+def _in_metric(grads: PerExampleGrad, metric: Tensor | None) -> PerExampleGrad:
+    """``grads`` in the score's metric: ``P g`` for ``adam`` (``metric`` = ``P``), else as is."""
+    if metric is None:
+        return grads
+    values = grads.materialize()
+    return DenseGrad(values * metric.to(values.dtype))
