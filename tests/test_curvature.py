@@ -43,6 +43,7 @@ from tda_plugins.precondition import (
 )
 from tda_plugins.precondition.statistics import add_upper_gram, mirrored
 from tda_plugins.store import GradientStore, StoreError, StoreReader
+from tests import ekfac_routes
 from tests.models import lm_batch, tiny_causal_lm
 from tests.stores import LossFn, capture_store, run_captured, summed_loss
 
@@ -593,7 +594,10 @@ def test_method_scores_equal_dense_reference_on_llama(
         mock.patch("tda_plugins.methods.base.QUERY_CACHE_BYTES", budget),
         mock.patch("tda_plugins.methods.base.SCORE_GROUP_BYTES", group),
     ):
-        scores = method_by_name(method).score(store, queries, chunk_examples=1)
+        scored = method_by_name(method)
+        scores = scored.score(store, queries, chunk_examples=1)
+    if method == "ekfac":  # the default route: the correction's rotated gradients kept
+        assert scored.preconditioner._kept == set(store.layer_names)
     assert torch.equal(scores.train_ids, store_ids(llama.train))
     assert torch.equal(scores.query_ids, store_ids(llama.queries))
     expected = dense_scores(
@@ -603,23 +607,32 @@ def test_method_scores_equal_dense_reference_on_llama(
     assert rel_err(scores.values, expected) < SCORE_TOL
 
 
-def test_ekfac_scored_in_its_eigenbasis_equals_the_dense_reference(llama: Llama) -> None:
-    """With many queries and few training examples EK-FAC keeps the preconditioned
-    queries in its eigenbasis and rotates each training chunk instead of rotating every
-    query back; forced for every layer here, the scores still equal the dense reference."""
+@pytest.mark.parametrize("route", ["stored", "eigenbasis", "mixed"])
+def test_ekfac_routes_equal_the_dense_reference(llama: Llama, route: str) -> None:
+    """EK-FAC's scores equal the dense reference through each route besides keeping the
+    correction's rotated training gradients: read again from the store, the queries
+    rotated back (``stored``) or left in the basis, each training chunk rotated instead
+    (``eigenbasis``: forced for every layer); and ``mixed``, where the memory for kept
+    gradients holds the narrow layers' but not the MLP's."""
     store, queries = llama.store("train"), llama.store("query")
     method = method_by_name("ekfac")
-    fit = EKFACPreconditioner.fit
-
-    def fit_then_prefer_the_eigenbasis(
-        self: EKFACPreconditioner, *args: Any, **kwargs: Any
-    ) -> None:
-        fit(self, *args, **kwargs)
-        self._train_rotation = dict.fromkeys(self._train_rotation, 0.0)
-
-    with mock.patch.object(EKFACPreconditioner, "fit", fit_then_prefer_the_eigenbasis):
+    widths = {n.split(".")[-1]: g.dim for n, g in queries.load_all().layers.items()}
+    itemsize = store.values_dtype().itemsize
+    between = store.num_examples * itemsize * (widths["q_proj"] + widths["gate_proj"]) // 2
+    patch = {
+        "stored": ekfac_routes.stored,
+        "eigenbasis": ekfac_routes.prefer_the_eigenbasis,
+        "mixed": lambda: ekfac_routes.kept_bytes(between),
+    }[route]
+    with patch():
         scores = method.score(store, queries, chunk_examples=1)
-    assert method.preconditioner._in_eigenbasis == set(store.layer_names)
+    kept, names = method.preconditioner._kept, set(store.layer_names)
+    if route == "mixed":
+        assert {n for n in names if "self_attn" in n} <= kept
+        assert not {n for n in names if "mlp" in n} & kept
+    else:
+        assert kept == set()
+    assert route != "eigenbasis" or method.preconditioner._in_eigenbasis == names
     expected = dense_scores(
         "ekfac", llama.oracle("train"), llama.oracle("query"), load_curvature(store.root)
     )

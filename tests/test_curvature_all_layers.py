@@ -33,7 +33,6 @@ from tda_plugins.live.influence import InfluenceLogger
 from tda_plugins.methods import Scores, method_by_name
 from tda_plugins.precondition import (
     PRECONDITIONERS,
-    EKFACPreconditioner,
     PlanInputs,
     load_curvature,
     plan_capture,
@@ -43,6 +42,7 @@ from tda_plugins.session.batch import capture_batch
 from tda_plugins.session.capture import CaptureSession
 from tda_plugins.session.settings import CaptureSettings
 from tda_plugins.store import StoreError, StoreReader
+from tests import ekfac_routes
 from tests.curvature_dist_worker import SCHEDULES
 from tests.curvature_dist_worker import run as run_worker
 from tests.curvature_reference import (
@@ -250,18 +250,6 @@ def test_new_layer_types_are_preconditioned_by_dense_damped_solves(
         assert rel_error(got, captured.train[unit] @ expected.T) < TOL, unit
 
 
-def prefer_the_eigenbasis() -> Any:
-    """EK-FAC made to keep every preconditioned query in its basis (rotating the training
-    chunks into it instead)."""
-    fit = EKFACPreconditioner.fit
-
-    def fit_then_prefer(self: EKFACPreconditioner, *args: Any, **kwargs: Any) -> None:
-        fit(self, *args, **kwargs)
-        self._train_rotation = dict.fromkeys(self._train_rotation, 0.0)
-
-    return mock.patch.object(EKFACPreconditioner, "fit", fit_then_prefer)
-
-
 SCORINGS = {
     "default": {},
     # one layer group per layer (a tied weight's two uses kept in one), no query cache,
@@ -271,11 +259,14 @@ SCORINGS = {
         "tda_plugins.methods.base.QUERY_CACHE_BYTES": 0,
     },
 }
+#: EK-FAC's routes besides the default (the rotated training gradients kept from the
+#: correction): the store read again, queries rotated back or left in the basis.
+EKFAC_ROUTES = {"stored": ekfac_routes.stored, "eigenbasis": ekfac_routes.prefer_the_eigenbasis}
 
 
 @pytest.mark.parametrize(
     ("method", "scoring"),
-    [(m, s) for m in ("kfac", "ekfac") for s in SCORINGS] + [("ekfac", "eigenbasis")],
+    [(m, s) for m in ("kfac", "ekfac") for s in SCORINGS] + [("ekfac", r) for r in EKFAC_ROUTES],
 )
 def test_scores_on_all_layers_equal_the_dense_reference(
     captured: Captured, method: str, scoring: str
@@ -283,18 +274,24 @@ def test_scores_on_all_layers_equal_the_dense_reference(
     """K-FAC and EK-FAC scores over every layer equal the sum over parameters of
     ``vec(G_z) . C^{-1} vec(G_q)`` from oracle gradients (a tied weight's gradient and
     curvature once, for both its uses); also scored layer by layer with nothing cached,
-    and with EK-FAC scoring in its basis (the training gradients of each use rotated)."""
+    and EK-FAC through each route: its rotated training gradients kept from the
+    correction, read again from the store, or read again and scored in its basis (the
+    training gradients of each use rotated)."""
     patches = [mock.patch(target, value) for target, value in SCORINGS.get(scoring, {}).items()]
-    if scoring == "eigenbasis":
-        patches.append(prefer_the_eigenbasis())
+    if scoring in EKFAC_ROUTES:
+        patches.append(EKFAC_ROUTES[scoring]())
     chunk = 1 if scoring == "tight" else None
     method_ = method_by_name(method)
     with contextlib.ExitStack() as stack:
         for patch in patches:
             stack.enter_context(patch)
         scores = method_.score(captured.store, captured.queries, chunk)
-    if scoring == "eigenbasis":
-        assert method_.preconditioner._in_eigenbasis == set(captured.store.layer_names)
+    names = set(captured.store.layer_names)
+    if method == "ekfac":
+        kept = method_.preconditioner._kept
+        assert kept == (set() if scoring in EKFAC_ROUTES else names)
+        in_basis = method_.preconditioner._in_eigenbasis
+        assert scoring != "eigenbasis" or in_basis == names
     ids = [s.load_all().example_ids for s in (captured.store, captured.queries)]
     got = scores_by_id(scores, *ids)
     assert rel_error(got, captured.scores(method)) < SCORE_TOL

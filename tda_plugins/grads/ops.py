@@ -249,7 +249,9 @@ def rotated(
     return rotated_grads(grads, u_out, u_in, route).materialize()
 
 
-def add_squared_entries_of_sum(parts: Sequence[PerExampleGrad], total: Tensor) -> Tensor:
+def add_squared_entries_of_sum(
+    parts: Sequence[PerExampleGrad], total: Tensor, into: Sequence[Tensor] = ()
+) -> Tensor:
     """``total += sum_i (sum_u dW_i^u) * (sum_u dW_i^u)`` entrywise, for the per-example
     gradients of several uses ``u`` of one parameter (a tied weight's, all in one
     ``(N_o, N_i)`` layout, ``total``'s); returns ``total``.
@@ -258,17 +260,26 @@ def add_squared_entries_of_sum(parts: Sequence[PerExampleGrad], total: Tensor) -
     rows at a time (:meth:`~tda_plugins.grads.base.PerExampleGrad.row_blocks`), added,
     squared and summed over the examples: nothing of size ``B N_o N_i`` is held. One use
     alone is :meth:`~tda_plugins.grads.base.PerExampleGrad.add_squared_entries`.
+
+    ``into``: one ``(B, N_o, N_i)`` tensor per use, in the accumulation dtype, that each
+    use's blocks are also written to as they are built (its materialized gradients, for
+    the cost of a copy of each block while it is in cache).
     """
-    if len(parts) == 1:
+    if len(parts) == 1 and not into:
         return parts[0].add_squared_entries(total)
     n_o, width = total.shape
     dtype = values_dtype(parts[0])
     batch = parts[0].batch_size
     blocks = [p.row_blocks(width, dtype) for p in parts]
     for rows in output_blocks(n_o, len(parts) * batch * width * dtype.itemsize, total):
-        # a fresh first block: a factor side writes each of its blocks into one buffer
-        block = summed([blocks[0](rows).clone(), *(b(rows) for b in blocks[1:])])
-        total[rows] += block.view(batch, -1, width).square().sum(dim=0)
+        if into:
+            for out, part in zip(into, blocks, strict=True):
+                out[:, rows] = part(rows).view(batch, -1, width)
+            uses = [into[0][:, rows].clone(), *(out[:, rows] for out in into[1:])]
+        else:
+            # a fresh first block: a factor side writes each of its blocks into one buffer
+            uses = [blocks[0](rows).clone(), *(b(rows) for b in blocks[1:])]
+        total[rows] += summed(uses).view(batch, -1, width).square().sum(dim=0)
     return total
 
 

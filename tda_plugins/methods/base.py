@@ -36,7 +36,7 @@ from tda_plugins.grads.ops import (
 from tda_plugins.methods.groups import ParameterGroups, ScoringSpace
 from tda_plugins.methods.scores import Scores
 from tda_plugins.parallel.ranks import Ranks, on_device
-from tda_plugins.precondition.base import PRECONDITIONERS, Preconditioner
+from tda_plugins.precondition.base import PRECONDITIONERS, Preconditioner, TrainingChunks
 from tda_plugins.store.layout import StoreError
 from tda_plugins.store.reader import StoreChunk, StoreReader
 from tda_plugins.utils.heap import release_free_heap
@@ -117,7 +117,12 @@ class AttributionMethod(ABC):
         self.space = ScoringSpace()
 
     def prepare(
-        self, store: StoreReader, queries: StoreReader, run: ScoreRun | None = None
+        self,
+        store: StoreReader,
+        queries: StoreReader,
+        run: ScoreRun | None = None,
+        *,
+        per_group: bool = False,
     ) -> None:
         """Validate the pair of stores (``run.allow_mismatch``: queries of another model
         than the store's are scored all the same, see
@@ -130,7 +135,8 @@ class AttributionMethod(ABC):
         store.require_compatible(queries, run.allow_mismatch)
         self.space = self.groups.resolve(store.config, queries.config)
         require_tie_support(store, self.scores_tied_weights and not self.groups.normalize_layers)
-        self.preconditioner.fit(store, run.progress, ranks=run.ranks)
+        fit = self.preconditioner.fit_for_scoring if per_group else self.preconditioner.fit
+        fit(store, run.progress, ranks=run.ranks)
         #: The tied units as recorded by the capture, and as the curvature statistics tie
         #: them (older stores record them only there).
         self.ties = list(dict.fromkeys([*store.config.tied, *self.preconditioner.tied_units]))
@@ -189,7 +195,7 @@ class AttributionMethod(ABC):
         """:meth:`score` with its options in one value: what a method overrides."""
         ranks = run.ranks
         release_free_heap()
-        self.prepare(store, queries, run)
+        self.prepare(store, queries, run, per_group=True)
         _require_queries(queries)
         chunk = run.chunk(queries.num_examples)
         # layer groups and the query cache follow the whole store, as in one process
@@ -200,6 +206,7 @@ class AttributionMethod(ABC):
             self.space.layers(store.layer_names),
             self.ties,
         )
+        groups = self.preconditioner.split_groups(groups, store)
         part = ranks.part(store, chunk)
         examples = 0 if part is None else part.num_examples
         show = run.progress and ranks.rank == 0
@@ -208,6 +215,9 @@ class AttributionMethod(ABC):
         query_ids = torch.empty(0, dtype=torch.long)
         with bar:
             for names in groups:
+                source = self.preconditioner.training_chunks(
+                    _ScorePass(store, part, chunk, ranks.device), names, ranks, run.progress
+                )
                 query = queries.load_all(names)
                 query_ids = query.example_ids
                 query.layers = on_device(query.layers, ranks.device)
@@ -215,8 +225,7 @@ class AttributionMethod(ABC):
                 bar.total = examples * len(groups) * len(query_groups)
                 for i, rows in enumerate(query_groups):
                     last = i == len(query_groups) - 1
-                    parts = _ScorePass(store, part, chunk, ranks.device)
-                    totals.add(rows, self._score_pass(parts, query, rows, bar, last))
+                    totals.add(rows, self._score_pass(source, query, rows, bar, last))
         train_ids = ranks.rows(totals.train_ids()).cpu()
         scores = Scores(train_ids, query_ids, ranks.rows(totals.values()).cpu(), self.name)
         scores.require_finite()
@@ -234,7 +243,7 @@ class AttributionMethod(ABC):
 
     def _score_pass(
         self,
-        source: _ScorePass,
+        source: TrainingChunks,
         query: StoreChunk,
         rows: slice,
         bar: tqdm,

@@ -23,9 +23,14 @@ class LESS(AttributionMethod):
             )
 
     def prepare(
-        self, store: StoreReader, queries: StoreReader, run: ScoreRun | None = None
+        self,
+        store: StoreReader,
+        queries: StoreReader,
+        run: ScoreRun | None = None,
+        *,
+        per_group: bool = False,
     ) -> None:
-        super().prepare(store, queries, run)
+        super().prepare(store, queries, run, per_group=per_group)
         self.adam = AdamUpdate(store.root)
 
     def train_side(self, layer: str, grads: PerExampleGrad) -> PerExampleGrad:

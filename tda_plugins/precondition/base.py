@@ -7,10 +7,13 @@ the strategy instead of branching on its name (the Kronfluence pattern).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+import torch
 
 from tda_plugins.grads.base import PerExampleGrad
-from tda_plugins.store.reader import StoreReader
+from tda_plugins.store.reader import StoreChunk, StoreReader
 from tda_plugins.utils.registry import Registry
 
 if TYPE_CHECKING:
@@ -19,6 +22,19 @@ if TYPE_CHECKING:
 PRECONDITIONERS: Registry[Preconditioner] = Registry("preconditioner")
 #: Class decorator: make a preconditioner available under a name.
 register_preconditioner = PRECONDITIONERS.register
+
+
+class TrainingChunks(Protocol):
+    """The training examples one scoring pass reads: ``store`` (the whole store, of which
+    this rank reads a part) in chunks of at most ``chunk`` examples, on ``device``."""
+
+    store: StoreReader
+    chunk: int
+    device: torch.device
+
+    def chunks(self, layers: list[str]) -> Iterator[StoreChunk]:
+        """This rank's chunks of the gradients of ``layers``, in store order."""
+        ...
 
 
 class Preconditioner(ABC):
@@ -67,6 +83,27 @@ class Preconditioner(ABC):
         ``layer`` are in (an orthogonal change of basis keeps every dot product; default:
         the gradients as they are)."""
         return grads
+
+    def fit_for_scoring(
+        self, store: StoreReader, progress: bool = False, *, ranks: Ranks | None = None
+    ) -> None:
+        """The part of :meth:`fit` that comes before scoring starts, where the rest is done
+        a layer group at a time by :meth:`training_chunks` (default: all of :meth:`fit`)."""
+        self.fit(store, progress, ranks=ranks)
+
+    def split_groups(self, groups: list[list[str]], store: StoreReader) -> list[list[str]]:
+        """The layer groups that scoring takes one at a time (each one pass over the
+        store), from those its memory budget allows (default: unchanged); the layers of
+        a tied unit stay in one group."""
+        return groups
+
+    def training_chunks(
+        self, source: TrainingChunks, layers: list[str], ranks: Ranks, progress: bool
+    ) -> TrainingChunks:
+        """The training side that the layer group ``layers`` is scored from, after
+        :meth:`fit_for_scoring` (default: ``source``, the store as read). A collective
+        when ``ranks`` are several: every rank calls it for every group, in order."""
+        return source
 
 
 @register_preconditioner("identity")

@@ -25,18 +25,30 @@ rounding to what fp32 gradients carry. So the bases are kept in that dtype once 
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from math import prod
 from typing import Literal
 
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from tda_plugins.grads.base import PerExampleGrad, row_cost, row_form
+from tda_plugins.grads.base import (
+    PerExampleGrad,
+    row_cost,
+    row_form,
+    tensors_of,
+    values_dtype,
+)
 from tda_plugins.grads.dense import DenseGrad
 from tda_plugins.grads.ops import add_squared_entries_of_sum, rotated_grads
 from tda_plugins.parallel.ranks import LayerTensors, Ranks, on_device
-from tda_plugins.precondition.base import Preconditioner, register_preconditioner
+from tda_plugins.precondition.base import (
+    Preconditioner,
+    TrainingChunks,
+    register_preconditioner,
+)
 from tda_plugins.precondition.fitting import (
     ABSENT,
     SharedInput,
@@ -45,8 +57,12 @@ from tda_plugins.precondition.fitting import (
     present,
 )
 from tda_plugins.precondition.sides import Basis, Sides, divided, tied_eigenbasis
-from tda_plugins.store.reader import StoreReader
+from tda_plugins.store.reader import StoreChunk, StoreReader
 
+#: Most bytes of training gradients rotated into the EK-FAC basis that scoring keeps from
+#: the eigenvalue correction of one layer group (the whole store's, materialized): layers
+#: are grouped to fit, and a layer over it alone is scored from the store again.
+KEPT_BYTES = 1 << 29
 #: Examples read at a time in the EK-FAC fit: a chunk is held in memory whole, and the fit
 #: gains nothing from larger ones, so stored micro-batches of 8 or more are read one by one.
 _FIT_CHUNK = 8
@@ -128,6 +144,21 @@ class EKFACPreconditioner(Preconditioner):
         self, store: StoreReader, progress: bool = False, *, ranks: Ranks | None = None
     ) -> None:
         ranks = ranks or Ranks()
+        self.fit_for_scoring(store, progress, ranks=ranks)
+        part = ranks.part(store, _FIT_CHUNK)
+        chunks = [] if part is None else part.iter_chunks(_FIT_CHUNK)
+        show = progress and ranks.rank == 0
+        bar = tqdm(chunks, desc="EK-FAC eigenvalue correction", disable=not show)
+        self._correct(
+            (_on(chunk, ranks.device) for chunk in bar), store.layer_names, store, ranks, False
+        )
+
+    def fit_for_scoring(
+        self, store: StoreReader, progress: bool = False, *, ranks: Ranks | None = None
+    ) -> None:
+        """The eigendecompositions; the eigenvalues are corrected a layer group at a time
+        (:meth:`training_chunks`)."""
+        ranks = ranks or Ranks()
         dtype = store.values_dtype()
         eigh_col = SharedInput(torch.linalg.eigh)
         fitted = fit_layers(
@@ -140,44 +171,98 @@ class EKFACPreconditioner(Preconditioner):
             basis = tied_eigenbasis(fitted.tied_uses(unit))
             self.bases.update(dict.fromkeys(unit, _in_dtype(basis, dtype)))
         self._members = {n: fitted.units.get(n, (n,)) for n in store.layer_names}
-        self._correct(store, progress, ranks)
+        self.eigenvalues: dict[str, Tensor] = {}
+        self._train_rotation: dict[str, float] = {}
+        self._in_eigenbasis: set[str] = set()
+        self._kept: set[str] = set()
 
-    def _correct(self, store: StoreReader, progress: bool, ranks: Ranks) -> None:
-        """``Lambda`` of every layer (a tied weight's once, for all its uses) from one pass
-        over the store, each rank over its part, the sums all-reduced."""
-        targets = list(dict.fromkeys(self._members.values()))
+    def split_groups(self, groups: list[list[str]], store: StoreReader) -> list[list[str]]:
+        """Each group cut into consecutive runs of tied units whose rotated training
+        gradients, the whole store's, fit :data:`KEPT_BYTES`; a unit over it alone is a
+        group of its own (scored from the store)."""
+        itemsize = store.values_dtype().itemsize
+        out: list[list[str]] = []
+        for group in groups:
+            used = None
+            for unit in dict.fromkeys(self._members[n] for n in group):
+                size = store.num_examples * itemsize * sum(prod(self.bases[n].shape) for n in unit)
+                if used is None or used + size > KEPT_BYTES:
+                    out.append([])
+                    used = 0
+                out[-1].extend(unit)
+                used += size
+        return out
+
+    def training_chunks(
+        self, source: TrainingChunks, layers: list[str], ranks: Ranks, progress: bool
+    ) -> TrainingChunks:
+        """Corrects the eigenvalues of ``layers`` in one pass over ``source``. Where their
+        rotated training gradients fit :data:`KEPT_BYTES` they are kept from that pass and
+        scored as they are (the queries then stay in the basis): the training gradients
+        are read and rotated once for both the correction and the scores, and no query is
+        rotated back. Otherwise they are scored from ``source`` again."""
+        itemsize = source.store.values_dtype().itemsize
+        size = source.store.num_examples * itemsize * sum(prod(self.bases[n].shape) for n in layers)
+        keep = size <= KEPT_BYTES
+        show = progress and ranks.rank == 0
+        with tqdm(desc="EK-FAC eigenvalue correction", disable=not show, leave=False) as bar:
+            kept = self._correct(
+                _counted(source.chunks(layers), bar), layers, source.store, ranks, keep
+            )
+        return KeptChunks(source.store, source.chunk, source.device, kept) if keep else source
+
+    def _correct(
+        self,
+        chunks: Iterable[StoreChunk],
+        layers: list[str],
+        store: StoreReader,
+        ranks: Ranks,
+        keep: bool,
+    ) -> list[StoreChunk]:
+        """``Lambda`` of ``layers`` (whole tied units; a tied weight's once, for all its
+        uses) from one pass over this rank's ``chunks`` of ``store``, the sums all-reduced.
+        ``keep``: returns each chunk's gradients rotated into the basis, materialized."""
+        targets = list(dict.fromkeys(self._members[n] for n in layers))
         totals = {
             t: torch.zeros(self.bases[t[0]].shape, dtype=torch.float64, device=ranks.device)
             for t in targets
         }
-        rotation = dict.fromkeys(self._members, 0.0)
-        self._in_eigenbasis: set[str] = set()
-        part = ranks.part(store, _FIT_CHUNK)
-        chunks = [] if part is None else part.iter_chunks(_FIT_CHUNK)
-        show = progress and ranks.rank == 0
-        for chunk in tqdm(chunks, desc="EK-FAC eigenvalue correction", disable=not show):
-            layers = on_device(chunk.layers, ranks.device)
+        rotation = dict.fromkeys(layers, 0.0)
+        kept: list[StoreChunk] = []
+        for chunk in chunks:
+            in_basis: dict[str, PerExampleGrad] = {}
             for target in targets:
                 basis = self.bases[target[0]]
                 rotated = []
                 for name in target:
-                    check_shape(layers[name], basis.shape, name)
-                    routes = layers[name].rotation_costs(*basis.shape, out_form=row_form(basis.row))
+                    grads = chunk.layers[name]
+                    check_shape(grads, basis.shape, name)
+                    routes = grads.rotation_costs(*basis.shape, out_form=row_form(basis.row))
                     rotation[name] += min(routes.values())
-                    rotated.append(rotated_grads(layers[name], basis.row, basis.col))
-                add_squared_entries_of_sum(rotated, totals[target])
+                    rotated.append(rotated_grads(grads, basis.row, basis.col))
+                into = [_values_for(g, basis.shape) for g in rotated] if keep else []
+                add_squared_entries_of_sum(rotated, totals[target], into)
+                for name, values in zip(target, into, strict=keep):
+                    in_basis[name] = DenseGrad(values.flatten(1))
+            if keep:
+                kept.append(StoreChunk(chunk.example_ids, chunk.steps, in_basis))
         costs = torch.tensor(list(rotation.values()), dtype=torch.float64, device=ranks.device)
         ranks.sum([*totals.values(), costs])
-        self._train_rotation = dict(zip(rotation, costs.tolist(), strict=True))
-        self.eigenvalues = {
-            name: totals[target] / store.num_examples for target in targets for name in target
-        }
+        self._train_rotation.update(zip(rotation, costs.tolist(), strict=True))
+        for target in targets:
+            self.eigenvalues.update(dict.fromkeys(target, totals[target] / store.num_examples))
+        if keep:
+            self._kept.update(layers)
+        else:
+            self._kept.difference_update(layers)
+        return kept
 
     def __call__(self, layer: str, query: PerExampleGrad) -> PerExampleGrad:
         # (Lambda + l)^-1 applies in the basis. Rotating it back, B_r X B_c^T, costs
-        # B2 R C (R + C) (C alone with no row basis); where rotating the stored training
-        # gradients into the basis instead costs less (many queries, few training
-        # examples), the queries stay there and train_side rotates each training chunk.
+        # B2 R C (R + C) (C alone with no row basis); where the training gradients were
+        # kept in the basis by the correction, or rotating the stored ones into it costs
+        # less (many queries, few training examples), the queries stay there (and
+        # train_side rotates each stored training chunk).
         basis, lam = self.bases[layer], self.eigenvalues[layer]
         check_shape(query, basis.shape, layer)
         damping = self.damping * lam.mean().clamp_min(torch.finfo(lam.dtype).tiny)
@@ -185,17 +270,51 @@ class EKFACPreconditioner(Preconditioner):
         rows, cols = basis.shape
         back = query.batch_size * cols * (row_cost(rows, row_form(basis.row)) + rows * cols)
         members = self._members[layer]
-        if sum(self._train_rotation[n] for n in members) < back:
+        if layer in self._kept or sum(self._train_rotation[n] for n in members) < back:
             self._in_eigenbasis.update(members)
             return DenseGrad(scaled)
         self._in_eigenbasis.difference_update(members)
         return basis.back(scaled)
 
     def train_side(self, layer: str, grads: PerExampleGrad) -> PerExampleGrad:
-        if layer not in self._in_eigenbasis:
+        if layer in self._kept or layer not in self._in_eigenbasis:
             return grads
         basis = self.bases[layer]
         return rotated_grads(grads, basis.row, basis.col)
+
+
+@dataclass
+class KeptChunks:
+    """Training chunks kept in memory, their gradients already in the EK-FAC basis."""
+
+    store: StoreReader
+    chunk: int
+    device: torch.device
+    kept: list[StoreChunk]
+
+    def chunks(self, layers: list[str]) -> Iterator[StoreChunk]:
+        for chunk in self.kept:
+            yield StoreChunk(chunk.example_ids, chunk.steps, {n: chunk.layers[n] for n in layers})
+
+
+def _values_for(grads: PerExampleGrad, shape: tuple[int, int]) -> Tensor:
+    """An empty ``(B, R, C)`` tensor for ``grads`` materialized, in their accumulation
+    dtype and on their device."""
+    like = tensors_of(grads)[0]
+    return torch.empty(grads.batch_size, *shape, dtype=values_dtype(grads), device=like.device)
+
+
+def _counted(chunks: Iterable[StoreChunk], bar: tqdm) -> Iterator[StoreChunk]:
+    """``chunks``, each counted on ``bar`` (in examples) as it is read."""
+    for chunk in chunks:
+        yield chunk
+        bar.update(chunk.size)
+
+
+def _on(chunk: StoreChunk, device: torch.device) -> StoreChunk:
+    """``chunk`` with its gradients moved to ``device``."""
+    chunk.layers = on_device(chunk.layers, device)
+    return chunk
 
 
 def _in_dtype(basis: Basis, dtype: torch.dtype) -> Basis:
