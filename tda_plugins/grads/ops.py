@@ -275,7 +275,9 @@ def add_squared_entries_of_sum(
         if into:
             for out, part in zip(into, blocks, strict=True):
                 out[:, rows] = part(rows).view(batch, -1, width)
-            uses = [into[0][:, rows].clone(), *(out[:, rows] for out in into[1:])]
+            uses = [out[:, rows] for out in into]
+            if len(uses) > 1:  # the sum adds into the first: not into a kept tensor
+                uses[0] = uses[0].clone()
         else:
             # a fresh first block: a factor side writes each of its blocks into one buffer
             uses = [blocks[0](rows).clone(), *(b(rows) for b in blocks[1:])]

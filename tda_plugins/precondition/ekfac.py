@@ -180,12 +180,11 @@ class EKFACPreconditioner(Preconditioner):
         """Each group cut into consecutive runs of tied units whose rotated training
         gradients, the whole store's, fit :data:`KEPT_BYTES`; a unit over it alone is a
         group of its own (scored from the store)."""
-        itemsize = store.values_dtype().itemsize
         out: list[list[str]] = []
         for group in groups:
             used = None
             for unit in dict.fromkeys(self._members[n] for n in group):
-                size = store.num_examples * itemsize * sum(prod(self.bases[n].shape) for n in unit)
+                size = self._kept_bytes(store, unit)
                 if used is None or used + size > KEPT_BYTES:
                     out.append([])
                     used = 0
@@ -201,15 +200,19 @@ class EKFACPreconditioner(Preconditioner):
         scored as they are (the queries then stay in the basis): the training gradients
         are read and rotated once for both the correction and the scores, and no query is
         rotated back. Otherwise they are scored from ``source`` again."""
-        itemsize = source.store.values_dtype().itemsize
-        size = source.store.num_examples * itemsize * sum(prod(self.bases[n].shape) for n in layers)
-        keep = size <= KEPT_BYTES
+        keep = self._kept_bytes(source.store, layers) <= KEPT_BYTES
         show = progress and ranks.rank == 0
         with tqdm(desc="EK-FAC eigenvalue correction", disable=not show, leave=False) as bar:
             kept = self._correct(
                 _counted(source.chunks(layers), bar), layers, source.store, ranks, keep
             )
         return KeptChunks(source.store, source.chunk, source.device, kept) if keep else source
+
+    def _kept_bytes(self, store: StoreReader, layers: Iterable[str]) -> int:
+        """Bytes of the whole store's training gradients of ``layers`` rotated into the
+        basis and materialized (what scoring keeps from the correction)."""
+        width = sum(prod(self.bases[n].shape) for n in layers)
+        return store.num_examples * store.values_dtype().itemsize * width
 
     def _correct(
         self,
@@ -242,8 +245,10 @@ class EKFACPreconditioner(Preconditioner):
                     rotated.append(rotated_grads(grads, basis.row, basis.col))
                 into = [_values_for(g, basis.shape) for g in rotated] if keep else []
                 add_squared_entries_of_sum(rotated, totals[target], into)
-                for name, values in zip(target, into, strict=keep):
-                    in_basis[name] = DenseGrad(values.flatten(1))
+                if keep:
+                    in_basis.update(
+                        (n, DenseGrad(v.flatten(1))) for n, v in zip(target, into, strict=True)
+                    )
             if keep:
                 kept.append(StoreChunk(chunk.example_ids, chunk.steps, in_basis))
         costs = torch.tensor(list(rotation.values()), dtype=torch.float64, device=ranks.device)
