@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
+from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
@@ -24,6 +25,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from tda_plugins import causal_lm_example_losses, metagradient
+from tda_plugins.methods import metagradient as metagradient_module
 from tda_plugins.methods.metagradient import WeightDerivatives, loss_weight_derivatives
 from tda_plugins.methods.training_run import (
     AdamWSettings,
@@ -369,6 +371,55 @@ def test_sdpa_attention_runs_on_the_math_kernel() -> None:
     assert model.config._attn_implementation == "sdpa"
     sdpa = method(model, LM_RUN, LM_QUERIES, "window_mean", 0.1, 1.0)
     assert_close(sdpa.values, eager.values, 1e-10)
+
+
+def test_only_the_second_order_work_runs_on_the_math_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The replay is first order: it keeps the run's own attention kernel (the kernels
+    round differently, and AdamW carries that far); the Hessian-vector products of the
+    backward need the math kernel."""
+    kernels: dict[str, set[bool]] = {"replay": set(), "backward": set()}
+
+    def spied(phase: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            kernels[phase].add(torch.backends.cuda.flash_sdp_enabled())
+            return original(*args, **kwargs)
+
+        return call
+
+    plan = metagradient_module._Metagradient
+    monkeypatch.setattr(plan, "replay", spied("replay", plan.replay))
+    monkeypatch.setattr(plan, "step_backward", spied("backward", plan.step_backward))
+    method(tiny_causal_lm("gpt2"), LM_RUN, LM_QUERIES, "window_mean", 0.1, 1.0)
+    assert kernels == {"replay": {True}, "backward": {False}}
+
+
+def test_the_replay_is_checked_in_the_losses_not_the_weights() -> None:
+    """Trained weights may part from the replay's along a direction no loss sees: GPT-2's
+    attention ignores its key bias ``b`` (softmax of ``q.(k_j + b)`` over ``j`` drops the
+    shared ``q.b``). Moving every key bias by the run's whole displacement is accepted;
+    the same move of the value bias is refused."""
+    model = tiny_causal_lm("gpt2")
+    trained, _ = retrain(model, LM_RUN, "window_mean", 0.1, 1.0)
+    start = dict(model.named_parameters())
+    end = {n: p.detach().clone() for n, p in trained.named_parameters()}
+    moved = torch.sqrt(sum((end[n] - start[n].detach()).square().sum() for n in end))
+    width, name = model.config.n_embd, "transformer.h.0.attn.c_attn.bias"
+    query, key, value = (slice(i * width, (i + 1) * width) for i in range(3))
+    assert end[name].shape == (3 * width,) and query.start == 0
+    for part, accepted in ((key, True), (value, False)):
+        bias = end[name].clone()
+        bias[part] += moved / width**0.5
+        shifted = end | {name: bias}
+        run = partial(
+            method, model, LM_RUN, LM_QUERIES, "window_mean", 0.1, 1.0, trained_state=shifted
+        )
+        if accepted:
+            run(replay_tolerance=1e-6)
+        else:
+            with pytest.raises(ValueError, match="does not reproduce the run"):
+                run(replay_tolerance=1e-3)
 
 
 def test_gpt2_matches_retraining() -> None:

@@ -92,8 +92,8 @@ def replay(recorded: dict[str, Any], run: TrainingTrajectory | None = None, **ch
         "loss_convention": "window_mean",
         "initial_state": recorded["start"],
         "trained_state": recorded["end"],
-        # transformers takes the loss in fp32: the fp64 replay ends 5e-7 of the run's
-        # displacement away; the misstatements below, 3e-3 and more
+        # transformers takes the loss in fp32: the fp64 replay's losses end 5e-8 of the
+        # run's change in them away; the misstatements below, 1.5e-3 and more
         "replay_tolerance": 1e-5,
         **change,
     }
