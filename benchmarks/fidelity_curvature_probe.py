@@ -9,6 +9,17 @@ kept), with the curvature of each step's batch loss chosen by ``--curvature``:
   with ``--params conv`` this is ``adamw_unrolled`` itself, an independent check of it);
 * ``exact``: the Hessian of the step's batch loss, by double-backward Hessian-vector
   products on the replayed weights (needs the model at every step: not a store method).
+* ``ggn``: its Gauss-Newton part ``J^T (diag(p) - p p^T) J`` (the network linearized,
+  the softmax's curvature kept; the curvature K-FAC approximates with sampled labels),
+  by a forward-mode product through the logits and a backward (same needs as ``exact``).
+* ``token-fisher``: the empirical Fisher of the step's token losses,
+  ``sum_{i,t} l_it' (l_it' . v)`` (each predicted token's own gradient, no ``rho``): the
+  per-example Fisher without its cross-token terms, whose expectation under the model is 0.
+* ``position-fisher``: what a store of per-token factors holds: each Conv1D's gradient
+  split by the position of its input and output, ``sum_{i,t} G_it (G_it . v)`` with
+  ``G_it = a_it g_it^T`` over the kept layers' weights together, the biases left out
+  (``--params conv`` only): a key bias's position parts do not vanish (only their sum
+  does), and Adam's ``1 / eps`` scale on its zero gradient then makes the pass diverge.
 
 ``--params conv``: the Conv1D layers the benchmark's stores capture; ``all``: every
 trained parameter. Leave-one-out Spearman on the first ``--queries`` of the
@@ -25,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
@@ -44,11 +56,13 @@ from fidelity_truth import (
     subset_runs,
 )
 from torch import Tensor, nn
-from torch.func import functional_call, grad, vmap
+from torch.func import functional_call, grad, jvp, vmap
 
 from tda_plugins import causal_lm_example_losses
 
 Params = dict[str, Tensor]
+#: ``f(params, ids)``: the model's logits or its summed loss at ``params``.
+Model = Callable[[Params, Tensor], Tensor]
 
 
 def replayed(fine: FineTuning, model: nn.Module) -> tuple[list[Params], list[Params], dict]:
@@ -76,11 +90,74 @@ def replayed(fine: FineTuning, model: nn.Module) -> tuple[list[Params], list[Par
     )
 
 
+def gauss_newton(logits_of: Model, at: Params, tangent: Params, ids: Tensor) -> tuple[Tensor, ...]:
+    """``G u`` for the batch's summed next-token loss: ``J^T H_z J u`` with ``J`` the
+    ``(B, T, V)`` logits' Jacobian at ``at`` and ``H_z = diag(p) - p p^T`` per predicting
+    position (the last position predicts nothing)."""
+    leaves = {n: x.detach().requires_grad_() for n, x in at.items()}
+    _, moved = jvp(lambda p: logits_of(p, ids), (dict(at),), (tangent,))
+    logits = logits_of(leaves, ids)
+    probs = logits.detach().softmax(-1)
+    curved = probs * moved - probs * (probs * moved).sum(-1, keepdim=True)
+    curved[:, -1] = 0
+    return torch.autograd.grad(logits, list(leaves.values()), curved)
+
+
+def token_losses(logits: Tensor, ids: Tensor) -> Tensor:
+    """``(B, T - 1)`` next-token cross-entropy of each predicted token."""
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="none"
+    ).view(ids.shape[0], -1)
+
+
+def token_fisher(logits_of: Model, at: Params, tangent: Params, ids: Tensor) -> tuple[Tensor, ...]:
+    """``sum_{i,t} grad l_it (grad l_it . u)`` over the batch's predicted tokens."""
+    leaves = {n: x.detach().requires_grad_() for n, x in at.items()}
+    _, dots = jvp(lambda p: token_losses(logits_of(p, ids), ids), (dict(at),), (tangent,))
+    losses = token_losses(logits_of(leaves, ids), ids)
+    return torch.autograd.grad(losses, list(leaves.values()), dots)
+
+
+def position_fisher(model: nn.Module, loss, at: Params, tangent: Params, ids: Tensor) -> Params:
+    """``sum_{i,t} G_it (G_it . u)`` with ``G_it`` every kept Conv1D's weight gradient
+    part of position ``t`` of example ``i``: ``a_it g_it^T``, ``a`` its
+    ``(B, T, in)`` input, ``g`` the summed loss's ``(B, T, out)`` output gradient."""
+    layers = {n.rsplit(".", 1)[0] for n in at}
+    inputs: dict[str, Tensor] = {}
+    outputs: dict[str, Tensor] = {}
+
+    def keep(name: str):
+        def hook(module: nn.Module, args: tuple[Tensor, ...], out: Tensor) -> None:
+            inputs[name], outputs[name] = args[0].detach(), out
+
+        return hook
+
+    handles = [m.register_forward_hook(keep(n)) for n, m in model.named_modules() if n in layers]
+    try:
+        total = loss({n: x.detach().requires_grad_() for n, x in at.items()}, ids)
+    finally:
+        for h in handles:
+            h.remove()
+    names = sorted(layers)
+    grads = dict(zip(names, torch.autograd.grad(total, [outputs[n] for n in names]), strict=True))
+    dots = sum(
+        torch.einsum("bti,io,bto->bt", inputs[n], tangent[f"{n}.weight"], grads[n]) for n in names
+    )
+    out: Params = {}
+    for n in names:
+        out[f"{n}.weight"] = torch.einsum("bt,bti,bto->io", dots, inputs[n], grads[n])
+    return out
+
+
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--replica", choices=list(REPLICAS), default="pretrained")
     p.add_argument("--params", choices=["conv", "all"], default="conv")
-    p.add_argument("--curvature", choices=["none", "fisher", "exact"], default="exact")
+    p.add_argument(
+        "--curvature",
+        choices=["none", "fisher", "exact", "ggn", "token-fisher", "position-fisher"],
+        default="exact",
+    )
     p.add_argument("--rho", type=float, default=0.1, help="Fisher factor")
     p.add_argument("--queries", type=int, default=4)
     args = p.parse_args(argv)
@@ -100,9 +177,11 @@ def main(argv: list[str]) -> None:
     lr, (b1, b2), eps = hyper["lr"], hyper["betas"], hyper["eps"]
     frozen: Params = dict(final)
 
+    def logits_of(params: Params, ids: Tensor) -> Tensor:
+        return functional_call(model, {**frozen, **params}, (ids,)).logits
+
     def loss(params: Params, ids: Tensor) -> Tensor:
-        logits = functional_call(model, {**frozen, **params}, (ids,)).logits
-        return causal_lm_example_losses(logits, ids).sum()
+        return causal_lm_example_losses(logits_of(params, ids), ids).sum()
 
     chosen_blocks = fidelity_trajectory.meta_queries(task)[: args.queries]
     val = task.validation[chosen_blocks]
@@ -150,7 +229,20 @@ def main(argv: list[str]) -> None:
                 hvp = torch.autograd.grad(-direction, list(leaves.values()))
                 for n, h in zip(kept, hvp, strict=True):
                     adjoint[n] = adjoint[n] + h
-        print(f"step {t} done", flush=True)
+            elif args.curvature == "token-fisher":
+                tangent = {n: (1 - b1) * side[n] for n in kept}
+                for n, g in zip(kept, token_fisher(logits_of, at, tangent, ids), strict=True):
+                    adjoint[n] = adjoint[n] - g / norm
+            elif args.curvature == "position-fisher":
+                tangent = {n: (1 - b1) * side[n] for n in kept}
+                for n, g in position_fisher(model, loss, at, tangent, ids).items():
+                    adjoint[n] = adjoint[n] - g / norm
+            elif args.curvature == "ggn":
+                tangent = {n: (1 - b1) * side[n] for n in kept}
+                for n, g in zip(kept, gauss_newton(logits_of, at, tangent, ids), strict=True):
+                    adjoint[n] = adjoint[n] - g / norm
+        size = sum(float(a.norm() ** 2) for a in adjoints[0].values()) ** 0.5
+        print(f"step {t} done, first query's adjoint norm {size:.3g}", flush=True)
     full = torch.full(
         (task.validation.shape[0], task.train.shape[0]), float("nan"), dtype=torch.float64
     )
