@@ -212,7 +212,8 @@ class _Metagradient:
                 f"losses, {error / max(moved, 1e-300):.3g} of the run's change in them "
                 f"{moved:.3g} (tolerance {tolerance}); check that every step is recorded "
                 "with its learning rate, the loss convention, clipping and weight decay, "
-                "and that the run had no dropout"
+                "and that the run had no dropout; a run in bf16, or one whose losses barely "
+                "moved, may need a larger replay_tolerance"
             )
 
     def query_adjoints(self, final: list[Tensor], queries: Sequence[MicroBatch]) -> list[AdamState]:
