@@ -13,6 +13,7 @@ formed densely in the row-major layout of docs/design.md section 1 (``vec(X G Y)
 | linear / Conv1D | ``(N_o, N_i')`` | ``S' kron A'`` |
 | embedding | ``(V, d)`` | ``diag(counts / rows)' kron S'`` |
 | tied embedding + head | ``(V, d)`` | ``diag(counts / rows)' kron S_e' + diag(S_h)' kron A_h'`` |
+| untied vocabulary-wide head | ``(V, d)`` | ``diag(S)' kron A'`` (the diagonal of its ``S``) |
 | norm scales | ``(D,)`` | ``F' = (sum_n dw_n dw_n^T / rows)'`` |
 
 EK-FAC: ``Q diag(Lambda + l) Q^T``, ``Lambda = mean_n (Q^T vec G_n)^2`` over the oracle
@@ -147,13 +148,19 @@ def closed_form_factors(
     batches: list[dict[str, Tensor]],
     units: list[tuple[str, ...]],
     grads: Mapping[tuple[str, ...], Tensor],
+    *,
+    projected: bool = False,
 ) -> dict[str, Factors]:
     """Layer -> its closed-form statistics over the real tokens of ``batches``: a linear
-    layer's ``A = mean [a;1][a;1]^T`` and ``S = mean g g^T`` (a tied head's ``S`` its
-    diagonal), an embedding's ``A = counts / rows`` and ``S``, a norm scale's
-    ``S = sum_n dw_n dw_n^T / rows`` (from the oracle gradients ``grads``)."""
+    layer's ``A = mean [a;1][a;1]^T`` and ``S = mean g g^T`` (the diagonal of ``S`` for a
+    head: tied, or the model's output embeddings unless ``projected``, whose output side
+    is then ``k`` wide), an embedding's ``A = counts / rows`` and ``S``, a
+    norm scale's ``S = sum_n dw_n dw_n^T / rows`` (from the oracle gradients ``grads``)."""
     layers = [n for unit in units for n in unit]
-    heads = {n for unit in units if len(unit) > 1 for n in unit}
+    output = model.get_output_embeddings()
+    heads = {n for unit in units if len(unit) > 1 for n in unit} | {
+        n for n in layers if not projected and model.get_submodule(n) is output
+    }
     sums: dict[str, list[Tensor]] = {}
     rows = 0
     for batch in batches:

@@ -58,8 +58,10 @@ def capture_store(
     mean_loss: bool = False,
     rank: int = 0,
     append: bool = False,
+    curvature_head: bool = False,
 ) -> StoreReader:
-    """One committed step per batch, K-FAC statistics included; ``.grad`` is cleared.
+    """One committed step per batch, K-FAC statistics included (``curvature_head``: the LM
+    head's output factor dense, not its diagonal); ``.grad`` is cleared.
 
     ``loss_fn(model, batch)`` is the batch's summed loss. With ``mean_loss`` each batch's
     loss is divided by its :func:`label_tokens` (a trainer's mean loss) and the engine is
@@ -69,7 +71,7 @@ def capture_store(
     store = GradientStore(path, rank=rank, keep_tokens=keep_tokens, append=append)
     consumers: list[CaptureConsumer] = [store]
     if curvature:
-        consumers.append(CurvatureAccumulator(path, rank=rank))
+        consumers.append(CurvatureAccumulator(path, rank=rank, curvature_head=curvature_head))
     # appending to a store continues its steps
     run_captured(model, batches, consumers, layers, projection, loss_fn, mean_loss, store.next_step)
     return StoreReader(path)

@@ -208,15 +208,28 @@ def oracle_layer_grads(
     return {n: torch.stack(r) for n, r in rows.items()}
 
 
+def as_matrix(x: Tensor) -> Tensor:
+    """A factor as a dense matrix (a diagonal one, the LM head's ``S``, given as a vector)."""
+    return x if x.dim() == 2 else torch.diag(x)
+
+
 def damped(x: Tensor, damping: float) -> Tensor:
     """``X + damping * mean eig(X) * I`` (the mean eigenvalue is the trace over n)."""
+    x = as_matrix(x)
     n = x.shape[0]
     return x + damping * x.trace() / n * torch.eye(n, dtype=x.dtype)
 
 
+def factor_basis(x: Tensor) -> Tensor:
+    """A factor's eigenvectors; the identity for a diagonal one (given as a vector)."""
+    if x.dim() == 1:
+        return torch.eye(len(x), dtype=x.dtype)
+    return torch.linalg.eigh(x)[1].contiguous()
+
+
 def eigenbasis(stats: KroneckerFactors) -> Tensor:
     """``Q = U_S kron U_A`` from the eigendecompositions of the stored ``S`` and ``A``."""
-    return torch.kron(torch.linalg.eigh(stats.g_cov)[1], torch.linalg.eigh(stats.a_cov)[1])
+    return torch.kron(factor_basis(stats.g_cov), factor_basis(stats.a_cov))
 
 
 def dense_curvature(
@@ -301,9 +314,13 @@ class Llama:
     queries: list[dict[str, Tensor]]
     root: Path
 
-    def store(self, kind: str, projection: ProjectionConfig | None = None) -> StoreReader:
-        """Train (with curvature) or query store, captured once per projection."""
+    def store(
+        self, kind: str, projection: ProjectionConfig | None = None, curvature_head: bool = False
+    ) -> StoreReader:
+        """Train (with curvature; ``curvature_head``: the head's ``S`` dense) or query
+        store, captured once per projection."""
         path = self.root / f"{kind}-{'exact' if projection is None else projection.kind}"
+        path = path.with_name(path.name + "-dense-head") if curvature_head else path
         if not path.exists():
             batches = self.train if kind == "train" else self.queries
             capture_store(
@@ -313,6 +330,7 @@ class Llama:
                 LayerSelection("linear"),
                 projection,
                 curvature=kind == "train",
+                curvature_head=curvature_head,
             )
         return StoreReader(path)
 
@@ -397,9 +415,10 @@ def test_kfac_factors_of_fp32_gradients_equal_their_fp64_sums(
     product_dtype: torch.dtype | None, tol: float
 ) -> None:
     """For fp32 captures, A and S are the sums of the captured factors' products over the
-    real tokens, summed in fp64: to fp32 precision with the default fp32 products, to fp64
-    precision with ``product_dtype=torch.float64``. The closed-form tests above are fp64
-    captures. Layers sharing an input (q/k/v, gate/up) share its product."""
+    real tokens (the untied head's S its diagonal), summed in fp64: to fp32 precision with
+    the default fp32 products, to fp64 precision with ``product_dtype=torch.float64``. The
+    closed-form tests above are fp64 captures. Layers sharing an input (q/k/v, gate/up)
+    share its product."""
     model = tiny_causal_lm("llama", torch.float32)
     batches = [lm_batch(lengths=(10, 7, 5), seed=1), lm_batch(lengths=(8, 10, 6), seed=2)]
     accumulator = CurvatureAccumulator("unused", product_dtype=product_dtype)
@@ -417,7 +436,9 @@ def test_kfac_factors_of_fp32_gradients_equal_their_fp64_sums(
             assert isinstance(grads, TokenFactors) and grads.g.dtype == torch.float32
             real = record.token_mask
             a, g = grads.augmented_a().double()[real], grads.g.double()[real]
-            a_sum, g_sum = a_sum + a.T @ a, g_sum + g.T @ g
+            # the head keeps the diagonal of its vocabulary-wide S
+            g_product = (g * g).sum(0) if name == "lm_head" else g.T @ g
+            a_sum, g_sum = a_sum + a.T @ a, g_sum + g_product
         stats = accumulator.factors[name]
         assert stats.a_sum.dtype == stats.g_sum.dtype == torch.float64
         assert rel_err(stats.a_sum, a_sum) < tol, name
@@ -552,9 +573,11 @@ def test_ekfac_on_fp32_gradients_matches_the_fp64_rotation(tmp_path: Path) -> No
     curvature = load_curvature(store.root)
     routes = []
     for name, e in ekfac.eigen.items():
-        assert e.u_s.dtype == e.u_a.dtype == torch.float32
-        u_s = torch.linalg.eigh(curvature[name].g_cov.double())[1]
-        u_a = torch.linalg.eigh(curvature[name].a_cov.double())[1]
+        bases = [u for u in (e.u_a, e.u_s) if u is not None]  # none for a diagonal factor
+        assert len(bases) == (1 if name == "lm_head" else 2)
+        assert all(u.dtype == torch.float32 for u in bases)
+        u_s = factor_basis(curvature[name].g_cov.double())
+        u_a = factor_basis(curvature[name].a_cov.double())
         grads = chunk.layers[name]
         routes.append(choose_route(grads.rotation_costs(*e.shape)))
         dw = grads.materialize().double().view(-1, *e.shape)
@@ -648,6 +671,8 @@ def test_equal_factors_are_factorized_once(llama: Llama, name: str, factorizatio
     distinct: list[Tensor] = []
     for stats in curvature.values():
         for factor in (stats.a_cov, stats.g_cov):
+            if factor.dim() == 1:  # the head's diagonal S: inverted entrywise
+                continue
             if not any(torch.equal(factor, seen) for seen in distinct):
                 distinct.append(factor)
     assert len(distinct) < 2 * len(curvature)  # the sharing exists
@@ -658,8 +683,9 @@ def test_equal_factors_are_factorized_once(llama: Llama, name: str, factorizatio
 
 
 def test_factor_projected_statistics_are_the_projected_exact_ones(llama: Llama) -> None:
-    """Under factor projection the inline factors are P_a A P_a^T and P_g S P_g^T."""
-    exact = load_curvature(llama.store("train").root)
+    """Under factor projection the inline factors are P_a A P_a^T and P_g S P_g^T (``S``
+    dense for the head too: its projected output side is ``k`` wide)."""
+    exact = load_curvature(llama.store("train", curvature_head=True).root)
     projected_stats = load_curvature(llama.store("train", LOGRA).root)
     projector = Projector(LOGRA)
     assert set(projected_stats) == set(exact)

@@ -153,8 +153,8 @@ def test_statistics_of_every_layer_type_equal_their_closed_forms(captured: Captu
     """Embeddings keep the token counts (a diagonal ``A``) and ``S``; the head use of a
     tied weight a diagonal ``S``; norm scales one dense factor of their per-example
     gradients; the store names the tied units. No vocabulary-wide dense factor is built
-    for an embedding or a tied head (the untied head's ``V x V`` is the opt-in of a
-    capture without a plan)."""
+    for an embedding or a head, tied or not: an untied head keeps the diagonal of its
+    ``S`` too (its ``V x V`` is the opt-in ``curvature_head=True``)."""
     assert_closed_form(captured.store.root, captured)
     stored = load_curvature(captured.store.root)
     tied = [u for u in captured.units if len(u) > 1]
@@ -163,7 +163,7 @@ def test_statistics_of_every_layer_type_equal_their_closed_forms(captured: Captu
         module = captured.model.get_submodule(name)
         if isinstance(module, nn.Embedding):
             assert stored[name].a_sum.shape == (module.num_embeddings,), name
-        if any(name in u for u in tied) and not isinstance(module, nn.Embedding):
+        if name.endswith("lm_head"):
             assert stored[name].g_sum.shape == (VOCAB,), name
     kinds = {type(captured.model.get_submodule(n)).__name__ for u in new_units(captured) for n in u}
     assert "Embedding" in kinds and any(k.endswith("Norm") for k in kinds)
@@ -195,9 +195,7 @@ def test_a_capture_session_plans_the_bytes_it_allocates(captured: Captured, tmp_
     diagonal counted as a vector, a norm scale's one factor alone), from shapes alone:
     the plan of the model on the meta device is the same."""
     arch, tied = MODELS[captured.name]
-    settings = CaptureSettings.from_options(
-        store_dir=str(tmp_path), layers="all", curvature=True, curvature_head=True
-    )
+    settings = CaptureSettings.from_options(store_dir=str(tmp_path), layers="all", curvature=True)
     session = CaptureSession(settings, model=captured.model, normalization=SummedLoss())
     assert session.curvature is not None
     for batch in train_batches():
@@ -208,7 +206,7 @@ def test_a_capture_session_plans_the_bytes_it_allocates(captured: Captured, tmp_
     session.end()
     captured.model.zero_grad(set_to_none=True)
     assert_closed_form(tmp_path, captured)
-    inputs = PlanInputs(ALL, curvature_head=True)
+    inputs = PlanInputs(ALL)
     with torch.device("meta"):
         meta = tiny_causal_lm(arch, tie_word_embeddings=tied)
     assert plan_capture(meta, inputs).layers == session.plan.layers
@@ -385,7 +383,7 @@ def projected_reference(
     units = units_of(model, layers)
     assert all(len(u) == 1 for u in units)
     train, query = unit_grads(model, train_data, units), unit_grads(model, query_data, units)
-    factors = closed_form_factors(model, train_data, units, train)
+    factors = closed_form_factors(model, train_data, units, train, projected=True)
     embeddings = frozenset(u for u in units if isinstance(model.get_submodule(u[0]), nn.Embedding))
     for unit in units:
         name, f = unit[0], factors[unit[0]]

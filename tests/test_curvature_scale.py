@@ -1,5 +1,5 @@
 """Curvature that fits: fp32 running sums, rank ownership, the memory plan and its
-refusal, and the vocabulary-wide head left out of the statistics by default.
+refusal, and the vocabulary-wide head's output factor kept diagonal by default.
 
 Oracles: fp64 sums of the same factors built without the accumulator, ``nbytes`` of the
 tensors a real capture allocates, and the plain greedy bound for the owner assignment.
@@ -7,7 +7,6 @@ tensors a real capture allocates, and the plain greedy bound for the owner assig
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
@@ -33,9 +32,9 @@ from tda_plugins.precondition.plan import assign_owners
 from tda_plugins.precondition.snapshots import KroneckerFactors, write_statistics
 from tda_plugins.session.capture import CaptureSession
 from tda_plugins.session.settings import CaptureSettings
-from tda_plugins.store import StoreError, StoreReader
+from tda_plugins.store import GradientStore, StoreError, StoreReader
 from tda_plugins.store.codec import compact
-from tests.models import lm_batch, tiny_causal_lm
+from tests.models import VOCAB, lm_batch, tiny_causal_lm
 from tests.stores import capture_store, summed_loss
 
 # -- fp32 running sums ---------------------------------------------------------------------
@@ -209,7 +208,8 @@ def test_plan_numbers_equal_the_bytes_a_capture_allocates(tmp_path: Path) -> Non
     plan = plan_capture(model, inputs)
     accumulator, record = captured_run(model, tmp_path)
     sums = accumulator._sums
-    assert set(sums) == set(plan.curvature_shapes) and "lm_head" not in sums
+    assert set(sums) == set(plan.curvature_shapes)
+    assert sums["lm_head"].g_sum.shape == (VOCAB,)  # the head's output factor: its diagonal
     assert plan.statistics_bytes() == sum(s.a_sum.nbytes + s.g_sum.nbytes for s in sums.values())
     factors = [r.grads for r in record.layers.values()]
     assert all(isinstance(f, TokenFactors) for f in factors)
@@ -223,6 +223,11 @@ def test_plan_numbers_equal_the_bytes_a_capture_allocates(tmp_path: Path) -> Non
     assert meta_plan.layers == plan.layers and meta_plan.training_bytes == plan.training_bytes
     params = sum(p.numel() for p in model.parameters())
     assert plan.training_bytes == 4 * params * 4  # fp32 params, grads, two Adam moments
+
+
+def side_bytes(width: int, form: str) -> int:
+    """fp32 bytes of one factor kept dense (``width^2``) or diagonal (``width``)."""
+    return 4 * (width * width if form == "dense" else width)
 
 
 def test_owner_schedule_plans_one_ranks_share_and_the_reduction(tmp_path: Path) -> None:
@@ -240,10 +245,13 @@ def test_owner_schedule_plans_one_ranks_share_and_the_reduction(tmp_path: Path) 
     assert plan.schedule == "owner" and plan.all_bytes == everything
     shares = [plan.owned_bytes(r) for r in range(4)]
     assert sum(shares) == everything
-    widest = max(max(s) for s in plan.curvature_shapes.values())
-    largest_layer = max(4 * (a * a + s * s) for a, s in plan.curvature_shapes.values())
+    specs = plan.curvature_shapes.values()
+    sides = [side for f in specs for side in ((f.a, f.a_form), (f.s, f.s_form))]
+    widest = max(n for n, form in sides if form == "dense")
+    largest_layer = max(side_bytes(f.a, f.a_form) + side_bytes(f.s, f.s_form) for f in specs)
     assert max(shares) <= everything / 4 + largest_layer
-    assert plan.statistics_bytes() == max(shares) + 4 * widest**2  # one block: a whole product
+    # one block: a whole dense product (the head's diagonal is reduced whole, as a vector)
+    assert plan.statistics_bytes() == max(shares) + 4 * widest**2
     loose = plan_capture(model, PlanInputs(LayerSelection("linear"), world_size=4))
     assert loose.schedule == "local" and loose.statistics_bytes() == everything
     whole = plan_capture(model, PlanInputs(LayerSelection("linear"), world_size=4))
@@ -297,29 +305,55 @@ def session_store(tmp: Path, curvature_head: bool = False) -> StoreReader:
     return StoreReader(tmp)
 
 
-def test_head_left_out_of_curvature_by_default_and_included_on_request(tmp_path: Path) -> None:
-    """On an untied model the vocabulary-wide lm_head is captured (its gradients are in
-    the store) but gets no statistics unless curvature_head=True; every other layer's are
-    the same either way."""
+def test_head_keeps_the_diagonal_of_its_output_factor_by_default(tmp_path: Path) -> None:
+    """On an untied model the vocabulary-wide lm_head is captured and keeps the diagonal
+    of its output factor (no ``vocab x vocab`` matrix), equal to the diagonal of the
+    dense factor ``curvature_head=True`` keeps; its input factor and every other layer's
+    statistics are the same either way."""
     default = session_store(tmp_path / "default")
     included = session_store(tmp_path / "head", curvature_head=True)
     assert "lm_head" in default.layer_names
     assert default.layer_names == included.layer_names
-    without, with_head = load_curvature(default.root), load_curvature(included.root)
-    assert "lm_head" not in without and "lm_head" in with_head
-    assert with_head["lm_head"].g_sum.shape == (64, 64)  # vocab x vocab
-    assert set(with_head) - {"lm_head"} == set(without)
-    for name, stats in without.items():
-        assert torch.equal(stats.a_sum, with_head[name].a_sum), name
+    diagonal, dense = load_curvature(default.root), load_curvature(included.root)
+    assert set(diagonal) == set(dense)
+    assert diagonal["lm_head"].g_sum.shape == (VOCAB,)
+    assert dense["lm_head"].g_sum.shape == (VOCAB, VOCAB)
+    assert torch.allclose(diagonal["lm_head"].g_sum, dense["lm_head"].g_sum.diagonal(), rtol=1e-6)
+    for name, stats in diagonal.items():
+        assert torch.equal(stats.a_sum, dense[name].a_sum), name
+        if name != "lm_head":
+            assert torch.equal(stats.g_sum, dense[name].g_sum), name
+
+
+def test_an_engine_capture_without_a_plan_keeps_the_head_diagonal_too(tmp_path: Path) -> None:
+    """A ``CurvatureAccumulator`` given no plan (the engine-level API) learns the
+    vocabulary from the engine and keeps the same statistics as the session's default;
+    ``curvature_head=True`` there keeps the dense factor."""
+    model = tiny_causal_lm("llama", torch.float32)
+    default = session_store(tmp_path / "session")
+    for name, head in (("diagonal", False), ("dense", True)):
+        folder = tmp_path / name
+        accumulator = CurvatureAccumulator(folder, curvature_head=head)
+        with CaptureEngine(
+            model, layers=LayerSelection("linear"), consumers=[GradientStore(folder), accumulator]
+        ) as engine:
+            summed_loss(model, BATCH).backward()
+            engine.optimizer_step()
+            engine.end()
+        model.zero_grad(set_to_none=True)
+    planned, diagonal = load_curvature(default.root), load_curvature(tmp_path / "diagonal")
+    assert set(planned) == set(diagonal)
+    for name, stats in planned.items():
+        assert torch.allclose(stats.a_sum, diagonal[name].a_sum, rtol=1e-6), name
+        assert torch.allclose(stats.g_sum, diagonal[name].g_sum, rtol=1e-6), name
+    assert load_curvature(tmp_path / "dense")["lm_head"].g_sum.shape == (VOCAB, VOCAB)
 
 
 @pytest.mark.parametrize("method", ["kfac", "ekfac"])
-def test_kfac_on_a_store_whose_head_has_no_statistics_is_refused(
-    tmp_path: Path, method: str
-) -> None:
-    """K-FAC/EK-FAC on such a store raise a StoreError naming the head and the ways out
-    (the head's statistics, a store without the head, a first-order method), instead of
-    scoring without the head's curvature."""
+def test_kfac_scores_a_default_store_of_an_untied_model(tmp_path: Path, method: str) -> None:
+    """K-FAC/EK-FAC score the default store of an untied model, head included (its
+    diagonal output factor), without a recapture; the scores' agreement with the dense
+    reference is ``tests/test_curvature_all_layers.py``'s."""
     store = session_store(tmp_path)
     queries = capture_store(
         tiny_causal_lm("llama", torch.float32),
@@ -328,11 +362,9 @@ def test_kfac_on_a_store_whose_head_has_no_statistics_is_refused(
         LayerSelection("linear"),
         curvature=False,
     )
-    with pytest.raises(StoreError, match="no K-FAC statistics for 'lm_head'") as error:
-        method_by_name(method).score(store, queries)
-    for way_out in ("curvature_head=True", "exclude='lm_head'", "graddot"):
-        assert way_out in str(error.value)
-    assert math.isfinite(method_by_name("graddot").score(store, queries).values.sum().item())
+    scores = method_by_name(method).score(store, queries).values
+    assert scores.shape == (store.num_examples, queries.num_examples)
+    assert torch.isfinite(scores).all()
 
 
 def test_stores_written_before_ownership_still_read_as_the_sum_of_their_ranks(

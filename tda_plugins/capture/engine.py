@@ -35,7 +35,12 @@ from tda_plugins.capture.adapters import LayerAdapter
 from tda_plugins.capture.config import CaptureConfig
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.identity import EXAMPLE_IDS_KEY, content_hash
-from tda_plugins.capture.layers import LayerSelection, shared_parameter_ids, tied_units
+from tda_plugins.capture.layers import (
+    LayerSelection,
+    output_layer,
+    shared_parameter_ids,
+    tied_units,
+)
 from tda_plugins.capture.normalization import LossNormalization, LossScale, SummedLoss
 from tda_plugins.capture.records import LayerRecord, MicroBatchRecord
 from tda_plugins.grads.base import PerExampleGrad, unique_nbytes
@@ -180,7 +185,13 @@ class CaptureEngine:
         projection = None if self.projector is None else self.projector.config
         layouts = {name: adapter.parameter_layout(m) for name, (m, adapter) in self._layers.items()}
         ties = tuple(dict.fromkeys(tied_units(self._layers).values()))
-        return CaptureConfig(tuple(self._layers), projection, parameters=layouts, tied=ties)
+        return CaptureConfig(
+            tuple(self._layers),
+            projection,
+            parameters=layouts,
+            tied=ties,
+            output_layer=output_layer(self.model),
+        )
 
     @property
     def step(self) -> int:

@@ -31,6 +31,34 @@ def is_lora_adapter(name: str, module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) and _LORA_NAME.search(name) is not None
 
 
+def output_layer(model: nn.Module) -> str | None:
+    """The name of ``model``'s output layer, the LM head: the module transformers'
+    ``get_output_embeddings()`` returns, else the last linear module (``nn.Linear``,
+    GPT-2's ``Conv1D``) inside a module named ``lm_head`` (OLMo-core's ``lm_head.w_out``)
+    whose output is as wide as the vocabulary (the widest ``nn.Embedding``); ``None``
+    when there is none. Never by width alone: an MLP as wide as a tiny vocabulary is not
+    the head."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    names = {id(m): n for n, m in model.named_modules()}
+    if isinstance(head, nn.Module) and id(head) in names:
+        return names[id(head)]
+    sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
+    wide = [
+        n
+        for n, m in model.named_modules()
+        if sizes and "lm_head" in n.split(".") and _output_width(m) == max(sizes)
+    ]
+    return wide[-1] if wide else None
+
+
+def _output_width(module: nn.Module) -> int | None:
+    """The output width of a linear module, ``None`` for any other."""
+    if isinstance(module, nn.Linear):
+        return module.out_features
+    return getattr(module, "nf", None) if type(module).__name__ == "Conv1D" else None
+
+
 def has_lora(model: nn.Module) -> bool:
     """Whether ``model`` carries PEFT LoRA adapters."""
     return any(is_lora_adapter(n, m) for n, m in model.named_modules())

@@ -175,7 +175,8 @@ def _add_capture(sub: Any) -> None:
     p.add_argument(
         "--curvature-head",
         action="store_true",
-        help="K-FAC statistics for an untied vocabulary-wide head too (vocab x vocab)",
+        help="a dense vocab x vocab output factor for an untied vocabulary-wide head "
+        "(default: its diagonal)",
     )
     p.add_argument(
         "--curvature-budget-gb",

@@ -75,7 +75,9 @@ class _Eigen:
     diagonal) or an absent one (``d`` empty).
 
     ``rows``: which factor is the row side of the layer's gradient (``"S"`` for a linear
-    layer, ``"A"`` for an embedding, ``"none"`` for a norm scale's vector).
+    layer, ``"A"`` for an embedding, ``"none"`` for a norm scale's vector). A diagonal row
+    factor is filed as ``"A"`` whichever side it is (an LM head's diagonal ``S`` too):
+    ``u_a = None``, ``d_a`` the diagonal, ``u_s``/``d_s`` the column factor's.
     """
 
     u_a: Tensor | None
@@ -122,7 +124,7 @@ def _decomposed(sides: Sides, eigh_col: SharedInput, dtype: torch.dtype) -> _Eig
     d_col, u_col = d_col.clamp_min(0), u_col.to(dtype)
     if sides.row is None:
         return _Eigen(None, ABSENT, u_col, d_col, "none")
-    if sides.row.dim() == 1:  # an embedding's token counts: the identity basis
+    if sides.row.dim() == 1:  # diagonal rows (an embedding's counts, a head's S): identity
         return _Eigen(None, sides.row, u_col, d_col, "A")
     d_row, u_row = torch.linalg.eigh(sides.row)
     return _Eigen(u_col, d_col, u_row.to(dtype), d_row.clamp_min(0), "S")

@@ -9,12 +9,14 @@ at all (``n = 0``: a norm scale's gradient is one vector with a single dense fac
 |---|---|---|---|
 | linear, Conv1D, LoRA | dense ``N_i'`` | dense ``N_o`` | ``(N_o, N_i')``: rows ``S`` |
 | the head use of a tied weight | dense ``d`` | diagonal ``V`` | ``(V, d)``: rows ``S`` |
+| an untied vocabulary-wide head | dense ``d`` | diagonal ``V`` | ``(V, d)``: rows ``S`` |
 | embedding | diagonal ``V`` (token counts) | dense ``d`` | ``(V, d)``: rows ``A`` |
 | norm scales (and a BitFit bias) | none | dense ``D`` (per-example ``g g^T``) | ``(D,)`` |
 
 Factor projection keeps the projected factors of linear layers and embeddings (both dense
 ``k x k``: a projected embedding is per-token factors like a linear layer's) and norm
-scales in full; a dense projection leaves no factors. A weight shared by an embedding and a
+scales in full; a dense projection leaves no factors. An untied head keeps its output
+factor dense only when asked (``curvature_head``: ``V x V``). A weight shared by an embedding and a
 linear head (``tie_word_embeddings``) is one *unit*: both uses keep statistics and are
 preconditioned together (:mod:`~tda_plugins.precondition.units`).
 """
@@ -135,14 +137,16 @@ def factor_spec(
     *,
     projection: ProjectionConfig | None,
     unit: tuple[str, ...] = (),
-    curvature_head: bool = True,
-    vocab: int | None = None,
+    curvature_head: bool = False,
+    head: str | None = None,
 ) -> FactorSpec | str:
     """The statistics layer ``name`` of ``layers`` keeps, or why it keeps none.
 
     ``unit``: the layers it shares its parameter with (supported ones, see
-    :func:`tie_problem`); ``curvature_head``: keep a dense ``vocab x vocab`` output factor
-    for an untied vocabulary-wide head (``vocab``: the model's vocabulary size)."""
+    :func:`tie_problem`). The model's output layer ``head`` (its LM head, ``None``: not
+    known), untied and with its vocabulary-wide output side not projected, keeps that
+    factor's diagonal, as a tied head does, so that no ``vocab x vocab`` matrix is summed
+    or decomposed; ``curvature_head``: keep it dense instead."""
     module, adapter = layers[name]
     if projection is not None and projection.kind == "dense":
         return NOT_FACTORED
@@ -161,11 +165,8 @@ def factor_spec(
         a, s = min(a, projection.k_a), min(s, projection.k_g)
     if unit:
         return FactorSpec(a, s, "dense", "diagonal", unit)
-    if vocab is not None and s == vocab and not curvature_head:
-        return (
-            f"vocabulary-wide output layer, left out by default (its output factor would be "
-            f"{vocab} x {vocab}); curvature_head=True includes it"
-        )
+    if name == head and s == n_o and not curvature_head:
+        return FactorSpec(a, s, "dense", "diagonal")
     return FactorSpec(a, s)
 
 
@@ -173,8 +174,8 @@ def layer_specs(
     layers: Layers,
     *,
     projection: ProjectionConfig | None,
-    curvature_head: bool = True,
-    vocab: int | None = None,
+    curvature_head: bool = False,
+    head: str | None = None,
 ) -> dict[str, FactorSpec | str]:
     """:func:`factor_spec` of every layer of ``layers``, tied units validated together."""
     units = tied_units(layers)
@@ -188,6 +189,6 @@ def layer_specs(
             projection=projection,
             unit=unit,
             curvature_head=curvature_head,
-            vocab=vocab,
+            head=head,
         )
     return out

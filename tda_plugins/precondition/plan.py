@@ -38,7 +38,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from tda_plugins.capture.layers import LayerSelection
+from tda_plugins.capture.layers import LayerSelection, output_layer
 from tda_plugins.grads.projection import ProjectionConfig
 from tda_plugins.precondition.forms import (
     CURVATURE_OFF,
@@ -69,8 +69,8 @@ class PlanInputs:
         selection: the captured layers.
         projection: the projection applied in the hook (``None``: exact gradients).
         curvature: whether K-FAC statistics are accumulated at all.
-        curvature_head: accumulate statistics for vocabulary-wide output layers too
-            (their output factor is ``vocab x vocab``).
+        curvature_head: keep the output factor of the model's untied output layer (the
+            LM head) dense (``vocab x vocab``); by default its diagonal.
         budget_gb: most GiB of statistics per rank; ``None``: no limit.
         world_size: ranks of the data-parallel group.
         rank: this process's rank.
@@ -283,12 +283,6 @@ def reduce_block_rows(n: int, itemsize: int) -> int:
     return max(1, min(n, REDUCE_BLOCK_BYTES // (n * itemsize)))
 
 
-def vocabulary_size(model: nn.Module) -> int | None:
-    """The widest ``nn.Embedding`` of ``model`` (its vocabulary), or ``None``."""
-    sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
-    return max(sizes) if sizes else None
-
-
 def assign_owners(sizes: Mapping[str, int], world_size: int) -> dict[str, int]:
     """Layer -> owning rank, balanced by size: largest first, each to the least loaded
     rank (ties: the lower rank); equal sizes in the order given. Deterministic from the
@@ -327,7 +321,7 @@ def plan_capture(model: nn.Module, inputs: PlanInputs) -> CapturePlan:
             selected,
             projection=inputs.projection,
             curvature_head=inputs.curvature_head,
-            vocab=vocabulary_size(model),
+            head=output_layer(model),
         )
         if inputs.curvature
         else dict.fromkeys(selected, CURVATURE_OFF)

@@ -126,14 +126,17 @@ class CurvatureAccumulator(CaptureConsumer):
             ``(n_a, n_s)``: two dense factors) for the layers to accumulate
             (:attr:`~tda_plugins.precondition.plan.CapturePlan.curvature_shapes`); every
             other layer gets none. ``None``: every layer with factors, its spec found from
-            its module and the capture's projection as it arrives (a vocabulary-wide
-            untied head included; one process only: ranks must agree on the layers they
-            reduce).
+            its module and the capture's projection as it arrives (one process only:
+            ranks must agree on the layers they reduce).
         excluded: layer -> why it has no statistics, saved for readers' error messages.
         world_size: ranks that capture together (default: ``torch.distributed``'s world,
             else 1); each layer's statistics are reduced to, and saved by, its owner.
         schedule: ``"local"`` (reduce at each commit) or ``"owner"`` (reduce each
             micro-batch); see :mod:`~tda_plugins.precondition.plan`.
+        curvature_head: without ``shapes``, keep a dense ``vocab x vocab`` output factor
+            for the model's untied output layer, its LM head (default: its diagonal, as a
+            tied head's; the engine names the head). With ``shapes`` the plan
+            has decided (:class:`~tda_plugins.precondition.plan.PlanInputs`).
     """
 
     def __init__(
@@ -146,8 +149,10 @@ class CurvatureAccumulator(CaptureConsumer):
         excluded: Mapping[str, str] | None = None,
         world_size: int | None = None,
         schedule: Schedule = "local",
+        curvature_head: bool = False,
     ):
         self.root = Path(path)
+        self.curvature_head = curvature_head
         self.rank = rank
         self.product_dtype = product_dtype
         initialized = dist.is_available() and dist.is_initialized()
@@ -170,6 +175,7 @@ class CurvatureAccumulator(CaptureConsumer):
         # every layer's spec: the planned ones, or (no plan) each one's as it arrives
         self._specs: dict[str, FactorSpec] = dict(self.shapes or {})
         self._projection: ProjectionConfig | None = None
+        self._head: str | None = None
         # running sums since the last commit, exact in their upper triangles only (see
         # add_upper_gram); under "owner", of the owned layers only
         self._sums: dict[str, KroneckerFactors] = {}
@@ -221,6 +227,7 @@ class CurvatureAccumulator(CaptureConsumer):
 
     def on_attach(self, config: CaptureConfig) -> None:
         self._projection = config.projection
+        self._head = config.output_layer
         final = snapshot_path(rank_dir(self.root, self.rank), "final", 0)
         if final.exists() and not self._resumed and self.world_size == 1 and not self._base:
             self._base = [final]  # an appending capture continues the saved sums
@@ -300,7 +307,13 @@ class CurvatureAccumulator(CaptureConsumer):
         if self.shapes is not None or all(n in self._specs for n in record.layers):
             return
         modules = {n: (r.module, r.adapter) for n, r in record.layers.items()}
-        for name, spec in layer_specs(modules, projection=self._projection).items():
+        found = layer_specs(
+            modules,
+            projection=self._projection,
+            curvature_head=self.curvature_head,
+            head=self._head,
+        )
+        for name, spec in found.items():
             if isinstance(spec, FactorSpec):
                 self._specs.setdefault(name, spec)
             else:

@@ -145,9 +145,9 @@ class CaptureSettings:
             :data:`~tda_plugins.session.capture.AUTO_CURVATURE_BYTES` per rank (factor
             projection, small models or few layers), else off with a log line giving
             their size and how to turn them on.
-        curvature_head: accumulate them for vocabulary-wide output layers too (an untied
-            ``lm_head``: its output factor is ``vocab x vocab``); left out by default, and
-            K-FAC then refuses a store that holds the head's gradients.
+        curvature_head: keep the dense ``vocab x vocab`` output factor of a vocabulary-wide
+            output layer (an untied ``lm_head``); by default it keeps that factor's
+            diagonal (``vocab`` values), as a tied head does.
         curvature_budget_gb: most GiB of K-FAC statistics per rank; a capture whose plan
             (:mod:`tda_plugins.precondition.plan`) needs more is refused before the first
             step, with the settings that would fit. ``None``: no limit.
