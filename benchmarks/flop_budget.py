@@ -12,11 +12,11 @@ Workload: the peer harness's Llama-style decoder (``store_integrity.model``: hid
 intermediate 688, 4 layers, vocabulary 4,096, fp32, random init), rows of 128 random
 tokens, micro-batches of 32, 8 queries, every linear layer that
 ``LayerSelection("linear")`` captures (the untied head included, the diagonal of its
-``4096``-wide output factor kept: the default); one process, one thread. Per method: capture of the training rows (with
-inline K-FAC statistics for ``kfac`` and ``ekfac``), capture of the queries, then
-``method_by_name(m).score``, the path of ``bench_peers.py``'s ``ours`` (the store in a
-temporary folder under ``--dir``). Each phase is run once under the counter, then timed
-without it between two floors.
+``4096``-wide output factor kept: the default); one process, one thread. Per method:
+capture of the training rows (with inline K-FAC statistics for ``kfac`` and ``ekfac``),
+capture of the queries, then ``method_by_name(m).score``, the path of
+``bench_peers.py``'s ``ours`` (the store in a temporary folder under ``--dir``). Each
+phase is run once under the counter, then timed without it between two floors.
 
     python benchmarks/flop_budget.py --rows 64 256
 """

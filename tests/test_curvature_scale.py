@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from tda_plugins import CaptureEngine, LayerSelection, RecordCollector
 from tda_plugins.capture.adapters import DEFAULT_REGISTRY
@@ -347,6 +348,49 @@ def test_an_engine_capture_without_a_plan_keeps_the_head_diagonal_too(tmp_path: 
         assert torch.allclose(stats.a_sum, diagonal[name].a_sum, rtol=1e-6), name
         assert torch.allclose(stats.g_sum, diagonal[name].g_sum, rtol=1e-6), name
     assert load_curvature(tmp_path / "dense")["lm_head"].g_sum.shape == (VOCAB, VOCAB)
+
+
+def test_a_lora_on_the_head_keeps_the_diagonal_and_a_vocabulary_wide_mlp_does_not(
+    tmp_path: Path,
+) -> None:
+    """The head is found by identity (``get_output_embeddings()``), not by width: with
+    PEFT LoRA on ``lm_head`` and on an MLP projection exactly as wide as the vocabulary,
+    the head's ``lora_B`` keeps the diagonal of its output factor (equal to the dense
+    factor's diagonal that ``curvature_head=True`` keeps) and the MLP's ``lora_B`` a dense
+    one either way."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=VOCAB,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    factors = {}
+    for head in (False, True):
+        torch.manual_seed(0)
+        model = get_peft_model(
+            LlamaForCausalLM(config), LoraConfig(r=4, target_modules=["up_proj", "lm_head"])
+        )
+        settings = CaptureSettings.from_options(
+            store_dir=str(tmp_path / str(head)), layers="lora", curvature_head=head
+        )
+        session = CaptureSession(settings, model=model, normalization=SummedLoss())
+        summed_loss(model, BATCH).backward()
+        session.step()
+        session.end()
+        factors[head] = load_curvature(tmp_path / str(head))
+    head_b = "base_model.model.lm_head.lora_B.default"
+    mlp_b = "base_model.model.model.layers.0.mlp.up_proj.lora_B.default"
+    assert factors[False][head_b].g_sum.shape == (VOCAB,)
+    assert factors[True][head_b].g_sum.shape == (VOCAB, VOCAB)
+    diagonal = factors[True][head_b].g_sum.diagonal()
+    assert torch.allclose(factors[False][head_b].g_sum, diagonal, rtol=1e-6)
+    for head in (False, True):
+        assert factors[head][mlp_b].g_sum.shape == (VOCAB, VOCAB)
 
 
 @pytest.mark.parametrize("method", ["kfac", "ekfac"])

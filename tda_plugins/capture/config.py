@@ -27,10 +27,10 @@ class CaptureConfig:
             head), each in model order: their per-example gradients add up to that
             parameter's, which scoring must count as one (section 7.1 of docs/design.md).
             Empty where none, or in a store written before ties were recorded.
-        output_layer: the name of the model's output layer, its LM head
-            (:func:`~tda_plugins.capture.layers.output_layer`), ``None`` where it has none
-            or is not known: K-FAC statistics keep the diagonal of its vocabulary-wide
-            output factor. Not compared and not stored.
+        head_layers: the names of the modules that compute the model's vocabulary-wide
+            output, its LM head (:func:`~tda_plugins.capture.layers.head_layers`); empty
+            where it has none or is not known: K-FAC statistics keep the diagonal of their
+            vocabulary-wide output factor. Not compared and not stored.
     """
 
     layers: tuple[str, ...]
@@ -38,7 +38,7 @@ class CaptureConfig:
     loss_convention: str = "sum"
     parameters: Mapping[str, ParameterLayout] | None = field(default=None, compare=False)
     tied: tuple[tuple[str, ...], ...] = field(default=(), compare=False)
-    output_layer: str | None = field(default=None, compare=False)
+    head_layers: frozenset[str] = field(default=frozenset(), compare=False)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -37,7 +37,7 @@ from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.identity import EXAMPLE_IDS_KEY, content_hash
 from tda_plugins.capture.layers import (
     LayerSelection,
-    output_layer,
+    head_layers,
     shared_parameter_ids,
     tied_units,
 )
@@ -190,7 +190,7 @@ class CaptureEngine:
             projection,
             parameters=layouts,
             tied=ties,
-            output_layer=output_layer(self.model),
+            head_layers=head_layers(self.model),
         )
 
     @property

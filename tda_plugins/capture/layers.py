@@ -31,31 +31,36 @@ def is_lora_adapter(name: str, module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) and _LORA_NAME.search(name) is not None
 
 
-def output_layer(model: nn.Module) -> str | None:
-    """The name of ``model``'s output layer, the LM head: the module transformers'
-    ``get_output_embeddings()`` returns, else the last linear module (``nn.Linear``,
-    GPT-2's ``Conv1D``) inside a module named ``lm_head`` (OLMo-core's ``lm_head.w_out``)
-    whose output is as wide as the vocabulary (the widest ``nn.Embedding``); ``None``
-    when there is none. Never by width alone: an MLP as wide as a tiny vocabulary is not
-    the head."""
+def head_layers(model: nn.Module) -> frozenset[str]:
+    """The names of the modules that compute ``model``'s vocabulary-wide output: its LM
+    head (the module transformers' ``get_output_embeddings()`` returns, else the last
+    linear module inside a module named ``lm_head``, OLMo-core's ``lm_head.w_out``, as
+    wide as the vocabulary, the widest ``nn.Embedding``) and the linear modules inside it
+    as wide as it (a PEFT LoRA's ``lora_B`` on the head). Empty when there is none. Never
+    by width alone: an MLP as wide as a tiny vocabulary is not the head."""
+    named = dict(model.named_modules())
     get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    names = {id(m): n for n, m in model.named_modules()}
-    if isinstance(head, nn.Module) and id(head) in names:
-        return names[id(head)]
-    sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
-    wide = [
-        n
-        for n, m in model.named_modules()
-        if sizes and "lm_head" in n.split(".") and _output_width(m) == max(sizes)
-    ]
-    return wide[-1] if wide else None
+    found = get() if callable(get) else None
+    head = next((n for n, m in named.items() if m is found), None)
+    if head is None:
+        sizes = [m.num_embeddings for m in named.values() if isinstance(m, nn.Embedding)]
+        wide = [
+            n
+            for n, m in named.items()
+            if sizes and "lm_head" in n.split(".") and _output_width(m) == max(sizes)
+        ]
+        head = wide[-1] if wide else None
+    if head is None:
+        return frozenset()
+    inside = {n: _output_width(m) for n, m in named.items() if n.startswith(head + ".")}
+    width = _output_width(named[head]) or max((w for w in inside.values() if w), default=None)
+    return frozenset([head, *(n for n, w in inside.items() if w is not None and w == width)])
 
 
 def _output_width(module: nn.Module) -> int | None:
     """The output width of a linear module, ``None`` for any other."""
-    if isinstance(module, nn.Linear):
-        return module.out_features
+    if isinstance(module, nn.Linear) or type(module).__name__ == "Linear":  # PEFT's wrapper
+        return getattr(module, "out_features", None)
     return getattr(module, "nf", None) if type(module).__name__ == "Conv1D" else None
 
 

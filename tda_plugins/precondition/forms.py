@@ -138,15 +138,16 @@ def factor_spec(
     projection: ProjectionConfig | None,
     unit: tuple[str, ...] = (),
     curvature_head: bool = False,
-    head: str | None = None,
+    heads: frozenset[str] = frozenset(),
 ) -> FactorSpec | str:
     """The statistics layer ``name`` of ``layers`` keeps, or why it keeps none.
 
     ``unit``: the layers it shares its parameter with (supported ones, see
-    :func:`tie_problem`). The model's output layer ``head`` (its LM head, ``None``: not
-    known), untied and with its vocabulary-wide output side not projected, keeps that
-    factor's diagonal, as a tied head does, so that no ``vocab x vocab`` matrix is summed
-    or decomposed; ``curvature_head``: keep it dense instead."""
+    :func:`tie_problem`). A layer of the model's LM head (``heads``:
+    :func:`~tda_plugins.capture.layers.head_layers`), untied and with its vocabulary-wide
+    output side not projected, keeps that factor's diagonal, as a tied head does, so that
+    no ``vocab x vocab`` matrix is summed or decomposed; ``curvature_head``: keep it dense
+    instead."""
     module, adapter = layers[name]
     if projection is not None and projection.kind == "dense":
         return NOT_FACTORED
@@ -165,7 +166,7 @@ def factor_spec(
         a, s = min(a, projection.k_a), min(s, projection.k_g)
     if unit:
         return FactorSpec(a, s, "dense", "diagonal", unit)
-    if name == head and s == n_o and not curvature_head:
+    if name in heads and s == n_o and not curvature_head:
         return FactorSpec(a, s, "dense", "diagonal")
     return FactorSpec(a, s)
 
@@ -175,7 +176,7 @@ def layer_specs(
     *,
     projection: ProjectionConfig | None,
     curvature_head: bool = False,
-    head: str | None = None,
+    heads: frozenset[str] = frozenset(),
 ) -> dict[str, FactorSpec | str]:
     """:func:`factor_spec` of every layer of ``layers``, tied units validated together."""
     units = tied_units(layers)
@@ -189,6 +190,6 @@ def layer_specs(
             projection=projection,
             unit=unit,
             curvature_head=curvature_head,
-            head=head,
+            heads=heads,
         )
     return out

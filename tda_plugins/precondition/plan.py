@@ -38,7 +38,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from tda_plugins.capture.layers import LayerSelection, output_layer
+from tda_plugins.capture.layers import LayerSelection, head_layers
 from tda_plugins.grads.projection import ProjectionConfig
 from tda_plugins.precondition.forms import (
     CURVATURE_OFF,
@@ -321,7 +321,7 @@ def plan_capture(model: nn.Module, inputs: PlanInputs) -> CapturePlan:
             selected,
             projection=inputs.projection,
             curvature_head=inputs.curvature_head,
-            head=output_layer(model),
+            heads=head_layers(model),
         )
         if inputs.curvature
         else dict.fromkeys(selected, CURVATURE_OFF)

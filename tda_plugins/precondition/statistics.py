@@ -175,7 +175,7 @@ class CurvatureAccumulator(CaptureConsumer):
         # every layer's spec: the planned ones, or (no plan) each one's as it arrives
         self._specs: dict[str, FactorSpec] = dict(self.shapes or {})
         self._projection: ProjectionConfig | None = None
-        self._head: str | None = None
+        self._heads: frozenset[str] = frozenset()
         # running sums since the last commit, exact in their upper triangles only (see
         # add_upper_gram); under "owner", of the owned layers only
         self._sums: dict[str, KroneckerFactors] = {}
@@ -227,7 +227,7 @@ class CurvatureAccumulator(CaptureConsumer):
 
     def on_attach(self, config: CaptureConfig) -> None:
         self._projection = config.projection
-        self._head = config.output_layer
+        self._heads = config.head_layers
         final = snapshot_path(rank_dir(self.root, self.rank), "final", 0)
         if final.exists() and not self._resumed and self.world_size == 1 and not self._base:
             self._base = [final]  # an appending capture continues the saved sums
@@ -311,7 +311,7 @@ class CurvatureAccumulator(CaptureConsumer):
             modules,
             projection=self._projection,
             curvature_head=self.curvature_head,
-            head=self._head,
+            heads=self._heads,
         )
         for name, spec in found.items():
             if isinstance(spec, FactorSpec):
