@@ -12,8 +12,8 @@ statistics (owner schedule when they do not fit replicated, reduction buffers in
 per-example records of one micro-batch and store shards per step, against the training
 step's own per-rank memory (parameters, gradients, Adam; divided by 8 under FSDP), for the
 default settings and the settings a user can switch on; the target is an extra (statistics
-plus records) within 10% of the training step. ``--write`` adds the section to
-``benchmarks/RESULTS.md``.
+plus records) within 10% of the training step. ``--write`` replaces its section in
+``benchmarks/results/memory_plan.md``.
 
     python benchmarks/memory_plan.py [--write]
 """
@@ -28,6 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
+from common import write_section
 from torch import nn
 
 from tda_plugins import LayerSelection, ProjectionConfig
@@ -40,7 +41,7 @@ from tda_plugins.precondition import (
 )
 from tda_plugins.precondition.plan import GIB
 
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+RESULTS = Path(__file__).resolve().parent / "results" / "memory_plan.md"
 WORLD, TOKENS, TARGET = 8, 4096, 0.10
 
 
@@ -78,7 +79,7 @@ def settings_table(model: nn.Module, base: PlanInputs) -> tuple[list[str], list[
     def projected(k: int) -> PlanInputs:
         return replace(base, projection=ProjectionConfig("factor", k_a=k, k_g=k))
 
-    candidates = [("default (exact, head left out)", base)]
+    candidates = [("default (exact; the head's output factor diagonal)", base)]
     candidates += [(f"last_n_blocks={n} of {blocks}", last(n)) for n in (1, 2, 4, 8)]
     candidates += [(f"projection='factor', k_a=k_g={k}", projected(k)) for k in (256, 64, 16, 8)]
     rows = [
@@ -145,7 +146,9 @@ def section(name: str, model: nn.Module, inputs: PlanInputs) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--write", action="store_true", help="add the section to RESULTS.md")
+    parser.add_argument(
+        "--write", action="store_true", help="replace the section in results/memory_plan.md"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     common = dict(world_size=WORLD, sharded=True, tokens_per_example=TOKENS)
@@ -190,13 +193,7 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if args.write:
-        results = RESULTS.read_text()
-        start = results.find(lines[0])
-        if start >= 0:  # replace the previous run's section
-            end = results.find("\n## ", start + 1)
-            results = results[:start] + results[end + 1 if end >= 0 else len(results) :]
-        head, rest = results.split("\n", 1)
-        RESULTS.write_text(f"{head}\n\n{text}\n{rest}")
+        write_section(RESULTS, lines[0], text)
 
 
 if __name__ == "__main__":
