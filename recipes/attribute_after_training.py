@@ -108,8 +108,8 @@ def demo_model(args: argparse.Namespace) -> tuple[nn.Module, list[dict], list[di
 def train_with_capture(args: argparse.Namespace, out: Path) -> tuple[Path, Path]:
     """Train one epoch with the capture callback; capture the queries at the end."""
     model, train_rows, query_rows = demo_model(args)
-    # curvature_head: K-FAC/EK-FAC factors for the untied head too (cheap at this vocabulary;
-    # left out by default, where a vocabulary-wide factor would not fit)
+    # curvature_head: the untied head's dense vocab x vocab output factor (cheap at this
+    # vocabulary; by default its diagonal, as a vocabulary-wide factor would not fit)
     capture = GradientCaptureCallback(
         store_dir=str(out / "train_store"), layers="linear", curvature=True, curvature_head=True
     )  # K-FAC/EK-FAC below need the statistics however large (default: only when cheap)

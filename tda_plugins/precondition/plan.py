@@ -10,8 +10,8 @@ Adam moments; divided by the world size when the training shards them, as FSDP d
 
 Statistics are the part that can refuse: over ``budget_gb`` per rank,
 :func:`require_within_budget` raises :class:`CurvatureBudgetError` with the numbers and
-the settings that would fit (factor projection, ``last_n_blocks``, the head left out,
-curvature off, a larger budget).
+the settings that would fit (factor projection, ``last_n_blocks``, the head's output factor
+diagonal, curvature off, a larger budget).
 
 Reduction schedule (how the statistics of several ranks meet, see
 :class:`~tda_plugins.precondition.statistics.CurvatureAccumulator`):
