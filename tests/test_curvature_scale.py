@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tda_plugins import CaptureEngine, LayerSelection, RecordCollector
 from tda_plugins.capture.adapters import DEFAULT_REGISTRY
+from tda_plugins.capture.layers import head_layers
 from tda_plugins.capture.normalization import SummedLoss
 from tda_plugins.capture.records import LayerRecord, MicroBatchRecord
 from tda_plugins.grads import TokenFactors
@@ -348,6 +349,33 @@ def test_an_engine_capture_without_a_plan_keeps_the_head_diagonal_too(tmp_path: 
         assert torch.allclose(stats.a_sum, diagonal[name].a_sum, rtol=1e-6), name
         assert torch.allclose(stats.g_sum, diagonal[name].g_sum, rtol=1e-6), name
     assert load_curvature(tmp_path / "dense")["lm_head"].g_sum.shape == (VOCAB, VOCAB)
+
+
+class _OlmoStyleLM(nn.Module):
+    """An LM without transformers' API: an embedding, an MLP as wide as the vocabulary,
+    and a head in a module named ``lm_head`` (OLMo-core's ``lm_head.w_out``)."""
+
+    def __init__(self, head_name: str = "lm_head") -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(VOCAB, 8)
+        self.mlp = nn.Linear(8, VOCAB)
+        self.add_module(head_name, nn.ModuleDict({"w_out": nn.Linear(8, VOCAB)}))
+
+
+class _Declining(_OlmoStyleLM):
+    def get_output_embeddings(self) -> nn.Module:
+        raise NotImplementedError
+
+
+def test_the_head_is_found_by_identity_never_by_width() -> None:
+    """transformers' ``get_output_embeddings()`` names the head (untied or tied); without
+    it (or where it raises), the linear inside a module named ``lm_head`` as wide as the
+    vocabulary; an MLP as wide as the vocabulary elsewhere is never taken for the head."""
+    assert head_layers(tiny_causal_lm("llama")) == {"lm_head"}
+    assert head_layers(tiny_causal_lm("gpt2")) == {"lm_head"}
+    assert head_layers(_OlmoStyleLM()) == {"lm_head.w_out"}
+    assert head_layers(_Declining()) == {"lm_head.w_out"}
+    assert head_layers(_OlmoStyleLM(head_name="out")) == frozenset()
 
 
 def test_a_lora_on_the_head_keeps_the_diagonal_and_a_vocabulary_wide_mlp_does_not(

@@ -39,8 +39,7 @@ def head_layers(model: nn.Module) -> frozenset[str]:
     as wide as it (a PEFT LoRA's ``lora_B`` on the head). Empty when there is none. Never
     by width alone: an MLP as wide as a tiny vocabulary is not the head."""
     named = dict(model.named_modules())
-    get = getattr(model, "get_output_embeddings", None)
-    found = get() if callable(get) else None
+    found = _output_embeddings(model)
     head = next((n for n, m in named.items() if m is found), None)
     if head is None:
         sizes = [m.num_embeddings for m in named.values() if isinstance(m, nn.Embedding)]
@@ -55,6 +54,17 @@ def head_layers(model: nn.Module) -> frozenset[str]:
     inside = {n: _output_width(m) for n, m in named.items() if n.startswith(head + ".")}
     width = _output_width(named[head]) or max((w for w in inside.values() if w), default=None)
     return frozenset([head, *(n for n, w in inside.items() if w is not None and w == width)])
+
+
+def _output_embeddings(model: nn.Module) -> nn.Module | None:
+    """What ``model.get_output_embeddings()`` returns, or ``None`` where the model has no
+    such method or its method declines (some models raise ``NotImplementedError``)."""
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        found = get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        return None
+    return found if isinstance(found, nn.Module) else None
 
 
 def _output_width(module: nn.Module) -> int | None:
