@@ -210,9 +210,10 @@ class CaptureEngine:
             raise RuntimeError("this CaptureEngine is already attached; detach it first")
         self._layers = self.selection.resolve(self.model)
         self._shared = shared_parameter_ids(self._layers)
+        config = self.config  # one model walk (layouts, ties, the head) for every consumer
         try:
             for consumer in self._consumers:
-                consumer.on_attach(self.config)
+                consumer.on_attach(config)
         except BaseException:
             for consumer in self._consumers:  # e.g. a store gives its writer lock back
                 consumer.on_detach()

@@ -6,10 +6,10 @@ Per linear layer (linear, Conv1D, LoRA, factor-projected):
     S = sum over token rows of g g^T              (N_o x N_o)
 
 divided by the number of real (non-padding) token rows when read; an embedding keeps the
-diagonal ``A`` of its one-hot inputs (token counts), the head use of a tied weight the
-diagonal of its vocabulary-wide ``S``, a norm scale one dense factor of its per-example
-gradients (:mod:`~tda_plugins.precondition.forms`, what each micro-batch adds:
-:mod:`~tda_plugins.precondition.products`). ``g`` is scaled by the record's
+diagonal ``A`` of its one-hot inputs (token counts), an LM head (tied or not, unless
+``curvature_head``) the diagonal of its vocabulary-wide ``S``, a norm scale one dense
+factor of its per-example gradients (:mod:`~tda_plugins.precondition.forms`, what each
+micro-batch adds: :mod:`~tda_plugins.precondition.products`). ``g`` is scaled by the record's
 ``loss_scale``, i.e. taken under the store's per-example summed-loss convention. Padding
 rows are excluded through the record's token mask, by multiplication (no host sync).
 Layers fed by one input (q/k/v, gate/up) share one ``A`` product per micro-batch, and
