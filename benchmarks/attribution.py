@@ -218,13 +218,15 @@ def capture_store(
     curvature: bool,
     optimizer: torch.optim.Optimizer | None = None,
     layers: LayerSelection | None = None,
+    curvature_head: bool = False,
 ) -> StoreReader:
     """One committed step per micro-batch into a new store at ``root`` (``layers``,
-    default linear layers); inline K-FAC statistics with ``curvature``; AdamW moments
-    when ``optimizer`` is given."""
+    default linear layers); inline K-FAC statistics with ``curvature`` (``curvature_head``:
+    an untied LM head's dense output factor, not its diagonal); AdamW moments when
+    ``optimizer`` is given."""
     consumers: list[CaptureConsumer] = [GradientStore(root)]
     if curvature:
-        consumers.append(CurvatureAccumulator(root))
+        consumers.append(CurvatureAccumulator(root, curvature_head=curvature_head))
     layers = layers or LayerSelection(kind="linear")
     with CaptureEngine(
         model, layers=layers, projection=projection, consumers=consumers, parameter_grads=False

@@ -19,6 +19,7 @@ capture of the queries, then ``method_by_name(m).score``, the path of
 phase is run once under the counter, then timed without it between two floors.
 
     python benchmarks/flop_budget.py --rows 64 256
+    python benchmarks/flop_budget.py --rows 64 --methods ekfac ekfac-dense-head kfac kfac-dense-head
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ from tda_plugins.store import StoreReader
 
 SECTION = "## Arithmetic against the floor (benchmarks/flop_budget.py)"
 SCRIPT = "benchmarks/flop_budget.py"
-METHODS = ("graddot", "kfac", "ekfac")
+#: ``-dense-head``: the untied head's dense ``vocab x vocab`` factor (``curvature_head``).
+DENSE_HEAD = "-dense-head"
+METHODS = ("graddot", "kfac", "ekfac", "kfac" + DENSE_HEAD, "ekfac" + DENSE_HEAD)
 PHASES = ("capture train", "capture queries", "score")
 BATCH = 32
 
@@ -72,12 +75,17 @@ def phases(
     net: torch.nn.Module, train: torch.Tensor, queries: torch.Tensor, method: str, root: Path
 ) -> list[Callable[[], object]]:
     """The method's three phases, each a call that reads what the previous ones wrote."""
+    dense_head = method.endswith(DENSE_HEAD)
+    method = method.removesuffix(DENSE_HEAD)
     curvature = method in ("kfac", "ekfac")
     made: dict[str, StoreReader] = {}
 
     def capture(part: str, rows: torch.Tensor, stats: bool) -> Callable[[], object]:
         def run() -> object:
-            made[part] = capture_store(net, micro_batches(rows, BATCH), root / part, None, stats)
+            batches = micro_batches(rows, BATCH)
+            made[part] = capture_store(
+                net, batches, root / part, None, stats, curvature_head=dense_head
+            )
             return made[part]
 
         return run
@@ -134,7 +142,7 @@ def measure(
 def main(argv: list[str]) -> int:
     p = common.base_parser(__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[64, 256])
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS[:3]))
     p.add_argument("--dir", type=Path, default=Path.cwd(), help="where the stores go")
     a = p.parse_args(argv)
     write = a.write if a.write is not None else not a.quick
@@ -167,6 +175,8 @@ Each phase's floating-point operations (`torch.utils.flop_counter`: matrix produ
 attention; eigendecompositions not counted) over the floor's, and its wall time over the
 floor's (the mean of a floor before and after the method). `eigh` is the time the fp64
 eigendecompositions of the store's factors take alone, part of the `score` time.
+`-dense-head`: the untied head's dense `4096 x 4096` output factor (`curvature_head=True`)
+instead of its diagonal (the default).
 
 | rows | method | {header} | flops, total | eigh time | time, total |
 |---:|---|{"---|" * len(PHASES)}---:|---:|---:|
