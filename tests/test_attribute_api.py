@@ -137,9 +137,9 @@ def test_the_transformers_callbacks_load_lazily_from_the_package() -> None:
 def test_capture_examples_queues_its_shards_for_the_disk(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A one-pass capture lets shards queue for the disk (training stores do not); both
-    keep ``"step"`` durability (``"end"`` and ``"none"`` are opt-in: measured no faster on a
-    local disk)."""
+    """A one-pass capture lets shards queue for the disk and makes them durable once it
+    has ended (``"end"``), or as asked; a store made directly (a training store) waits for
+    each shard and keeps ``"step"``."""
     from tda_plugins.session import dataset as dataset_capture
 
     made: list[GradientStore] = []
@@ -151,9 +151,11 @@ def test_capture_examples_queues_its_shards_for_the_disk(
 
     monkeypatch.setattr(dataset_capture, "GradientStore", Recording)
     rows = [{"input_ids": [2, 3, 4, 5]}, {"input_ids": [6, 7, 8]}]
-    tda_plugins.capture_examples(tiny_causal_lm("llama"), rows, tmp_path / "q", progress=False)
-    assert [s.in_flight_bytes for s in made] == [dataset_capture.IN_FLIGHT_BYTES]
-    assert [s.durability for s in made] == [DURABILITY["step"]]
+    model = tiny_causal_lm("llama")
+    tda_plugins.capture_examples(model, rows, tmp_path / "q", progress=False)
+    tda_plugins.capture_examples(model, rows, tmp_path / "s", progress=False, durability="step")
+    assert [s.in_flight_bytes for s in made] == [dataset_capture.IN_FLIGHT_BYTES] * 2
+    assert [s.durability for s in made] == [DURABILITY["end"], DURABILITY["step"]]
     other = GradientStore(tmp_path / "other")
     assert other.in_flight_bytes is None
     assert other.durability == DURABILITY["step"]

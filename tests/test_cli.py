@@ -439,6 +439,39 @@ def test_capture_into_an_existing_store_appends(
     assert texts[100] == text_of(run.train[100]) and texts[204] == text_of(more[204])
 
 
+@pytest.mark.parametrize(("extra", "durability"), [((), "end"), (("--durability", "step"), "step")])
+def test_capture_durability_reaches_the_store(
+    capsys: pytest.CaptureFixture[str],
+    runs: dict[str, CliRun],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    extra: tuple[str, ...],
+    durability: str,
+) -> None:
+    """``tda capture`` makes its store durable once it has ended (``end``) unless
+    ``--durability`` says otherwise; it stores the same examples in the same steps."""
+    from tda_plugins.session import dataset
+    from tda_plugins.store import GradientStore
+    from tda_plugins.store.writer import DURABILITY
+
+    made: list[GradientStore] = []
+
+    class Recording(GradientStore):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            made.append(self)
+
+    monkeypatch.setattr(dataset, "GradientStore", Recording)
+    run = runs["llama"]
+    args = capture_args(run.model_dir, run.train_file, tmp_path / "s", "--batch-size", 3, *extra)
+    code, _, err = run_main(capsys, *args)
+    assert code == 0, err
+    assert [s.durability for s in made] == [DURABILITY[durability]]
+    assert (
+        StoreReader(tmp_path / "s").step_example_ids() == StoreReader(run.store).step_example_ids()
+    )
+
+
 # -- 10: model placement ---------------------------------------------------------------------
 
 

@@ -1,8 +1,11 @@
 """The store's durability modes: ``"step"`` fsyncs before each step is listed, ``"end"``
-once at the end of capture, ``"none"`` never; what each leaves after a crash."""
+once the capture has ended (on a thread of its own, off the capture's path), ``"none"``
+never; what each leaves after a crash."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -59,9 +62,9 @@ def test_no_fsync_before_the_end_and_the_same_store_as_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durability: str
 ) -> None:
     """``"end"`` and ``"none"`` fsync nothing while capturing (``"end"``: the header,
-    before the first micro-batch); at the end ``"end"`` fsyncs
-    every shard, then the folder, then the index and end marker are written durably,
-    ``"none"`` fsyncs nothing. Either store reads back exactly the ``"step"`` store."""
+    before the first micro-batch); after the end ``"end"`` fsyncs every shard, the index
+    and the end marker, then the folder that names them; ``"none"`` fsyncs nothing.
+    Either store reads back exactly the ``"step"`` store."""
     capture(tmp_path / "step", "step")
     names = fsync_log(monkeypatch)
     store = capture(tmp_path / durability, durability, end=False)
@@ -69,12 +72,11 @@ def test_no_fsync_before_the_end_and_the_same_store_as_step(
     assert [n.split(".tmp-")[0] for n in names] == (header if durability == "end" else [])
     del names[:]
     store.on_end()
+    store.flush()
     shards = {p.name for p in rank_dir(tmp_path / durability, 0).glob("*.safetensors")}
     if durability == "end":
-        assert set(names[:4]) == shards and len(shards) == 4
-        # the folder, then the index and the end marker: each temp file, then the folder
-        tmp = [n.split(".tmp-")[0] for n in names[5::2]]
-        assert names[4::2] == ["rank-0"] * 3 and tmp == [f".{INDEX_FILE}", f".{END_FILE}"]
+        assert len(shards) == 4 and len(names) == 7
+        assert set(names[:6]) == shards | {INDEX_FILE, END_FILE} and names[6] == "rank-0"
     else:
         assert names == []
     expected, got = grads(tmp_path / "step"), grads(tmp_path / durability)
@@ -135,3 +137,70 @@ def test_under_the_budget_a_micro_batch_never_waits_for_the_disk(
 def test_an_unknown_durability_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"durability must be one of \['end', 'none', 'step'\]"):
         GradientStore(tmp_path, durability="sometimes")
+
+
+def test_the_end_sync_runs_after_the_capture_has_returned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the disk's fsyncs held, an ``"end"`` capture ends and its store reads back
+    whole (from the page cache); :meth:`GradientStore.flush` waits for the held syncs."""
+    capture(tmp_path / "step", "step")
+    release, synced = threading.Event(), []
+    real = writer.fsync_path
+
+    def held(path: Path) -> None:
+        assert release.wait(timeout=10), "the capture waited for the end sync"
+        real(path)
+        synced.append(path.name)
+
+    monkeypatch.setattr(writer, "fsync_path", held)
+    store = capture(tmp_path / "end", "end")  # returns with every fsync still held
+    assert synced == []
+    expected, got = grads(tmp_path / "step"), grads(tmp_path / "end")
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    release.set()
+    store.flush()
+    assert len(synced) == 7 and synced[-1] == "rank-0"
+
+
+def test_a_failed_end_sync_is_raised_by_flush(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A disk error in the end sync is logged when it happens and raised by ``flush``,
+    naming the store and the cause."""
+
+    def failing(path: Path) -> None:
+        raise OSError(f"no space left for {path.name}")
+
+    monkeypatch.setattr(writer, "fsync_path", failing)
+    store = capture(tmp_path, "end")
+    with pytest.raises(StoreError, match=r"durable failed.*no space left"):
+        store.flush()
+    assert "making the gradient store" in caplog.text and "no space left" in caplog.text
+
+
+def test_a_process_that_ends_after_the_capture_waits_for_the_end_sync(tmp_path: Path) -> None:
+    """A script that captures with ``"end"`` and exits at once (no flush) exits only after
+    the end sync, slowed here, has made every file durable: the interpreter waits for it."""
+    log = tmp_path / "synced.txt"
+    script = f"""
+import time
+from pathlib import Path
+from tda_plugins.store import writer
+from tests import test_store_durability as t
+
+real = writer.fsync_path
+def slow(path):
+    time.sleep(0.2)
+    real(path)
+    with open({str(log)!r}, "a") as f:
+        f.write(path.name + "\\n")
+writer.fsync_path = slow
+t.capture(Path({str(tmp_path / "store")!r}), "end")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=Path(__file__).parent.parent, capture_output=True
+    )
+    assert done.returncode == 0 and "failed" not in done.stderr.decode(), done.stderr.decode()
+    names = log.read_text().split()
+    assert len(names) == 7 and names[-1] == "rank-0"

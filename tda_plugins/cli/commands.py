@@ -49,6 +49,7 @@ from tda_plugins.session.settings import (
 )
 from tda_plugins.store import StoreError, StoreReader
 from tda_plugins.store.io import atomic_write_json, refuse_existing, staged_directory
+from tda_plugins.store.writer import DURABILITY
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -142,6 +143,15 @@ def _add_capture(sub: Any) -> None:
         action="store_true",
         help="end text and completion rows in the tokenizer's end-of-sequence token, as "
         "TRL's SFTTrainer trains them",
+    )
+    p.add_argument(
+        "--durability",
+        default="end",
+        choices=sorted(DURABILITY),
+        help="end (default): no fsync while capturing, every file made durable in one pass "
+        "once the capture ends (the command returns after it); step: each step durable "
+        "before the next (a long capture to resume with --append after a machine crash); "
+        "none: never fsynced (a scratch store)",
     )
     p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="model dtype")
     p.add_argument(
@@ -345,6 +355,7 @@ def _capture_on(args: argparse.Namespace, ranks: Ranks) -> None:
         metadata={**source.metadata(), "data": str(args.data)},
         ranks=ranks,
         eos=args.eos,
+        durability=args.durability,
     )
     if ranks.rank == 0:
         print(f"wrote the examples of {args.data} to {args.out} ({ranks.size} rank(s))")

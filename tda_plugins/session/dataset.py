@@ -50,6 +50,7 @@ def capture_examples(
     ranks: Ranks | None = None,
     progress: bool = True,
     eos: bool = False,
+    durability: str = "end",
     **options: Any,
 ) -> StoreReader:
     """Write every example's exact gradient (its own summed token loss) to the store ``out``.
@@ -74,6 +75,13 @@ def capture_examples(
         eos: end text and completion rows in the tokenizer's end-of-sequence token, as
             TRL's ``SFTTrainer`` does: a row copied from an SFT training set then gets the
             tokens (and the content-hash id) it was trained with.
+        durability: when the store reaches the disk (:class:`GradientStore`'s modes).
+            ``"end"`` (default): no fsync while capturing; when the capture returns, one
+            pass on a thread of its own makes every file durable while the caller goes on
+            (scoring the new store reads the page cache), and the process waits for it
+            at exit. ``"step"``: each step durable before the next is captured (a
+            capture whose machine may crash midway, resumed with ``append``). ``"none"``:
+            never fsynced (a scratch store scored and thrown away).
 
     Returns:
         A reader of the written store.
@@ -127,6 +135,7 @@ def capture_examples(
         model=model,
         tokenizer=tokenizer,
         in_flight_bytes=IN_FLIGHT_BYTES,  # a slow disk stalls the capture only when full
+        durability=durability,
     )
     consumers: list[Any] = [store]
     if settings.curvature:

@@ -10,10 +10,17 @@ fsyncs) has succeeded.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
 
 from tda_plugins.store.layout import StoreError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class BackgroundSync:
@@ -85,3 +92,63 @@ class BackgroundSync:
             "committed before it are on disk, later ones are not: check the disk (space, "
             "permissions) and resume from the last step on disk in a new run"
         ) from self._error
+
+
+class EndSync:
+    """One job (a store's end sync) on its own thread, started at once and left running
+    when the capture returns. The thread is not a daemon: the interpreter waits for it
+    at exit, so a process that ends normally ends with the job done. :meth:`wait` joins
+    it and raises its failure; a failure nobody waits for is logged as an error."""
+
+    def __init__(self, what: str, job: Callable[[], None]):
+        self.what = what
+        self._error: Exception | None = None
+        self._thread = threading.Thread(target=self._run, args=(job,), name="tda-store-end-sync")
+        self._thread.start()
+
+    def _run(self, job: Callable[[], None]) -> None:
+        try:
+            job()
+        except Exception as error:  # kept for wait(), which raises it
+            self._error = error
+            logger.error("making %s durable failed: %s", self.what, error)
+
+    def wait(self) -> None:
+        """Return once the job is done; raise if it failed."""
+        self._thread.join()
+        if self._error is not None:
+            raise StoreError(
+                f"making {self.what} durable failed in the background ({self._error}): every "
+                "step is written, but a machine crash could tear one; check the disk and "
+                "recapture if it cannot be trusted"
+            ) from self._error
+
+
+def run_together(job: Callable[[T], object], items: Sequence[T], threads: int) -> None:
+    """``job`` of every item, on up to ``threads`` plain threads at once (fsyncs that the
+    disk queues together); raises the first failure once all have stopped. Plain threads,
+    not an executor: this also runs while the interpreter shuts down (an :class:`EndSync`
+    it waits for), when ``concurrent.futures`` takes no new work."""
+    pending = list(reversed(items))
+    errors: list[Exception] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not pending or errors:
+                    return
+                item = pending.pop()
+            try:
+                job(item)
+            except Exception as error:
+                with lock:
+                    errors.append(error)
+
+    workers = [threading.Thread(target=worker) for _ in range(min(threads, len(items)))]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    if errors:
+        raise errors[0]

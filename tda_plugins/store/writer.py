@@ -24,16 +24,20 @@ shards queue for the disk instead (``in_flight_bytes``): the next micro-batch wa
 once that many bytes are not yet written, so a disk slower than the capture stalls it
 only when the queue is full.
 
-Durability (``durability``, :data:`DURABILITY`): ``"step"`` (the default, for training
-and ``tda capture``) fsyncs each shard and the folder before its step is listed, as above.
-``"end"`` (opt-in) writes shards and index to the page cache only and fsyncs them all once, at the
-end of capture, before the durable index and end marker: no fsync on the capture's
-critical path (the store's header is written durably once, before the first micro-batch).
-``"none"`` never fsyncs (scratch stores). Either way a step is listed only
-after its shards are completely written and checksummed, so a crashed *process* leaves
-every listed step readable; a crashed *machine* before the end sync may leave a listed
-shard torn, which the reader's checksum refuses ("the store is damaged: recapture") --
-never a silently half-written store.
+Durability (``durability``, :data:`DURABILITY`): ``"step"`` (the default, for training)
+fsyncs each shard and the folder before its step is listed, as above. ``"end"`` (one-pass
+captures: ``tda capture``, :func:`~tda_plugins.session.dataset.capture_examples`) writes
+shards, index and end marker to the page cache only; once the capture has ended, one pass
+on a thread of its own (:class:`~tda_plugins.store.sync.EndSync`) fsyncs them all, then
+the folder, while the caller goes on: no fsync is on the capture's critical path, and a
+store scored right after its capture is read from the page cache. The interpreter waits
+for that pass at exit, and :meth:`GradientStore.flush` waits for it (the store's header
+is written durably once, before the first micro-batch). ``"none"`` never fsyncs
+(scratch stores). Either way a step is listed only after its shards are completely
+written and checksummed, so a crashed *process* leaves every listed step readable; a
+crashed *machine* before the end sync may leave a listed shard torn, which the reader's
+checksum refuses ("the store is damaged: recapture") -- never a silently half-written
+store.
 
 Integrity: each writer holds an exclusive lock on its rank directory for its lifetime
 (:class:`~tda_plugins.store.lock.WriterLock`), each shard's XXH3 checksum is listed in
@@ -52,7 +56,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,7 +94,7 @@ from tda_plugins.store.layout import (
     shard_name,
 )
 from tda_plugins.store.lock import WriterLock
-from tda_plugins.store.sync import BackgroundSync
+from tda_plugins.store.sync import BackgroundSync, EndSync, run_together
 from tda_plugins.store.texts import TokenTexts, example_line
 
 #: Shard fsyncs in flight at once in the end sync (each waits on the disk, not the CPU).
@@ -156,8 +160,9 @@ class GradientStore(CaptureConsumer):
             one committed step is not yet durable. A number: shards queue for the disk
             until their tensors pass that many bytes (then the oldest is waited for).
         durability: ``"step"`` (default: each step durable once committed), ``"end"``
-            (one fsync pass at the end of capture) or ``"none"`` (page cache only); see
-            :data:`DURABILITY` and the module docstring for what a crash leaves.
+            (one fsync pass once the capture has ended, off its critical path: one-pass
+            captures) or ``"none"`` (page cache only); see :data:`DURABILITY` and the
+            module docstring for what a crash leaves.
     """
 
     def __init__(
@@ -199,6 +204,8 @@ class GradientStore(CaptureConsumer):
         self._step_ids: tuple[int, set[int]] = (-1, set())
         self._pending: list[_Written] = []
         self._sync = BackgroundSync(f"the gradient store {self.root}")
+        #: ``"end"``: the fsyncs of the end of capture, running after it returned.
+        self._end_sync: EndSync | None = None
         #: Shards not known to be on disk yet: their background write and tensor bytes.
         self._in_flight: deque[tuple[Future[None], int]] = deque()
         self._shards_lock = threading.Lock()  # _shards grows on the background thread
@@ -318,25 +325,26 @@ class GradientStore(CaptureConsumer):
 
     def on_end(self) -> None:
         self.commit()
-        if self.durability.at_end and not self.durability.per_step:
-            self._sync.submit(self._sync_written)
         if self.model is not None and self.config is not None:
             digest = weights_digest(self.model, self.config.layers)
             end = {"weights_sha256": digest, "last_step": max(self._steps, default=None)}
-            durable = self.durability.at_end
+            durable = self.durability.per_step
             self._sync.submit(lambda: atomic_write_json(self._dir / END_FILE, end, durable=durable))
-        self._sync.close()
+        self._sync.close()  # every shard, the index and the end marker are written
+        if self.durability.at_end and not self.durability.per_step:
+            written, self._unsynced = self._unsynced, []
+            self._end_sync = EndSync(
+                f"the gradient store {self.root}", lambda: self._sync_written(written)
+            )
 
-    def _sync_written(self) -> None:
-        """The end sync (background thread, after every write): each shard written since
-        the last sync (several at once), then the folder, then the index again, durably."""
-        with ThreadPoolExecutor(_END_SYNC_THREADS, thread_name_prefix="tda-end-sync") as pool:
-            list(pool.map(fsync_path, self._unsynced))  # the disk queues them together
-        self._unsynced = []
-        with self._shards_lock:
-            shards = list(self._shards)
+    def _sync_written(self, shards: list[Path]) -> None:
+        """The end sync (its own thread, after the capture returned): the written
+        ``shards`` (several at once), the index and the end marker, then the folder that
+        names them."""
+        files = [self._dir / INDEX_FILE, self._dir / END_FILE]
+        files = shards + [f for f in files if f.exists()]
+        run_together(fsync_path, files, _END_SYNC_THREADS)  # the disk queues them together
         fsync_path(self._dir)
-        write_index(self._dir / INDEX_FILE, shards)
 
     def on_detach(self) -> None:
         try:
@@ -371,8 +379,11 @@ class GradientStore(CaptureConsumer):
         self._sync.submit(publish)
 
     def flush(self) -> None:
-        """Wait until every commit so far is on disk (raising a background failure)."""
+        """Wait until every commit so far is on disk, and after the end of an ``"end"``
+        capture until its end sync is done (raising a background failure)."""
         self._sync.wait()
+        if self._end_sync is not None:
+            self._end_sync.wait()
 
     def truncate(self, from_step: int) -> None:
         """Drop every committed step ``>= from_step`` (resuming from an earlier checkpoint):
