@@ -55,6 +55,7 @@ from tda_plugins.capture import CaptureConsumer
 from tda_plugins.methods import Scores, method_by_name
 from tda_plugins.precondition import CurvatureAccumulator
 from tda_plugins.precondition.adam import save_adam_state
+from tda_plugins.session.dataset import IN_FLIGHT_BYTES
 from tda_plugins.store import GradientStore, StoreReader
 
 SECTION = "## Attribution throughput (benchmarks/attribution.py)"
@@ -221,10 +222,12 @@ def capture_store(
     curvature_head: bool = False,
 ) -> StoreReader:
     """One committed step per micro-batch into a new store at ``root`` (``layers``,
-    default linear layers); inline K-FAC statistics with ``curvature`` (``curvature_head``:
-    an untied LM head's dense output factor, not its diagonal); AdamW moments when
-    ``optimizer`` is given."""
-    consumers: list[CaptureConsumer] = [GradientStore(root)]
+    default linear layers), written as ``capture_examples`` writes a one-pass store
+    (shards queued for the disk, made durable once the capture has ended); inline K-FAC
+    statistics with ``curvature`` (``curvature_head``: an untied LM head's dense output
+    factor, not its diagonal); AdamW moments when ``optimizer`` is given."""
+    store = GradientStore(root, durability="end", in_flight_bytes=IN_FLIGHT_BYTES)
+    consumers: list[CaptureConsumer] = [store]
     if curvature:
         consumers.append(CurvatureAccumulator(root, curvature_head=curvature_head))
     layers = layers or LayerSelection(kind="linear")
