@@ -173,3 +173,17 @@ def scores_by_id(scores: Scores, train_ids: Tensor, query_ids: Tensor) -> Tensor
 def rel_error(got: Tensor, ref: Tensor) -> float:
     """``||got - ref|| / ||ref||`` (Frobenius), in fp64."""
     return ((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-300)).item()
+
+
+def made_stores(monkeypatch: Any, module: Any) -> list[GradientStore]:
+    """Every :class:`GradientStore` that ``module`` makes from now on, in order: its name
+    there is replaced (through ``monkeypatch``) by a subclass that records each one."""
+    made: list[GradientStore] = []
+
+    class Recording(GradientStore):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(module, "GradientStore", Recording)
+    return made

@@ -17,7 +17,7 @@ from tda_plugins.methods import Scores, method_by_name
 from tda_plugins.store import GradientStore, StoreReader
 from tda_plugins.store.writer import DURABILITY
 from tests.models import lm_batch, tiny_causal_lm
-from tests.stores import capture_store
+from tests.stores import capture_store, made_stores
 
 
 @pytest.fixture(scope="module")
@@ -142,14 +142,7 @@ def test_capture_examples_queues_its_shards_for_the_disk(
     each shard and keeps ``"step"``."""
     from tda_plugins.session import dataset as dataset_capture
 
-    made: list[GradientStore] = []
-
-    class Recording(GradientStore):
-        def __init__(self, *args: object, **kwargs: object) -> None:
-            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-            made.append(self)
-
-    monkeypatch.setattr(dataset_capture, "GradientStore", Recording)
+    made = made_stores(monkeypatch, dataset_capture)
     rows = [{"input_ids": [2, 3, 4, 5]}, {"input_ids": [6, 7, 8]}]
     model = tiny_causal_lm("llama")
     tda_plugins.capture_examples(model, rows, tmp_path / "q", progress=False)

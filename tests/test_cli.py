@@ -33,6 +33,7 @@ from tests.oracle import func_oracle
 from tests.stores import (
     flat_oracle_grads,
     linear_parameter_names,
+    made_stores,
     rel_error,
     scores_by_id,
     store_parameter_names,
@@ -451,17 +452,9 @@ def test_capture_durability_reaches_the_store(
     """``tda capture`` makes its store durable once it has ended (``end``) unless
     ``--durability`` says otherwise; it stores the same examples in the same steps."""
     from tda_plugins.session import dataset
-    from tda_plugins.store import GradientStore
     from tda_plugins.store.writer import DURABILITY
 
-    made: list[GradientStore] = []
-
-    class Recording(GradientStore):
-        def __init__(self, *args: object, **kwargs: object) -> None:
-            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-            made.append(self)
-
-    monkeypatch.setattr(dataset, "GradientStore", Recording)
+    made = made_stores(monkeypatch, dataset)
     run = runs["llama"]
     args = capture_args(run.model_dir, run.train_file, tmp_path / "s", "--batch-size", 3, *extra)
     code, _, err = run_main(capsys, *args)
