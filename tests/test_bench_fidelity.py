@@ -246,6 +246,23 @@ def test_our_best_is_compared_with_the_best_peer(monkeypatch: pytest.MonkeyPatch
     assert "- `traker:trak`: traker 0.3.2: an error" in text
 
 
+def test_the_metagradient_approximations_are_compared_with_it_on_its_blocks() -> None:
+    # The exact metagradient scored 4 of 8 blocks; the approximation is 0.05 below it on
+    # those and far off on the others, which must not enter the comparison.
+    exact = torch.tensor([0.9, 0.8, 0.9, 0.8] + [math.nan] * 4, dtype=torch.float64)
+    fixed = torch.tensor([0.85, 0.75, 0.85, 0.75] + [-1.0] * 4, dtype=torch.float64)
+    ceiling = fidelity_metric.Fidelity("metagradient", exact, 200)
+    approx = fidelity_metric.Fidelity("metagradient:fixed-denominator", fixed, 200)
+    dot = fidelity_metric.Fidelity("graddot", fixed - 0.5, 200)
+    text = fidelity_report.ceiling_text([ceiling, approx, dot])
+    assert (
+        "(on its 4 validation blocks): `metagradient:fixed-denominator` 0.800 vs "
+        "`metagradient` 0.850, difference -0.050, paired bootstrap 95% interval "
+        "[-0.050, -0.050]" in text
+    )
+    assert "`graddot` 0.300 vs `metagradient` 0.850, difference -0.550" in text
+
+
 def test_subsets_are_half_the_blocks_and_train_on_those_only(
     fine: FineTuning, subsets: SubsetRuns
 ) -> None:
