@@ -41,8 +41,9 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
+# one test process per core (pytest-xdist): the suite is single-threaded per test
 pytest: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto
 
 test: lint typecheck pytest
 
