@@ -20,6 +20,12 @@ kept), with the curvature of each step's batch loss chosen by ``--curvature``:
   ``G_it = a_it g_it^T`` over the kept layers' weights together, the biases left out
   (``--params conv`` only): a key bias's position parts do not vanish (only their sum
   does), and Adam's ``1 / eps`` scale on its zero gradient then makes the pass diverge.
+* ``block-position-fisher``: the same, each layer alone (its block of the matrix: no
+  product couples two layers);
+* ``kfac`` / ``ekfac``: that block as the step's Kronecker factors (SOURCE-style, one
+  segment per step, fitted at the step's own weights): ``A V G / N`` with ``A`` and
+  ``G`` the sums of ``a a^T`` and ``g g^T`` over the step's ``N`` positions; EK-FAC in
+  the factors' eigenbases with each entry's eigenvalue refitted from the positions.
 
 ``--params conv``: the Conv1D layers the benchmark's stores capture; ``all``: every
 trained parameter. Leave-one-out Spearman on the first ``--queries`` of the
@@ -37,6 +43,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
@@ -118,11 +125,12 @@ def token_fisher(logits_of: Model, at: Params, tangent: Params, ids: Tensor) -> 
     return torch.autograd.grad(losses, list(leaves.values()), dots)
 
 
-def position_fisher(model: nn.Module, loss, at: Params, tangent: Params, ids: Tensor) -> Params:
-    """``sum_{i,t} G_it (G_it . u)`` with ``G_it`` every kept Conv1D's weight gradient
-    part of position ``t`` of example ``i``: ``a_it g_it^T``, ``a`` its
-    ``(B, T, in)`` input, ``g`` the summed loss's ``(B, T, out)`` output gradient."""
-    layers = {n.rsplit(".", 1)[0] for n in at}
+def layer_parts(
+    model: nn.Module, loss, at: Params, ids: Tensor
+) -> dict[str, tuple[Tensor, Tensor]]:
+    """Each kept Conv1D's ``(N, in)`` inputs and ``(N, out)`` output gradients of the
+    batch's summed loss at ``at``, over its ``N = B T`` positions."""
+    layers = sorted({n.rsplit(".", 1)[0] for n in at})
     inputs: dict[str, Tensor] = {}
     outputs: dict[str, Tensor] = {}
 
@@ -138,15 +146,66 @@ def position_fisher(model: nn.Module, loss, at: Params, tangent: Params, ids: Te
     finally:
         for h in handles:
             h.remove()
-    names = sorted(layers)
-    grads = dict(zip(names, torch.autograd.grad(total, [outputs[n] for n in names]), strict=True))
-    dots = sum(
-        torch.einsum("bti,io,bto->bt", inputs[n], tangent[f"{n}.weight"], grads[n]) for n in names
-    )
-    out: Params = {}
-    for n in names:
-        out[f"{n}.weight"] = torch.einsum("bt,bti,bto->io", dots, inputs[n], grads[n])
-    return out
+    grads = torch.autograd.grad(total, [outputs[n] for n in layers])
+    return {
+        n: (inputs[n].flatten(0, 1).double(), g.flatten(0, 1).double())
+        for n, g in zip(layers, grads, strict=True)
+    }
+
+
+def position_fisher(parts: dict[str, tuple[Tensor, Tensor]], tangent: Params) -> Params:
+    """``sum_n G_n (G_n . u)`` with ``G_n = a_n g_n^T`` every kept Conv1D's weight
+    gradient part of position ``n`` (one dot over all the layers together)."""
+    dots = sum(((a @ tangent[f"{n}.weight"].double()) * g).sum(-1) for n, (a, g) in parts.items())
+    return {f"{n}.weight": (a.T @ (dots[:, None] * g)).float() for n, (a, g) in parts.items()}
+
+
+def block_position_fisher(parts: dict[str, tuple[Tensor, Tensor]], tangent: Params) -> Params:
+    """:func:`position_fisher` with each layer's dot alone (block-diagonal)."""
+    return {
+        n: x for name, p in parts.items() for n, x in position_fisher({name: p}, tangent).items()
+    }
+
+
+class Kronecker:
+    """One step's Kronecker factors per layer, ``A = sum a a^T``, ``G = sum g g^T`` over
+    its ``N`` positions, and their eigenbases with EK-FAC's refitted eigenvalues
+    ``sum_n (Q_A^T a_n)^2 (Q_G^T g_n)^2^T`` (``(in, out)``)."""
+
+    def __init__(self, parts: dict[str, tuple[Tensor, Tensor]]):
+        self.factors = {}
+        for n, (a, g) in parts.items():
+            qa, qg = (
+                torch.linalg.eigh(a.T @ a).eigenvectors,
+                torch.linalg.eigh(g.T @ g).eigenvectors,
+            )
+            refit = ((a @ qa) ** 2).T @ ((g @ qg) ** 2)
+            self.factors[n] = (a.T @ a / a.shape[0], g.T @ g, qa, qg, refit)
+
+    def kfac(self, tangent: Params) -> Params:
+        """``A V G / N`` per layer."""
+        return {
+            f"{n}.weight": (a @ tangent[f"{n}.weight"].double() @ g).float()
+            for n, (a, g, _, _, _) in self.factors.items()
+        }
+
+    def ekfac(self, tangent: Params) -> Params:
+        """``Q_A ((Q_A^T V Q_G) * refit) Q_G^T`` per layer."""
+        out = {}
+        for n, (_, _, qa, qg, refit) in self.factors.items():
+            v = tangent[f"{n}.weight"].double()
+            out[f"{n}.weight"] = (qa @ ((qa.T @ v @ qg) * refit) @ qg.T).float()
+        return out
+
+
+#: The curvatures computed from the step's per-position layer parts: ``parts`` to
+#: ``u -> C u`` (weights only).
+POSITIONAL: dict[str, Callable[[dict[str, tuple[Tensor, Tensor]]], Callable[[Params], Params]]] = {
+    "position-fisher": lambda parts: partial(position_fisher, parts),
+    "block-position-fisher": lambda parts: partial(block_position_fisher, parts),
+    "kfac": lambda parts: Kronecker(parts).kfac,
+    "ekfac": lambda parts: Kronecker(parts).ekfac,
+}
 
 
 def main(argv: list[str]) -> None:
@@ -155,17 +214,18 @@ def main(argv: list[str]) -> None:
     p.add_argument("--params", choices=["conv", "all"], default="conv")
     p.add_argument(
         "--curvature",
-        choices=["none", "fisher", "exact", "ggn", "token-fisher", "position-fisher"],
+        choices=["none", "fisher", "exact", "ggn", "token-fisher", *POSITIONAL],
         default="exact",
     )
     p.add_argument("--rho", type=float, default=0.1, help="Fisher factor")
     p.add_argument("--queries", type=int, default=4)
+    p.add_argument("--cache", type=Path, default=CACHE, help="the cached training runs")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
     chosen = replica(args.replica)
-    fine = prepare(chosen, CACHE)
-    loo, subsets = leave_one_out(fine, CACHE, 1), subset_runs(fine, CACHE, 1)
+    fine = prepare(chosen, args.cache)
+    loo, subsets = leave_one_out(fine, args.cache, 1), subset_runs(fine, args.cache, 1)
     truth = GroundTruth(loo, fine.blocks.removed, subsets, chosen.config.bootstrap)
     with TemporaryDirectory() as work:
         task = make_task(fine, Path(work))
@@ -202,6 +262,8 @@ def main(argv: list[str]) -> None:
         rows = task.run.batches[t]
         ids = task.train[rows]
         norm = ids.shape[0] * tokens
+        if args.curvature in POSITIONAL:
+            positional = POSITIONAL[args.curvature](layer_parts(model, loss, at, ids))
         per_example = vmap(grad(lambda p, x: loss(p, x[None])), in_dims=(None, 0))(at, ids)
         for q, (adjoint, side) in enumerate(zip(adjoints, sides, strict=True)):
             for n in kept:
@@ -233,9 +295,9 @@ def main(argv: list[str]) -> None:
                 tangent = {n: (1 - b1) * side[n] for n in kept}
                 for n, g in zip(kept, token_fisher(logits_of, at, tangent, ids), strict=True):
                     adjoint[n] = adjoint[n] - g / norm
-            elif args.curvature == "position-fisher":
+            elif args.curvature in POSITIONAL:
                 tangent = {n: (1 - b1) * side[n] for n in kept}
-                for n, g in position_fisher(model, loss, at, tangent, ids).items():
+                for n, g in positional(tangent).items():
                     adjoint[n] = adjoint[n] - g / norm
             elif args.curvature == "ggn":
                 tangent = {n: (1 - b1) * side[n] for n in kept}
