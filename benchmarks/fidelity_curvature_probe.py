@@ -168,31 +168,34 @@ def block_position_fisher(parts: dict[str, tuple[Tensor, Tensor]], tangent: Para
 
 
 class Kronecker:
-    """One step's Kronecker factors per layer, ``A = sum a a^T``, ``G = sum g g^T`` over
-    its ``N`` positions, and their eigenbases with EK-FAC's refitted eigenvalues
-    ``sum_n (Q_A^T a_n)^2 (Q_G^T g_n)^2^T`` (``(in, out)``)."""
+    """One step's Kronecker factors per layer, ``A = sum a a^T`` and ``G = sum g g^T``
+    over its ``N`` positions; for EK-FAC also their eigenbases and the refitted
+    eigenvalues ``sum_n (Q_A^T a_n)^2 (Q_G^T g_n)^2^T`` (``(in, out)``), made on first use."""
 
     def __init__(self, parts: dict[str, tuple[Tensor, Tensor]]):
-        self.factors = {}
-        for n, (a, g) in parts.items():
-            qa, qg = (
-                torch.linalg.eigh(a.T @ a).eigenvectors,
-                torch.linalg.eigh(g.T @ g).eigenvectors,
-            )
-            refit = ((a @ qa) ** 2).T @ ((g @ qg) ** 2)
-            self.factors[n] = (a.T @ a / a.shape[0], g.T @ g, qa, qg, refit)
+        self.parts = parts
+        self.factors = {n: (a.T @ a, g.T @ g) for n, (a, g) in parts.items()}
+        self.eigen: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
 
     def kfac(self, tangent: Params) -> Params:
         """``A V G / N`` per layer."""
         return {
-            f"{n}.weight": (a @ tangent[f"{n}.weight"].double() @ g).float()
-            for n, (a, g, _, _, _) in self.factors.items()
+            f"{n}.weight": (
+                a @ tangent[f"{n}.weight"].double() @ g / self.parts[n][0].shape[0]
+            ).float()
+            for n, (a, g) in self.factors.items()
         }
 
     def ekfac(self, tangent: Params) -> Params:
         """``Q_A ((Q_A^T V Q_G) * refit) Q_G^T`` per layer."""
+        if not self.eigen:
+            for n, (a_factor, g_factor) in self.factors.items():
+                qa = torch.linalg.eigh(a_factor).eigenvectors
+                qg = torch.linalg.eigh(g_factor).eigenvectors
+                a, g = self.parts[n]
+                self.eigen[n] = (qa, qg, ((a @ qa) ** 2).T @ ((g @ qg) ** 2))
         out = {}
-        for n, (_, _, qa, qg, refit) in self.factors.items():
+        for n, (qa, qg, refit) in self.eigen.items():
             v = tangent[f"{n}.weight"].double()
             out[f"{n}.weight"] = (qa @ ((qa.T @ v @ qg) * refit) @ qg.T).float()
         return out
