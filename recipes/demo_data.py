@@ -30,6 +30,7 @@ import random
 import re
 import sysconfig
 import tokenize
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,10 +155,27 @@ def reference_passages(min_words: int) -> dict[str, list[Passage]]:
     return sections
 
 
-def _stdlib_sources() -> list[Path]:
+@functools.cache
+def _stdlib_sources() -> tuple[Path, ...]:
+    """The standard library's source files, sorted (listed once per process)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo", "encodings"}
-    return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+    return tuple(sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts)))
+
+
+#: The nodes that can hold a statement: a function definition is never inside an expression.
+_STATEMENT_HOLDERS = (ast.stmt, ast.excepthandler, ast.match_case)
+
+
+def _function_definitions(tree: ast.Module) -> Iterator[ast.FunctionDef]:
+    """Every ``def`` of ``tree`` in :func:`ast.walk`'s breadth-first order, visiting only
+    statements (a tenth of the nodes: the expressions can hold no ``def``)."""
+    queue: deque[ast.AST] = deque([tree])
+    while queue:
+        node = queue.popleft()
+        if isinstance(node, ast.FunctionDef):
+            yield node
+        queue.extend(c for c in ast.iter_child_nodes(node) if isinstance(c, _STATEMENT_HOLDERS))
 
 
 def module_docstring(path: Path) -> str | None:
@@ -203,8 +221,8 @@ def function_docstrings() -> tuple[tuple[str, str, str], ...]:
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
         module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+        for node in _function_definitions(tree):
+            if node.name.startswith("_"):
                 continue
             docstring = ast.get_docstring(node)
             if docstring:

@@ -12,9 +12,11 @@ test runs the tiny defaults with a few steps, which the flags must leave as they
 
 from __future__ import annotations
 
+import ast
 import copy
 import importlib
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -214,9 +216,9 @@ def test_the_readme_quotes_the_settings_the_demo_prints() -> None:
 
 
 def test_the_demo_compares_every_arm_at_equal_kept_examples(tmp_path: Path) -> None:
-    """The demo on the tiny model, 3 steps, its arms on two worker processes: every
-    standard arm ran, the baselines dropped exactly as many examples at each step as
-    ``ours`` (which ran the library's default settings: the baselines waited for it), the
+    """The demo on the tiny model, 3 steps, its arms in this process (the pool of worker
+    processes is the next test's): every standard arm ran, the baselines dropped exactly as
+    many examples at each step as ``ours`` (which ran the library's default settings), the
     clean arm saw no planted corrupted example, every step's CPU time was recorded, every
     arm's curve starts at the no-selection run's step-0 evaluation, and the table has a
     row per arm."""
@@ -232,7 +234,7 @@ def test_the_demo_compares_every_arm_at_equal_kept_examples(tmp_path: Path) -> N
             "--eval_steps",
             "3",
             "--workers",
-            "2",
+            "1",
             "--out",
             str(out),
         ]
@@ -254,6 +256,63 @@ def test_the_demo_compares_every_arm_at_equal_kept_examples(tmp_path: Path) -> N
     table = (out / "results.md").read_text()
     assert all(arms.ARMS[name].label in table for name in arms.STANDARD_ARMS)
     assert demo.DemoOptions().ours_settings() == {}  # ours: the library's defaults
+
+
+def test_the_demo_finds_the_functions_ast_walk_finds_in_its_order() -> None:
+    """The statement-only walk of the demo's docstring task yields exactly the ``def``
+    nodes of :func:`ast.walk`, in its order (the order decides the demo's data), on nested
+    definitions under ``if``/``try``/``match``/classes and on real standard-library files."""
+    data = recipe("demo_data")
+    nested = """
+def a():
+    def b(): pass
+    if x:
+        def c(): pass
+class K:
+    def d(self): pass
+    try:
+        def e(): pass
+    except E:
+        def f(): pass
+    finally:
+        def g(): pass
+match y:
+    case 1:
+        def h(): pass
+async def i(): pass
+"""
+    sources = [nested] + [p.read_text() for p in data._stdlib_sources()[:40]]
+    for source in sources:
+        tree = ast.parse(source)
+        expected = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+        assert list(data._function_definitions(tree)) == expected
+
+
+def test_the_demo_pool_runs_every_arm_in_started_workers_after_the_run_it_replays() -> None:
+    """``run_all`` on two spawned worker processes (a stub run in place of a training):
+    every task ran once, in a worker that the initializer started, and ``on_done`` saw it in
+    this process; each matched arm was given its seed's ``ours`` run, which had finished."""
+    schedule, arms = recipe("demo_schedule"), recipe("demo_arms")
+    from tests import demo_schedule_stub  # imports the recipes, on sys.path from here
+
+    todo = schedule.tasks([0, 1], list(arms.STANDARD_ARMS))
+    reported: list[object] = []
+    done = schedule.run_all(
+        todo,
+        demo_schedule_stub.run,
+        workers=2,
+        done={},
+        on_done=lambda task, run: reported.append(task),
+        initializer=demo_schedule_stub.start,
+        initargs=(7,),
+    )
+    assert sorted(reported, key=str) == sorted(todo, key=str) and set(done) == set(todo)
+    assert {run.seen["tag"] for run in done.values()} == {7}
+    assert os.getpid() not in {run.seen["pid"] for run in done.values()}
+    for task, run in done.items():
+        if arms.ARMS[task.arm].matched:
+            assert run.drop_counts == [task.seed + 1], task
+            assert reported.index(task.ours) < reported.index(task), task
 
 
 def _run(loss: float, arms: ModuleType, dropped: bool = False) -> object:
