@@ -2,7 +2,8 @@
 the data-parallel tests.
 
 ``python -m torch.distributed.run --standalone --nproc-per-node=2
-tests/olmo_core_dist_worker.py FOLDER {ddp,fsdp,hsdp}`` trains the tiny OLMo-2 transformer
+tests/olmo_core_dist_worker.py FOLDER MODE...`` (modes among ``ddp fsdp hsdp``, one after
+the other in the same processes) trains the tiny OLMo-2 transformer
 (fp32, CPU, gloo) for :data:`STEPS` steps on the token file that :func:`write_tokens` put
 in ``FOLDER``, data-parallel through OLMo-core's own
 ``TransformerTrainModuleConfig(dp_config=TransformerDataParallelConfig(name=...))``
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import olmo_core.distributed.parallel as olmo_parallel
 import torch
 import torch.distributed as dist
 from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
@@ -105,7 +107,11 @@ def loader_and_module(
     folder: Path, mode: str, dp_config: TransformerDataParallelConfig | None
 ) -> tuple[Any, TransformerTrainModule]:
     """The data loader of ``folder``'s tokens for ``mode`` and a train module of
-    :data:`MODEL` with two micro-batches per rank (what every OLMo-core worker trains)."""
+    :data:`MODEL` with two micro-batches per rank (what every OLMo-core worker trains).
+    A worker may call it once per mode: each builds its own device mesh."""
+    # OLMo-core builds its device mesh once per process (a module-level mesh with no
+    # public reset); forget the previous mode's.
+    olmo_parallel._WORLD_MESH = None
     world = 1 if mode == "single" else WORLD
     dataset = dataset_config(folder, mode).build()  # type: ignore[arg-type]
     loader = NumpyDataLoaderConfig(global_batch_size=GLOBAL_BATCH * SEQ, seed=0).build(dataset)
@@ -147,20 +153,20 @@ def save_log(log: StepLog, path: Path, keep_params: bool) -> None:
     torch.save({"indices": log.indices, "params": params, "placements": log.placements}, path)
 
 
-def main(folder: Path, mode: Mode) -> None:
+def main(folder: Path, modes: list[Mode]) -> None:
     torch.set_num_threads(1)
-    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
+    faulthandler.dump_traceback_later(HANG_SECONDS * len(modes), exit=True)
     dist.init_process_group("gloo")
     try:
-        log = train(folder, mode)
         rank = dist.get_rank()
-        save_log(log, folder / mode / f"rank{rank}.pt", keep_params=rank == 0)
+        for mode in modes:
+            save_log(train(folder, mode), folder / mode / f"rank{rank}.pt", keep_params=rank == 0)
     finally:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    modes: dict[str, Mode] = {"ddp": "ddp", "fsdp": "fsdp", "hsdp": "hsdp"}
-    if len(sys.argv) != 3 or sys.argv[2] not in modes:
-        sys.exit("usage: olmo_core_dist_worker.py FOLDER {ddp,fsdp,hsdp}")
-    main(Path(sys.argv[1]), modes[sys.argv[2]])
+    known: dict[str, Mode] = {"ddp": "ddp", "fsdp": "fsdp", "hsdp": "hsdp"}
+    if len(sys.argv) < 3 or not set(sys.argv[2:]) <= set(known):
+        sys.exit("usage: olmo_core_dist_worker.py FOLDER {ddp,fsdp,hsdp}...")
+    main(Path(sys.argv[1]), [known[m] for m in sys.argv[2:]])

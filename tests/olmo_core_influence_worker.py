@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import olmo_core.distributed.parallel as olmo_parallel
 import torch
 import torch.distributed as dist
 from olmo_core.distributed.parallel import DataParallelType
@@ -65,9 +64,6 @@ class InfluenceLog(Callback):
 def train(folder: Path, mode: str) -> dict[str, Any]:
     """:data:`STEPS` steps with the influence callback; what the rank saves."""
     torch.manual_seed(0)
-    # OLMo-core builds its device mesh once per process; each mode of this process builds
-    # its own (the module-level mesh has no public reset).
-    olmo_parallel._WORLD_MESH = None
     dp_config = None if mode == "single" else TransformerDataParallelConfig(DataParallelType(mode))
     loader, module = loader_and_module(folder, mode, dp_config)
     influence = InfluenceLoggingCallback(QUERIES, method="graddot", layers="all")

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import olmo_core.distributed.parallel as olmo_parallel
 import torch
 import torch.distributed as dist
 from olmo_core.distributed.parallel import DataParallelType
@@ -95,9 +94,6 @@ def dp_config(mode: str) -> TransformerDataParallelConfig | None:
 def train(folder: Path, mode: str) -> dict[str, Any]:
     """:data:`STEPS` steps with selection; what the rank saves."""
     torch.manual_seed(0)
-    # OLMo-core builds its device mesh once per process; each mode of this process builds
-    # its own (the module-level mesh has no public reset).
-    olmo_parallel._WORLD_MESH = None
     loader, module = loader_and_module(folder, mode, dp_config(mode))
     selection = DataSelectionCallback(TARGET, fraction=FRACTION, **PINNED)
     audit = Audit()

@@ -1,6 +1,7 @@
 """``GradientCaptureCallback`` under torchrun: DDP, FSDP and HSDP store what one process stores.
 
-Two gloo ranks (``tests/olmo_core_dist_worker.py``) train the tiny OLMo-2 transformer with
+Two gloo ranks (``tests/olmo_core_dist_worker.py``, one launch for the three modes) train the
+tiny OLMo-2 transformer with
 OLMo-core's data parallelism (``dp_config`` DDP; FSDP with its default ``full`` wrapping:
 sharded DTensor parameters and optimizer state; HSDP as two replicas, whose parameters
 and moments are DTensors on a 2-D replicate x shard mesh), and the same script's
@@ -31,7 +32,14 @@ from tda_plugins.store import StoreReader
 from tda_plugins.store.io import read_json
 from tda_plugins.store.layout import INDEX_FILE
 from tests.launch import torchrun
-from tests.olmo_core_dist_worker import GLOBAL_BATCH, STEPS, WORLD, save_log, train, write_tokens
+from tests.olmo_core_dist_worker import (
+    GLOBAL_BATCH,
+    STEPS,
+    WORLD,
+    StepLog,
+    train,
+    write_tokens,
+)
 from tests.stores import rel_error
 
 FP32_TOL = 1e-4
@@ -51,17 +59,23 @@ def rank_step_ids(store: Path, rank: int) -> dict[int, list[int]]:
     return out
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, StepLog]:
+    """One launch trains every mode in turn (one process start for the three); then the
+    one-process reference. Returns the folder and the reference's log."""
+    folder = tmp_path_factory.mktemp("olmo_core_dp")
+    write_tokens(folder)
+    torchrun("olmo_core_dist_worker.py", folder, *PLACEMENTS)
+    return folder, train(folder, "single")
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("mode", ["ddp", "fsdp", "hsdp"])
-def test_two_ranks_store_what_one_process_stores(tmp_path: Path, mode: str) -> None:
-    write_tokens(tmp_path)
-    torchrun("olmo_core_dist_worker.py", tmp_path, mode)
-    reference = train(tmp_path, "single")
-    save_log(reference, tmp_path / "single" / "rank0.pt", keep_params=True)
-
-    single, multi = tmp_path / "single" / "grads", tmp_path / mode / "grads"
-    logs = [torch.load(tmp_path / mode / f"rank{r}.pt") for r in range(WORLD)]
+@pytest.mark.parametrize("mode", list(PLACEMENTS))
+def test_two_ranks_store_what_one_process_stores(runs: tuple[Path, StepLog], mode: str) -> None:
+    folder, reference = runs
+    single, multi = folder / "single" / "grads", folder / mode / "grads"
+    logs = [torch.load(folder / mode / f"rank{r}.pt") for r in range(WORLD)]
     assert sorted(p.name for p in multi.glob("rank-*")) == ["rank-0", "rank-1"]
     assert logs[0]["placements"] == PLACEMENTS[mode]  # the parameters' layout is the mode's
 
