@@ -41,9 +41,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-# one test process per core (pytest-xdist): the suite is single-threaded per test
+# one test process per core (pytest-xdist): the suite is single-threaded per test.
+# --dist loadscope keeps each module on one process, so that a module-scoped fixture
+# (a torchrun launch, a trained model) is built once, not once per process.
 pytest: $(STAMP)
-	$(PY) -m pytest -q -n auto
+	$(PY) -m pytest -q -n auto --dist loadscope
 
 test: lint typecheck pytest
 
