@@ -216,12 +216,12 @@ def test_the_readme_quotes_the_settings_the_demo_prints() -> None:
 
 
 def test_the_demo_compares_every_arm_at_equal_kept_examples(tmp_path: Path) -> None:
-    """The demo on the tiny model, 3 steps, its arms in this process (the pool of worker
-    processes is the next test's): every standard arm ran, the baselines dropped exactly as
-    many examples at each step as ``ours`` (which ran the library's default settings), the
-    clean arm saw no planted corrupted example, every step's CPU time was recorded, every
-    arm's curve starts at the no-selection run's step-0 evaluation, and the table has a
-    row per arm."""
+    """The demo on the tiny model, 3 steps, its arms in this process (its pool of worker
+    processes has a test of its own, with a stub run): every standard arm ran, the
+    baselines dropped exactly as many examples at each step as ``ours`` (which ran the
+    library's default settings), the clean arm saw no planted corrupted example, every
+    step's CPU time was recorded, every arm's curve starts at the no-selection run's
+    step-0 evaluation, and the table has a row per arm."""
     demo = recipe("lora_data_selection")
     arms = recipe("demo_arms")
     out = tmp_path / "demo"
