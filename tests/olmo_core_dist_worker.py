@@ -103,12 +103,23 @@ class StepLog(Callback):
         self.params.append({n: _full(p) for n, p in model.named_parameters()})
 
 
-def loader_and_module(
-    folder: Path, mode: str, dp_config: TransformerDataParallelConfig | None
-) -> tuple[Any, TransformerTrainModule]:
+def dp_config(mode: str) -> TransformerDataParallelConfig | None:
+    """OLMo-core's data-parallel config of ``mode`` (``single``: none). HSDP: two
+    replicas (gradients all-reduced across them) of a one-rank shard group."""
+    if mode == "single":
+        return None
+    if mode == "hsdp":
+        return TransformerDataParallelConfig(
+            name=DataParallelType.hsdp, num_replicas=WORLD, shard_degree=1
+        )
+    return TransformerDataParallelConfig(name=DataParallelType(mode))
+
+
+def loader_and_module(folder: Path, mode: str) -> tuple[Any, TransformerTrainModule]:
     """The data loader of ``folder``'s tokens for ``mode`` and a train module of
-    :data:`MODEL` with two micro-batches per rank (what every OLMo-core worker trains).
-    A worker may call it once per mode: each builds its own device mesh."""
+    :data:`MODEL` with two micro-batches per rank, built through ``mode``'s
+    :func:`dp_config` (what every OLMo-core worker trains). A worker may call it once per
+    mode: each builds its own device mesh."""
     # OLMo-core builds its device mesh once per process (a module-level mesh with no
     # public reset); forget the previous mode's.
     olmo_parallel._WORLD_MESH = None
@@ -119,7 +130,7 @@ def loader_and_module(
         rank_microbatch_size=GLOBAL_BATCH // world // 2 * SEQ,  # two micro-batches per rank
         max_sequence_length=SEQ,
         optim=AdamWConfig(lr=LEARNING_RATE),
-        dp_config=dp_config,
+        dp_config=dp_config(mode),
     ).build(MODEL.build(init_device="cpu"), device=torch.device("cpu"))
     return loader, module
 
@@ -127,15 +138,7 @@ def loader_and_module(
 def train(folder: Path, mode: Mode) -> StepLog:
     """Train :data:`STEPS` steps, capturing into ``folder/mode/grads``."""
     torch.manual_seed(0)
-    dp_config = (
-        None
-        if mode == "single"
-        # HSDP: two replicas (gradients all-reduced across them) of a one-rank shard group
-        else TransformerDataParallelConfig(
-            name=DataParallelType(mode), num_replicas=WORLD if mode == "hsdp" else None
-        )
-    )
-    loader, module = loader_and_module(folder, mode, dp_config)
+    loader, module = loader_and_module(folder, mode)
     settings = CaptureSettings.from_options(store_dir=str(folder / mode / "grads"), layers="all")
     log = StepLog()
     config = TrainerConfig(

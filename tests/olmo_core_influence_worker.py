@@ -24,12 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from olmo_core.distributed.parallel import DataParallelType
 from olmo_core.train import Duration, TrainerConfig
 from olmo_core.train.callbacks import Callback
-from olmo_core.train.train_module import (
-    TransformerDataParallelConfig,
-)
 from torch import Tensor
 
 from tda_plugins.integrations.olmo_core import InfluenceLoggingCallback
@@ -64,8 +60,7 @@ class InfluenceLog(Callback):
 def train(folder: Path, mode: str) -> dict[str, Any]:
     """:data:`STEPS` steps with the influence callback; what the rank saves."""
     torch.manual_seed(0)
-    dp_config = None if mode == "single" else TransformerDataParallelConfig(DataParallelType(mode))
-    loader, module = loader_and_module(folder, mode, dp_config)
+    loader, module = loader_and_module(folder, mode)
     influence = InfluenceLoggingCallback(QUERIES, method="graddot", layers="all")
     log = InfluenceLog()
     config = TrainerConfig(

@@ -25,11 +25,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from olmo_core.distributed.parallel import DataParallelType
 from olmo_core.train import Duration, TrainerConfig
 from olmo_core.train.callbacks import Callback
 from olmo_core.train.train_module import (
-    TransformerDataParallelConfig,
     TransformerTrainModule,
 )
 from torch import Tensor
@@ -41,7 +39,6 @@ from tests.olmo_core_dist_worker import (
     SEQ,
     STEPS,
     VOCAB,
-    WORLD,
     loader_and_module,
 )
 from tests.selection_helpers import PINNED
@@ -81,20 +78,10 @@ class Audit(Callback):
         )
 
 
-def dp_config(mode: str) -> TransformerDataParallelConfig | None:
-    if mode == "single":
-        return None
-    if mode == "hsdp":
-        return TransformerDataParallelConfig(
-            name=DataParallelType.hsdp, num_replicas=WORLD, shard_degree=1
-        )
-    return TransformerDataParallelConfig(name=DataParallelType(mode))
-
-
 def train(folder: Path, mode: str) -> dict[str, Any]:
     """:data:`STEPS` steps with selection; what the rank saves."""
     torch.manual_seed(0)
-    loader, module = loader_and_module(folder, mode, dp_config(mode))
+    loader, module = loader_and_module(folder, mode)
     selection = DataSelectionCallback(TARGET, fraction=FRACTION, **PINNED)
     audit = Audit()
     config = TrainerConfig(
