@@ -25,7 +25,8 @@ data included. Agreement: the first 8 query columns against the exact fp64 refer
 (``benchmarks/peers/reference.py``, one backward per example, computed once per model and
 size and cached in ``--out``): Spearman per query (mean and minimum) and
 ``max |s - r| / max |r|``. A targets table sets each of our ways (``ours``: through the
-store; ``ours-live``: scored inside the backward) against the issue's targets.
+store on disk; ``ours-memory``: the store held in memory; ``ours-live``: scored inside
+the backward) against the issue's targets.
 
 Every invocation writes its JSON dump to ``--out``; ``--report`` renders the section from
 several dumps (runs of the same sizes merged into one table), so that a comparison can be

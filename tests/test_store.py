@@ -49,7 +49,14 @@ from tda_plugins.grads.tokens import TokenFactors
 from tda_plugins.methods import Scores, method_by_name
 from tda_plugins.session.capture import CaptureSession
 from tda_plugins.session.settings import CaptureSettings
-from tda_plugins.store import FORMAT_VERSION, GradientStore, StoreError, StoreReader, writer
+from tda_plugins.store import (
+    FORMAT_VERSION,
+    GradientStore,
+    StoreError,
+    StoreReader,
+    medium,
+    writer,
+)
 from tda_plugins.store.index import ShardEntry
 from tda_plugins.store.io import atomic_write
 from tda_plugins.store.layout import rank_dir, shard_name
@@ -453,7 +460,7 @@ class DiskLog:
         self.events: list[tuple[str, str]] = []
         self.release = threading.Event()
         self.release.set()
-        real_write, real_index = writer.write_renamed, writer.write_index
+        real_write, real_index = medium.write_renamed, writer.write_index
 
         def fsync(path: Path) -> None:
             self.release.wait(timeout=10)
@@ -472,7 +479,7 @@ class DiskLog:
             real_index(path, entries, durable=durable)
 
         monkeypatch.setattr(writer, "fsync_path", fsync)
-        monkeypatch.setattr(writer, "write_renamed", write)
+        monkeypatch.setattr(medium, "write_renamed", write)
         monkeypatch.setattr(writer, "write_index", publish)
 
     def position(self, event: tuple[str, str]) -> int:

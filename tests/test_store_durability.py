@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tda_plugins import CaptureEngine, LayerSelection
-from tda_plugins.store import GradientStore, StoreError, StoreReader, io, writer
+from tda_plugins.store import GradientStore, StoreError, StoreReader, io, medium, writer
 from tda_plugins.store.layout import END_FILE, INDEX_FILE, STORE_FILE, rank_dir
 from tests.models import lm_batch, tiny_causal_lm
 from tests.stores import summed_loss
@@ -114,13 +114,13 @@ def test_under_the_budget_a_micro_batch_never_waits_for_the_disk(
     """With the shard writes held, every micro-batch of a capture under its in-flight
     budget returns; the writes run once the disk is released."""
     release, returned = threading.Event(), []
-    real = writer.write_renamed
+    real = medium.write_renamed
 
     def held(path: Path, fill: object) -> None:
         assert release.wait(timeout=10), "a micro-batch waited for the held disk"
         real(path, fill)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(writer, "write_renamed", held)
+    monkeypatch.setattr(medium, "write_renamed", held)
     model = tiny_causal_lm("llama", seed=0)
     store = GradientStore(tmp_path, durability="end", in_flight_bytes=2**30)
     with CaptureEngine(model, layers=LayerSelection(), consumers=[store]) as engine:

@@ -44,6 +44,7 @@ class Library:
 LIBRARIES = {
     "ours": Library("ours", "tda-plugins", ours=True),
     "ours-live": Library("ours", "tda-plugins", ours=True),
+    "ours-memory": Library("ours", "tda-plugins", ours=True),
     "dattri-llm": Library("dattri_llm_adapter", "dattri-llm"),
     "kronfluence": Library("kronfluence_adapter", "kronfluence"),
     "opacus": Library("opacus_adapter", "opacus"),

@@ -4,6 +4,9 @@
   backward, factor projection inside the hook, inline K-FAC statistics), then
   ``method_by_name(m).score`` -- the same path as ``benchmarks/attribution.py``; the run
   ends attribution-ready, with everything on disk.
+* ``ours-memory``: the same calls inside ``tda_plugins.store.memory_store()``: the
+  stores' gradients stay in this process (copied on the writer's thread), read back
+  through the same reader; nothing but the small header and index files is written.
 * ``ours-live``: the query gradients are captured first and kept in memory, prepared as
   each query micro-batch finishes (``tda_plugins.live.queries.QueryCollector``); each
   training micro-batch is scored against them as its backward finishes (a capture
@@ -13,6 +16,8 @@
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from attribution import capture_store, micro_batches
@@ -26,6 +31,7 @@ from tda_plugins.capture.records import MicroBatchRecord
 from tda_plugins.grads import QueryGradients
 from tda_plugins.live.queries import QueryCollector, score_record
 from tda_plugins.methods import method_by_name
+from tda_plugins.store import memory_store
 
 #: Our method for each measured configuration.
 _METHOD = {"graddot": "graddot", "graddot_proj": "graddot", "kfac": "kfac", "ekfac": "ekfac"}
@@ -46,7 +52,10 @@ class Ours(PeerAdapter):
     clears_scratch = True
 
     def scores(self, problem: Problem, method: str) -> Tensor:
-        root = self.scratch(problem)
+        return self.scores_in(self.scratch(problem), problem, method)
+
+    def scores_in(self, root: Path, problem: Problem, method: str) -> Tensor:
+        """Capture the training and query stores under ``root``, then score."""
         projection = projection_of(problem, method)
         curvature = method in ("kfac", "ekfac")
         train, queries = (
@@ -60,6 +69,18 @@ class Ours(PeerAdapter):
             for part, rows in (("train", problem.train), ("queries", problem.queries))
         )
         return method_by_name(_METHOD[method]).score(train, queries).values.T
+
+
+@register_peer
+class OursMemory(Ours):
+    """Stores held in this process's memory (``memory_store``), scored the same way."""
+
+    name = "ours-memory"
+    clears_scratch = False
+
+    def scores(self, problem: Problem, method: str) -> Tensor:
+        with memory_store() as root:
+            return self.scores_in(root, problem, method)
 
 
 class _LiveScores(CaptureConsumer):

@@ -1,11 +1,13 @@
 """Reading a run of stored micro-batches as one chunk, into buffers of the whole chunk.
 
 A chunk of ``N`` examples costs its own size in memory, not twice it: each stored tensor
-is read straight into its rows of a chunk-sized buffer (:class:`ShardFile`), so the
+is read straight into its rows of a chunk-sized buffer (:class:`ShardFile` reads a
+file's bytes into it), so the
 micro-batches' tensors and their concatenation are never held together. A tensor stored
 once for several layers (the input q/k/v share) fills one buffer that those layers share,
 as they shared it when captured. Buffer shapes come from the shards' headers, read
-first (:class:`ShardContents`).
+first (:class:`ShardContents`). Shards are opened through the store's
+:class:`~tda_plugins.store.medium.ShardMedium`: files, or a memory store's tensors.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from tda_plugins.grads.base import PerExampleGrad
 from tda_plugins.grads.dense import stack_examples
 from tda_plugins.store.codec import decode, stacked_shape
 from tda_plugins.store.layout import StoreError
-from tda_plugins.store.shardfile import ShardFile
+from tda_plugins.store.medium import OpenShard, ShardMedium
 
 
 @dataclass(frozen=True)
@@ -75,10 +77,10 @@ class ShardContents:
     layers: dict[str, StoredLayer]
 
     @classmethod
-    def read(cls, path: Path, layers: list[str]) -> ShardContents:
-        """The header entries of ``layers``; a layer the shard lacks is an error that
-        says why a capture leaves one out."""
-        with ShardFile(path) as f:
+    def read(cls, medium: ShardMedium, path: Path, layers: list[str]) -> ShardContents:
+        """The header entries of ``layers`` of the shard ``path`` in ``medium``; a layer
+        the shard lacks is an error that says why a capture leaves one out."""
+        with medium.open(path) as f:
             meta: dict[str, Any] = json.loads(f.metadata["layers"])
             aliases: dict[str, str] = json.loads(f.metadata["aliases"])
 
@@ -107,25 +109,27 @@ class _Buffer:
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, padded: bool):
         self.tensor = (torch.zeros if padded else torch.empty)(shape, dtype=dtype)
 
-    def fill(self, shard: ShardFile, key: str, start: int) -> None:
+    def fill(self, shard: OpenShard, key: str, start: int) -> None:
         shape = shard.shape(key)
         rows = (slice(start, start + shape[0]),)
         shard.read_into(key, self.tensor[rows + tuple(slice(0, size) for size in shape[1:])])
 
 
-def read_chunk(paths: list[Path], layers: list[str]) -> tuple[Tensor, dict[str, PerExampleGrad]]:
+def read_chunk(
+    medium: ShardMedium, paths: list[Path], layers: list[str]
+) -> tuple[Tensor, dict[str, PerExampleGrad]]:
     """``(N,)`` example ids and the gradients of ``layers`` (``N`` examples each) of the
-    shards ``paths``, in order, as one chunk.
+    shards ``paths`` in ``medium``, in order, as one chunk.
 
-    One shard's tensors are memory-mapped as they are (no copy; their pages count as
-    resident once touched). Of several, a layer stored in the same representation by
-    every shard is read into chunk buffers.
+    One shard's tensors are used as they are stored (no copy: a file's are memory-mapped,
+    their pages resident once touched; a memory store's are its own tensors). Of several,
+    a layer stored in the same representation by every shard is read into chunk buffers.
     One whose representation changes between its shards (a store keeps the smaller form
     per micro-batch) is read a shard at a time and stacked as
     :func:`~tda_plugins.grads.dense.stack_examples` does."""
-    shards = [ShardContents.read(path, layers) for path in paths]
+    shards = [ShardContents.read(medium, path, layers) for path in paths]
     if len(shards) == 1:
-        return _mapped_shard(shards[0], layers)
+        return _mapped_shard(medium, shards[0], layers)
     buffers: dict[tuple[str, ...], _Buffer] = {}
     uniform: dict[str, dict[str, tuple[str, ...]]] = {}  # layer -> field -> buffer
     mixed: dict[str, list[PerExampleGrad]] = {}
@@ -146,7 +150,7 @@ def read_chunk(paths: list[Path], layers: list[str]) -> tuple[Tensor, dict[str, 
                 buffers[keys] = _Buffer(shape, dtype, padded)
     ids, start = [], 0
     for i, shard in enumerate(shards):
-        with ShardFile(shard.path) as f:
+        with medium.open(shard.path) as f:
             ids.append(f.read("example_ids"))
             for keys, buffer in buffers.items():
                 buffer.fill(f, keys[i], start)
@@ -167,11 +171,11 @@ def read_chunk(paths: list[Path], layers: list[str]) -> tuple[Tensor, dict[str, 
 
 
 def _mapped_shard(
-    shard: ShardContents, layers: list[str]
+    medium: ShardMedium, shard: ShardContents, layers: list[str]
 ) -> tuple[Tensor, dict[str, PerExampleGrad]]:
-    """A chunk of one shard: its tensors memory-mapped, not copied (a tensor shared by
-    several layers mapped once)."""
-    with ShardFile(shard.path) as f:
+    """A chunk of one shard: its tensors as stored, not copied (a tensor shared by
+    several layers taken once)."""
+    with medium.open(shard.path) as f:
         tensors: dict[str, Tensor] = {}
         grads = {}
         for name in layers:

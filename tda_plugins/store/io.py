@@ -55,20 +55,20 @@ def write_renamed(path: Path, write: Callable[[Path], object]) -> None:
     _written(path, write, durable=False)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """:func:`atomic_write` of ``data``."""
-    atomic_write(path, lambda tmp: tmp.write_bytes(data))
+def atomic_write_bytes(path: Path, data: bytes, *, durable: bool = True) -> None:
+    """:func:`atomic_write` of ``data``; ``durable=False``: through :func:`write_renamed`,
+    without the fsyncs."""
+    if durable:
+        atomic_write(path, lambda tmp: tmp.write_bytes(data))
+    else:
+        write_renamed(path, lambda tmp: tmp.write_bytes(data))
 
 
 def atomic_write_json(path: Path, value: Any, *, durable: bool = True) -> None:
     """:func:`atomic_write_bytes` of ``value`` as indented JSON (strict: NaN/inf are an
-    error, not the non-JSON tokens ``json`` would write); ``durable=False``: through
-    :func:`write_renamed`, without the fsyncs."""
+    error, not the non-JSON tokens ``json`` would write)."""
     data = (json.dumps(value, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
-    if durable:
-        atomic_write_bytes(path, data)
-    else:
-        write_renamed(path, lambda tmp: tmp.write_bytes(data))
+    atomic_write_bytes(path, data, durable=durable)
 
 
 def read_json(path: Path) -> Any:

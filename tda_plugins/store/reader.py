@@ -19,7 +19,7 @@ from torch import Tensor
 from tda_plugins.grads.base import PerExampleGrad
 from tda_plugins.store.chunks import ShardContents, read_chunk
 from tda_plugins.store.fingerprint import fingerprint_differences
-from tda_plugins.store.index import read_index, verify_checksum
+from tda_plugins.store.index import read_index
 from tda_plugins.store.io import read_json
 from tda_plugins.store.layout import (
     END_FILE,
@@ -27,6 +27,7 @@ from tda_plugins.store.layout import (
     StoreError,
     read_store_header,
 )
+from tda_plugins.store.memory import IN_MEMORY, medium_for, not_in_this_process
 from tda_plugins.store.texts import TokenTexts, read_texts, read_token_texts
 
 
@@ -68,11 +69,16 @@ class StoreReader:
 
     Shards are ordered by (step, rank, micro-batch). Reading never loads more than one
     chunk of ``max_examples`` examples at a time, so stores larger than RAM can be scored.
+    A store in a :func:`~tda_plugins.store.memory_store`'s folder is read from this
+    process's memory, the same way.
     """
 
     def __init__(self, path: str | Path):
         self.root = Path(path)
         header = read_store_header(self.root)
+        self._medium = medium_for(self.root)
+        if header.metadata.get(IN_MEMORY) and self._medium.on_disk:
+            raise not_in_this_process(self.root)
         self.config, self.metadata = header.config, header.metadata
         #: What produced the store (see :mod:`~tda_plugins.store.fingerprint`), if known.
         self.fingerprint = header.fingerprint
@@ -201,7 +207,7 @@ class StoreReader:
     def _chunk(self, shards: list[_Shard], layers: list[str]) -> StoreChunk:
         for shard in shards:
             self._verify(shard)
-        ids, grads = read_chunk([shard.path for shard in shards], layers)
+        ids, grads = read_chunk(self._medium, [shard.path for shard in shards], layers)
         expected = [i for shard in shards for i in shard.example_ids]
         if ids.tolist() != expected:
             raise StoreError(
@@ -214,10 +220,10 @@ class StoreReader:
         return chunk
 
     def _verify(self, shard: _Shard) -> None:
-        """Check a shard file against its checksum, once per reader."""
+        """Check a shard against its checksum, once per reader."""
         if shard.path in self._verified:
             return
-        verify_checksum(shard.path, shard.xxh3, damaged="the store is damaged: recapture")
+        self._medium.verify(shard.path, shard.xxh3, damaged="the store is damaged: recapture")
         self._verified.add(shard.path)
 
     def load_all(self, layers: list[str] | None = None) -> StoreChunk:
@@ -228,7 +234,7 @@ class StoreReader:
     def layer_nbytes(self) -> dict[str, int]:
         """Layer name -> stored bytes per example (a tensor shared by several layers
         counted with the first), read from the first shard's header only."""
-        contents = ShardContents.read(self._committed()[0].path, self.layer_names)
+        contents = ShardContents.read(self._medium, self._committed()[0].path, self.layer_names)
         return {
             name: -(-sum(t.nbytes for t in entry.fields.values() if not t.shared) // contents.rows)
             for name, entry in contents.layers.items()
@@ -238,7 +244,7 @@ class StoreReader:
         """The accumulation dtype of the stored gradients (as :func:`values_dtype` of a
         loaded one): fp64 when any stored gradient tensor is fp64, else fp32; read from
         the first shard's header only."""
-        contents = ShardContents.read(self._committed()[0].path, self.layer_names)
+        contents = ShardContents.read(self._medium, self._committed()[0].path, self.layer_names)
         dtypes = {t.dtype for layer in contents.layers.values() for t in layer.fields.values()}
         return torch.float64 if torch.float64 in dtypes else torch.float32
 

@@ -39,6 +39,13 @@ crashed *machine* before the end sync may leave a listed shard torn, which the r
 checksum refuses ("the store is damaged: recapture") -- never a silently half-written
 store.
 
+Memory stores: under a :func:`~tda_plugins.store.memory.memory_store` folder the shards
+are not files but copies of the captured tensors, kept in this process
+(:class:`~tda_plugins.store.memory.MemoryShards`, through the same
+:class:`~tda_plugins.store.medium.ShardMedium` interface as files); nothing is fsynced
+(``durability`` is ``"none"``: nothing of it outlives the process), and only rank 0 may
+write one.
+
 Integrity: each writer holds an exclusive lock on its rank directory for its lifetime
 (:class:`~tda_plugins.store.lock.WriterLock`), each shard's XXH3 checksum is listed in
 the index (computed on the background thread after the shard's write) and verified by the
@@ -62,7 +69,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from tda_plugins.capture.config import CaptureConfig
@@ -74,19 +80,13 @@ from tda_plugins.store.fingerprint import (
     model_fingerprint,
     weights_digest,
 )
-from tda_plugins.store.index import ShardEntry, file_checksum, read_index, write_index
-from tda_plugins.store.io import (
-    atomic_write_bytes,
-    atomic_write_json,
-    fsync_path,
-    write_renamed,
-)
+from tda_plugins.store.index import ShardEntry, read_index, write_index
+from tda_plugins.store.io import atomic_write_bytes, atomic_write_json, fsync_path
 from tda_plugins.store.layout import (
     END_FILE,
     EXAMPLES_FILE,
     FORMAT_VERSION,
     INDEX_FILE,
-    SHARD_PATTERN,
     STORE_FILE,
     StoreError,
     rank_dir,
@@ -94,6 +94,7 @@ from tda_plugins.store.layout import (
     shard_name,
 )
 from tda_plugins.store.lock import WriterLock
+from tda_plugins.store.memory import IN_MEMORY, medium_for, not_in_this_process
 from tda_plugins.store.sync import BackgroundSync, EndSync, run_together
 from tda_plugins.store.texts import TokenTexts, example_line
 
@@ -181,13 +182,21 @@ class GradientStore(CaptureConsumer):
     ):
         if durability not in DURABILITY:
             raise ValueError(f"durability must be one of {sorted(DURABILITY)}, got {durability!r}")
-        self.durability = DURABILITY[durability]
+        self.root = Path(path)
+        #: Where the shards go: files, or this process's memory (a memory store's folder).
+        self._medium = medium_for(self.root)
+        if not self._medium.on_disk and rank != 0:
+            raise StoreError(
+                f"rank {rank} cannot write to the memory store {self.root}: a memory store "
+                "holds one process's gradients. Capture several ranks into a folder on disk"
+            )
+        # nothing of a memory store outlives its process, so there is nothing to fsync
+        self.durability = DURABILITY[durability if self._medium.on_disk else "none"]
         #: Shard files written without their fsync (for the end sync).
         self._unsynced: list[Path] = []
         if in_flight_bytes is not None and in_flight_bytes < 0:
             raise ValueError(f"in_flight_bytes must be >= 0 or None, got {in_flight_bytes}")
         self.in_flight_bytes = in_flight_bytes
-        self.root = Path(path)
         self.rank = rank
         self.keep_tokens = keep_tokens
         self.metadata = dict(metadata or {})
@@ -220,6 +229,8 @@ class GradientStore(CaptureConsumer):
         steps without ``append``."""
         if (self.root / STORE_FILE).exists():
             header = read_store_header(self.root)
+            if header.metadata.get(IN_MEMORY) and self._medium.on_disk:
+                raise not_in_this_process(self.root)
             differences = header.config.differences(config)
             if self.fingerprint is not None and header.fingerprint is not None:
                 differences += fingerprint_differences(header.fingerprint, self.fingerprint)
@@ -242,7 +253,11 @@ class GradientStore(CaptureConsumer):
                 "format_version": FORMAT_VERSION,
                 "config": config.to_json(),
                 "fingerprint": self.fingerprint,
-                "metadata": {**self.metadata, "keep_tokens": self.keep_tokens},
+                "metadata": {
+                    **self.metadata,
+                    "keep_tokens": self.keep_tokens,
+                    IN_MEMORY: not self._medium.on_disk,
+                },
             }
             atomic_write_json(self.root / STORE_FILE, header, durable=self.durability.at_end)
         self.config = config
@@ -290,19 +305,18 @@ class GradientStore(CaptureConsumer):
         _require_finite(tensors, record.step)
         name = shard_name(record.step, record.index)
         metadata = {"layers": json.dumps(layers), "aliases": json.dumps(aliases)}
-        # safetensors writes the tensors straight into the file (no serialized copy),
-        # releasing the GIL. The shard is unlisted until its step's index write, which
-        # runs after its fsync and checksum; the closure holds the tensors until then.
+        # The shard is unlisted until its step's index write, which runs after its fsync
+        # and checksum; the closure holds the tensors until then.
         path = self._dir / name
         shard = _Written(name, record.step, record.index, tuple(ids))
 
         def write() -> None:
-            write_renamed(path, lambda tmp: save_file(tensors, tmp, metadata))
+            self._medium.save(path, tensors, metadata)
             if self.durability.per_step:
                 fsync_path(path)
-            else:
+            elif self.durability.at_end:
                 self._unsynced.append(path)
-            shard.digest = file_checksum(path)
+            shard.digest = self._medium.checksum(path)
 
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         self._in_flight.append((self._sync.submit(write), nbytes))
@@ -401,7 +415,7 @@ class GradientStore(CaptureConsumer):
         write_index(self._dir / INDEX_FILE, kept)
         self._steps = {s.step for s in kept}
         for shard in dropped:
-            shard.path(self._dir).unlink(missing_ok=True)
+            self._medium.remove(shard.path(self._dir))
 
     @property
     def committed_steps(self) -> list[int]:
@@ -418,7 +432,8 @@ class GradientStore(CaptureConsumer):
         self, texts: dict[int, str], tokens: dict[int, TokenTexts] | None = None
     ) -> None:
         """Save example texts (id -> text) for reports, and the tokens of those that
-        ``tokens`` gives, merged with the lines already saved."""
+        ``tokens`` gives, merged with the lines already saved (fsynced unless the store's
+        durability is ``"none"``)."""
         path = self.root / EXAMPLES_FILE
         known: dict[int, str] = {}
         if path.exists():
@@ -426,7 +441,8 @@ class GradientStore(CaptureConsumer):
                 known[int(json.loads(line)["id"])] = line + "\n"
         pieces = tokens or {}
         known.update({i: example_line(i, t, pieces.get(i)) for i, t in texts.items()})
-        atomic_write_bytes(path, "".join(known[i] for i in sorted(known)).encode())
+        data = "".join(known[i] for i in sorted(known)).encode()
+        atomic_write_bytes(path, data, durable=self.durability.at_end)
 
     # -- checks and clean-up -----------------------------------------------------------
 
@@ -455,13 +471,14 @@ class GradientStore(CaptureConsumer):
             self._ids.update(ids)
 
     def _remove_uncommitted(self) -> None:
-        """Remove what a crashed writer left: shard files no index entry lists, and
+        """Remove what a crashed writer left: shards no index entry lists, and
         half-written temporary files (this rank's own names only; under the lock)."""
         listed = {s.file for s in self._shards} | {w.file for w in self._pending}
+        for path in self._medium.shard_paths(self._dir):
+            if path.name not in listed:
+                self._medium.remove(path)
         for path in self._dir.iterdir():
-            unlisted_shard = SHARD_PATTERN.fullmatch(path.name) and path.name not in listed
-            half_written = path.name.startswith(".") and ".tmp-" in path.name
-            if unlisted_shard or half_written:
+            if path.name.startswith(".") and ".tmp-" in path.name:
                 path.unlink()
 
 
