@@ -2,12 +2,12 @@
 
 A chunk of ``N`` examples costs its own size in memory, not twice it: each stored tensor
 is read straight into its rows of a chunk-sized buffer (:class:`ShardFile` reads a
-file's bytes into it), so the
-micro-batches' tensors and their concatenation are never held together. A tensor stored
-once for several layers (the input q/k/v share) fills one buffer that those layers share,
-as they shared it when captured. Buffer shapes come from the shards' headers, read
-first (:class:`ShardContents`). Shards are opened through the store's
-:class:`~tda_plugins.store.medium.ShardMedium`: files, or a memory store's tensors.
+file's bytes into it), so the micro-batches' tensors and their concatenation are never
+held together. A tensor stored once for several layers (the input q/k/v share) fills one
+buffer that those layers share, as they shared it when captured. Buffer shapes come from
+the shards' headers, read first (:class:`ShardContents`). Shards are opened through the
+store's :class:`~tda_plugins.store.medium.ShardMedium`: files, or a memory store's
+tensors.
 """
 
 from __future__ import annotations
