@@ -229,7 +229,9 @@ def capture_store(
     store = GradientStore(root, durability="end", in_flight_bytes=IN_FLIGHT_BYTES)
     consumers: list[CaptureConsumer] = [store]
     if curvature:
-        consumers.append(CurvatureAccumulator(root, curvature_head=curvature_head))
+        consumers.append(
+            CurvatureAccumulator(root, curvature_head=curvature_head, durability="end")
+        )
     layers = layers or LayerSelection(kind="linear")
     with CaptureEngine(
         model, layers=layers, projection=projection, consumers=consumers, parameter_grads=False

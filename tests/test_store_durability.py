@@ -12,26 +12,37 @@ from pathlib import Path
 import pytest
 import torch
 
+import tda_plugins
 from tda_plugins import CaptureEngine, LayerSelection
+from tda_plugins.precondition import statistics
 from tda_plugins.store import GradientStore, StoreError, StoreReader, io, medium, writer
-from tda_plugins.store.layout import END_FILE, INDEX_FILE, STORE_FILE, rank_dir
+from tda_plugins.store.layout import (
+    CURVATURE_FILE,
+    END_FILE,
+    EXAMPLES_FILE,
+    INDEX_FILE,
+    STORE_FILE,
+    rank_dir,
+)
 from tests.models import lm_batch, tiny_causal_lm
 from tests.stores import summed_loss
 
 STEPS = [[lm_batch(2, 8, seed=10 * s + m) for m in range(2)] for s in range(2)]
 
 
-def fsync_log(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Record the name of every path the writer fsyncs (the real fsync still runs)."""
-    names: list[str] = []
+def fsync_log(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool]]:
+    """Record the name of every path the store and the K-FAC statistics fsync, and
+    whether the calling thread ran it (the real fsync still runs)."""
+    names: list[tuple[str, bool]] = []
     real = writer.fsync_path
+    caller = threading.current_thread()
 
     def fsync(path: Path) -> None:
-        names.append(path.name)
+        names.append((path.name, threading.current_thread() is caller))
         real(path)
 
-    monkeypatch.setattr(writer, "fsync_path", fsync)
-    monkeypatch.setattr(io, "fsync_path", fsync)  # the atomic writes' own fsyncs
+    for module in (writer, io, statistics):  # io: the atomic writes' own fsyncs
+        monkeypatch.setattr(module, "fsync_path", fsync)
     return names
 
 
@@ -58,30 +69,74 @@ def grads(path: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("durability", ["end", "none"])
-def test_no_fsync_before_the_end_and_the_same_store_as_step(
+def test_no_fsync_on_the_callers_path_and_the_same_store_as_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durability: str
 ) -> None:
-    """``"end"`` and ``"none"`` fsync nothing while capturing (``"end"``: the header,
-    before the first micro-batch); after the end ``"end"`` fsyncs every shard, the index
-    and the end marker, then the folder that names them; ``"none"`` fsyncs nothing.
-    Either store reads back exactly the ``"step"`` store."""
+    """``"end"`` and ``"none"`` fsync nothing while capturing, not even the header. After
+    the end, ``"end"`` fsyncs every shard, the index, the end marker and the header, then
+    the folders that name them, and the example texts saved then, all on other threads
+    than the caller's; ``"none"`` fsyncs nothing. Either store reads back exactly the
+    ``"step"`` store."""
     capture(tmp_path / "step", "step")
     names = fsync_log(monkeypatch)
-    store = capture(tmp_path / durability, durability, end=False)
-    header = [f".{STORE_FILE}", durability]  # "end": the header at attach, then its folder
-    assert [n.split(".tmp-")[0] for n in names] == (header if durability == "end" else [])
-    del names[:]
+    root = tmp_path / durability
+    store = capture(root, durability, end=False)
+    assert names == []
     store.on_end()
+    store.write_examples({0: "an example"})
     store.flush()
-    shards = {p.name for p in rank_dir(tmp_path / durability, 0).glob("*.safetensors")}
+    assert not any(on_caller for _, on_caller in names)
+    synced = [name for name, _ in names]
+    shards = {p.name for p in rank_dir(root, 0).glob("*.safetensors")}
     if durability == "end":
-        assert len(shards) == 4 and len(names) == 7
-        assert set(names[:6]) == shards | {INDEX_FILE, END_FILE} and names[6] == "rank-0"
+        files = shards | {INDEX_FILE, END_FILE, STORE_FILE, EXAMPLES_FILE}
+        assert len(shards) == 4 and set(synced) == files | {"rank-0", durability}
+        assert synced.index("rank-0") > max(synced.index(f) for f in shards)
+        assert synced.index(durability) > synced.index(STORE_FILE)
     else:
-        assert names == []
-    expected, got = grads(tmp_path / "step"), grads(tmp_path / durability)
+        assert synced == []
+    expected, got = grads(tmp_path / "step"), grads(root)
     assert expected.keys() == got.keys()
     assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def test_a_one_pass_capture_fsyncs_nothing_on_the_callers_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``capture_examples`` (``"end"``) with K-FAC statistics and texts returns without an
+    fsync of its own (on ext4 one would wait for everything the end sync writes back):
+    the shards, the header, the statistics and the texts are made durable on other
+    threads, which the process waits for at exit."""
+    names = fsync_log(monkeypatch)
+    rows = [{"text": "a b c d", "input_ids": [2, 3, 4, 5]}, {"input_ids": [6, 7, 8]}]
+    store = tda_plugins.capture_examples(
+        tiny_causal_lm("llama"), rows, tmp_path / "s", progress=False, curvature=True
+    )
+    for thread in threading.enumerate():
+        if thread.name == "tda-store-end-sync":
+            thread.join()
+    assert names and not any(on_caller for _, on_caller in names)
+    synced = {name for name, _ in names}
+    assert (rank_dir(store.root, 0) / CURVATURE_FILE).exists()
+    assert {STORE_FILE, EXAMPLES_FILE, INDEX_FILE, END_FILE, CURVATURE_FILE} <= synced
+
+
+def test_step_durability_fsyncs_on_the_callers_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``"step"``: the header before the first micro-batch, each shard before its step is
+    listed, the example texts before ``write_examples`` returns."""
+    names = fsync_log(monkeypatch)
+    store = capture(tmp_path, "step", end=False)
+    assert (f".{STORE_FILE}", True) == (names[0][0].split(".tmp-")[0], names[0][1])
+    store.on_end()
+    store.flush()
+    del names[:]
+    store.write_examples({0: "an example"})
+    assert [n.split(".tmp-")[0] for n, on_caller in names if on_caller] == [
+        f".{EXAMPLES_FILE}",
+        tmp_path.name,
+    ]
 
 
 def test_a_crashed_process_leaves_every_committed_step_readable(tmp_path: Path) -> None:
@@ -134,9 +189,10 @@ def test_under_the_budget_a_micro_batch_never_waits_for_the_disk(
     assert StoreReader(tmp_path).steps == [0]
 
 
-def test_an_unknown_durability_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("consumer", [GradientStore, statistics.CurvatureAccumulator])
+def test_an_unknown_durability_is_refused(tmp_path: Path, consumer: type) -> None:
     with pytest.raises(ValueError, match=r"durability must be one of \['end', 'none', 'step'\]"):
-        GradientStore(tmp_path, durability="sometimes")
+        consumer(tmp_path, durability="sometimes")
 
 
 def test_the_end_sync_runs_after_the_capture_has_returned(
@@ -160,7 +216,7 @@ def test_the_end_sync_runs_after_the_capture_has_returned(
     assert all(torch.equal(expected[k], got[k]) for k in expected)
     release.set()
     store.flush()
-    assert len(synced) == 7 and synced[-1] == "rank-0"
+    assert len(synced) == 9 and synced[-2:] == ["rank-0", "end"]  # + header, root folder
 
 
 def test_a_failed_end_sync_is_raised_by_flush(
@@ -203,4 +259,4 @@ t.capture(Path({str(tmp_path / "store")!r}), "end")
     )
     assert done.returncode == 0 and "failed" not in done.stderr.decode(), done.stderr.decode()
     names = log.read_text().split()
-    assert len(names) == 7 and names[-1] == "rank-0"
+    assert len(names) == 9 and names[-2:] == ["rank-0", "store"]

@@ -41,7 +41,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from tda_plugins.precondition.forms import FactorSpec
-from tda_plugins.store.io import atomic_write
+from tda_plugins.store.io import atomic_write, write_renamed
 from tda_plugins.store.layout import CURVATURE_FILE, INDEX_FILE, StoreError
 from tda_plugins.utils.progress import end_of_run_bar
 
@@ -107,11 +107,13 @@ def write_statistics(
     shapes: Mapping[str, FactorSpec | tuple[int, int]],
     totals: Callable[[str], KroneckerFactors],
     metadata: Mapping[str, str],
+    *,
+    durable: bool = True,
 ) -> None:
     """Write ``totals(layer)`` of every layer of ``shapes`` (a :class:`FactorSpec`, or
     ``(n_a, n_s)`` for dense factors) as fp64 safetensors, one layer in memory at a time
     (the header is known from the shapes, so each layer's bytes follow as it is
-    computed); atomically, fsynced."""
+    computed); atomically, fsynced unless not ``durable``."""
     layer_shapes = {name: (*FactorSpec.of(spec).shapes(), (1,)) for name, spec in shapes.items()}
     entries: list[tuple[str, tuple[int, ...]]] = []
     for name, (a_shape, s_shape, _) in layer_shapes.items():
@@ -148,7 +150,7 @@ def write_statistics(
                     bar.update(values.numel() * 8)
                 del stats
 
-    atomic_write(path, write)
+    (atomic_write if durable else write_renamed)(path, write)
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,10 @@ from tda_plugins.precondition.snapshots import (
     sum_files,
     write_statistics,
 )
+from tda_plugins.store.io import fsync_path
 from tda_plugins.store.layout import StoreError, rank_dir
+from tda_plugins.store.sync import EndSync
+from tda_plugins.store.writer import DURABILITY
 
 __all__ = [
     "CurvatureAccumulator",
@@ -137,6 +140,11 @@ class CurvatureAccumulator(CaptureConsumer):
             for the model's untied output layer, its LM head (default: its diagonal, as a
             tied head's; the engine names the head). With ``shapes`` the plan
             has decided (:class:`~tda_plugins.precondition.plan.PlanInputs`).
+        durability: when each commit's file is fsynced, as the store's
+            (:class:`~tda_plugins.store.writer.GradientStore`): ``"step"`` (default)
+            before :meth:`commit` returns; ``"end"`` (one-pass captures) on a thread of its
+            own, off the caller's path (:meth:`flush` waits for it, as does the
+            interpreter at exit); ``"none"`` never.
     """
 
     def __init__(
@@ -150,7 +158,12 @@ class CurvatureAccumulator(CaptureConsumer):
         world_size: int | None = None,
         schedule: Schedule = "local",
         curvature_head: bool = False,
+        durability: str = "step",
     ):
+        if durability not in DURABILITY:
+            raise ValueError(f"durability must be one of {sorted(DURABILITY)}, got {durability!r}")
+        self.durability = DURABILITY[durability]
+        self._end_syncs: list[EndSync] = []
         self.root = Path(path)
         self.curvature_head = curvature_head
         self.rank = rank
@@ -416,11 +429,25 @@ class CurvatureAccumulator(CaptureConsumer):
             "units": json.dumps(units),
         }
         target.parent.mkdir(parents=True, exist_ok=True)
-        write_statistics(target, shapes, self._total, metadata)
+        durable = self.durability.per_step
+        write_statistics(target, shapes, self._total, metadata, durable=durable)
+        if self.durability.at_end and not durable:
+
+            def sync() -> None:
+                fsync_path(target)
+                fsync_path(target.parent)
+
+            self._end_syncs.append(EndSync(f"the K-FAC statistics {target}", sync))
         self._base, self._base_step, self._sums, self._dirty = [target], next_step, {}, False
         if kind == "commit":
             prune_commits(target.parent, keep=target)
         return target
+
+    def flush(self) -> None:
+        """Wait until every commit so far is on disk (``"end"``: for its fsyncs on their
+        own thread), raising a failure of theirs."""
+        for end_sync in self._end_syncs:
+            end_sync.wait()
 
     def _shape(self, name: str) -> FactorSpec:
         if name in self._specs:

@@ -147,6 +147,7 @@ def capture_examples(
                 excluded=plan.excluded,
                 world_size=plan.inputs.world_size,
                 schedule=plan.schedule,
+                durability=durability,
             )
         )
     # capture only attributes: autograd need not build the model's own weight gradients

@@ -28,11 +28,14 @@ Durability (``durability``, :data:`DURABILITY`): ``"step"`` (the default, for tr
 fsyncs each shard and the folder before its step is listed, as above. ``"end"`` (one-pass
 captures: ``tda capture``, :func:`~tda_plugins.session.dataset.capture_examples`) writes
 shards, index and end marker to the page cache only; once the capture has ended, one pass
-on a thread of its own (:class:`~tda_plugins.store.sync.EndSync`) fsyncs them all, then
-the folder, while the caller goes on: no fsync is on the capture's critical path, and a
-store scored right after its capture is read from the page cache. The interpreter waits
-for that pass at exit, and :meth:`GradientStore.flush` waits for it (the store's header
-is written durably once, before the first micro-batch). ``"none"`` never fsyncs
+on a thread of its own (:class:`~tda_plugins.store.sync.EndSync`) fsyncs them all and the
+store's header, then the folders, while the caller goes on; example texts saved after
+the end are fsynced the same way. No fsync is on the caller's path: on ext4 an fsync
+waits for the journal, which waits for whatever that end sync is writing back, so one
+on the caller's path (a second store's header, say) would wait for the whole first
+store. A store scored right after its capture is read from the page cache. The
+interpreter waits for these syncs at exit, and :meth:`GradientStore.flush` waits for
+them. ``"none"`` never fsyncs
 (scratch stores). Either way a step is listed only after its shards are completely
 written and checksummed, so a crashed *process* leaves every listed step readable; a
 crashed *machine* before the end sync may leave a listed shard torn, which the reader's
@@ -213,8 +216,10 @@ class GradientStore(CaptureConsumer):
         self._step_ids: tuple[int, set[int]] = (-1, set())
         self._pending: list[_Written] = []
         self._sync = BackgroundSync(f"the gradient store {self.root}")
-        #: ``"end"``: the fsyncs of the end of capture, running after it returned.
-        self._end_sync: EndSync | None = None
+        #: ``"end"``: the fsyncs after the end of capture, running after it returned.
+        self._end_syncs: list[EndSync] = []
+        #: ``"end"``: this writer wrote the store's header, not yet fsynced.
+        self._header_unsynced = False
         #: Shards not known to be on disk yet: their background write and tensor bytes.
         self._in_flight: deque[tuple[Future[None], int]] = deque()
         self._shards_lock = threading.Lock()  # _shards grows on the background thread
@@ -259,7 +264,9 @@ class GradientStore(CaptureConsumer):
                     IN_MEMORY: not self._medium.on_disk,
                 },
             }
-            atomic_write_json(self.root / STORE_FILE, header, durable=self.durability.at_end)
+            durable = self.durability.per_step  # "end": fsynced by the end sync
+            atomic_write_json(self.root / STORE_FILE, header, durable=durable)
+            self._header_unsynced = self.durability.at_end and not durable
         self.config = config
         self._remove_uncommitted()
 
@@ -347,18 +354,27 @@ class GradientStore(CaptureConsumer):
         self._sync.close()  # every shard, the index and the end marker are written
         if self.durability.at_end and not self.durability.per_step:
             written, self._unsynced = self._unsynced, []
-            self._end_sync = EndSync(
-                f"the gradient store {self.root}", lambda: self._sync_written(written)
+            header, self._header_unsynced = self._header_unsynced, False
+            self._end_syncs.append(
+                EndSync(
+                    f"the gradient store {self.root}",
+                    lambda: self._sync_written(written, header),
+                )
             )
 
-    def _sync_written(self, shards: list[Path]) -> None:
+    def _sync_written(self, shards: list[Path], header: bool) -> None:
         """The end sync (its own thread, after the capture returned): the written
-        ``shards`` (several at once), the index and the end marker, then the folder that
-        names them."""
+        ``shards`` (several at once), the index, the end marker and, if ``header``, the
+        store's header; then the folders that name them."""
         files = [self._dir / INDEX_FILE, self._dir / END_FILE]
         files = shards + [f for f in files if f.exists()]
+        folders = [self._dir]
+        if header:
+            files.append(self.root / STORE_FILE)
+            folders.append(self.root)
         run_together(fsync_path, files, _END_SYNC_THREADS)  # the disk queues them together
-        fsync_path(self._dir)
+        for folder in dict.fromkeys(folders):
+            fsync_path(folder)
 
     def on_detach(self) -> None:
         try:
@@ -396,8 +412,8 @@ class GradientStore(CaptureConsumer):
         """Wait until every commit so far is on disk, and after the end of an ``"end"``
         capture until its end sync is done (raising a background failure)."""
         self._sync.wait()
-        if self._end_sync is not None:
-            self._end_sync.wait()
+        for end_sync in self._end_syncs:
+            end_sync.wait()
 
     def truncate(self, from_step: int) -> None:
         """Drop every committed step ``>= from_step`` (resuming from an earlier checkpoint):
@@ -432,8 +448,9 @@ class GradientStore(CaptureConsumer):
         self, texts: dict[int, str], tokens: dict[int, TokenTexts] | None = None
     ) -> None:
         """Save example texts (id -> text) for reports, and the tokens of those that
-        ``tokens`` gives, merged with the lines already saved (fsynced unless the store's
-        durability is ``"none"``)."""
+        ``tokens`` gives, merged with the lines already saved (fsynced before this returns
+        under ``"step"`` durability, on a thread of its own under ``"end"``, never under
+        ``"none"``)."""
         path = self.root / EXAMPLES_FILE
         known: dict[int, str] = {}
         if path.exists():
@@ -442,7 +459,15 @@ class GradientStore(CaptureConsumer):
         pieces = tokens or {}
         known.update({i: example_line(i, t, pieces.get(i)) for i, t in texts.items()})
         data = "".join(known[i] for i in sorted(known)).encode()
-        atomic_write_bytes(path, data, durable=self.durability.at_end)
+        durable = self.durability.per_step
+        atomic_write_bytes(path, data, durable=durable)
+        if self.durability.at_end and not durable:
+
+            def sync() -> None:
+                fsync_path(path)
+                fsync_path(self.root)
+
+            self._end_syncs.append(EndSync(f"the example texts of {self.root}", sync))
 
     # -- checks and clean-up -----------------------------------------------------------
 
