@@ -11,7 +11,8 @@ its own while the scoring runs; ``end-durable`` is the same run timed until that
 done too, as a process that exits right after scoring waits for it) and ``none`` (page
 cache only). The peer harness's
 Llama-style decoder (``store_integrity.model``), micro-batches of 32, one step each; with
-``--slow-fsync S`` each fsync is ``S`` seconds longer (a slow disk). Reports each mode's
+``--slow-fsync S`` each fsync (the shards', the index's, the header's) is ``S`` seconds
+longer (a slow disk). Reports each mode's
 ratio to the floor of its round: median (range), and the load average of each round.
 """
 
@@ -32,7 +33,7 @@ from store_integrity import model
 from tda_plugins import CaptureEngine, LayerSelection, causal_lm_example_losses
 from tda_plugins.methods import method_by_name
 from tda_plugins.session.dataset import IN_FLIGHT_BYTES
-from tda_plugins.store import GradientStore, StoreReader, writer
+from tda_plugins.store import GradientStore, StoreReader, io, writer
 
 MODES = {"step-queued": "step", "end": "end", "none": "none"}
 #: Each mode's columns: scored, and for ``end`` also durable.
@@ -90,12 +91,10 @@ def main(argv: list[str]) -> int:
         time.sleep(args.slow_fsync)
         real(target)
 
-    patch = (
-        mock.patch.object(writer, "fsync_path", slow)
-        if args.slow_fsync
-        else contextlib.nullcontext()
-    )
-    with patch:
+    with contextlib.ExitStack() as patches:
+        if args.slow_fsync:  # every fsync: the store's own and its atomic writes'
+            for module in (writer, io):
+                patches.enter_context(mock.patch.object(module, "fsync_path", slow))
         for count in args.rows:
             rows = torch.randint(1, 4096, (count, 128), generator=torch.Generator().manual_seed(0))
             ratios: dict[str, list[float]] = {c: [] for c in COLUMNS}
