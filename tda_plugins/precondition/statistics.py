@@ -62,10 +62,8 @@ from tda_plugins.precondition.snapshots import (
     sum_files,
     write_statistics,
 )
-from tda_plugins.store.io import fsync_path
 from tda_plugins.store.layout import StoreError, rank_dir
-from tda_plugins.store.sync import EndSync
-from tda_plugins.store.writer import DURABILITY
+from tda_plugins.store.sync import EndSync, durability_mode, sync_later
 
 __all__ = [
     "CurvatureAccumulator",
@@ -160,9 +158,7 @@ class CurvatureAccumulator(CaptureConsumer):
         curvature_head: bool = False,
         durability: str = "step",
     ):
-        if durability not in DURABILITY:
-            raise ValueError(f"durability must be one of {sorted(DURABILITY)}, got {durability!r}")
-        self.durability = DURABILITY[durability]
+        self.durability = durability_mode(durability)
         self._end_syncs: list[EndSync] = []
         self.root = Path(path)
         self.curvature_head = curvature_head
@@ -429,15 +425,11 @@ class CurvatureAccumulator(CaptureConsumer):
             "units": json.dumps(units),
         }
         target.parent.mkdir(parents=True, exist_ok=True)
-        durable = self.durability.per_step
-        write_statistics(target, shapes, self._total, metadata, durable=durable)
-        if self.durability.at_end and not durable:
-
-            def sync() -> None:
-                fsync_path(target)
-                fsync_path(target.parent)
-
-            self._end_syncs.append(EndSync(f"the K-FAC statistics {target}", sync))
+        write_statistics(target, shapes, self._total, metadata, durable=self.durability.per_step)
+        if self.durability.deferred:
+            self._end_syncs.append(
+                sync_later(f"the K-FAC statistics {target}", target, target.parent)
+            )
         self._base, self._base_step, self._sums, self._dirty = [target], next_step, {}, False
         if kind == "commit":
             prune_commits(target.parent, keep=target)

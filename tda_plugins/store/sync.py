@@ -14,13 +14,46 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
+from tda_plugins.store.io import fsync_path
 from tda_plugins.store.layout import StoreError
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Durability:
+    """When a store's files are fsynced: each shard before its step is listed
+    (``per_step``), or all of them once at the end of capture (``at_end``)."""
+
+    per_step: bool
+    at_end: bool
+
+    @property
+    def deferred(self) -> bool:
+        """Files are fsynced after the capture, on threads of their own (``"end"``)."""
+        return self.at_end and not self.per_step
+
+
+#: The durability modes of a store and of its K-FAC statistics (see
+#: :mod:`~tda_plugins.store.writer`).
+DURABILITY = {
+    "step": Durability(per_step=True, at_end=True),
+    "end": Durability(per_step=False, at_end=True),
+    "none": Durability(per_step=False, at_end=False),
+}
+
+
+def durability_mode(name: str) -> Durability:
+    """The :data:`DURABILITY` mode ``name``; an unknown one is a ``ValueError``."""
+    if name not in DURABILITY:
+        raise ValueError(f"durability must be one of {sorted(DURABILITY)}, got {name!r}")
+    return DURABILITY[name]
 
 
 class BackgroundSync:
@@ -152,3 +185,14 @@ def run_together(job: Callable[[T], object], items: Sequence[T], threads: int) -
         w.join()
     if errors:
         raise errors[0]
+
+
+def sync_later(what: str, *paths: Path) -> EndSync:
+    """An :class:`EndSync` that fsyncs ``paths`` in order (a file, then the folder that
+    names it): a file written to the page cache made durable off the caller's path."""
+
+    def sync() -> None:
+        for path in paths:
+            fsync_path(path)
+
+    return EndSync(what, sync)

@@ -98,28 +98,18 @@ from tda_plugins.store.layout import (
 )
 from tda_plugins.store.lock import WriterLock
 from tda_plugins.store.memory import IN_MEMORY, medium_for, not_in_this_process
-from tda_plugins.store.sync import BackgroundSync, EndSync, run_together
+from tda_plugins.store.sync import (
+    DURABILITY,
+    BackgroundSync,
+    EndSync,
+    durability_mode,
+    run_together,
+    sync_later,
+)
 from tda_plugins.store.texts import TokenTexts, example_line
 
 #: Shard fsyncs in flight at once in the end sync (each waits on the disk, not the CPU).
 _END_SYNC_THREADS = 8
-
-
-@dataclass(frozen=True)
-class Durability:
-    """When a store's files are fsynced: each shard before its step is listed
-    (``per_step``), or all of them once at the end of capture (``at_end``)."""
-
-    per_step: bool
-    at_end: bool
-
-
-#: The store's durability modes (see the module docstring).
-DURABILITY = {
-    "step": Durability(per_step=True, at_end=True),
-    "end": Durability(per_step=False, at_end=True),
-    "none": Durability(per_step=False, at_end=False),
-}
 
 
 @dataclass
@@ -183,8 +173,7 @@ class GradientStore(CaptureConsumer):
         in_flight_bytes: int | None = None,
         durability: str = "step",
     ):
-        if durability not in DURABILITY:
-            raise ValueError(f"durability must be one of {sorted(DURABILITY)}, got {durability!r}")
+        mode = durability_mode(durability)
         self.root = Path(path)
         #: Where the shards go: files, or this process's memory (a memory store's folder).
         self._medium = medium_for(self.root)
@@ -194,7 +183,7 @@ class GradientStore(CaptureConsumer):
                 "holds one process's gradients. Capture several ranks into a folder on disk"
             )
         # nothing of a memory store outlives its process, so there is nothing to fsync
-        self.durability = DURABILITY[durability if self._medium.on_disk else "none"]
+        self.durability = mode if self._medium.on_disk else DURABILITY["none"]
         #: Shard files written without their fsync (for the end sync).
         self._unsynced: list[Path] = []
         if in_flight_bytes is not None and in_flight_bytes < 0:
@@ -264,9 +253,9 @@ class GradientStore(CaptureConsumer):
                     IN_MEMORY: not self._medium.on_disk,
                 },
             }
-            durable = self.durability.per_step  # "end": fsynced by the end sync
-            atomic_write_json(self.root / STORE_FILE, header, durable=durable)
-            self._header_unsynced = self.durability.at_end and not durable
+            # "end": fsynced by the end sync
+            atomic_write_json(self.root / STORE_FILE, header, durable=self.durability.per_step)
+            self._header_unsynced = self.durability.deferred
         self.config = config
         self._remove_uncommitted()
 
@@ -352,7 +341,7 @@ class GradientStore(CaptureConsumer):
             durable = self.durability.per_step
             self._sync.submit(lambda: atomic_write_json(self._dir / END_FILE, end, durable=durable))
         self._sync.close()  # every shard, the index and the end marker are written
-        if self.durability.at_end and not self.durability.per_step:
+        if self.durability.deferred:
             written, self._unsynced = self._unsynced, []
             header, self._header_unsynced = self._header_unsynced, False
             self._end_syncs.append(
@@ -459,15 +448,9 @@ class GradientStore(CaptureConsumer):
         pieces = tokens or {}
         known.update({i: example_line(i, t, pieces.get(i)) for i, t in texts.items()})
         data = "".join(known[i] for i in sorted(known)).encode()
-        durable = self.durability.per_step
-        atomic_write_bytes(path, data, durable=durable)
-        if self.durability.at_end and not durable:
-
-            def sync() -> None:
-                fsync_path(path)
-                fsync_path(self.root)
-
-            self._end_syncs.append(EndSync(f"the example texts of {self.root}", sync))
+        atomic_write_bytes(path, data, durable=self.durability.per_step)
+        if self.durability.deferred:
+            self._end_syncs.append(sync_later(f"the example texts of {self.root}", path, self.root))
 
     # -- checks and clean-up -----------------------------------------------------------
 
