@@ -1,18 +1,16 @@
 """The ``tda`` command line, end to end on tiny saved models and tokenizer-free JSONL.
 
-``tda capture`` and ``tda attribute`` run as real processes (``python -m
-tda_plugins.cli``, all captures of the module at once) and their scores are checked
-against the ``torch.func`` oracle, keyed by the JSONL ids. Help texts, input errors and
-appending run :func:`tda_plugins.cli.main` in this process, since every process start
-costs seconds of imports; the console script is ``sys.exit(main())``, and one test runs
-it as a process to pin the exit codes there.
+``tda capture`` and ``tda attribute`` run through :func:`tda_plugins.cli.main` in this
+process, since every process start costs seconds of imports, and their scores are checked
+against the ``torch.func`` oracle, keyed by the JSONL ids; so do help texts, input errors
+and appending. The console script is ``sys.exit(main())``, and one test runs it as a
+process to pin the exit codes there.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -40,7 +38,6 @@ from tests.stores import (
 )
 
 REL_TOL = 1e-5
-TDA = [sys.executable, "-m", "tda_plugins.cli"]
 ARCHS = ("llama", "gpt2")
 
 
@@ -82,20 +79,9 @@ def right_padded(sequences: list[list[int]]) -> dict[str, Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def start(*args: object) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [*TDA, *map(str, args)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-
-
-def finish(processes: list[subprocess.Popen[str]]) -> None:
-    for process in processes:
-        _, err = process.communicate(timeout=300)
-        assert process.returncode == 0, f"{process.args} failed:\n{err}"
+def run_tda(*args: object) -> None:
+    """``tda args`` through the entry point's ``main`` in this process; it must exit 0."""
+    assert main([str(a) for a in args]) == 0, args
 
 
 def run_main(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, str]:
@@ -153,8 +139,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, CliRun]:
     """fp64 tiny Llama and GPT-2 saved with ``save_pretrained`` (no tokenizer); 8 training
     examples (ids 100-107, batches of 3) and 3 queries (ids 900-902) of 3-12 tokens.
 
-    Training stores and scores come from ``tda`` processes; the query stores, to save two
-    process starts, from ``main`` in this process while those run."""
+    Every command runs through ``main`` in this process (the console script itself is
+    checked by ``test_console_script_help_and_error_exit_codes``)."""
     root = tmp_path_factory.mktemp("cli")
     train, queries = random_sequences(range(100, 108), 1), random_sequences(range(900, 903), 2)
     train_file = write_examples(root / "train.jsonl", train)
@@ -174,16 +160,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, CliRun]:
             directory / "queries",
             directory / "out",
         )
-    captures = [
-        start(*capture_args(r.model_dir, train_file, r.store, "--batch-size", 3))
-        for r in out.values()
-    ]
     for r in out.values():
-        assert main([str(a) for a in capture_args(r.model_dir, query_file, r.query_store)]) == 0
-    finish(captures)
-    finish(
-        [start(*attribute_args(r.store, r.query_store, r.out, "--top-k", 3)) for r in out.values()]
-    )
+        run_tda(*capture_args(r.model_dir, train_file, r.store, "--batch-size", 3))
+        run_tda(*capture_args(r.model_dir, query_file, r.query_store))
+        run_tda(*attribute_args(r.store, r.query_store, r.out, "--top-k", 3))
     return out
 
 

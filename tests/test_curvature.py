@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -313,6 +313,7 @@ class Llama:
     train: list[dict[str, Tensor]]
     queries: list[dict[str, Tensor]]
     root: Path
+    references: dict[str, Tensor] = field(default_factory=dict)
 
     def store(
         self, kind: str, projection: ProjectionConfig | None = None, curvature_head: bool = False
@@ -338,6 +339,16 @@ class Llama:
         batches = self.train if kind == "train" else self.queries
         layers = self.store("train").layer_names
         return oracle_layer_grads(self.model, batches, layers, summed_loss)
+
+    def dense_reference(self, method: str) -> Tensor:
+        """``dense_scores`` of the exact stores' oracle gradients, computed once per
+        method (the dense solves are most of these tests' time)."""
+        if method not in self.references:
+            curvature = load_curvature(self.store("train").root)
+            self.references[method] = dense_scores(
+                method, self.oracle("train"), self.oracle("query"), curvature
+            )
+        return self.references[method]
 
 
 @pytest.fixture(scope="module")
@@ -623,9 +634,7 @@ def test_method_scores_equal_dense_reference_on_llama(
         assert scored.preconditioner._kept == set(store.layer_names)
     assert torch.equal(scores.train_ids, store_ids(llama.train))
     assert torch.equal(scores.query_ids, store_ids(llama.queries))
-    expected = dense_scores(
-        method, llama.oracle("train"), llama.oracle("query"), load_curvature(store.root)
-    )
+    expected = llama.dense_reference(method)
     assert len(store.layer_names) == 15  # 7 linears in each of 2 blocks, and lm_head
     assert rel_err(scores.values, expected) < SCORE_TOL
 
@@ -656,9 +665,7 @@ def test_ekfac_routes_equal_the_dense_reference(llama: Llama, route: str) -> Non
     else:
         assert kept == set()
     assert route != "eigenbasis" or method.preconditioner._in_eigenbasis == names
-    expected = dense_scores(
-        "ekfac", llama.oracle("train"), llama.oracle("query"), load_curvature(store.root)
-    )
+    expected = llama.dense_reference("ekfac")
     assert rel_err(scores.values, expected) < SCORE_TOL
 
 
@@ -786,9 +793,7 @@ def test_kfac_scoring_frees_the_loaded_queries_before_reading_the_store(llama: L
     ):
         scores = method.score(store, queries, chunk_examples=1)
     assert loaded and alive_at_first_chunk == [0]
-    expected = dense_scores(
-        "kfac", llama.oracle("train"), llama.oracle("query"), load_curvature(store.root)
-    )
+    expected = llama.dense_reference("kfac")
     assert rel_err(scores.values, expected) < SCORE_TOL
 
 

@@ -4,18 +4,15 @@ Each marked block (``<!-- test: NAME -->`` before a code fence) is read from REA
 run in a fresh folder: Python blocks in a namespace holding what the README says they
 start from (``model`` and ``tokenizer`` loaded with ``from_pretrained`` from a local
 directory, a ``train`` Dataset of prompt/completion rows with an integer ``id`` column,
-``queries`` and ``target`` rows, and ``queries.jsonl``), shell blocks line by line with
-``tda`` as ``python -m tda_plugins.cli``.
+``queries`` and ``target`` rows, and ``queries.jsonl``), shell blocks line by line through
+the ``tda`` entry point (``tda_plugins.cli``'s ``main``).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +23,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from tda_plugins import DataSelectionCallback
+from tda_plugins.cli import main
 from tda_plugins.data_selection import SelectionSettings
 from tda_plugins.store import StoreReader
 from tests.models import tiny_causal_lm
@@ -86,12 +84,14 @@ def run_python(name: str) -> dict[str, Any]:
 
 
 def run_shell(name: str) -> None:
+    """Each line through the ``tda`` entry point's ``main`` in this process (a process
+    start per line would import torch and transformers again); the console script itself
+    is checked in ``tests/test_cli.py``."""
     script = block(name).replace("\\\n", " ")
-    env = {**os.environ, "PYTHONPATH": str(README.parent)}
     for line in filter(str.strip, script.splitlines()):
         command = shlex.split(line)
         assert command[0] == "tda"
-        subprocess.run([sys.executable, "-m", "tda_plugins.cli", *command[1:]], check=True, env=env)
+        assert main(command[1:]) == 0, line
 
 
 def test_quickstart_attribute(workdir: Path) -> None:
