@@ -1,12 +1,10 @@
-"""Run by ``torchrun`` (or called in one process): K-FAC statistics of a hand-written DDP
-loop (gloo), into one store per reduction schedule.
+"""K-FAC statistics of a hand-written DDP loop (gloo), into one store per reduction
+schedule: :func:`main` on every rank of a two-rank launch (``tests/ranks_worker.py``, job
+``curvature_dist_worker:KIND,...``), :func:`run` in one process for the reference.
 
-Usage: python -m torch.distributed.run --nproc-per-node=2 tests/curvature_dist_worker.py OUT
-[KIND]
-
-``KIND``: ``linear`` (default: a tiny Llama's linear layers, its head included) or
-``all`` (every layer of a tiny GPT-2: embeddings, norm scales, the head tied to the
-input embedding).
+``KIND``: ``linear`` (a tiny Llama's linear layers, its head included) or ``all`` (every
+layer of a tiny GPT-2: embeddings, norm scales, the head tied to the input embedding);
+each into ``FOLDER/<kind>``.
 
 Each rank trains on its half of every global batch, backpropagating ``world`` times its
 summed loss (DDP averages gradients, so every update is that of the global summed loss, as
@@ -18,7 +16,6 @@ a product takes several reductions). Both commit after step 2 and at the end.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
@@ -73,8 +70,13 @@ def run(out: Path, rank: int = 0, world: int = 1, kind: str = "linear") -> None:
         engine.end()
 
 
-if __name__ == "__main__":
-    plan.REDUCE_BLOCK_BYTES = 1024  # a few rows of each product per reduction
-    dist.init_process_group("gloo")
-    run(Path(sys.argv[1]), dist.get_rank(), dist.get_world_size(), *sys.argv[2:])
-    dist.destroy_process_group()
+def main(folder: Path, *kinds: str) -> None:
+    """Each kind in turn, a few rows of each product per reduction under the owner
+    schedule (the block size restored after)."""
+    block = plan.REDUCE_BLOCK_BYTES
+    plan.REDUCE_BLOCK_BYTES = 1024
+    try:
+        for kind in kinds:
+            run(folder / kind, dist.get_rank(), dist.get_world_size(), kind)
+    finally:
+        plan.REDUCE_BLOCK_BYTES = block

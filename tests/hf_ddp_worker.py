@@ -1,9 +1,9 @@
 """The transformers callbacks inside data-parallel training, as ``torchrun`` runs them.
 
-Usage: ``python -m torch.distributed.run --nproc-per-node=2 tests/hf_ddp_worker.py FOLDER``
-(gloo, CPU), or ``python tests/hf_ddp_worker.py FOLDER`` for the one-process reference.
-Both runs of the script train on the same global batches (:data:`GLOBAL_BATCH` examples
-per optimizer step) and write under ``FOLDER/<world size>/``:
+:func:`main` runs on every rank of a two-rank launch (``tests/ranks_worker.py``: gloo, CPU),
+and in the test's own process for the one-process reference. Both runs of the script train
+on the same global batches (:data:`GLOBAL_BATCH` examples per optimizer step) and write
+under ``FOLDER/<world size>/``:
 
 * ``trainer/``: HF ``Trainer`` (DDP across the ranks, through accelerate) with
   ``GradientCaptureCallback`` (every layer) and ``InfluenceLoggingCallback`` (GradDot,
@@ -25,16 +25,15 @@ per optimizer step) and write under ``FOLDER/<world size>/``:
 AdamW with a non-zero learning rate: the ranks' averaged gradient equals the one-process
 gradient, so both runs pass through the same weights at every step (to fp32 rounding).
 
-Last, ``gathered-<rank>.json``: what :func:`~tda_plugins.parallel.gather.rank_gather` returns
-on each rank for rows of unequal counts (none on rank 0) and for one object per rank.
+Last, ``gathered-<rank>.json``: what :func:`~tda_plugins.parallel.gather.rank_gather`
+returns on each rank for rows of unequal counts (none on rank 0) and for one object per
+rank.
 """
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +58,6 @@ STEPS = EXAMPLES // GLOBAL_BATCH
 SAVE_AT = 2
 LEARNING_RATE = 1e-2
 TOP_K = EXAMPLES  # the report lists every example
-HANG_SECONDS = 150  # a rank still running then dumps every thread's stack and exits
 
 
 def rows() -> list[dict[str, list[int]]]:
@@ -192,18 +190,11 @@ def unequal_gather(folder: Path, rank: int) -> None:
 
 
 def main(folder: Path) -> None:
-    torch.set_num_threads(1)
-    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
+    """Both runs and the gather into ``folder/<world size>``: the launch's world size
+    under ``tests/ranks_worker.py`` (accelerate joins its gloo group), else 1."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     out = folder / str(world)
-    trainer_run(out / "trainer", world)  # under torchrun, accelerate joins the gloo group
+    trainer_run(out / "trainer", world)
     rank = dist.get_rank() if world > 1 else 0
     sharded_run(out / "sharded", world, rank)
     unequal_gather(out, rank)
-    if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(Path(sys.argv[1]))

@@ -1,9 +1,9 @@
 """One rank of an OLMo-core ``Trainer`` run with ``GradientCaptureCallback``: the subject of
 the data-parallel tests.
 
-``python -m torch.distributed.run --standalone --nproc-per-node=2
-tests/olmo_core_dist_worker.py FOLDER MODE...`` (modes among ``ddp fsdp hsdp``, one after
-the other in the same processes) trains the tiny OLMo-2 transformer
+:func:`main`, on every rank of a two-rank launch (``tests/ranks_worker.py``, job
+``olmo_core_dist_worker:MODE,...``: modes among ``ddp fsdp hsdp``, one after the other in
+the same processes), trains the tiny OLMo-2 transformer
 (fp32, CPU, gloo) for :data:`STEPS` steps on the token file that :func:`write_tokens` put
 in ``FOLDER``, data-parallel through OLMo-core's own
 ``TransformerTrainModuleConfig(dp_config=TransformerDataParallelConfig(name=...))``
@@ -23,8 +23,6 @@ it in its own process.
 
 from __future__ import annotations
 
-import faulthandler
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -51,6 +49,8 @@ from tda_plugins.integrations.olmo_core import GradientCaptureCallback
 from tda_plugins.session.settings import CaptureSettings
 
 Mode = Literal["single", "ddp", "fsdp", "hsdp"]
+#: The modes a launch trains in, by name.
+PARALLEL_MODES: dict[str, Mode] = {"ddp": "ddp", "fsdp": "fsdp", "hsdp": "hsdp"}
 
 VOCAB = 64
 SEQ = 8
@@ -59,7 +59,6 @@ GLOBAL_BATCH = 4  # instances per optimizer step, over all ranks
 WORLD = 2
 STEPS = 3
 LEARNING_RATE = 1e-2
-HANG_SECONDS = 150  # a rank still running then dumps every thread's stack and exits
 MODEL = TransformerConfig.olmo2_1M(vocab_size=VOCAB, n_layers=2)
 
 
@@ -156,20 +155,8 @@ def save_log(log: StepLog, path: Path, keep_params: bool) -> None:
     torch.save({"indices": log.indices, "params": params, "placements": log.placements}, path)
 
 
-def main(folder: Path, modes: list[Mode]) -> None:
-    torch.set_num_threads(1)
-    faulthandler.dump_traceback_later(HANG_SECONDS * len(modes), exit=True)
-    dist.init_process_group("gloo")
-    try:
-        rank = dist.get_rank()
-        for mode in modes:
-            save_log(train(folder, mode), folder / mode / f"rank{rank}.pt", keep_params=rank == 0)
-    finally:
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    known: dict[str, Mode] = {"ddp": "ddp", "fsdp": "fsdp", "hsdp": "hsdp"}
-    if len(sys.argv) < 3 or not set(sys.argv[2:]) <= set(known):
-        sys.exit("usage: olmo_core_dist_worker.py FOLDER {ddp,fsdp,hsdp}...")
-    main(Path(sys.argv[1]), [known[m] for m in sys.argv[2:]])
+def main(folder: Path, *modes: str) -> None:
+    rank = dist.get_rank()
+    for name in modes:
+        mode = PARALLEL_MODES[name]
+        save_log(train(folder, mode), folder / mode / f"rank{rank}.pt", keep_params=rank == 0)

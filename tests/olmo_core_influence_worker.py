@@ -1,22 +1,19 @@
 """One rank of OLMo-core ``Trainer`` runs with ``InfluenceLoggingCallback`` under data
-parallelism: the subject of the multi-process test in ``tests/test_olmo_core_influence.py``.
+parallelism: the subject of an influence test in ``tests/test_olmo_core_distributed.py``.
 
-``python -m torch.distributed.run --standalone --nproc-per-node=2
-tests/olmo_core_influence_worker.py FOLDER`` trains the tiny OLMo-2 transformer of
-``tests/olmo_core_dist_worker.py`` (fp32, CPU, gloo, AdamW at a non-zero learning rate,
-two micro-batches per rank) on the token file ``write_tokens`` put in ``FOLDER``, once per
-mode of :data:`MODES` in one process group, through OLMo-core's own ``dp_config``
-(``ddp``: ``replicate``; ``fsdp``: ``fully_shard``), scoring every step against
-:data:`QUERIES` (GradDot, every layer). Each rank saves ``FOLDER/<mode>/rank<r>.pt``: the
-influence metrics it logged per step, its instance indices per step, and the report it
-wrote (its files' paths; none on rank 1). :func:`train` with ``mode="single"`` is the
-one-process run on the same data and global batch size.
+:func:`main`, on every rank of a two-rank launch (``tests/ranks_worker.py``), trains the
+tiny OLMo-2 transformer of ``tests/olmo_core_dist_worker.py`` (fp32, CPU, gloo, AdamW at a
+non-zero learning rate, two micro-batches per rank) on the token file ``write_tokens`` put
+in ``FOLDER``, once per mode of :data:`MODES` in one process group, through OLMo-core's own
+``dp_config`` (``ddp``: ``replicate``; ``fsdp``: ``fully_shard``), scoring every step
+against :data:`QUERIES` (GradDot, every layer). Each rank saves
+``FOLDER/<mode>/rank<r>.pt``: the influence metrics it logged per step, its instance indices
+per step, and the report it wrote (its files' paths; none on rank 1). :func:`train` with
+``mode="single"`` is the one-process run on the same data and global batch size.
 """
 
 from __future__ import annotations
 
-import faulthandler
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +27,6 @@ from torch import Tensor
 
 from tda_plugins.integrations.olmo_core import InfluenceLoggingCallback
 from tests.olmo_core_dist_worker import (
-    HANG_SECONDS,
     SEQ,
     STEPS,
     VOCAB,
@@ -75,16 +71,6 @@ def train(folder: Path, mode: str) -> dict[str, Any]:
 
 
 def main(folder: Path) -> None:
-    torch.set_num_threads(1)
-    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
-    dist.init_process_group("gloo")
-    try:
-        for mode in MODES:
-            saved = train(folder, mode)
-            torch.save(saved, folder / mode / f"rank{dist.get_rank()}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    for mode in MODES:
+        saved = train(folder, mode)
+        torch.save(saved, folder / mode / f"rank{dist.get_rank()}.pt")

@@ -1,23 +1,20 @@
 """One rank of OLMo-core ``Trainer`` runs with ``DataSelectionCallback`` under data
-parallelism: the subject of ``tests/test_selection_distributed.py``.
+parallelism: the subject of a selection test in ``tests/test_olmo_core_distributed.py``.
 
-``python -m torch.distributed.run --standalone --nproc-per-node=2
-tests/olmo_core_selection_worker.py FOLDER`` trains the tiny OLMo-2 transformer of
-``tests/olmo_core_dist_worker.py`` (fp32, CPU, gloo, two micro-batches per rank, AdamW)
-on the token file ``write_tokens`` put in ``FOLDER``, three times in one process group,
-each through OLMo-core's own ``dp_config``: ``ddp`` (``replicate``), ``fsdp``
-(``fully_shard``: DTensor parameters sharded on dim 0) and ``hsdp`` (two replicas of a
-one-rank shard: placements ``(Replicate(), Shard(0))``), with half of each step's global
-batch dropped. Each rank saves ``FOLDER/<mode>/rank<r>.pt``: its instance indices and
-tokens per step, the full parameters each step started from, the full ``.grad`` after
-selection, and the global selection outcome per step. :func:`train` with
+:func:`main`, on every rank of a two-rank launch (``tests/ranks_worker.py``), trains the
+tiny OLMo-2 transformer of ``tests/olmo_core_dist_worker.py`` (fp32, CPU, gloo, two
+micro-batches per rank, AdamW) on the token file ``write_tokens`` put in ``FOLDER``, three
+times in one process group, each through OLMo-core's own ``dp_config``: ``ddp``
+(``replicate``), ``fsdp`` (``fully_shard``: DTensor parameters sharded on dim 0) and
+``hsdp`` (two replicas of a one-rank shard: placements ``(Replicate(), Shard(0))``), with
+half of each step's global batch dropped. Each rank saves ``FOLDER/<mode>/rank<r>.pt``: its
+instance indices and tokens per step, the full parameters each step started from, the full
+``.grad`` after selection, and the global selection outcome per step. :func:`train` with
 ``mode="single"`` is the one-process run on the same data and global batch size.
 """
 
 from __future__ import annotations
 
-import faulthandler
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +32,6 @@ from torch.distributed.tensor import DTensor
 
 from tda_plugins.integrations.olmo_core import DataSelectionCallback
 from tests.olmo_core_dist_worker import (
-    HANG_SECONDS,
     SEQ,
     STEPS,
     VOCAB,
@@ -107,16 +103,6 @@ def train(folder: Path, mode: str) -> dict[str, Any]:
 
 
 def main(folder: Path) -> None:
-    torch.set_num_threads(1)
-    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
-    dist.init_process_group("gloo")
-    try:
-        for mode in MODES:
-            saved = train(folder, mode)
-            torch.save(saved, folder / mode / f"rank{dist.get_rank()}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    for mode in MODES:
+        saved = train(folder, mode)
+        torch.save(saved, folder / mode / f"rank{dist.get_rank()}.pt")

@@ -1,8 +1,8 @@
 """One rank of the transformers data-parallel selection runs: the subject of the DDP and
-FSDP2 tests in ``tests/test_selection_distributed.py``.
+FSDP2 test in ``tests/test_hf_distributed.py``.
 
-``python -m torch.distributed.run --standalone --nproc-per-node=2
-tests/selection_ddp_worker.py OUT`` runs, on the tiny Llama (fp32, full fine-tuning,
+:func:`main`, on every rank of a two-rank launch (``tests/ranks_worker.py``), runs on the
+tiny Llama (fp32, full fine-tuning,
 ``layers="all"``), gloo on CPU:
 
 1. ``ddp``: a real ``Trainer`` under DDP for :data:`STEPS` steps, accumulation
@@ -26,7 +26,6 @@ gathered target, and per step the surgery's).
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -158,11 +157,5 @@ def fsdp(out: Path) -> None:
 
 
 def main(out: Path) -> None:
-    torch.set_num_threads(1)
     ddp(out / "ddp")
     fsdp(out / "fsdp")
-    dist.barrier()
-
-
-if __name__ == "__main__":
-    main(Path(sys.argv[1]))

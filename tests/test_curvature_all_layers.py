@@ -43,8 +43,6 @@ from tda_plugins.session.capture import CaptureSession
 from tda_plugins.session.settings import CaptureSettings
 from tda_plugins.store import StoreError, StoreReader
 from tests import ekfac_routes
-from tests.curvature_dist_worker import SCHEDULES
-from tests.curvature_dist_worker import run as run_worker
 from tests.curvature_reference import (
     Factors,
     closed_form_factors,
@@ -54,7 +52,6 @@ from tests.curvature_reference import (
     unit_grads,
     units_of,
 )
-from tests.launch import torchrun
 from tests.models import VOCAB, lm_batch, tiny_causal_lm
 from tests.stores import capture_store, rel_error, scores_by_id, summed_loss
 
@@ -570,30 +567,3 @@ def test_cli_capture_all_layers_then_kfac_ekfac_and_logra(
     )
     reference = projected_reference(llama, StoreReader(store).layer_names, data[:1], data[1:])
     assert rel_error(attribute(store, query_store, "logra"), reference.scores(llama)) < SCORE_TOL
-
-
-# -- ranks -------------------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_two_ranks_sum_every_layer_type_as_one_process(tmp_path: Path) -> None:
-    """Statistics of a tiny fp32 GPT-2's every layer (embeddings' token counts, the tied
-    head's diagonal, norm scales' single factor) from 2 ranks of a hand-written DDP loop
-    (``torchrun``, gloo; ``tests/curvature_dist_worker.py``) equal one process's on the
-    same global batches, under both reduction schedules (the owner schedule reducing a
-    diagonal whole and a dense factor a few rows at a time), each layer saved by its owner."""
-    torchrun("curvature_dist_worker.py", tmp_path / "ddp", "all")
-    run_worker(tmp_path / "one", kind="all")
-    reference = load_curvature(tmp_path / "one" / "local")
-    forms = {tuple(len(t.shape) for t in (s.a_sum, s.g_sum)) for s in reference.values()}
-    assert {(1, 2), (2, 1)} <= forms  # an embedding's diagonal A, the tied head's S
-    assert any(s.a_sum.numel() == 0 for s in reference.values())  # norm scales
-    for schedule in SCHEDULES:
-        got = load_curvature(tmp_path / "ddp" / schedule)
-        assert got.keys() == reference.keys()
-        assert read_set(tmp_path / "ddp" / schedule).units == [("transformer.wte", "lm_head")]
-        for name, stats in reference.items():
-            assert torch.equal(got[name].tokens, stats.tokens), (schedule, name)
-            assert rel_error(got[name].a_sum, stats.a_sum) <= 1e-5, (schedule, name)
-            assert rel_error(got[name].g_sum, stats.g_sum) <= 1e-5, (schedule, name)

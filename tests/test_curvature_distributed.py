@@ -1,6 +1,7 @@
 """K-FAC statistics of 2 ranks (``torchrun``, gloo, a hand-written DDP loop: see
 ``tests/curvature_dist_worker.py``) equal those of one process on the same global batches,
-under both reduction schedules, with each layer saved by its owner alone."""
+under both reduction schedules, with each layer saved by its owner alone: a tiny Llama's
+linear layers, and a tiny GPT-2's every layer type, from one launch."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from safetensors import safe_open
 from tda_plugins import LayerSelection
 from tda_plugins.precondition import PlanInputs, load_curvature, plan_capture
 from tda_plugins.precondition.plan import assign_owners
-from tda_plugins.precondition.snapshots import KroneckerFactors, latest_set
+from tda_plugins.precondition.snapshots import KroneckerFactors, latest_set, read_set
 from tests.curvature_dist_worker import SCHEDULES, run
 from tests.launch import torchrun
 from tests.models import tiny_causal_lm
@@ -31,11 +32,19 @@ def assert_same(got: dict[str, KroneckerFactors], ref: dict[str, KroneckerFactor
         assert rel_error(got[name].g_sum, stats.g_sum) <= TOL, name
 
 
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``<root>/curvature_dist_worker/<kind>``: both kinds from one two-rank launch."""
+    root = tmp_path_factory.mktemp("curvature-ranks")
+    torchrun("ranks_worker.py", root, "curvature_dist_worker:linear,all")
+    return root
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_two_ranks_save_owned_layers_whose_union_equals_one_process(tmp_path: Path) -> None:
-    torchrun("curvature_dist_worker.py", tmp_path / "ddp")
-    run(tmp_path / "one")  # the reference: one process, whole global batches
+def test_two_ranks_save_owned_layers_whose_union_equals_one_process(launched: Path) -> None:
+    ranks, one = launched / "curvature_dist_worker" / "linear", launched / "one" / "linear"
+    run(one)  # the reference: one process, whole global batches
 
     plan = plan_capture(
         tiny_causal_lm("llama", torch.float32),
@@ -44,16 +53,41 @@ def test_two_ranks_save_owned_layers_whose_union_equals_one_process(tmp_path: Pa
     owners = assign_owners(
         {n: a * a + s * s for n, (a, s) in plan.curvature_shapes.items()}, world_size=2
     )
-    reference = load_curvature(tmp_path / "one" / "local")
+    reference = load_curvature(one / "local")
     for schedule in SCHEDULES:
-        root = tmp_path / "ddp" / schedule
+        root = ranks / schedule
         assert_same(load_curvature(root), reference)
         step_2 = latest_set(root, at_step=2)
         assert step_2 is not None
-        one_step_2 = latest_set(tmp_path / "one" / "local", at_step=2)
+        one_step_2 = latest_set(one / "local", at_step=2)
         assert one_step_2 is not None
         assert_same(step_2.load(), one_step_2.load())
         for rank in (0, 1):
             with safe_open(root / f"rank-{rank}" / "curvature.safetensors", "pt") as f:
                 saved = {key.rsplit("::", 1)[0] for key in f.keys()}  # noqa: SIM118
             assert saved == {n for n, r in owners.items() if r == rank}, (schedule, rank)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_ranks_sum_every_layer_type_as_one_process(launched: Path) -> None:
+    """Statistics of a tiny fp32 GPT-2's every layer (embeddings' token counts, the tied
+    head's diagonal, norm scales' single factor) from 2 ranks of a hand-written DDP loop
+    (the launch) equal one process's on the
+    same global batches, under both reduction schedules (the owner schedule reducing a
+    diagonal whole and a dense factor a few rows at a time), each layer saved by its owner."""
+    run(launched / "one" / "all", kind="all")
+    reference = load_curvature(launched / "one" / "all" / "local")
+    forms = {tuple(len(t.shape) for t in (s.a_sum, s.g_sum)) for s in reference.values()}
+    assert {(1, 2), (2, 1)} <= forms  # an embedding's diagonal A, the tied head's S
+    assert any(s.a_sum.numel() == 0 for s in reference.values())  # norm scales
+    for schedule in SCHEDULES:
+        got = load_curvature(launched / "curvature_dist_worker" / "all" / schedule)
+        assert got.keys() == reference.keys()
+        assert read_set(launched / "curvature_dist_worker" / "all" / schedule).units == [
+            ("transformer.wte", "lm_head")
+        ]
+        for name, stats in reference.items():
+            assert torch.equal(got[name].tokens, stats.tokens), (schedule, name)
+            assert rel_error(got[name].a_sum, stats.a_sum) <= 1e-5, (schedule, name)
+            assert rel_error(got[name].g_sum, stats.g_sum) <= 1e-5, (schedule, name)

@@ -1,7 +1,8 @@
-"""The transformers callbacks under ``torchrun --nproc-per-node=2`` (gloo, CPU) against the
-same script's one-process run on the same global batches (``tests/hf_ddp_worker.py``).
+"""The transformers callbacks under ``torchrun --nproc-per-node=2`` (gloo, CPU), from one
+launch (``tests/ranks_worker.py``) of two workers.
 
-One launch covers two runs: the HF ``Trainer`` with DDP (through accelerate), and a
+``tests/hf_ddp_worker.py`` against the same script's one-process run on the same global
+batches covers two runs: the HF ``Trainer`` with DDP (through accelerate), and a
 ``fully_shard``-ed model (FSDP2, DTensor parameters) whose callbacks' trainer events are
 driven by hand around a hand-written step (the ``Trainer`` on CPU turns an FSDP2 config
 into DDP). Each with ``GradientCaptureCallback`` (every layer: linear, embedding, norm
@@ -22,14 +23,16 @@ Checked for both runs:
   equal the one-process run's at the same step;
 * the rank exchange behind the influence gathering: rows of unequal counts (none on one
   rank) and one object per rank arrive on every rank, whole and in rank order.
+
+``tests/selection_ddp_worker.py``: ``DataSelectionCallback`` under the DDP ``Trainer`` and
+on a ``fully_shard``-ed model, whose every step drops what one process drops on the same
+global batch (see that test).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+import math
 from pathlib import Path
 from typing import Any
 
@@ -37,14 +40,31 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tda_plugins import CaptureEngine, LayerSelection
+from tda_plugins.data_selection import DataSelector, rule_by_name
+from tda_plugins.data_selection.target import target_gradient
+from tda_plugins.integrations.transformers import pad_examples
+from tda_plugins.integrations.transformers.selection import causal_lm_token_counts
 from tda_plugins.precondition import load_curvature
 from tda_plugins.precondition.adam import OPTIMIZER_FILE
+from tda_plugins.session.batch import causal_lm_losses
 from tda_plugins.store import StoreReader
+from tests import hf_ddp_worker
 from tests.hf_ddp_worker import EXAMPLES, SAVE_AT, STEPS, rows
 from tests.launch import torchrun
-from tests.stores import rel_error
+from tests.models import tiny_causal_lm
+from tests.selection_ddp_worker import FORCED, FRACTION, target_rows
+from tests.selection_ddp_worker import STEPS as SELECTION_STEPS
+from tests.selection_helpers import (
+    SelectionAudit,
+    StepAudit,
+    assert_trainer_grads_match_fresh,
+    example_losses,
+    label_counts,
+)
+from tests.stores import ManualScale, rel_error
+from tests.trainers import FP32_TOL
 
-ROOT = Path(__file__).resolve().parent.parent
 WORLD = 2
 TOL = 1e-4
 RUNS = ("trainer", "sharded")
@@ -52,21 +72,21 @@ RUNS = ("trainer", "sharded")
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 
-def _run(args: list[str]) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``<root>/<worker>``: each worker's output, from one two-rank launch."""
+    root = tmp_path_factory.mktemp("hf-distributed")
+    torchrun("ranks_worker.py", root, "hf_ddp_worker", "selection_ddp_worker", ranks=WORLD)
+    return root
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``<root>/2/<run>``: the two-rank runs; ``<root>/1/<run>``: the one-process runs."""
-    root = tmp_path_factory.mktemp("hf-distributed")
-    torchrun("hf_ddp_worker.py", root, ranks=WORLD)
-    _run(["tests/hf_ddp_worker.py", str(root)])
-    return root
+def runs(launched: Path) -> Path:
+    """``<folder>/2/<run>``: the two-rank runs; ``<folder>/1/<run>``: the one-process runs
+    (in this process)."""
+    folder = launched / "hf_ddp_worker"
+    hf_ddp_worker.main(folder)
+    return folder
 
 
 def _by_id(store: StoreReader) -> dict[int, tuple[int, dict[str, torch.Tensor]]]:
@@ -166,3 +186,103 @@ def test_ranks_exchange_unequal_rows_and_objects_in_rank_order(runs: Path) -> No
     for rank in range(WORLD):
         got = json.loads((runs / str(WORLD) / f"gathered-{rank}.json").read_text())
         assert got == expected
+
+
+# -- data selection ------------------------------------------------------------------------
+
+
+def one_process_dropped(audit: StepAudit) -> tuple[list[int], list[int]]:
+    """The ids and dropped ids of one process's selection over ``audit``'s micro-batches
+    (every rank's, in rank order) at its weights: the fp32 model, the target pool of the
+    run, the loss over the window's label tokens."""
+    model = tiny_causal_lm("llama", torch.float32)
+    model.load_state_dict(audit.weights)
+    tokens = float(sum(int(label_counts(b).sum()) for b in audit.micro_batches))
+    normalization = ManualScale()
+    normalization.value = tokens
+    with CaptureEngine(
+        model,
+        layers=LayerSelection("all"),
+        normalization=normalization,
+    ) as engine:
+        selector = DataSelector(
+            engine.captured_layers,
+            rule=rule_by_name("bottom_fraction", fraction=FRACTION),
+            token_counts=causal_lm_token_counts,
+        )
+        engine.add_consumer(selector)
+        with engine.paused():
+            target = pad_examples(target_rows())
+            layers = engine.captured_layers
+            selector.set_target(target_gradient(model, layers, target, causal_lm_losses))
+        for batch in audit.micro_batches:
+            (example_losses(model, batch).sum() / tokens).backward()
+        engine.optimizer_step()
+    (outcome,) = selector.history
+    return outcome.example_ids.tolist(), outcome.summary()["dropped_ids"]
+
+
+def merged_ranks(folder: Path) -> tuple[dict[int, StepAudit], list[dict[str, Any]]]:
+    """Both ranks' audits as one global batch per step (rank 0's micro-batches first), after
+    checking that the ranks agree on ``.grad`` and on the selection's outcome."""
+    ranks = [SelectionAudit.load(folder / f"rank{r}") for r in range(WORLD)]
+    histories = [
+        json.loads((folder / f"rank{r}" / "history.json").read_text()) for r in range(WORLD)
+    ]
+    assert histories[0] == histories[1], "the ranks disagree on the global outcome"
+    merged = {}
+    for step in range(SELECTION_STEPS):
+        zero, one = ranks[0].steps[step], ranks[1].steps[step]
+        differ = [n for n in zero.grads if not torch.equal(zero.grads[n], one.grads[n])]
+        assert not differ, f"step {step}: ranks disagree on .grad of {differ[:3]}"
+        merged[step] = StepAudit(
+            zero.weights,
+            zero.micro_batches + one.micro_batches,
+            zero.num_items + one.num_items,
+            grads=zero.grads,
+        )
+    return merged, [histories[0][str(step)] for step in range(SELECTION_STEPS)]
+
+
+def assert_same_as_one_process(merged: dict[int, StepAudit], history: list[dict]) -> None:
+    dropped = {}
+    for step, audit in merged.items():
+        ids, expected = one_process_dropped(audit)
+        entry = history[step]
+        assert entry["dropped_ids"] == expected, f"step {step}: dropped {entry['dropped_ids']}"
+        assert len(expected) == len(ids) // 2 == entry["dropped"] == entry["kept"]
+        dropped[step] = set(expected)
+    check = assert_trainer_grads_match_fresh(
+        merged, dropped, lambda: tiny_causal_lm("llama", torch.float64), math.inf, FP32_TOL
+    )
+    assert check.steps == SELECTION_STEPS
+
+
+def test_transformers_ddp_and_fsdp2_select_what_one_process_selects(launched: Path) -> None:
+    """DDP ``Trainer`` and a ``fully_shard``-ed model driven through the callback's events:
+    each rank's ``.grad`` after selection equals the fresh backward over the kept examples
+    of the global batch, the dropped set equals one process's on that batch, and the
+    JSONL log (written by rank 0 alone) holds one line per step with the global outcome.
+    Under FSDP both correction routes are exact (forced at steps 1 and 2; the cost
+    model's choice at step 0), the memory the selection holds at once stays within one
+    layer's size (the cost model's routes), and ``max_grad_norm`` is restored."""
+    folder = launched / "selection_ddp_worker"
+    for mode in ("ddp", "fsdp"):
+        merged, history = merged_ranks(folder / mode)
+        assert_same_as_one_process(merged, history)
+    lines = (folder / "ddp" / "trainer" / "selection.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == merged_ranks(folder / "ddp")[1]
+
+    routes = json.loads((folder / "fsdp" / "rank0" / "routes.json").read_text())
+    for step, forced in FORCED.items():
+        assert set(routes[str(step)].values()) == {forced}
+    assert set(routes["0"]) == set(routes["1"]) and set(routes["0"].values()) <= set(
+        FORCED.values()
+    )
+    memory = json.loads((folder / "fsdp" / "rank0" / "memory.json").read_text())
+    model = tiny_causal_lm("llama", torch.float32)
+    largest = max(m.weight.numel() * 4 for m in model.modules() if hasattr(m, "weight"))
+    assert 0 < memory["target_peak_bytes"] <= largest  # one layer's target at a time
+    # the cost model gathers a layer only when that moves fewer bytes than reducing it
+    assert 0 < memory["surgery_peak_bytes"]["0"] <= largest
+    assert memory["max_grad_norm_restored"]

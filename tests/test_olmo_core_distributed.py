@@ -1,7 +1,13 @@
-"""``GradientCaptureCallback`` under torchrun: DDP, FSDP and HSDP store what one process stores.
+"""The OLMo-core callbacks under torchrun: DDP, FSDP and HSDP do what one process does.
 
-Two gloo ranks (``tests/olmo_core_dist_worker.py``, one launch for the three modes) train the
-tiny OLMo-2 transformer with
+One launch of two gloo ranks (``tests/ranks_worker.py``) runs three workers in turn, each
+against its one-process run in this process: ``tests/olmo_core_dist_worker.py``
+(``GradientCaptureCallback``, below), ``tests/olmo_core_influence_worker.py``
+(``InfluenceLoggingCallback``) and ``tests/olmo_core_selection_worker.py``
+(``DataSelectionCallback``); each test names its claims.
+
+In ``tests/olmo_core_dist_worker.py`` (the three modes one after the other), two ranks
+train the tiny OLMo-2 transformer with
 OLMo-core's data parallelism (``dp_config`` DDP; FSDP with its default ``full`` wrapping:
 sharded DTensor parameters and optimizer state; HSDP as two replicas, whose parameters
 and moments are DTensors on a 2-D replicate x shard mesh), and the same script's
@@ -20,10 +26,13 @@ same Adam moments (gathered from the DTensors under FSDP and HSDP).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
+from olmo_core.nn.transformer import Transformer
 from safetensors.torch import load_file
 
 from tda_plugins.precondition import load_curvature
@@ -31,15 +40,19 @@ from tda_plugins.precondition.adam import OPTIMIZER_FILE
 from tda_plugins.store import StoreReader
 from tda_plugins.store.io import read_json
 from tda_plugins.store.layout import INDEX_FILE
+from tests import olmo_core_influence_worker as influence
+from tests import olmo_core_selection_worker as selection
 from tests.launch import torchrun
 from tests.olmo_core_dist_worker import (
     GLOBAL_BATCH,
+    MODEL,
     STEPS,
     WORLD,
     StepLog,
     train,
     write_tokens,
 )
+from tests.oracle import max_rel_error
 from tests.stores import rel_error
 
 FP32_TOL = 1e-4
@@ -59,13 +72,31 @@ def rank_step_ids(store: Path, rank: int) -> dict[int, list[int]]:
     return out
 
 
+#: The workers of the launch, each with its arguments.
+JOBS = {
+    "olmo_core_dist_worker": ",".join(PLACEMENTS),
+    "olmo_core_influence_worker": "",
+    "olmo_core_selection_worker": "",
+}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, StepLog]:
-    """One launch trains every mode in turn (one process start for the three); then the
-    one-process reference. Returns the folder and the reference's log."""
-    folder = tmp_path_factory.mktemp("olmo_core_dp")
-    write_tokens(folder)
-    torchrun("olmo_core_dist_worker.py", folder, *PLACEMENTS)
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``<root>/<worker>``: each worker's token file and output, from one two-rank launch
+    (one process start for the three)."""
+    root = tmp_path_factory.mktemp("olmo_core_ranks")
+    for worker in JOBS:
+        (root / worker).mkdir()
+        write_tokens(root / worker)
+    jobs = [f"{worker}:{args}" for worker, args in JOBS.items()]
+    torchrun("ranks_worker.py", root, *jobs, timeout=600)
+    return root
+
+
+@pytest.fixture(scope="module")
+def runs(launched: Path) -> tuple[Path, StepLog]:
+    """The capture worker's folder and the log of its one-process reference."""
+    folder = launched / "olmo_core_dist_worker"
     return folder, train(folder, "single")
 
 
@@ -122,3 +153,87 @@ def test_two_ranks_store_what_one_process_stores(runs: tuple[Path, StepLog], mod
     assert moments.keys() == reference_moments.keys()
     for key, value in reference_moments.items():
         assert rel_error(moments[key], value) <= FP32_TOL, key
+
+
+# -- InfluenceLoggingCallback --------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_ranks_record_what_one_process_records(launched: Path) -> None:
+    """DDP and FSDP over 2 gloo ranks: every rank records, at every step, the influence
+    metrics of the whole global batch (those of the one-process run on the same global
+    batches, whose weights stay equal up to fp32 rounding), and rank 0 alone writes a
+    report covering both ranks' instances."""
+    folder = launched / "olmo_core_influence_worker"
+    single = influence.train(folder, "single")
+    assert sorted(single["metrics"]) == list(range(1, STEPS + 1))
+    single_report = json.loads(Path(single["report"]["json"]).read_text())
+    for mode in influence.MODES:
+        ranks = [torch.load(folder / mode / f"rank{r}.pt") for r in range(WORLD)]
+        for rank, saved in enumerate(ranks):
+            assert sorted(saved["metrics"]) == sorted(single["metrics"]), (mode, rank)
+            for step, expected in single["metrics"].items():
+                got = saved["metrics"][step]
+                assert got.keys() == expected.keys() and len(got) == 2 * len(influence.QUERIES)
+                for name, value in expected.items():
+                    assert got[name] == pytest.approx(value, rel=FP32_TOL, abs=1e-6), (
+                        mode,
+                        rank,
+                        step,
+                        name,
+                    )
+        assert ranks[1]["report"] == {}
+        summary = json.loads(Path(ranks[0]["report"]["json"]).read_text())
+        both = {int(i) for saved in ranks for idx in saved["indices"] for i in idx}
+        assert {e["id"] for e in summary["cumulative"]} == both
+        assert both == {e["id"] for e in single_report["cumulative"]}
+        assert len(both) == STEPS * GLOBAL_BATCH
+
+
+# -- DataSelectionCallback ---------------------------------------------------------------
+
+
+def twin(params: dict[str, torch.Tensor]) -> Transformer:
+    model = MODEL.build(init_device="cpu").double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(params[name])
+    return model
+
+
+def fresh_kept(model: Transformer, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Gradient of ``sum_{kept} L_i / N_kept`` over the kept instances ``input_ids``."""
+    logits = model(input_ids)[:, :-1]
+    loss = F.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="sum")
+    names = [n for n, _ in model.named_parameters()]
+    grads = torch.autograd.grad(loss / input_ids[:, 1:].numel(), list(model.parameters()))
+    return dict(zip(names, grads, strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_olmo_core_ddp_fsdp_hsdp_select_what_one_process_selects(launched: Path) -> None:
+    """OLMo-core under ``dp_config`` DDP, FSDP and HSDP: every rank logs the global
+    outcome, which drops exactly the instances the one-process run drops at each step,
+    and every parameter's ``.grad`` after selection (shards gathered) is the fresh
+    backward over the kept instances of the whole global batch."""
+    folder = launched / "olmo_core_selection_worker"
+    single = selection.train(folder, "single")
+    assert not single["sharded"]
+    for mode in selection.MODES:
+        ranks = [torch.load(folder / mode / f"rank{r}.pt") for r in range(WORLD)]
+        assert ranks[0]["history"] == ranks[1]["history"]
+        assert ranks[0]["sharded"] == (mode != "ddp")
+        for step in range(STEPS):
+            entry, reference = ranks[0]["history"][step], single["history"][step]
+            assert sorted(entry["dropped_ids"]) == sorted(reference["dropped_ids"]), mode
+            batch = torch.cat([ranks[0]["indices"][step], ranks[1]["indices"][step]])
+            assert sorted(batch.tolist()) == sorted(single["indices"][step].tolist())
+            ids = torch.cat([ranks[0]["input_ids"][step], ranks[1]["input_ids"][step]])
+            kept = torch.tensor([int(i) not in entry["dropped_ids"] for i in batch])
+            assert int(kept.sum()) == 2
+            fresh = fresh_kept(twin(ranks[0]["params"][step]), ids[kept])
+            for rank in ranks:
+                error = max_rel_error(rank["grads"][step], fresh)
+                assert error <= FP32_TOL, f"{mode} step {step}: .grad {error:.2e} off"

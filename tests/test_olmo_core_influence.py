@@ -13,6 +13,9 @@ The reference never touches the callback: each scored step's instance gradients 
 from the store, and each query's gradient is one autograd backward of its summed
 next-token cross-entropy, written by hand from the logits, through a copy of the model at
 the parameters the step started from (kept by ``StepRecorder`` at ``pre_step``).
+
+Under DDP and FSDP on two ranks the callback records what one process records: see
+``tests/test_olmo_core_distributed.py``.
 """
 
 from __future__ import annotations
@@ -37,10 +40,6 @@ from tda_plugins.integrations.olmo_core import (
 from tda_plugins.live.influence import InfluenceLogger
 from tda_plugins.session.settings import CaptureSettings
 from tda_plugins.store import StoreReader
-from tests import olmo_core_influence_worker as worker
-from tests.launch import torchrun
-from tests.olmo_core_dist_worker import GLOBAL_BATCH, WORLD, write_tokens
-from tests.olmo_core_dist_worker import STEPS as STEPS_DP
 from tests.test_olmo_core import (
     BATCH,
     MODEL,
@@ -218,37 +217,3 @@ def test_bad_arguments_are_refused_when_the_callback_is_made() -> None:
         InfluenceLoggingCallback([[3]])
     with pytest.raises(TypeError, match="decode"):
         InfluenceLoggingCallback(QUERIES, tokenizer=42)
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_two_ranks_record_what_one_process_records(tmp_path: Path) -> None:
-    """DDP and FSDP over 2 gloo ranks: every rank records, at every step, the influence
-    metrics of the whole global batch (those of the one-process run on the same global
-    batches, whose weights stay equal up to fp32 rounding), and rank 0 alone writes a
-    report covering both ranks' instances."""
-    write_tokens(tmp_path)
-    torchrun("olmo_core_influence_worker.py", tmp_path)
-    single = worker.train(tmp_path, "single")
-    assert sorted(single["metrics"]) == list(range(1, STEPS_DP + 1))
-    single_report = json.loads(Path(single["report"]["json"]).read_text())
-    for mode in worker.MODES:
-        ranks = [torch.load(tmp_path / mode / f"rank{r}.pt") for r in range(WORLD)]
-        for rank, saved in enumerate(ranks):
-            assert sorted(saved["metrics"]) == sorted(single["metrics"]), (mode, rank)
-            for step, expected in single["metrics"].items():
-                got = saved["metrics"][step]
-                assert got.keys() == expected.keys() and len(got) == 2 * len(worker.QUERIES)
-                for name, value in expected.items():
-                    assert got[name] == pytest.approx(value, rel=FP32_TOL, abs=1e-6), (
-                        mode,
-                        rank,
-                        step,
-                        name,
-                    )
-        assert ranks[1]["report"] == {}
-        summary = json.loads(Path(ranks[0]["report"]["json"]).read_text())
-        both = {int(i) for saved in ranks for idx in saved["indices"] for i in idx}
-        assert {e["id"] for e in summary["cumulative"]} == both
-        assert both == {e["id"] for e in single_report["cumulative"]}
-        assert len(both) == STEPS_DP * GLOBAL_BATCH

@@ -17,8 +17,8 @@ gradient, and the rule applied by hand. Covered:
    1 and 4) with clipping after selection, the JSONL log, the trainer's logs and
    ``max_grad_norm`` restored; TRL ``SFTTrainer`` + LoRA; refusals before step 0.
 
-Data parallelism (DDP, FSDP2, OLMo-core FSDP/HSDP) is covered by
-``tests/test_selection_distributed.py``.
+Data parallelism is covered by ``tests/test_hf_distributed.py`` (DDP, FSDP2) and
+``tests/test_olmo_core_distributed.py`` (OLMo-core DDP, FSDP, HSDP).
 """
 
 from __future__ import annotations

@@ -1,0 +1,48 @@
+"""Several rank workers in one ``torchrun`` launch: each in turn on every rank, under one
+gloo process group.
+
+Usage: ``python -m torch.distributed.run --standalone --nproc-per-node=2
+tests/ranks_worker.py FOLDER JOB...``; a ``JOB`` is ``WORKER`` or ``WORKER:ARG,ARG...``
+and runs ``tests/WORKER.py``'s ``main(FOLDER / WORKER, *ARGS)``.
+
+Why one launch for several workers: on a 2-core machine a process start is most of a
+small worker's time (each rank imports torch and transformers or OLMo-core again), and a
+process group cannot be made again once it is destroyed, so the launch makes it before
+the first worker and destroys it after the last. A worker's ``main`` therefore runs in an
+initialized group and leaves it as it found it.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+#: Seconds one worker may run before every rank dumps every thread's stack and exits (a
+#: collective that one rank never joins would otherwise hang until the test's timeout).
+HANG_SECONDS = 150
+
+
+def main(folder: Path, jobs: list[str]) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        for job in jobs:
+            name, _, args = job.partition(":")
+            faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
+            worker = importlib.import_module(f"tests.{name}")
+            worker.main(folder / name, *filter(None, args.split(",")))
+            dist.barrier()
+        faulthandler.cancel_dump_traceback_later()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 3:
+        sys.exit("usage: ranks_worker.py FOLDER WORKER[:ARG,...]...")
+    main(Path(sys.argv[1]), sys.argv[2:])
