@@ -23,6 +23,7 @@ it in its own process.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -160,3 +161,12 @@ def main(folder: Path, *modes: str) -> None:
     for name in modes:
         mode = PARALLEL_MODES[name]
         save_log(train(folder, mode), folder / mode / f"rank{rank}.pt", keep_params=rank == 0)
+
+
+def save_each_mode(
+    folder: Path, modes: Iterable[str], train: Callable[[Path, str], dict[str, Any]]
+) -> None:
+    """On this rank: ``train(folder, mode)`` of each mode in turn, saved as
+    ``folder/<mode>/rank<r>.pt`` (the ``main`` of the influence and selection workers)."""
+    for mode in modes:
+        torch.save(train(folder, mode), folder / mode / f"rank{dist.get_rank()}.pt")

@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from olmo_core.train import Duration, TrainerConfig
 from olmo_core.train.callbacks import Callback
 from torch import Tensor
@@ -31,6 +30,7 @@ from tests.olmo_core_dist_worker import (
     STEPS,
     VOCAB,
     loader_and_module,
+    save_each_mode,
 )
 
 MODES = ("ddp", "fsdp")
@@ -71,6 +71,4 @@ def train(folder: Path, mode: str) -> dict[str, Any]:
 
 
 def main(folder: Path) -> None:
-    for mode in MODES:
-        saved = train(folder, mode)
-        torch.save(saved, folder / mode / f"rank{dist.get_rank()}.pt")
+    save_each_mode(folder, MODES, train)

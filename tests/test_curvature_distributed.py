@@ -73,20 +73,19 @@ def test_two_ranks_save_owned_layers_whose_union_equals_one_process(launched: Pa
 def test_two_ranks_sum_every_layer_type_as_one_process(launched: Path) -> None:
     """Statistics of a tiny fp32 GPT-2's every layer (embeddings' token counts, the tied
     head's diagonal, norm scales' single factor) from 2 ranks of a hand-written DDP loop
-    (the launch) equal one process's on the
-    same global batches, under both reduction schedules (the owner schedule reducing a
-    diagonal whole and a dense factor a few rows at a time), each layer saved by its owner."""
+    (the launch) equal one process's on the same global batches, under both reduction
+    schedules (the owner schedule reducing a diagonal whole and a dense factor a few rows
+    at a time), each layer saved by its owner."""
     run(launched / "one" / "all", kind="all")
     reference = load_curvature(launched / "one" / "all" / "local")
     forms = {tuple(len(t.shape) for t in (s.a_sum, s.g_sum)) for s in reference.values()}
     assert {(1, 2), (2, 1)} <= forms  # an embedding's diagonal A, the tied head's S
     assert any(s.a_sum.numel() == 0 for s in reference.values())  # norm scales
     for schedule in SCHEDULES:
-        got = load_curvature(launched / "curvature_dist_worker" / "all" / schedule)
+        root = launched / "curvature_dist_worker" / "all" / schedule
+        got = load_curvature(root)
         assert got.keys() == reference.keys()
-        assert read_set(launched / "curvature_dist_worker" / "all" / schedule).units == [
-            ("transformer.wte", "lm_head")
-        ]
+        assert read_set(root).units == [("transformer.wte", "lm_head")]
         for name, stats in reference.items():
             assert torch.equal(got[name].tokens, stats.tokens), (schedule, name)
             assert rel_error(got[name].a_sum, stats.a_sum) <= 1e-5, (schedule, name)
