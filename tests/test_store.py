@@ -485,6 +485,14 @@ class DiskLog:
     def position(self, event: tuple[str, str]) -> int:
         return self.events.index(event)
 
+    def returned(self, call: str, *, release_after: float | None = None) -> None:
+        """Log that the test's own ``call`` returned; ``release_after``: let the held disk
+        work go that many seconds later (timed from here, so a slow machine cannot let
+        the disk go before ``call`` has returned)."""
+        self.events.append(("returned", call))
+        if release_after is not None:
+            threading.Timer(release_after, self.release.set).start()
+
 
 def test_a_step_is_committed_without_waiting_for_the_disk_and_published_once_durable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -539,17 +547,17 @@ def test_a_micro_batch_waits_for_the_previous_shards_write_so_one_is_held_at_mos
 ) -> None:
     """The background write holds a shard's tensors until it runs; the next micro-batch
     of the step waits for that write before queuing its own, so a slow disk holds one
-    earlier micro-batch's gradients at most (released here after 0.3 s)."""
+    earlier micro-batch's gradients at most (the disk is released here 0.3 s after the
+    first micro-batch has returned)."""
     disk = DiskLog(monkeypatch)
     disk.release.clear()
-    threading.Timer(0.3, disk.release.set).start()
     model = tiny_causal_lm("llama")
     store = GradientStore(tmp_path)
     with CaptureEngine(model, consumers=[store]) as engine:
         summed_loss(model, lm_batch(2, 8, seed=0)).backward()  # queued, write held
-        disk.events.append(("returned", "micro-batch 0"))
+        disk.returned("micro-batch 0", release_after=0.3)
         summed_loss(model, lm_batch(2, 8, seed=1)).backward()
-        disk.events.append(("returned", "micro-batch 1"))
+        disk.returned("micro-batch 1")
         engine.optimizer_step()
         engine.end()
     first = ("write", shard_name(0, 0))
@@ -568,13 +576,15 @@ def test_queued_shards_wait_for_the_disk_only_past_the_budget(
     waits for the first shard's write). Everything is listed once the disk is released."""
     disk = DiskLog(monkeypatch)
     disk.release.clear()
-    threading.Timer(0.3, disk.release.set).start()
     model = tiny_causal_lm("llama")
     store = GradientStore(tmp_path, in_flight_bytes=budget)
+    # the disk is released once all three have returned (within the budget), or 0.3 s
+    # after the first (past it: the second must wait for that)
+    release = {2: 0.0} if budget else {0: 0.3}
     with CaptureEngine(model, consumers=[store]) as engine:
         for k in range(3):
             summed_loss(model, lm_batch(2, 8, seed=k)).backward()
-            disk.events.append(("returned", f"micro-batch {k}"))
+            disk.returned(f"micro-batch {k}", release_after=release.get(k))
         engine.optimizer_step()
         engine.end()
     first = disk.position(("write", shard_name(0, 0)))
