@@ -122,16 +122,44 @@ def test_callback_pools_take_texts_tokenized_by_the_trainers_tokenizer() -> None
         assert all(torch.equal(batch[k], expected[k]) for k in expected)
 
 
-def test_the_transformers_callbacks_load_lazily_from_the_package() -> None:
-    script = (
-        "import sys, tda_plugins\n"
-        "assert 'transformers' not in sys.modules\n"
-        "from tda_plugins import GradientCaptureCallback, use_id_column\n"
-        "from tda_plugins.integrations import transformers\n"
-        "assert GradientCaptureCallback is transformers.GradientCaptureCallback\n"
-        "assert use_id_column is transformers.use_id_column\n"
-    )
-    subprocess.run([sys.executable, "-c", script], check=True)
+#: Run in a fresh interpreter: prints the torch/transformers modules loaded by ``import
+#: tda_plugins`` with ``tda --help``, a subcommand's help and a usage error; whether the
+#: exports other than the transformers callbacks load ``torch.distributed.tensor``; then
+#: checks that the callbacks load from transformers' integration.
+_IMPORTS_SCRIPT = """
+import sys
+import tda_plugins
+from tda_plugins.cli import main
+
+for argv in (["--help"], ["attribute", "--help"], ["capture", "--help"], ["attribute"]):
+    try:
+        main(argv)
+    except SystemExit:
+        pass
+print("parser:", sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers")))
+for name, module in tda_plugins._EXPORTS.items():
+    if module != "tda_plugins.integrations.transformers":
+        getattr(tda_plugins, name)
+print("dtensor:", "torch.distributed.tensor" in sys.modules, "transformers" in sys.modules)
+from tda_plugins import GradientCaptureCallback, use_id_column
+from tda_plugins.integrations import transformers
+assert GradientCaptureCallback is transformers.GradientCaptureCallback
+assert use_id_column is transformers.use_id_column
+"""
+
+
+@pytest.mark.slow
+def test_the_package_and_the_cli_parser_import_what_they_use_when_they_use_it() -> None:
+    """``import tda_plugins``, ``tda --help``, a subcommand's help and a usage error import
+    neither torch nor transformers (seconds of start, more on a slow disk); the exports but
+    the transformers callbacks import no ``torch.distributed.tensor`` (FSDP2's DTensors are
+    recognized without it: :mod:`tda_plugins.parallel.dtensor`); the callbacks load from
+    the transformers integration on first use."""
+    shown = subprocess.run([sys.executable, "-c", _IMPORTS_SCRIPT], capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert "parser: []" in lines, shown.stdout
+    assert lines[-1] == "dtensor: False False", shown.stdout
 
 
 def test_capture_examples_queues_its_shards_for_the_disk(

@@ -259,6 +259,16 @@ def test_console_script_help_and_error_exit_codes(tmp_path: Path) -> None:
     assert_one_line_error(failed.returncode, failed.stderr, "attribute", "no gradient store")
 
 
+def test_option_choices_are_the_registries() -> None:
+    """The parser's torch-free choices name every registered method and durability mode."""
+    from tda_plugins.cli import choices
+    from tda_plugins.methods import METHODS
+    from tda_plugins.store.sync import DURABILITY
+
+    assert tuple(sorted(METHODS)) == choices.METHODS
+    assert tuple(sorted(DURABILITY)) == choices.DURABILITY
+
+
 SUBCOMMAND_OPTIONS = {
     "capture": ["--model", "--data", "--out", "--layers", "--projection", "--k-a", "--keep-tokens"],
     "attribute": ["--store", "--queries", "--method", "--damping", "--checkpoint", "--top-k"],

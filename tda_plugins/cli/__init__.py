@@ -1,6 +1,7 @@
-"""The ``tda`` command line (``commands.py``), its option value types
-(``option_types.py``) and the models ``tda capture`` loads (``models.py``); run as ``tda``
-or ``python -m tda_plugins.cli``."""
+"""The ``tda`` command line: its parser (``commands.py``, which imports no torch), the
+options' value types and choices (``option_types.py``, ``choices.py``), what each command
+does (``runs.py``) and the models ``tda capture`` loads (``models.py``); run as ``tda`` or
+``python -m tda_plugins.cli``."""
 
 from tda_plugins.cli.commands import build_parser, main
 

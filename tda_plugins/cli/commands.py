@@ -4,7 +4,9 @@
     tda attribute --store STORE --queries QSTORE --method graddot --top-k 10 --out DIR
     tda report    --scores DIR --store STORE --queries QSTORE --out report.html
 
-Bad input ends with exit code 2 and a one-line reason on stderr.
+Bad input ends with exit code 2 and a one-line reason on stderr. This module is the parser
+and imports no torch: ``--help`` and usage errors return at once; the command itself runs
+in :mod:`.runs`.
 
 Under ``torchrun --nproc-per-node N -m tda_plugins.cli ...`` the work is spread over the N
 ranks (:mod:`tda_plugins.parallel.ranks`): ``capture`` deals the batches round robin, each rank
@@ -16,18 +18,12 @@ merged scores. Both give what one process gives.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-import torch
-from safetensors import SafetensorError
-
-from tda_plugins.capture import LayerSelectionError
-from tda_plugins.cli.models import ModelSource
+from tda_plugins.cli.choices import DTYPES, DURABILITY, METHODS
 from tda_plugins.cli.option_types import (
     device,
     finite_float,
@@ -35,24 +31,6 @@ from tda_plugins.cli.option_types import (
     positive_int,
     regex,
 )
-from tda_plugins.methods import METHODS, Checkpoint, Scores, attribute, method_by_name
-from tda_plugins.parallel.ranks import Ranks, launch_size, launched_ranks
-from tda_plugins.report import render_html, write_html
-from tda_plugins.report.tokens import TOKENS_FILE, require_token_scores, token_report
-from tda_plugins.session.dataset import capture_examples
-from tda_plugins.session.settings import (
-    LAYER_OPTION_NAMES,
-    PROJECTION_OPTION_NAMES,
-    CaptureSettings,
-    StoreSettings,
-    layer_settings,
-)
-from tda_plugins.store import StoreError, StoreReader
-from tda_plugins.store.io import atomic_write_json, refuse_existing, staged_directory
-from tda_plugins.store.writer import DURABILITY
-
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-
 
 #: Each subcommand's one-line summary (``tda --help``) and its description (``--help``).
 _SUBCOMMANDS = {
@@ -147,13 +125,13 @@ def _add_capture(sub: Any) -> None:
     p.add_argument(
         "--durability",
         default="end",
-        choices=sorted(DURABILITY),
+        choices=DURABILITY,
         help="end (default): no fsync while capturing, every file made durable in one pass "
         "once the capture ends (the command returns after it); step: each step durable "
         "before the next (a long capture to resume with --append after a machine crash); "
         "none: never fsynced (a scratch store)",
     )
-    p.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="model dtype")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="model dtype")
     p.add_argument(
         "--device",
         type=device,
@@ -199,7 +177,6 @@ def _add_capture(sub: Any) -> None:
         action="store_true",
         help="store per-token factors (needed for token-level scores)",
     )
-    p.set_defaults(run=_capture)
 
 
 def _add_attribute(sub: Any) -> None:
@@ -209,7 +186,7 @@ def _add_attribute(sub: Any) -> None:
     p.add_argument(
         "--method",
         required=True,
-        choices=sorted(METHODS),
+        choices=METHODS,
         help="graddot/gradcos: plain/cosine dot; tracin: learning-rate weighted "
         "sum over checkpoints; kfac/ekfac: curvature-preconditioned; logra: "
         "K-FAC on factor-projected gradients; less: Adam-preconditioned cosine",
@@ -278,7 +255,6 @@ def _add_attribute(sub: Any) -> None:
         help="where to score (cpu: the reference; cuda: under torchrun, each rank's "
         "LOCAL_RANK GPU)",
     )
-    p.set_defaults(run=_attribute)
 
 
 def _add_report(sub: Any) -> None:
@@ -289,7 +265,6 @@ def _add_report(sub: Any) -> None:
     p.add_argument("--top-k", type=positive_int, default=10, help="examples per query")
     p.add_argument("--out", type=Path, help="HTML file (default: SCORES/report.html)")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
-    p.set_defaults(run=_report)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -311,143 +286,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _settings(args: argparse.Namespace) -> CaptureSettings:
-    """What ``tda capture`` records, as the trainer callbacks' settings: the layer and
-    projection options are the callbacks' own (their parser destinations are the
-    settings' option names)."""
-    layer_names = LAYER_OPTION_NAMES | PROJECTION_OPTION_NAMES
-    return CaptureSettings(
-        StoreSettings(str(args.out), keep_tokens=args.keep_tokens),
-        layers=layer_settings(**{name: getattr(args, name) for name in layer_names}),
-        curvature=args.curvature,
-        curvature_head=args.curvature_head,
-        curvature_budget_gb=args.curvature_budget_gb,
-    )
-
-
-def _capture(args: argparse.Namespace) -> None:
-    out: Path = args.out
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"--out {out} is a file; give a store directory")
-    if out.is_dir() and any(out.iterdir()) and not (out / "store.json").exists():
-        raise FileExistsError(f"--out {out} is a non-empty folder that holds no gradient store")
-    if args.device_map is not None and (args.device != "cpu" or launch_size() > 1):
-        raise ValueError(
-            "--device-map places the model itself: give it without --device and without "
-            "torchrun (under torchrun every rank holds a whole replica on --device)"
-        )
-    _capture_on(args, launched_ranks(args.device))
-
-
-def _capture_on(args: argparse.Namespace, ranks: Ranks) -> None:
-    """``tda capture`` on this rank (:func:`~tda_plugins.session.dataset.capture_examples`)."""
-    source = ModelSource.resolve(args.model, args.adapter)
-    model, tokenizer = source.load(_DTYPES[args.dtype], ranks.device, args.device_map)
-    capture_examples(
-        model,
-        args.data,
-        args.out,
-        tokenizer=tokenizer,
-        settings=_settings(args),
-        batch_size=args.batch_size,
-        max_length=args.max_length,
-        append=args.append,
-        metadata={**source.metadata(), "data": str(args.data)},
-        ranks=ranks,
-        eos=args.eos,
-        durability=args.durability,
-    )
-    if ranks.rank == 0:
-        print(f"wrote the examples of {args.data} to {args.out} ({ranks.size} rank(s))")
-
-
-def _attribute(args: argparse.Namespace) -> None:
-    refuse_existing(args.out, args.force)
-    _attribute_on(args, launched_ranks(args.device))
-
-
-def _attribute_on(args: argparse.Namespace, ranks: Ranks) -> None:
-    """``tda attribute`` on this rank: each rank scores its part of the store on
-    ``ranks.device``; rank 0 writes the merged scores, top-k and report."""
-    store, queries = StoreReader(args.store), StoreReader(args.queries)
-    options: dict[str, Any] = {} if args.damping is None else {"damping": args.damping}
-    if args.method == "tracin":
-        options["learning_rate"] = args.learning_rate
-        options["extra"] = tuple(
-            Checkpoint(StoreReader(s), StoreReader(q), finite_float(lr))
-            for s, q, lr in args.checkpoint
-        )
-    elif args.checkpoint:
-        raise ValueError("--checkpoint applies to --method tracin only")
-    if args.exclude_params:
-        options["exclude_params"] = tuple(args.exclude_params)
-    if args.layer_norm:
-        options["normalize_layers"] = True
-    if args.tokens:
-        require_token_scores(store, args.method)
-    start = time.perf_counter()
-    scores = attribute(
-        store,
-        queries,
-        args.method,
-        allow_mismatch=args.allow_mismatch,
-        chunk_examples=args.chunk,
-        progress=True,
-        ranks=ranks,
-        **options,
-    )
-    seconds = time.perf_counter() - start
-    if ranks.rank != 0:
-        return
-    tokens = (
-        token_report(method_by_name(args.method, **options), store, queries, scores, args.top_k)
-        if args.tokens
-        else None
-    )
-    with staged_directory(args.out) as stage:
-        scores.save(stage, k=args.top_k)
-        if tokens is not None:
-            atomic_write_json(stage / TOKENS_FILE, tokens)
-        page = render_html(
-            scores, scores.train_texts, scores.query_texts, k=args.top_k, tokens=tokens
-        )
-        write_html(stage / "report.html", page)
-    n, m = scores.values.shape
-    print(
-        f"scored {n} x {m} with {args.method} in {seconds:.2f} s on {ranks.size} rank(s) "
-        f"({ranks.device}): {args.out}"
-    )
-
-
-def _report(args: argparse.Namespace) -> None:
-    path = args.out if args.out is not None else Path(args.scores) / "report.html"
-    if args.out is not None:
-        refuse_existing(path, args.force)
-    scores = Scores.load(args.scores)
-    store, queries = StoreReader(args.store), StoreReader(args.queries)
-    saved = Path(args.scores) / TOKENS_FILE  # from `tda attribute --tokens`
-    tokens = json.loads(saved.read_text()) if saved.is_file() else None
-    page = render_html(scores, store.texts(), queries.texts(), k=args.top_k, tokens=tokens)
-    write_html(path, page)
-    print(f"wrote {path}")
-
-
-#: What a user's input can cause; each ends the command with exit code 2 and one line.
-USER_ERRORS = (
-    StoreError,
-    LayerSelectionError,
-    ValueError,
-    OSError,  # missing, unreadable or unwritable files and folders
-    SafetensorError,
-)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``tda`` console script; returns the exit code (2: bad input,
     with one line on stderr naming it)."""
     args = build_parser().parse_args(argv)
+    # The library (torch, transformers) loads once the arguments are known to be good.
+    from tda_plugins.cli.runs import USER_ERRORS, run
+
     try:
-        args.run(args)
+        run(args)
     except USER_ERRORS as exc:
         reason = " ".join(str(exc).split())  # one line, whatever the message held
         print(f"tda {args.command}: error: {reason}", file=sys.stderr)

@@ -1,13 +1,12 @@
 """Value types of the ``tda`` options: a bad value is a usage error (exit code 2) that
-names the option and the value, raised by argparse before any work."""
+names the option and the value, raised by argparse before any work. Only a device other
+than ``cpu`` imports torch (to ask whether this machine has it)."""
 
 from __future__ import annotations
 
 import argparse
 import math
 import re
-
-import torch
 
 
 def positive_int(text: str) -> int:
@@ -51,6 +50,10 @@ def regex(text: str) -> str:
 
 def device(text: str) -> str:
     """A torch device this machine has."""
+    if text == "cpu":  # every machine has it: the default, checked without torch
+        return text
+    import torch
+
     try:
         parsed = torch.device(text)
     except RuntimeError:

@@ -171,11 +171,6 @@ def reduced_to_local(summed: Tensor, p: Tensor, ranks: Ranks) -> Tensor:
     return partial.redistribute(p.device_mesh, p.placements).to_local()
 
 
-def gathered(t: Tensor) -> Tensor:
-    """The whole of ``t`` on this rank (an all-gather of a sharded DTensor)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def reduce_bytes(p: Tensor, ranks: Ranks) -> float:
     """Bytes a rank receives in :func:`reduced_to_local` of a ``p``-sized tensor (ring
     collectives): an all-reduce ``2 D (W-1)/W``; a reduce-scatter over ``S`` shards

@@ -24,13 +24,13 @@ from torch import Tensor, nn
 
 from tda_plugins.capture.adapters import LayerAdapter
 from tda_plugins.capture.records import MicroBatchRecord
-from tda_plugins.data_selection.parallel import gathered
 from tda_plugins.data_selection.settings import ScoreMode
 from tda_plugins.data_selection.target import Target
 from tda_plugins.grads.base import PerExampleGrad
 from tda_plugins.grads.dense import DenseGrad
 from tda_plugins.grads.ops import cross_gram, dots_with, sq_norms
 from tda_plugins.grads.projection import ProjectionConfig, Projector
+from tda_plugins.parallel.dtensor import gathered
 
 Layers = dict[str, tuple[nn.Module, LayerAdapter]]
 

@@ -28,9 +28,10 @@ from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.engine import CaptureEngine, capture_suspended
 from tda_plugins.capture.layers import LayerSelection, shared_parameter_ids
 from tda_plugins.capture.records import MicroBatchRecord
-from tda_plugins.data_selection.parallel import Ranks, gathered, is_sharded, local
+from tda_plugins.data_selection.parallel import Ranks, is_sharded, local
 from tda_plugins.grads.blocks import TensorKey, tensor_key
 from tda_plugins.grads.tokens import TokenFactors
+from tda_plugins.parallel.dtensor import gathered
 from tda_plugins.parallel.gather import without_gradient_sync
 from tda_plugins.session.batch import grads_set_aside
 

@@ -1,3 +1,4 @@
 """Work over the ranks of a data-parallel run: what the callbacks exchange between ranks
-(``gather.py``) and how ``tda`` spreads scoring, fitting and capture over a ``torchrun``
-launch (``ranks.py``)."""
+(``gather.py``), how ``tda`` spreads scoring, fitting and capture over a ``torchrun``
+launch (``ranks.py``), and FSDP2's DTensors recognized without importing their module
+(``dtensor.py``)."""

@@ -14,28 +14,21 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from tda_plugins.capture.engine import CaptureEngine
 from tda_plugins.grads.base import PerExampleGrad
 from tda_plugins.grads.dense import DenseGrad
+from tda_plugins.parallel.dtensor import gathered
 from tda_plugins.store.io import atomic_write_bytes
 from tda_plugins.store.layout import StoreError
 from tda_plugins.utils.progress import end_of_run_bar
 
 OPTIMIZER_FILE = "optimizer.safetensors"
-
-
-def _full(value: Any) -> Any:
-    """A moment as one whole tensor: a DTensor (FSDP2/HSDP shards) is all-gathered, which
-    is a collective every rank of its mesh must join."""
-    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def save_adam_state(
@@ -72,9 +65,9 @@ def save_adam_state(
         states = [optimizer.state.get(p, {}) for p in params.values()]
         if any("exp_avg" not in s for s in states):
             raise StoreError(f"the optimizer has no Adam state for {name}; save after a step")
-        step = max(step, *(int(_full(s["step"])) for s in states))
+        step = max(step, *(int(gathered(s["step"])) for s in states))
         for moment in ("exp_avg", "exp_avg_sq"):
-            values = {local: _full(s[moment]) for local, s in zip(params, states, strict=True)}
+            values = {local: gathered(s[moment]) for local, s in zip(params, states, strict=True)}
             if write:
                 # a copy: a tied weight's uses (embedding and head) flatten to one tensor,
                 # which safetensors refuses to write twice

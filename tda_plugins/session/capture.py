@@ -15,11 +15,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from tda_plugins.capture import CaptureConsumer, CaptureEngine
 from tda_plugins.capture.config import CaptureConfig
 from tda_plugins.capture.normalization import LossNormalization
+from tda_plugins.parallel.dtensor import is_dtensor
 from tda_plugins.precondition.adam import save_adam_state
 from tda_plugins.precondition.plan import (
     CapturePlan,
@@ -72,7 +72,7 @@ def capture_plan(settings: CaptureSettings, model: nn.Module, rank: int = 0) -> 
         budget_gb=settings.curvature_budget_gb,
         world_size=dist.get_world_size() if initialized else 1,
         rank=rank,
-        sharded=any(isinstance(p, DTensor) for p in model.parameters()),
+        sharded=any(is_dtensor(p) for p in model.parameters()),
     )
     return plan_capture(model, inputs)
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tda_plugins.parallel.dtensor import gathered
 from tda_plugins.utils.progress import end_of_run_bar
 
 #: Configuration keys that say how a model was loaded or run, not what it computes. The
@@ -100,16 +101,11 @@ def weights_digest(model: nn.Module, layers: Iterable[str]) -> str:
 
 
 def _digest_layer(model: nn.Module, layer: str, digest: Any, seen: set[int], bar: Any) -> None:
-    from torch.distributed.tensor import DTensor
-
     for local, param in model.get_submodule(layer).named_parameters():
         if id(param) in seen:
             continue
         seen.add(id(param))
-        value = param.detach()
-        if isinstance(value, DTensor):
-            value = value.full_tensor()
-        value = value.cpu().contiguous()
+        value = gathered(param.detach()).cpu().contiguous()
         digest.update(f"{layer}.{local}:{value.dtype}:{tuple(value.shape)};".encode())
         digest.update(value.view(-1).view(torch.uint8).numpy().tobytes())
         bar.update(value.numel() * value.element_size())

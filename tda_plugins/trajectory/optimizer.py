@@ -20,8 +20,8 @@ from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
+from tda_plugins.parallel.dtensor import gathered
 from tda_plugins.store.layout import StoreError
 from tda_plugins.trajectory.record import AdamGroup
 
@@ -120,5 +120,4 @@ def second_moment(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> Tens
             "the optimizer holds no exp_avg_sq for a captured parameter after its step; "
             "record_trajectory needs Adam's second moment"
         )
-    value = state["exp_avg_sq"]
-    return value.full_tensor() if isinstance(value, DTensor) else value
+    return gathered(state["exp_avg_sq"])

@@ -1,0 +1,21 @@
+"""The values of the ``tda`` options that name the library's strategies, as plain strings so
+that the parser imports no torch. Each tuple is its registry's keys, sorted (the CLI tests
+compare them): a method or durability mode registered later is added here too."""
+
+#: ``tda attribute --method``: :data:`tda_plugins.methods.METHODS`.
+METHODS = (
+    "adamw_influence",
+    "adamw_own_step",
+    "adamw_unrolled",
+    "ekfac",
+    "gradcos",
+    "graddot",
+    "kfac",
+    "less",
+    "logra",
+    "tracin",
+)
+#: ``tda capture --durability``: :data:`tda_plugins.store.sync.DURABILITY`.
+DURABILITY = ("end", "none", "step")
+#: ``tda capture --dtype``: names of torch dtypes.
+DTYPES = ("bfloat16", "float32", "float64")

@@ -1,0 +1,168 @@
+"""What each ``tda`` command does once its arguments are parsed (:mod:`.commands`): the
+library, torch and transformers are imported here, not by the parser, so that ``tda
+--help`` and usage errors return at once."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+
+from tda_plugins.capture import LayerSelectionError
+from tda_plugins.cli.models import ModelSource
+from tda_plugins.cli.option_types import finite_float
+from tda_plugins.methods import Checkpoint, Scores, attribute, method_by_name
+from tda_plugins.parallel.ranks import Ranks, launch_size, launched_ranks
+from tda_plugins.report import render_html, write_html
+from tda_plugins.report.tokens import TOKENS_FILE, require_token_scores, token_report
+from tda_plugins.session.dataset import capture_examples
+from tda_plugins.session.settings import (
+    LAYER_OPTION_NAMES,
+    PROJECTION_OPTION_NAMES,
+    CaptureSettings,
+    StoreSettings,
+    layer_settings,
+)
+from tda_plugins.store import StoreError, StoreReader
+from tda_plugins.store.io import atomic_write_json, refuse_existing, staged_directory
+
+
+def _settings(args: argparse.Namespace) -> CaptureSettings:
+    """What ``tda capture`` records, as the trainer callbacks' settings: the layer and
+    projection options are the callbacks' own (their parser destinations are the
+    settings' option names)."""
+    layer_names = LAYER_OPTION_NAMES | PROJECTION_OPTION_NAMES
+    return CaptureSettings(
+        StoreSettings(str(args.out), keep_tokens=args.keep_tokens),
+        layers=layer_settings(**{name: getattr(args, name) for name in layer_names}),
+        curvature=args.curvature,
+        curvature_head=args.curvature_head,
+        curvature_budget_gb=args.curvature_budget_gb,
+    )
+
+
+def _capture(args: argparse.Namespace) -> None:
+    out: Path = args.out
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file; give a store directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / "store.json").exists():
+        raise FileExistsError(f"--out {out} is a non-empty folder that holds no gradient store")
+    if args.device_map is not None and (args.device != "cpu" or launch_size() > 1):
+        raise ValueError(
+            "--device-map places the model itself: give it without --device and without "
+            "torchrun (under torchrun every rank holds a whole replica on --device)"
+        )
+    _capture_on(args, launched_ranks(args.device))
+
+
+def _capture_on(args: argparse.Namespace, ranks: Ranks) -> None:
+    """``tda capture`` on this rank (:func:`~tda_plugins.session.dataset.capture_examples`)."""
+    source = ModelSource.resolve(args.model, args.adapter)
+    model, tokenizer = source.load(getattr(torch, args.dtype), ranks.device, args.device_map)
+    capture_examples(
+        model,
+        args.data,
+        args.out,
+        tokenizer=tokenizer,
+        settings=_settings(args),
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+        append=args.append,
+        metadata={**source.metadata(), "data": str(args.data)},
+        ranks=ranks,
+        eos=args.eos,
+        durability=args.durability,
+    )
+    if ranks.rank == 0:
+        print(f"wrote the examples of {args.data} to {args.out} ({ranks.size} rank(s))")
+
+
+def _attribute(args: argparse.Namespace) -> None:
+    refuse_existing(args.out, args.force)
+    _attribute_on(args, launched_ranks(args.device))
+
+
+def _attribute_on(args: argparse.Namespace, ranks: Ranks) -> None:
+    """``tda attribute`` on this rank: each rank scores its part of the store on
+    ``ranks.device``; rank 0 writes the merged scores, top-k and report."""
+    store, queries = StoreReader(args.store), StoreReader(args.queries)
+    options: dict[str, Any] = {} if args.damping is None else {"damping": args.damping}
+    if args.method == "tracin":
+        options["learning_rate"] = args.learning_rate
+        options["extra"] = tuple(
+            Checkpoint(StoreReader(s), StoreReader(q), finite_float(lr))
+            for s, q, lr in args.checkpoint
+        )
+    elif args.checkpoint:
+        raise ValueError("--checkpoint applies to --method tracin only")
+    if args.exclude_params:
+        options["exclude_params"] = tuple(args.exclude_params)
+    if args.layer_norm:
+        options["normalize_layers"] = True
+    if args.tokens:
+        require_token_scores(store, args.method)
+    start = time.perf_counter()
+    scores = attribute(
+        store,
+        queries,
+        args.method,
+        allow_mismatch=args.allow_mismatch,
+        chunk_examples=args.chunk,
+        progress=True,
+        ranks=ranks,
+        **options,
+    )
+    seconds = time.perf_counter() - start
+    if ranks.rank != 0:
+        return
+    tokens = (
+        token_report(method_by_name(args.method, **options), store, queries, scores, args.top_k)
+        if args.tokens
+        else None
+    )
+    with staged_directory(args.out) as stage:
+        scores.save(stage, k=args.top_k)
+        if tokens is not None:
+            atomic_write_json(stage / TOKENS_FILE, tokens)
+        page = render_html(
+            scores, scores.train_texts, scores.query_texts, k=args.top_k, tokens=tokens
+        )
+        write_html(stage / "report.html", page)
+    n, m = scores.values.shape
+    print(
+        f"scored {n} x {m} with {args.method} in {seconds:.2f} s on {ranks.size} rank(s) "
+        f"({ranks.device}): {args.out}"
+    )
+
+
+def _report(args: argparse.Namespace) -> None:
+    path = args.out if args.out is not None else Path(args.scores) / "report.html"
+    if args.out is not None:
+        refuse_existing(path, args.force)
+    scores = Scores.load(args.scores)
+    store, queries = StoreReader(args.store), StoreReader(args.queries)
+    saved = Path(args.scores) / TOKENS_FILE  # from `tda attribute --tokens`
+    tokens = json.loads(saved.read_text()) if saved.is_file() else None
+    page = render_html(scores, store.texts(), queries.texts(), k=args.top_k, tokens=tokens)
+    write_html(path, page)
+    print(f"wrote {path}")
+
+
+#: What a user's input can cause; each ends the command with exit code 2 and one line.
+USER_ERRORS = (
+    StoreError,
+    LayerSelectionError,
+    ValueError,
+    OSError,  # missing, unreadable or unwritable files and folders
+    SafetensorError,
+)
+
+
+def run(args: argparse.Namespace) -> None:
+    """Run the parsed command ``args.command``."""
+    {"capture": _capture, "attribute": _attribute, "report": _report}[args.command](args)
