@@ -23,6 +23,7 @@ from datasets import Dataset
 from transformers import Trainer, TrainerCallback
 
 from tda_plugins.integrations.transformers import GradientCaptureCallback
+from tests.launch import freeze_imported
 from tests.models import tiny_causal_lm
 from tests.trainers import pad_rows, training_args
 
@@ -78,4 +79,5 @@ def train(root: Path, point: str, resume_from: Path | None = None) -> None:
 
 
 if __name__ == "__main__":
+    freeze_imported()
     train(Path(sys.argv[1]), sys.argv[2])

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tests.launch import freeze_imported
+
 #: Seconds one worker may run before every rank dumps every thread's stack and exits (a
 #: collective that one rank never joins would otherwise hang until the test's timeout).
 HANG_SECONDS = 150
@@ -35,6 +37,7 @@ def main(folder: Path, jobs: list[str]) -> None:
             name, _, args = job.partition(":")
             faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
             worker = importlib.import_module(f"tests.{name}")
+            freeze_imported()
             worker.main(folder / name, *filter(None, args.split(",")))
             dist.barrier()
         faulthandler.cancel_dump_traceback_later()
