@@ -125,8 +125,6 @@ def test_callback_pools_take_texts_tokenized_by_the_trainers_tokenizer() -> None
 def test_the_package_exports_exactly_its_lazy_names() -> None:
     """``__all__`` (what ``from tda_plugins import *`` and the docs list) names every lazily
     loaded export and nothing else, so that neither can drift from the other."""
-    import tda_plugins
-
     assert sorted(tda_plugins.__all__) == sorted([*tda_plugins._EXPORTS, "__version__"])
     assert set(tda_plugins._EXPORTS) <= set(dir(tda_plugins))
 
