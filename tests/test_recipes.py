@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import ast
 import copy
+import gc
 import importlib
 import json
 import os
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -286,6 +288,38 @@ async def i(): pass
         tree = ast.parse(source)
         expected = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
         assert list(data._function_definitions(tree)) == expected
+
+
+def test_the_demo_parses_with_the_collector_paused_and_leaves_it_as_it_found_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The standard-library parse runs with the cyclic collector off; afterwards, even
+    after an error inside, the collector is on if it was on, and off if it was off."""
+    data = recipe("demo_data")
+    collector_on = []
+
+    def walk(tree: ast.Module) -> Iterator[ast.FunctionDef]:
+        collector_on.append(gc.isenabled())
+        return iter(())
+
+    first_files = data._stdlib_sources()[:3]
+    monkeypatch.setattr(data, "_stdlib_sources", lambda: first_files)
+    monkeypatch.setattr(data, "_function_definitions", walk)
+    assert data.function_docstrings.__wrapped__() == ()
+    assert collector_on == [False] * 3 and gc.isenabled()
+
+    paused = data._collector_paused
+    try:
+        with pytest.raises(KeyError), paused():
+            assert not gc.isenabled()
+            raise KeyError("inside")
+        assert gc.isenabled()
+        gc.disable()
+        with paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_the_demo_pool_runs_every_arm_in_started_workers_after_the_run_it_replays() -> None:
