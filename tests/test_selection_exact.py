@@ -363,6 +363,7 @@ def assert_grad_is_fresh_over_kept(
 #: layer materialized once, the rest as captured), or each route forced on every layer.
 ROUTES = {"routed": None, "factors": Route.FACTORIZED, "built-once": Route.MATERIALIZED}
 
+
 def _core_cases() -> list[Any]:
     """Every model x accumulation x score x granularity x route; the rule turns with the
     route in a Latin square whose offset follows the accumulation and the score, so each
