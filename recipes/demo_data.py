@@ -158,9 +158,15 @@ def reference_passages(min_words: int) -> dict[str, list[Passage]]:
 
 
 @functools.cache
+def _stdlib_root() -> Path:
+    """The standard library's folder (``sysconfig`` rebuilds its paths on each call)."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+@functools.cache
 def _stdlib_sources() -> tuple[Path, ...]:
     """The standard library's source files, sorted (listed once per process)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+    root = _stdlib_root()
     skip = {"site-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo", "encodings"}
     return tuple(sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts)))
 
@@ -183,7 +189,7 @@ def _function_definitions(tree: ast.Module) -> Iterator[ast.FunctionDef]:
 def _module_name(path: Path) -> str:
     """The dotted module name of a standard-library source file (a package's ``__init__``
     is the package)."""
-    parts = path.relative_to(sysconfig.get_paths()["stdlib"]).with_suffix("").parts
+    parts = path.relative_to(_stdlib_root()).with_suffix("").parts
     return ".".join(parts).removesuffix(".__init__")
 
 
