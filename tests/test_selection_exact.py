@@ -24,6 +24,7 @@ Data parallelism is covered by ``tests/test_hf_distributed.py`` (DDP, FSDP2) and
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 from collections.abc import Callable
@@ -388,6 +389,28 @@ def _core_cases() -> list[Any]:
 
 
 CORE_CASES = _core_cases()
+
+
+def test_the_core_grid_meets_every_pair_of_factor_values() -> None:
+    """What :func:`_core_cases` promises: the full product without the rule, each rule
+    with every value of every other factor, and each (route, rule) pair with every model
+    and both granularities (the tied GPT-2 per layer aside, refused)."""
+    cases = [case.values for case in CORE_CASES]
+    factors = (MODELS, (1, 4), SCORES, GRANULARITIES, RULES, tuple(ROUTES))
+    without_rule = {(*c[:4], c[5]) for c in cases}
+    refused = {
+        c for c in itertools.product(*factors) if c[0] == "gpt2-full" and c[3] == "per_layer"
+    }
+    assert len(cases) == len(without_rule)
+    assert without_rule == {(*c[:4], c[5]) for c in set(itertools.product(*factors)) - refused}
+    for i, j in itertools.combinations(range(len(factors)), 2):
+        met = {(c[i], c[j]) for c in cases}
+        assert met >= {(a, b) for a, b in itertools.product(factors[i], factors[j])} - {
+            ("gpt2-full", "per_layer")
+        }, (i, j)
+    for k, values in ((0, MODELS), (3, GRANULARITIES)):
+        met = {(c[4], c[5], c[k]) for c in cases}
+        assert met == set(itertools.product(RULES, ROUTES, values))
 
 
 @pytest.mark.parametrize("spec, accumulation, score, granularity, rule, route", CORE_CASES)
