@@ -1,8 +1,6 @@
-"""A HF Trainer capture that dies by SIGKILL, run as a subprocess by
-``tests/test_curvature_crash.py`` (and, without the kill, in the test's own process to
-resume it).
-
-Usage: python tests/curvature_crash_worker.py ROOT POINT
+"""A HF Trainer capture that dies by SIGKILL: ``train(ROOT, POINT)`` runs in a worker
+process that ``tests/test_curvature_crash.py`` starts from its zygote (and, without the
+kill, in the test's own process to resume it).
 
 ``POINT``: ``save`` kills the process in ``on_save`` of step 4, from a callback listed
 before the capture's (between the trainer's checkpoint and the capture's ``on_save``),
@@ -14,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +20,6 @@ from datasets import Dataset
 from transformers import Trainer, TrainerCallback
 
 from tda_plugins.integrations.transformers import GradientCaptureCallback
-from tests.launch import freeze_imported
 from tests.models import tiny_causal_lm
 from tests.trainers import pad_rows, training_args
 
@@ -76,8 +72,3 @@ def train(root: Path, point: str, resume_from: Path | None = None) -> None:
         callbacks=callbacks,
     )
     trainer.train(resume_from_checkpoint=None if resume_from is None else str(resume_from))
-
-
-if __name__ == "__main__":
-    freeze_imported()
-    train(Path(sys.argv[1]), sys.argv[2])

@@ -1,15 +1,15 @@
-"""Several rank workers in one ``torchrun`` launch: each in turn on every rank, under one
-gloo process group.
+"""Several rank workers in one launch: each in turn on every rank, under one gloo process
+group.
 
-Usage: ``python -m torch.distributed.run --standalone --nproc-per-node=2
-tests/ranks_worker.py FOLDER JOB...``; a ``JOB`` is ``WORKER`` or ``WORKER:ARG,ARG...``
-and runs ``tests/WORKER.py``'s ``main(FOLDER / WORKER, *ARGS)``.
+The tests start it with ``tests.launch.forked_ranks(zygote, FOLDER, JOB...)``, which
+forks the ranks from the test process's zygote with the environment torchrun gives its
+ranks; by hand, ``python -m torch.distributed.run --standalone --nproc-per-node=2
+tests/ranks_worker.py FOLDER JOB...`` does the same. A ``JOB`` is ``WORKER`` or
+``WORKER:ARG,ARG...`` and runs ``tests/WORKER.py``'s ``main(FOLDER / WORKER, *ARGS)``.
 
-Why one launch for several workers: on a 2-core machine a process start is most of a
-small worker's time (each rank imports torch and transformers or OLMo-core again), and a
-process group cannot be made again once it is destroyed, so the launch makes it before
-the first worker and destroys it after the last. A worker's ``main`` therefore runs in an
-initialized group and leaves it as it found it.
+Why one launch for several workers: each launch pays the ranks' start and rendezvous,
+so the launch makes the group before the first worker and destroys it after the last. A
+worker's ``main`` therefore runs in an initialized group and leaves it as it found it.
 """
 
 from __future__ import annotations

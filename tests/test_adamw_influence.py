@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +44,7 @@ from tests.stores import capture_store, rel_error, scores_by_id, summed_loss
 from tests.trainers import RecordingCollator, WeightSnapshots, pad_rows, token_rows, training_args
 from tests.trajectory_oracle import AdamWRun, replay
 from tests.trajectory_worker import linear_only_llama
+from tests.zygote import Worker, Zygote
 
 ROWS = 24
 STEPS = 4
@@ -332,24 +331,17 @@ def test_a_resumed_run_records_what_an_uninterrupted_run_records(
     assert torch.equal(scores[0].values, scores[1].values)
 
 
-def start_worker(store: Path, checkpoints: Path, pause: int, stderr: IO[str]) -> subprocess.Popen:
-    """``python -m tests.trajectory_worker`` in a subprocess that stops at step ``pause``."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-m", "tests.trajectory_worker", str(store), str(checkpoints)]
-    return subprocess.Popen(
-        [*command, "--pause", str(pause)],
-        cwd=Path(__file__).resolve().parents[1],
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=stderr,
-        text=True,
-    )
+def start_worker(
+    zygote: Zygote, store: Path, checkpoints: Path, pause: int, stderr: IO[str]
+) -> Worker:
+    """``tests/trajectory_worker.py`` in a worker process that stops at step ``pause``."""
+    argv = [str(store), str(checkpoints), "--pause", str(pause)]
+    return zygote.popen("tests.trajectory_worker:main", argv, stderr=stderr.fileno())
 
 
 @pytest.mark.slow
 def test_sigkill_after_an_update_keeps_a_readable_prefix_and_resume_is_exact(
-    tmp_path: Path,
+    tmp_path: Path, zygote: Zygote
 ) -> None:
     """A run killed (SIGKILL) right after step 2's update was handed to the trajectory's
     background write reopens with steps 0, 1 and maybe 2, each readable; resuming from
@@ -357,7 +349,7 @@ def test_sigkill_after_an_update_keeps_a_readable_prefix_and_resume_is_exact(
     half-written temporary file) and ends with a trajectory equal to an uninterrupted
     run's."""
     killed, checkpoints, log = tmp_path / "killed", tmp_path / "ckpt", tmp_path / "log"
-    with log.open("w") as stderr, start_worker(killed, checkpoints, 2, stderr) as proc:
+    with log.open("w") as stderr, start_worker(zygote, killed, checkpoints, 2, stderr) as proc:
         try:
             assert proc.stdout is not None
             line = proc.stdout.readline()

@@ -1,7 +1,8 @@
-"""Curvature that survives a crash: a capture killed by SIGKILL (a subprocess, see
-``tests/curvature_crash_worker.py``) leaves K-FAC statistics of its committed steps, so
-that the store is attributable as it is, and its latest trainer checkpoint resumable,
-also when it died between the trainer's checkpoint and the capture's ``on_save``.
+"""Curvature that survives a crash: a capture killed by SIGKILL (a worker process,
+``tests/curvature_crash_worker.py``, forked by the test process's zygote) leaves K-FAC
+statistics of its committed steps, so that the store is attributable as it is, and its
+latest trainer checkpoint resumable, also when it died between the trainer's checkpoint
+and the capture's ``on_save``.
 
 The oracle for the statistics is built from the store itself: captured with
 ``keep_tokens`` and rows without padding, it holds every token row's layer input ``a``
@@ -12,10 +13,7 @@ committed steps are the K-FAC sums.
 from __future__ import annotations
 
 import logging
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,8 +29,8 @@ from tests.curvature_crash_worker import STEPS, train
 from tests.models import lm_batch, tiny_causal_lm
 from tests.stores import capture_store, rel_error
 from tests.test_curvature import dense_scores
+from tests.zygote import Zygote
 
-ROOT = Path(__file__).resolve().parent.parent
 #: fp32 products and sums against fp64 products of the same stored fp32 factors.
 TOL = 1e-5
 
@@ -62,18 +60,14 @@ def assert_statistics(got: dict[str, KroneckerFactors], ref: dict[str, Kronecker
 @pytest.mark.slow
 @pytest.mark.parametrize(("point", "committed"), [("save", 4), ("step", 5)])
 def test_killed_capture_is_attributable_and_resumable(
-    tmp_path: Path, point: str, committed: int, caplog: pytest.LogCaptureFixture
+    tmp_path: Path,
+    point: str,
+    committed: int,
+    caplog: pytest.LogCaptureFixture,
+    zygote: Zygote,
 ) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(
-        [sys.executable, "tests/curvature_crash_worker.py", str(tmp_path), point],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    code, output = zygote.run("tests.curvature_crash_worker:train", tmp_path, point, timeout=300)
+    assert code == -signal.SIGKILL, output[-3000:]
     store = StoreReader(tmp_path / "store")
     assert store.steps == list(range(committed))
     assert (tmp_path / "out" / "checkpoint-4").is_dir()

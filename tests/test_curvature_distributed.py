@@ -1,4 +1,4 @@
-"""K-FAC statistics of 2 ranks (``torchrun``, gloo, a hand-written DDP loop: see
+"""K-FAC statistics of 2 ranks (``tests.launch.forked_ranks``, gloo, a hand-written DDP loop: see
 ``tests/curvature_dist_worker.py``) equal those of one process on the same global batches,
 under both reduction schedules, with each layer saved by its owner alone: a tiny Llama's
 linear layers, and a tiny GPT-2's every layer type, from one launch."""
@@ -16,9 +16,10 @@ from tda_plugins.precondition import PlanInputs, load_curvature, plan_capture
 from tda_plugins.precondition.plan import assign_owners
 from tda_plugins.precondition.snapshots import KroneckerFactors, latest_set, read_set
 from tests.curvature_dist_worker import SCHEDULES, run
-from tests.launch import torchrun
+from tests.launch import forked_ranks
 from tests.models import tiny_causal_lm
 from tests.stores import rel_error
+from tests.zygote import Zygote
 
 #: fp32 products and sums, added in another order (and the DDP all-reduce's rounding).
 TOL = 1e-5
@@ -33,10 +34,10 @@ def assert_same(got: dict[str, KroneckerFactors], ref: dict[str, KroneckerFactor
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def launched(tmp_path_factory: pytest.TempPathFactory, zygote: Zygote) -> Path:
     """``<root>/curvature_dist_worker/<kind>``: both kinds from one two-rank launch."""
     root = tmp_path_factory.mktemp("curvature-ranks")
-    torchrun("ranks_worker.py", root, "curvature_dist_worker:linear,all")
+    forked_ranks(zygote, root, "curvature_dist_worker:linear,all")
     return root
 
 

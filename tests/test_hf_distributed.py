@@ -1,5 +1,6 @@
-"""The transformers callbacks under ``torchrun --nproc-per-node=2`` (gloo, CPU), from one
-launch (``tests/ranks_worker.py``) of two workers.
+"""The transformers callbacks on two data-parallel ranks (gloo, CPU), from one launch
+(``tests/ranks_worker.py``, the ranks forked with torchrun's environment by
+``tests.launch.forked_ranks``) of two workers.
 
 ``tests/hf_ddp_worker.py`` against the same script's one-process run on the same global
 batches covers two runs: the HF ``Trainer`` with DDP (through accelerate), and a
@@ -51,7 +52,7 @@ from tda_plugins.session.batch import causal_lm_losses
 from tda_plugins.store import StoreReader
 from tests import hf_ddp_worker
 from tests.hf_ddp_worker import EXAMPLES, SAVE_AT, STEPS, rows
-from tests.launch import torchrun
+from tests.launch import forked_ranks
 from tests.models import tiny_causal_lm
 from tests.selection_ddp_worker import FORCED, FRACTION, target_rows
 from tests.selection_ddp_worker import STEPS as SELECTION_STEPS
@@ -64,6 +65,7 @@ from tests.selection_helpers import (
 )
 from tests.stores import ManualScale, rel_error
 from tests.trainers import FP32_TOL
+from tests.zygote import Zygote
 
 WORLD = 2
 TOL = 1e-4
@@ -73,10 +75,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def launched(tmp_path_factory: pytest.TempPathFactory, zygote: Zygote) -> Path:
     """``<root>/<worker>``: each worker's output, from one two-rank launch."""
     root = tmp_path_factory.mktemp("hf-distributed")
-    torchrun("ranks_worker.py", root, "hf_ddp_worker", "selection_ddp_worker", ranks=WORLD)
+    forked_ranks(zygote, root, "hf_ddp_worker", "selection_ddp_worker", ranks=WORLD)
     return root
 
 

@@ -1,6 +1,7 @@
-"""The OLMo-core callbacks under torchrun: DDP, FSDP and HSDP do what one process does.
+"""The OLMo-core callbacks on two ranks: DDP, FSDP and HSDP do what one process does.
 
-One launch of two gloo ranks (``tests/ranks_worker.py``) runs three workers in turn, each
+One launch of two gloo ranks (``tests/ranks_worker.py``, forked with torchrun's
+environment by ``tests.launch.forked_ranks``) runs three workers in turn, each
 against its one-process run in this process: ``tests/olmo_core_dist_worker.py``
 (``GradientCaptureCallback``, below), ``tests/olmo_core_influence_worker.py``
 (``InfluenceLoggingCallback``) and ``tests/olmo_core_selection_worker.py``
@@ -42,7 +43,7 @@ from tda_plugins.store.io import read_json
 from tda_plugins.store.layout import INDEX_FILE
 from tests import olmo_core_influence_worker as influence
 from tests import olmo_core_selection_worker as selection
-from tests.launch import torchrun
+from tests.launch import forked_ranks
 from tests.olmo_core_dist_worker import (
     GLOBAL_BATCH,
     MODEL,
@@ -54,6 +55,7 @@ from tests.olmo_core_dist_worker import (
 )
 from tests.oracle import max_rel_error
 from tests.stores import rel_error
+from tests.zygote import Zygote
 
 FP32_TOL = 1e-4
 #: The DTensor placements of the parameters in each mode (DDP: plain tensors).
@@ -81,7 +83,7 @@ JOBS = {
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def launched(tmp_path_factory: pytest.TempPathFactory, zygote: Zygote) -> Path:
     """``<root>/<worker>``: each worker's token file and output, from one two-rank launch
     (one process start for the three)."""
     root = tmp_path_factory.mktemp("olmo_core_ranks")
@@ -89,7 +91,7 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (root / worker).mkdir()
         write_tokens(root / worker)
     jobs = [f"{worker}:{args}" for worker, args in JOBS.items()]
-    torchrun("ranks_worker.py", root, *jobs, timeout=600)
+    forked_ranks(zygote, root, *jobs, timeout=600)
     return root
 
 

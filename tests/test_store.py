@@ -4,7 +4,7 @@ Covered: round trips of every representation (per-token linear factors, compacte
 gradients, embedding factors, norm scales, factor and dense projections) through
 ``StoreReader.iter_chunks`` and ``load_all``, against the engine's records and the loop
 oracle; the storage rule of ``compact``; inputs shared by q/k/v written once; a SIGKILL
-between two micro-batches of a step (a subprocess running ``tests.store_worker``) and a
+between two micro-batches of a step (a worker process running ``tests.store_worker``) and a
 resume that scores like an uninterrupted run; refusal of another format version or
 capture config; bad inputs (empty or mismatched queries, NaN gradients, truncation,
 appending without resuming); and the merged view of two ranks.
@@ -19,8 +19,6 @@ import json
 import os
 import select
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -65,8 +63,8 @@ from tests import store_worker
 from tests.models import lm_batch, tiny_causal_lm
 from tests.oracle import max_rel_error
 from tests.stores import flat_oracle_grads, summed_loss
+from tests.zygote import Worker, Zygote
 
-ROOT = Path(__file__).resolve().parents[1]
 ALL = LayerSelection("all")
 Batch = dict[str, Tensor]
 #: Per optimizer step, its micro-batches (one backward each).
@@ -354,24 +352,14 @@ def test_a_transposed_view_of_an_input_is_not_stored_as_an_alias(tmp_path: Path)
 
 
 def start_worker(
-    store: Path, checkpoints: Path, pause: tuple[int, int], stderr: IO[str]
-) -> subprocess.Popen:
-    """``python -m tests.store_worker`` in a subprocess that stops at ``pause``."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-m", "tests.store_worker", str(store), str(checkpoints)]
-    command += ["--pause", *map(str, pause)]
-    return subprocess.Popen(
-        command,
-        cwd=ROOT,
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=stderr,
-        text=True,
-    )
+    zygote: Zygote, store: Path, checkpoints: Path, pause: tuple[int, int], stderr: IO[str]
+) -> Worker:
+    """``tests/store_worker.py`` in a worker process that stops at ``pause``."""
+    argv = [str(store), str(checkpoints), "--pause", *map(str, pause)]
+    return zygote.popen("tests.store_worker:main", argv, stderr=stderr.fileno())
 
 
-def wait_for_line(proc: subprocess.Popen, expected: str, log: Path, timeout: float = 120) -> None:
+def wait_for_line(proc: Worker, expected: str, log: Path, timeout: float = 120) -> None:
     """Block until the worker prints ``expected`` (fail with its stderr if it dies first)."""
     deadline = time.monotonic() + timeout
     assert proc.stdout is not None
@@ -398,7 +386,7 @@ def indexed_files(root: Path, rank: int = 0) -> set[str]:
 
 @pytest.mark.slow
 def test_sigkill_between_micro_batches_loses_only_that_step_and_resume_is_exact(
-    tmp_path: Path,
+    tmp_path: Path, zygote: Zygote
 ) -> None:
     """A run killed (SIGKILL) after two of the three micro-batches of step 2 (their shards
     written or being written, unlisted) reopens with exactly steps 0 and 1; reattaching
@@ -407,7 +395,7 @@ def test_sigkill_between_micro_batches_loses_only_that_step_and_resume_is_exact(
     (``resume_at_step``) ends with a store whose GradDot scores are bit-identical to an
     uninterrupted run's."""
     killed, checkpoints, log = tmp_path / "killed", tmp_path / "killed-ckpt", tmp_path / "log"
-    with log.open("w") as stderr, start_worker(killed, checkpoints, (2, 1), stderr) as proc:
+    with log.open("w") as stderr, start_worker(zygote, killed, checkpoints, (2, 1), stderr) as proc:
         try:
             wait_for_line(proc, "paused", log)
             # the first shard of step 2 is written (the second waited for its write);

@@ -10,9 +10,7 @@ a refused operation leaves the store byte for byte as it was.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -35,8 +33,8 @@ from tda_plugins.store.layout import CURVATURE_FILE, rank_dir, shard_name
 from tda_plugins.store.lock import LOCK_FILE
 from tests.models import lm_batch, tiny_causal_lm
 from tests.stores import capture_store, summed_loss
+from tests.zygote import Worker, Zygote
 
-REPO = Path(__file__).resolve().parents[2]
 ALL = LayerSelection("linear")
 
 
@@ -249,45 +247,47 @@ def test_a_damaged_curvature_file_is_a_store_error(tmp_path: Path) -> None:
 
 # -- one writer --------------------------------------------------------------------------------
 
-HOLDER = """
-import sys
-from tda_plugins.store import GradientStore
-store = GradientStore(sys.argv[1])
-print("holding", flush=True)
-sys.stdin.readline()
-"""
+
+def hold_store(store: str) -> None:
+    """In a worker: hold the store's rank-0 writer lock until a line comes on stdin."""
+    GradientStore(store)
+    print("holding", flush=True)
+    sys.stdin.readline()
 
 
-def hold(store: Path) -> subprocess.Popen[str]:
-    """Another process holding the store's rank-0 writer lock until its stdin closes."""
-    process = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(store)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    assert process.stdout is not None and process.stdout.readline().strip() == "holding"
-    return process
+def hold(zygote: Zygote, store: Path) -> Worker:
+    """Another process holding the store's rank-0 writer lock until a line on its stdin
+    (its standard error: ``<store>.holder.log``)."""
+    log = store.with_suffix(".holder.log")
+    with log.open("w") as err:
+        holder = zygote.popen(
+            "tests.faults.test_store_faults:hold_store", str(store), stderr=err.fileno()
+        )
+    assert holder.stdout.readline().strip() == "holding", log.read_text()
+    return holder
 
 
-def test_a_second_writer_process_is_refused_naming_the_holder(tmp_path: Path) -> None:
+def test_a_second_writer_process_is_refused_naming_the_holder(
+    tmp_path: Path, zygote: Zygote
+) -> None:
     store = store_of(tmp_path / "store")
-    holder = hold(store)
-    try:
+    with hold(zygote, store) as holder:
         files = snapshot(store)
         with pytest.raises(StoreError, match=f"another process \\(pid {holder.pid} on "):
             GradientStore(store, append=True)
         assert snapshot(store) == files
-    finally:
-        holder.communicate("\n", timeout=30)
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert holder.wait(timeout=30) == 0
 
 
-def test_the_lock_of_a_killed_writer_does_not_block_the_next_one(tmp_path: Path) -> None:
+def test_the_lock_of_a_killed_writer_does_not_block_the_next_one(
+    tmp_path: Path, zygote: Zygote
+) -> None:
     store = store_of(tmp_path / "store")
-    holder = hold(store)
-    holder.send_signal(signal.SIGKILL)
-    holder.wait(timeout=30)
+    with hold(zygote, store) as holder:
+        holder.kill()
+        assert holder.wait(timeout=30) == -signal.SIGKILL
     GradientStore(store, append=True).close()
 
 
