@@ -6,9 +6,11 @@ ranks left in a collective."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -41,6 +43,15 @@ def kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def leave_a_thread_and_an_exit_handler() -> None:
+    def late() -> None:
+        time.sleep(0.3)
+        print("thread done", flush=True)
+
+    threading.Thread(target=late).start()
+    atexit.register(print, "exit handler")
+
+
 def echo_then_wait() -> None:
     print(sys.stdin.readline().strip().upper(), flush=True)
     time.sleep(600)
@@ -60,6 +71,13 @@ def test_a_worker_has_the_environment_it_is_given(zygote: Zygote) -> None:
     assert shown == (0, "given\n")
     inherited = zygote.run("tests.test_zygote:show_variable", "HF_HUB_OFFLINE", timeout=60)
     assert inherited == (0, "1\n")
+
+
+def test_a_worker_ends_as_an_interpreter_does(zygote: Zygote) -> None:
+    """Its non-daemon threads are joined, then its exit handlers run (the store's end sync
+    relies on the first)."""
+    got = zygote.run("tests.test_zygote:leave_a_thread_and_an_exit_handler", timeout=60)
+    assert got == (0, "thread done\nexit handler\n")
 
 
 @pytest.mark.parametrize(
