@@ -37,6 +37,7 @@ from tda_plugins.precondition import (
     EKFACPreconditioner,
     KroneckerFactors,
     PlanInputs,
+    fitting,
     load_curvature,
     plan_capture,
     snapshots,
@@ -687,6 +688,37 @@ def test_equal_factors_are_factorized_once(llama: Llama, name: str, factorizatio
     with mock.patch.object(torch.linalg, factorization, side_effect=real) as calls:
         PRECONDITIONERS.create(name, damping=DAMPING).fit(store)
     assert calls.call_count == len(distinct)
+
+
+@pytest.mark.parametrize(
+    ("name", "what"), [("kfac", "K-FAC damped inverses"), ("ekfac", "EK-FAC eigendecompositions")]
+)
+@pytest.mark.parametrize("progress", [True, False])
+def test_the_fit_counts_its_progress_by_each_layers_factorization_work(
+    llama: Llama, name: str, what: str, progress: bool
+) -> None:
+    """With ``progress``, the fit's bar is named for its work and advances by each layer's
+    sum of ``n^3`` over its dense factors, to the total over the store's layers."""
+    store = llama.store("train")
+    curvature = load_curvature(store.root)
+    work = sum(
+        f.shape[0] ** 3 for s in curvature.values() for f in (s.a_cov, s.g_cov) if f.dim() == 2
+    )
+    made: list[tuple[dict[str, Any], Any]] = []
+    real = fitting.tqdm
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        made.append((kwargs, real(*args, **kwargs)))
+        return made[-1][1]
+
+    with mock.patch.object(fitting, "tqdm", side_effect=recorded):
+        PRECONDITIONERS.create(name, damping=DAMPING).fit(store, progress=progress)
+    ((kwargs, bar),) = made
+    assert kwargs["desc"] == what and kwargs["disable"] is not progress
+    if progress:
+        n = len(store.layer_names)
+        assert bar.n == bar.total == work
+        assert bar.postfix == f"{n}/{n} layers"
 
 
 def test_factor_projected_statistics_are_the_projected_exact_ones(llama: Llama) -> None:

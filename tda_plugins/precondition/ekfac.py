@@ -164,7 +164,11 @@ class EKFACPreconditioner(Preconditioner):
         dtype = store.values_dtype()
         eigh_col = SharedInput(torch.linalg.eigh)
         fitted = fit_layers(
-            store, ranks, lambda sides: _decomposed(sides, eigh_col, dtype).tensors()
+            store,
+            ranks,
+            lambda sides: _decomposed(sides, eigh_col, dtype).tensors(),
+            progress,
+            "EK-FAC eigendecompositions",
         )
         self.eigen = {n: _Eigen.shared(t) for n, t in fitted.untied().items()}
         self.bases = {n: e.basis for n, e in self.eigen.items()}

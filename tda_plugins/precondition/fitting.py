@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from tda_plugins.grads.base import PerExampleGrad
 from tda_plugins.parallel.ranks import LayerTensors, Ranks
@@ -112,21 +113,70 @@ class FittedLayers:
 
 
 def fit_layers(
-    store: StoreReader, ranks: Ranks, fit: Callable[[Sides], LayerTensors]
+    store: StoreReader,
+    ranks: Ranks,
+    fit: Callable[[Sides], LayerTensors],
+    progress: bool = False,
+    what: str = "factorizations",
 ) -> FittedLayers:
     """Read each captured layer's K-FAC statistics on the rank that owns it, ``fit`` those
     of the untied layers, and share every result with all ranks (a collective when they
-    are several)."""
+    are several). ``progress``: a bar named ``what`` on rank 0 over its own layers."""
     found = statistics_set(store)
     units = units_by_layer(found, store)
     local: dict[str, LayerTensors] = {}
-    for name, stats in owned_statistics(store, found, ranks):
-        sides = Sides.of(stats)
-        if name in units:  # combined with the other uses once all are shared
-            local[name] = (ABSENT if sides.row is None else sides.row, sides.col)
-        else:
-            local[name] = fit(sides)
+    with _FitBar(found, store, ranks, units, progress, what) as bar:
+        for name, stats in owned_statistics(store, found, ranks):
+            sides = Sides.of(stats)
+            if name in units:  # combined with the other uses once all are shared
+                local[name] = (ABSENT if sides.row is None else sides.row, sides.col)
+            else:
+                local[name] = fit(sides)
+            bar.done(name)
     return FittedLayers(ranks.share(local, store.layer_names), units)
+
+
+class _FitBar:
+    """The progress of one rank's factorizations, each layer counted by its work: the sum
+    of ``n^3`` over its dense factors (an eigendecomposition's or an inverse's cost), so
+    that the time left is told right when a few wide factors (an MLP's, a LoRA ``B``'s
+    output side) take most of it."""
+
+    def __init__(
+        self,
+        found: StatisticsSet,
+        store: StoreReader,
+        ranks: Ranks,
+        units: dict[str, tuple[str, ...]],
+        progress: bool,
+        what: str,
+    ):
+        names = store.layer_names
+        owned = [n for i, n in enumerate(names) if ranks.owns(i, len(names)) and n not in units]
+        shown = progress and ranks.rank == 0
+        sizes = found.factor_sizes() if shown else {}
+        self.work = {n: sum(k**3 for k in sizes.get(n, [])) for n in owned}
+        self.count, self.layers = 0, len(owned)
+        self.bar = tqdm(
+            total=sum(self.work.values()) or 1,
+            desc=what,
+            bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}{postfix}]",
+            disable=not shown,
+            leave=False,
+        )
+
+    def done(self, name: str) -> None:
+        """``name``'s fit is done (a layer of a tied unit counts for nothing)."""
+        if name in self.work:
+            self.count += 1
+            self.bar.set_postfix_str(f"{self.count}/{self.layers} layers", refresh=False)
+            self.bar.update(self.work[name])
+
+    def __enter__(self) -> _FitBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.close()
 
 
 class SharedInput:

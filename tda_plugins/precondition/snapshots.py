@@ -197,6 +197,17 @@ class StatisticsSet:
                 names.update(dict.fromkeys(_layers_in(f)))
         return list(names)
 
+    def factor_sizes(self) -> dict[str, list[int]]:
+        """Layer -> the orders ``n`` of its dense ``(n, n)`` factors, read from the file
+        headers alone (a diagonal or absent factor has none: it costs no factorization)."""
+        out: dict[str, list[int]] = {}
+        for path in self.files.values():
+            with safe_open(path, framework="pt") as f:
+                for name in _layers_in(f):
+                    shapes = (f.get_slice(f"{name}::{side}").get_shape() for side in "AS")
+                    out[name] = [shape[0] for shape in shapes if len(shape) == 2]
+        return out
+
     def load(self, layers: Iterable[str] | None = None) -> dict[str, KroneckerFactors]:
         """Each layer's statistics summed over the files that hold it (fp64)."""
         return sum_files(list(self.files.values()), layers)
