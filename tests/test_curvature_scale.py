@@ -7,7 +7,9 @@ tensors a real capture allocates, and the plain greedy bound for the owner assig
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -29,6 +31,7 @@ from tda_plugins.precondition import (
     PlanInputs,
     load_curvature,
     plan_capture,
+    statistics,
 )
 from tda_plugins.precondition.plan import assign_owners
 from tda_plugins.precondition.snapshots import KroneckerFactors, write_statistics
@@ -36,6 +39,7 @@ from tda_plugins.session.capture import CaptureSession
 from tda_plugins.session.settings import CaptureSettings
 from tda_plugins.store import GradientStore, StoreError, StoreReader
 from tda_plugins.store.codec import compact
+from tda_plugins.store.layout import CURVATURE_FILE
 from tests.models import VOCAB, lm_batch, tiny_causal_lm
 from tests.stores import capture_store, summed_loss
 
@@ -44,10 +48,10 @@ from tests.stores import capture_store, summed_loss
 N_A, N_S, TOKENS, MICRO_BATCHES, COMMIT_EVERY = 256, 64, 256, 1000, 50
 
 
-def synthetic_records(seed: int) -> list[MicroBatchRecord]:
-    """Micro-batches of one linear layer's fp32 factors shaped like real ones: inputs
-    with a non-zero mean and a decaying spectrum, small output gradients, and a scale
-    that varies from micro-batch to micro-batch."""
+def synthetic_records(seed: int, count: int = MICRO_BATCHES) -> list[MicroBatchRecord]:
+    """``count`` micro-batches of one linear layer's fp32 factors shaped like real ones:
+    inputs with a non-zero mean and a decaying spectrum, small output gradients, and a
+    scale that varies from micro-batch to micro-batch."""
     gen = torch.Generator().manual_seed(seed)
     mix_a = torch.randn(N_A, N_A, generator=gen) * torch.arange(1, N_A + 1) ** -0.75
     mix_g = torch.randn(N_S, N_S, generator=gen) * torch.arange(1, N_S + 1) ** -0.5
@@ -56,7 +60,7 @@ def synthetic_records(seed: int) -> list[MicroBatchRecord]:
     adapter = DEFAULT_REGISTRY.lookup(module)
     assert adapter is not None
     records = []
-    for i in range(MICRO_BATCHES):
+    for i in range(count):
         scale = 1 + 0.5 * torch.rand((), generator=gen).item()
         a = (torch.randn(1, TOKENS, N_A, generator=gen) @ mix_a.T + mean) * scale
         g = 1e-3 * torch.randn(1, TOKENS, N_S, generator=gen) @ mix_g.T
@@ -122,6 +126,51 @@ def test_fp32_running_sums_keep_kfac_scores_within_1e_5_of_fp64_sums(tmp_path: P
     assert committed.factors["fc"].tokens.item() == MICRO_BATCHES * TOKENS
     assert error(committed) <= 1e-5
     assert error(committed) * 4 <= error(plain)
+
+
+@pytest.mark.parametrize("hard_links", [True, False])
+@pytest.mark.parametrize("after_checkpoint", [0, 1])
+def test_the_end_of_a_run_checkpointed_at_its_last_step_writes_no_second_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hard_links: bool, after_checkpoint: int
+) -> None:
+    """A trainer checkpoint after the last micro-batch, then the end of the run (what
+    every HF run does with its default save strategy): the final statistics hold exactly
+    the bytes of a run that never checkpointed, as the checkpoint's own file under a second
+    name (one inode; a copy where the filesystem has no hard links), and nothing is
+    written from the sums again. A micro-batch after the checkpoint makes the end write
+    its own file, the sums of a run that never checkpointed up to fp32 rounding (the
+    checkpoint's fp64 totals plus fp32 running sums, against fp32 sums of every step)."""
+    if not hard_links:
+        monkeypatch.setattr(os, "link", mock.Mock(side_effect=OSError("no hard links")))
+    records = synthetic_records(0, 2 + after_checkpoint)
+
+    def run(root: Path, checkpoint_at: int | None) -> Path:
+        accumulator = CurvatureAccumulator(root)
+        for step, record in enumerate(records):
+            if step == checkpoint_at:
+                accumulator.commit(step, "checkpoint")
+            accumulator.on_micro_batch(record)
+            accumulator.on_optimizer_step(step, [])
+        if checkpoint_at == len(records):
+            accumulator.commit(len(records), "checkpoint")
+        with mock.patch.object(
+            statistics, "write_statistics", side_effect=statistics.write_statistics
+        ) as writes:
+            accumulator.on_end()
+        assert writes.call_count == (checkpoint_at != len(records))
+        return root / "rank-0"
+
+    plain = run(tmp_path / "plain", None) / CURVATURE_FILE
+    folder = run(tmp_path / "checkpointed", 2)
+    final, checkpoint = folder / CURVATURE_FILE, folder / "curvature-before-step2.safetensors"
+    same_inode = final.stat().st_ino == checkpoint.stat().st_ino
+    assert same_inode is (hard_links and after_checkpoint == 0)
+    if after_checkpoint == 0:
+        assert final.read_bytes() == plain.read_bytes()
+    got, expected = load_curvature(folder.parent)["fc"], load_curvature(plain.parent.parent)["fc"]
+    assert got.tokens.item() == expected.tokens.item() == len(records) * TOKENS
+    torch.testing.assert_close(got.a_sum, expected.a_sum, rtol=1e-6, atol=0)
+    torch.testing.assert_close(got.g_sum, expected.g_sum, rtol=1e-6, atol=0)
 
 
 def test_statistics_files_are_streamed_safetensors_read_back_exactly(tmp_path: Path) -> None:

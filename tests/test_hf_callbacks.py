@@ -355,6 +355,18 @@ def test_resumed_run_stores_what_an_uninterrupted_run_stores(
     assert_same_curvature(resumed.store_dir, uninterrupted.store_dir)
 
 
+def test_a_run_checkpointed_at_its_last_step_keeps_one_copy_of_its_statistics(
+    uninterrupted: Run,
+) -> None:
+    """The Trainer saves a checkpoint at the last step (step 4 of 4 here, as every run with
+    a save strategy does), and the run then ends: the final K-FAC statistics are the
+    step-4 checkpoint's file, not a second copy of its bytes."""
+    folder = uninterrupted.store_dir / "rank-0"
+    final = (folder / "curvature.safetensors").stat()
+    assert final.st_ino == (folder / "curvature-before-step4.safetensors").stat().st_ino
+    assert final.st_ino != (folder / "curvature-before-step2.safetensors").stat().st_ino
+
+
 def test_resume_from_a_checkpoint_outside_output_dir(tmp_path: Path, uninterrupted: Run) -> None:
     """``trainer.train(resume_from_checkpoint=<path>)`` accepts a checkpoint anywhere: a
     crashed run resumed from its ``checkpoint-2`` by a trainer writing to a new output_dir

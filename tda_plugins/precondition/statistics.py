@@ -56,6 +56,7 @@ from tda_plugins.precondition.snapshots import (
     Kind,
     KroneckerFactors,
     latest_set,
+    link_statistics,
     prune_commits,
     read_set,
     snapshot_path,
@@ -191,6 +192,8 @@ class CurvatureAccumulator(CaptureConsumer):
         #: files whose sums (of the owned layers) the running sums add to
         self._base: list[Path] = []
         self._base_step: int | None = None
+        #: the file of this accumulator's last commit (not one a resume started from)
+        self._committed: Path | None = None
         self._dirty = False
         self._resumed = False
         self._next_step = 0
@@ -258,6 +261,7 @@ class CurvatureAccumulator(CaptureConsumer):
         same_owners = meta.get("owners") == json.dumps(self.owners, sort_keys=True)
         self._base = [own] if own is not None and same_owners else list(found.files.values())
         self._base_step, self._next_step, self._sums, self._resumed = step, step, {}, True
+        self._committed = None
 
     def on_optimizer_step(self, step: int, records: list[MicroBatchRecord]) -> None:
         self._next_step = step + 1
@@ -407,10 +411,32 @@ class CurvatureAccumulator(CaptureConsumer):
         schedule, reduce the running sums to the owners first (a collective: every rank
         commits at the same steps); each owner writes its layers' fp64 totals
         (``kind``: ``"commit"``, ``"checkpoint"`` or ``"final"``), and the running sums
-        restart from zero. Committing twice at one step writes nothing new."""
+        restart from zero. Committing twice at one step writes nothing new; a commit of
+        another kind at the step of this accumulator's last commit, with no micro-batch
+        since (the end of a run whose last step a trainer checkpoint saved), links that
+        commit's file rather than writing the same bytes again."""
         target = snapshot_path(rank_dir(self.root, self.rank), kind, next_step)
-        if not self._dirty and self._base_step == next_step and target.exists():
+        unchanged = not self._dirty and self._base_step == next_step
+        if unchanged and target.exists():
             return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if unchanged and self._committed is not None and self._base == [self._committed]:
+            link_statistics(self._committed, target, durable=self.durability.per_step)
+        else:
+            self._write(target, next_step)
+        if self.durability.deferred:
+            self._end_syncs.append(
+                sync_later(f"the K-FAC statistics {target}", target, target.parent)
+            )
+        self._base, self._base_step, self._sums, self._dirty = [target], next_step, {}, False
+        self._committed = target
+        if kind == "commit":
+            prune_commits(target.parent, keep=target)
+        return target
+
+    def _write(self, target: Path, next_step: int) -> None:
+        """Write the owned layers' totals of the steps before ``next_step`` to ``target``
+        (under the local schedule, the running sums reduced to their owners first)."""
         if self._dirty and self.schedule == "local" and self.world_size > 1:
             self._reduce_running_sums()
         names = self._owned_names()
@@ -424,16 +450,7 @@ class CurvatureAccumulator(CaptureConsumer):
             "excluded": json.dumps(self.excluded, sort_keys=True),
             "units": json.dumps(units),
         }
-        target.parent.mkdir(parents=True, exist_ok=True)
         write_statistics(target, shapes, self._total, metadata, durable=self.durability.per_step)
-        if self.durability.deferred:
-            self._end_syncs.append(
-                sync_later(f"the K-FAC statistics {target}", target, target.parent)
-            )
-        self._base, self._base_step, self._sums, self._dirty = [target], next_step, {}, False
-        if kind == "commit":
-            prune_commits(target.parent, keep=target)
-        return target
 
     def flush(self) -> None:
         """Wait until every commit so far is on disk (``"end"``: for its fsyncs on their
