@@ -31,8 +31,7 @@ import logging
 import os
 import re
 import shutil
-import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
@@ -45,6 +44,7 @@ from torch import Tensor
 from tda_plugins.precondition.forms import FactorSpec
 from tda_plugins.store.io import atomic_write, write_renamed
 from tda_plugins.store.layout import CURVATURE_FILE, INDEX_FILE, StoreError
+from tda_plugins.store.shardfile import write_streamed
 from tda_plugins.utils.progress import end_of_run_bar
 
 logger = logging.getLogger(__name__)
@@ -117,40 +117,23 @@ def write_statistics(
     (the header is known from the shapes, so each layer's bytes follow as it is
     computed); atomically, fsynced unless not ``durable``."""
     layer_shapes = {name: (*FactorSpec.of(spec).shapes(), (1,)) for name, spec in shapes.items()}
-    entries: list[tuple[str, tuple[int, ...]]] = []
-    for name, (a_shape, s_shape, _) in layer_shapes.items():
-        entries += [(f"{name}::A", a_shape), (f"{name}::S", s_shape), (f"{name}::tokens", (1,))]
-    header: dict[str, object] = {"__metadata__": {"format": FORMAT, **metadata}}
-    offset = 0
-    for key, shape in entries:
-        size = 8 * prod(shape)
-        header[key] = {
-            "dtype": "F64",
-            "shape": list(shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    entries = [
+        (f"{name}::{side}", torch.float64, shape)
+        for name, layer_shape in layer_shapes.items()
+        for side, shape in zip(("A", "S", "tokens"), layer_shape, strict=True)
+    ]
+
+    def tensors() -> Iterator[Tensor]:
+        for name in layer_shapes:
+            stats = totals(name)
+            for tensor in (stats.a_sum, stats.g_sum, stats.tokens.reshape(1)):
+                yield tensor.detach().to("cpu", torch.float64)
+            del stats
 
     def write(tmp: Path) -> None:
-        with (
-            open(tmp, "wb") as f,
-            end_of_run_bar(offset, f"writing K-FAC statistics ({path.name})") as bar,
-        ):
-            f.write(struct.pack("<Q", len(raw)) + raw)
-            for name, layer_shape in layer_shapes.items():
-                stats = totals(name)
-                tensors = (stats.a_sum, stats.g_sum, stats.tokens.reshape(1))
-                for tensor, shape in zip(tensors, layer_shape, strict=True):
-                    values = tensor.detach().to("cpu", torch.float64).contiguous()
-                    if tuple(values.shape) != shape:
-                        raise ValueError(
-                            f"statistics of {name} are {tuple(values.shape)}, not {shape}"
-                        )
-                    values.numpy().tofile(f)  # straight from the tensor's memory
-                    bar.update(values.numel() * 8)
-                del stats
+        total = sum(8 * prod(shape) for _, _, shape in entries)
+        with end_of_run_bar(total, f"writing K-FAC statistics ({path.name})") as bar:
+            write_streamed(tmp, entries, tensors(), {"format": FORMAT, **metadata}, bar.update)
 
     (atomic_write if durable else write_renamed)(path, write)
 

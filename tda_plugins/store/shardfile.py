@@ -6,8 +6,9 @@ Reading a tensor's bytes with ``readinto`` into its place in a destination tenso
 chunk of several shards) makes one copy from the page cache, where a memory-mapped
 tensor (``safe_open(...).get_tensor``) would be copied into the chunk while its pages
 count towards the process's resident memory too. A tensor used as it is stored (a chunk
-of one shard) is memory-mapped instead (:meth:`ShardFile.mapped`). The writer keeps
-using safetensors.
+of one shard) is memory-mapped instead (:meth:`ShardFile.mapped`). The store's writer
+keeps using safetensors; files too large to build in memory first (the K-FAC
+statistics, the fit cache) are written by :func:`write_streamed`, a tensor at a time.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ import io
 import json
 import mmap
 import os
+import struct
 import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from math import prod
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +38,47 @@ DTYPES = {
     "I64": torch.int64,
     "I32": torch.int32,
 }
+
+
+#: safetensors dtype name of each torch dtype.
+NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def write_streamed(
+    path: Path,
+    entries: Sequence[tuple[str, torch.dtype, tuple[int, ...]]],
+    tensors: Iterable[Tensor],
+    metadata: Mapping[str, str],
+    done: Callable[[int], object] | None = None,
+) -> None:
+    """Write a safetensors file whose header is known from ``entries`` (key, dtype,
+    shape, in file order) before its tensors are: each of ``tensors`` (one per entry,
+    in order, produced as the file is written) goes straight from its memory to the file,
+    so no more than one of them need exist at a time and no copy of the file is built.
+    ``done(bytes)`` after each tensor. A tensor of another shape or dtype than its entry
+    is refused."""
+    header: dict[str, object] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for key, dtype, shape in entries:
+        size = dtype.itemsize * prod(shape)
+        header[key] = {
+            "dtype": NAMES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for (key, dtype, shape), tensor in zip(entries, tensors, strict=True):
+            if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                got = f"{tensor.dtype} {tuple(tensor.shape)}"
+                raise ValueError(f"{key} is {got}, not {dtype} {shape}")
+            data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+            data.numpy().tofile(f)  # straight from the tensor's memory
+            if done is not None:
+                done(data.numel())
 
 
 class ShardFile:
