@@ -12,6 +12,7 @@ Row-major ``vec`` throughout: a layer's ``(N_o, N_i')`` gradient ``G`` flattens 
 
 from __future__ import annotations
 
+import shutil
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from tda_plugins.precondition import (
     plan_capture,
     snapshots,
 )
+from tda_plugins.precondition.fit_cache import CACHE_FOLDER
 from tda_plugins.precondition.statistics import add_upper_gram, mirrored
 from tda_plugins.store import GradientStore, StoreError, StoreReader
 from tests import ekfac_routes
@@ -279,6 +281,12 @@ def projected(grads: dict[str, Tensor], config: ProjectionConfig) -> dict[str, T
 def store_ids(batches: list[dict[str, Tensor]]) -> Tensor:
     """The ids the engine gives these examples, in capture order."""
     return torch.cat([content_hash(b["input_ids"], b["attention_mask"].bool()) for b in batches])
+
+
+def uncached(store: StoreReader) -> StoreReader:
+    """``store`` without its fit cache, so that the next fit factorizes every layer."""
+    shutil.rmtree(store.root / CACHE_FOLDER, ignore_errors=True)
+    return store
 
 
 # -- fixtures ------------------------------------------------------------------------------
@@ -674,7 +682,7 @@ def test_ekfac_routes_equal_the_dense_reference(llama: Llama, route: str) -> Non
 def test_equal_factors_are_factorized_once(llama: Llama, name: str, factorization: str) -> None:
     """Layers fed by one input (q/k/v, gate/up) have equal ``A`` factors: the fit factorizes
     each distinct factor once."""
-    store = llama.store("train")
+    store = uncached(llama.store("train"))
     curvature = load_curvature(store.root)
     distinct: list[Tensor] = []
     for stats in curvature.values():
@@ -699,7 +707,7 @@ def test_the_fit_counts_its_progress_by_each_layers_factorization_work(
 ) -> None:
     """With ``progress``, the fit's bar is named for its work and advances by each layer's
     sum of ``n^3`` over its dense factors, to the total over the store's layers."""
-    store = llama.store("train")
+    store = uncached(llama.store("train"))
     curvature = load_curvature(store.root)
     work = sum(
         f.shape[0] ** 3 for s in curvature.values() for f in (s.a_cov, s.g_cov) if f.dim() == 2
@@ -834,9 +842,9 @@ def test_fit_reads_each_layers_statistics_when_it_factorizes_it(
     llama: Llama, name: str, factorization: str
 ) -> None:
     """The fit reads the store's Kronecker statistics one layer at a time, as it reaches
-    the layer, and frees them once factorized: every factorization finds exactly one
+    the layer, and frees them once factorized: every factorization finds at most one
     layer's statistics alive (never every layer's fp64 factors beside the factorizations)."""
-    store = llama.store("train")
+    store = uncached(llama.store("train"))
     layers: list[tuple[weakref.ref[Tensor], weakref.ref[Tensor]]] = []
     read = snapshots.sum_files
 
@@ -858,4 +866,4 @@ def test_fit_reads_each_layers_statistics_when_it_factorizes_it(
     ):
         PRECONDITIONERS.create(name, damping=DAMPING).fit(store)
     assert len(layers) == len(store.layer_names) > 1
-    assert alive and set(alive) == {1}
+    assert alive and max(alive) <= 1

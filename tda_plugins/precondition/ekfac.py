@@ -167,6 +167,7 @@ class EKFACPreconditioner(Preconditioner):
             store,
             ranks,
             lambda sides: _decomposed(sides, eigh_col, dtype).tensors(),
+            f"ekfac-eigh-{str(dtype).removeprefix('torch.')}",
             progress,
             "EK-FAC eigendecompositions",
         )

@@ -4,7 +4,7 @@ consecutive layers."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,9 +14,10 @@ from tqdm.auto import tqdm
 
 from tda_plugins.grads.base import PerExampleGrad
 from tda_plugins.parallel.ranks import LayerTensors, Ranks
+from tda_plugins.precondition.fit_cache import FitCache
 from tda_plugins.precondition.forms import NOT_FACTORED
 from tda_plugins.precondition.sides import Sides
-from tda_plugins.precondition.snapshots import KroneckerFactors, StatisticsSet, read_set
+from tda_plugins.precondition.snapshots import StatisticsSet, read_set
 from tda_plugins.store.layout import StoreError
 from tda_plugins.store.reader import StoreReader
 
@@ -75,19 +76,6 @@ def units_by_layer(found: StatisticsSet, store: StoreReader) -> dict[str, tuple[
     return out
 
 
-def owned_statistics(
-    store: StoreReader, found: StatisticsSet, ranks: Ranks
-) -> Iterator[tuple[str, KroneckerFactors]]:
-    """``(name, statistics)`` of every captured layer this rank factorizes (all of them in
-    one process), in store order, each read from disk when reached and released once the
-    iterator moves past it (one layer's fp64 factors in memory at a time, beside the
-    factorizations kept)."""
-    names = store.layer_names
-    for index, name in enumerate(names):
-        if ranks.owns(index, len(names)):
-            yield name, found.load([name])[name]
-
-
 @dataclass
 class FittedLayers:
     """Every layer's fitted tensors, each computed by the rank that owns the layer and
@@ -116,52 +104,67 @@ def fit_layers(
     store: StoreReader,
     ranks: Ranks,
     fit: Callable[[Sides], LayerTensors],
+    kind: str,
     progress: bool = False,
     what: str = "factorizations",
 ) -> FittedLayers:
     """Read each captured layer's K-FAC statistics on the rank that owns it, ``fit`` those
     of the untied layers, and share every result with all ranks (a collective when they
-    are several). ``progress``: a bar named ``what`` on rank 0 over its own layers."""
+    are several). ``kind`` names what ``fit`` computes, everything it depends on beyond
+    the statistics included (a damping): the layers fitted before on the same statistics
+    are read from the store's fit cache instead (:mod:`~tda_plugins.precondition.fit_cache`),
+    and what is fitted here is kept there. ``progress``: a bar named ``what`` on rank 0
+    over its own layers."""
     found = statistics_set(store)
     units = units_by_layer(found, store)
+    cache = FitCache(store, found, ranks, kind)
+    cached = cache.load()
+    names = store.layer_names
+    owned = [n for i, n in enumerate(names) if ranks.owns(i, len(names))]
     local: dict[str, LayerTensors] = {}
-    with _FitBar(found, store, ranks, units, progress, what) as bar:
-        for name, stats in owned_statistics(store, found, ranks):
-            sides = Sides.of(stats)
+    fitted: dict[str, LayerTensors] = {}
+    with _FitBar(found, owned, units, cached, progress and ranks.rank == 0, what) as bar:
+        for name in owned:
+            if name in cached and name not in units:
+                local[name] = fitted[name] = cached[name]
+                continue
+            # read when reached and released once fitted: one layer's fp64 factors in
+            # memory at a time, beside the factorizations kept
+            sides = Sides.of(found.load([name])[name])
             if name in units:  # combined with the other uses once all are shared
                 local[name] = (ABSENT if sides.row is None else sides.row, sides.col)
             else:
-                local[name] = fit(sides)
+                local[name] = fitted[name] = fit(sides)
             bar.done(name)
-    return FittedLayers(ranks.share(local, store.layer_names), units)
+    if fitted.keys() != cached.keys():
+        cache.save(fitted)
+    return FittedLayers(ranks.share(local, names), units)
 
 
 class _FitBar:
     """The progress of one rank's factorizations, each layer counted by its work: the sum
     of ``n^3`` over its dense factors (an eigendecomposition's or an inverse's cost), so
     that the time left is told right when a few wide factors (an MLP's, a LoRA ``B``'s
-    output side) take most of it."""
+    output side) take most of it. Layers read from the fit cache count for nothing."""
 
     def __init__(
         self,
         found: StatisticsSet,
-        store: StoreReader,
-        ranks: Ranks,
+        owned: list[str],
         units: dict[str, tuple[str, ...]],
-        progress: bool,
+        cached: Mapping[str, LayerTensors],
+        shown: bool,
         what: str,
     ):
-        names = store.layer_names
-        owned = [n for i, n in enumerate(names) if ranks.owns(i, len(names)) and n not in units]
-        shown = progress and ranks.rank == 0
-        sizes = found.factor_sizes() if shown else {}
+        owned = [n for n in owned if n not in units and n not in cached]
+        sizes = found.factor_sizes() if shown and owned else {}
         self.work = {n: sum(k**3 for k in sizes.get(n, [])) for n in owned}
         self.count, self.layers = 0, len(owned)
         self.bar = tqdm(
             total=sum(self.work.values()) or 1,
             desc=what,
             bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}{postfix}]",
-            disable=not shown,
+            disable=not shown or not owned,
             leave=False,
         )
 

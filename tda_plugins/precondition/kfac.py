@@ -64,7 +64,8 @@ class KFACPreconditioner(Preconditioner):
             row = ABSENT if sides.row is None else damped_inverse(sides.row, self.damping)
             return row.to(dtype), invert_col(sides.col)
 
-        fitted = fit_layers(store, ranks or Ranks(), fit, progress, "K-FAC damped inverses")
+        kind = f"kfac-damping{self.damping!r}-{str(dtype).removeprefix('torch.')}"
+        fitted = fit_layers(store, ranks or Ranks(), fit, kind, progress, "K-FAC damped inverses")
         self.inverses: dict[str, LayerTensors] = fitted.untied()
         self.tied: dict[str, tuple[Basis, Tensor]] = {}
         self.tied_units = list(dict.fromkeys(fitted.units.values()))

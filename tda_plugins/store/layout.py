@@ -10,6 +10,8 @@ STORE/
   rank-<r>/curvature.safetensors       optional: inline K-FAC statistics of rank r
   rank-<r>/end.json          written when rank r's capture ended: its weights' digest
   rank-<r>/.writer.lock      the writer's lock (holder pid and host)
+  fit-cache/                 optional: K-FAC/EK-FAC factorizations of the statistics
+                             (:mod:`~tda_plugins.precondition.fit_cache`)
 ```
 
 Only shards listed in an index are part of the store; a shard file without an index

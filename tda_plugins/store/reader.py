@@ -85,6 +85,12 @@ class StoreReader:
         self._shards = self._list_shards()
         self._verified: set[Path] = set()
 
+    @property
+    def on_disk(self) -> bool:
+        """Whether the store's shards are files (``False``: a memory store's, gone with
+        the process that holds them)."""
+        return self._medium.on_disk
+
     def _committed(self) -> list[_Shard]:
         """The committed shards, refusing a store that has none."""
         if not self._shards:

@@ -1,5 +1,6 @@
-"""Progress bars for the work a training run does at its end (the K-FAC statistics, the
-Adam moments, the weights' digest): shown on rank 0 when it is large enough to be felt."""
+"""Progress bars for large writes and digests (a training run's K-FAC statistics, Adam
+moments and weights' digest at its end, a fit cache): shown on rank 0 when the work is
+large enough to be felt."""
 
 from __future__ import annotations
 
