@@ -744,6 +744,30 @@ def test_factor_projected_statistics_are_the_projected_exact_ones(llama: Llama) 
         assert rel_err(got.g_cov, p_g @ stats.g_cov @ p_g.T) < TOL, name
 
 
+@pytest.mark.parametrize("method", ["kfac", "ekfac"])
+def test_a_lora_at_initialization_scores_as_its_b_layers_alone(tmp_path: Path, method: str) -> None:
+    """LoRA as PEFT initializes it (``B = 0``): every ``A`` layer's gradients, and so its
+    statistics, are zero. Such a layer scores 0 (its damped inverse stays finite: damped
+    by ``damping * tiny``, ``1 / (damping * tiny)`` overflowed and every score was NaN),
+    so the scores are those of a store of the ``B`` layers alone."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+    model = get_peft_model(tiny_causal_lm("llama"), config)
+    train = [lm_batch(lengths=(10, 7, 5), seed=1)]
+    queries = [lm_batch(batch=2, lengths=(10, 4), seed=3)]
+    scores = []
+    for part, include in (("all", None), ("b", "lora_B")):
+        layers = LayerSelection("lora", include=include)
+        store = capture_store(model, train, tmp_path / part, layers)
+        query = capture_store(model, queries, tmp_path / f"q-{part}", layers, curvature=False)
+        scores.append(method_by_name(method).score(store, query).values)
+    grads = StoreReader(tmp_path / "all").load_all().layers
+    assert all(g.materialize().abs().max() == 0 for n, g in grads.items() if "lora_A" in n)
+    assert torch.isfinite(scores[0]).all() and scores[1].abs().max() > 0
+    assert rel_err(scores[0], scores[1]) < 1e-12
+
+
 def test_logra_is_kfac_on_the_factor_projected_store(llama: Llama) -> None:
     """LoGra scores on a factor-projected store are K-FAC's on that store, and both equal
     the dense K-FAC reference on the projected oracle gradients P_g dW P_a^T."""

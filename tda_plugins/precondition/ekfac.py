@@ -56,7 +56,13 @@ from tda_plugins.precondition.fitting import (
     fit_layers,
     present,
 )
-from tda_plugins.precondition.sides import Basis, Sides, divided, tied_eigenbasis
+from tda_plugins.precondition.sides import (
+    Basis,
+    Sides,
+    damping_scale,
+    divided,
+    tied_eigenbasis,
+)
 from tda_plugins.store.reader import StoreChunk, StoreReader
 
 #: Most bytes of training gradients rotated into the EK-FAC basis that scoring keeps from
@@ -277,7 +283,7 @@ class EKFACPreconditioner(Preconditioner):
         # train_side rotates each stored training chunk).
         basis, lam = self.bases[layer], self.eigenvalues[layer]
         check_shape(query, basis.shape, layer)
-        damping = self.damping * lam.mean().clamp_min(torch.finfo(lam.dtype).tiny)
+        damping = self.damping * damping_scale(lam.mean())
         scaled = divided(basis.into(query), lam + damping)
         rows, cols = basis.shape
         back = query.batch_size * cols * (row_cost(rows, row_form(basis.row)) + rows * cols)

@@ -62,11 +62,19 @@ class Sides:
         return (1 if self.row is None else self.row.shape[0]), self.col.shape[0]
 
 
+def damping_scale(mean: Tensor) -> Tensor:
+    """The scale a damping is relative to: a factor's mean eigenvalue, or 1 where it is
+    0. A zero factor belongs to a layer whose gradients are all zero (a LoRA ``A`` at
+    initialization, where ``B = 0``), which scores 0 whatever its inverse; damped by
+    ``damping * tiny`` its inverse would be ``1 / (damping * tiny)``, past the largest
+    float, and ``0 * inf`` would make every score NaN."""
+    return torch.where(mean > 0, mean, torch.ones_like(mean))
+
+
 def mean_eigenvalue(x: Tensor) -> Tensor:
-    """The mean eigenvalue of a dense symmetric or diagonal factor (``trace / n``), at
-    least the smallest positive float (so a zero factor is damped by a positive amount)."""
-    mean = x.diagonal().mean() if x.dim() == 2 else x.mean()
-    return mean.clamp_min(torch.finfo(x.dtype).tiny)
+    """The mean eigenvalue of a dense symmetric or diagonal factor (``trace / n``), as
+    :func:`damping_scale` takes it (1 for a zero factor)."""
+    return damping_scale(x.diagonal().mean() if x.dim() == 2 else x.mean())
 
 
 def damped(x: Tensor, damping: float) -> Tensor:
