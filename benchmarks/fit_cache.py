@@ -21,6 +21,7 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from unittest import mock
 
@@ -39,6 +40,7 @@ from common import (
 )
 
 from tda_plugins import attribute, capture_examples
+from tda_plugins.parallel.ranks import LayerTensors
 from tda_plugins.precondition.fit_cache import CACHE_FOLDER, FitCache
 
 SECTION = "## The fit cache: a second K-FAC/EK-FAC run on one store"
@@ -51,9 +53,9 @@ def timed_attribute(store: Path, queries: Path, method: str) -> tuple[float, flo
     writes: list[float] = []
     save = FitCache.save
 
-    def timed_save(self: FitCache, fitted: object) -> None:
+    def timed_save(self: FitCache, fitted: Mapping[str, LayerTensors]) -> None:
         start = time.perf_counter()
-        save(self, fitted)  # type: ignore[arg-type]
+        save(self, fitted)
         writes.append(time.perf_counter() - start)
 
     start = time.perf_counter()

@@ -173,7 +173,7 @@ class EKFACPreconditioner(Preconditioner):
             store,
             ranks,
             lambda sides: _decomposed(sides, eigh_col, dtype).tensors(),
-            f"ekfac-eigh-{str(dtype).removeprefix('torch.')}",
+            "ekfac-eigh",
             progress,
             "EK-FAC eigendecompositions",
         )

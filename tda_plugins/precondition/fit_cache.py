@@ -8,7 +8,8 @@ fitted in ``fit-cache/<kind>-rank<r>-of<n>.safetensors`` beside the store, and t
 fit of the same kind on the same statistics reads them back instead.
 
 The file is used only when its key matches: the kind (the method, its damping where the
-fit depends on it, the dtype the bases are kept in), a format number, and, for every
+fit depends on it) and the store's values dtype (the one fits keep their results in), a
+format number, and, for every
 file of the statistics set it was fitted from, its name, size, modification time and
 inode. Every writer of statistics replaces its file by a rename (a new inode), so an
 appended capture or a recapture never meets an old fit. A cache that cannot be read is
@@ -41,7 +42,8 @@ FORMAT = 1
 
 
 class FitCache:
-    """One rank's cached fit of one kind for one store (see the module docstring).
+    """One rank's cached fit of one kind for one store (see the module docstring); ``kind``
+    names the fit and whatever it depends on beyond the statistics and the store's dtype.
 
     Attributes:
         path: the cache file.
@@ -49,6 +51,7 @@ class FitCache:
     """
 
     def __init__(self, store: StoreReader, found: StatisticsSet, ranks: Ranks, kind: str):
+        kind = f"{kind}-{str(store.values_dtype()).removeprefix('torch.')}"
         self.path = (
             store.root / CACHE_FOLDER / f"{kind}-rank{ranks.rank}-of{ranks.size}.safetensors"
         )

@@ -111,10 +111,10 @@ def fit_layers(
     """Read each captured layer's K-FAC statistics on the rank that owns it, ``fit`` those
     of the untied layers, and share every result with all ranks (a collective when they
     are several). ``kind`` names what ``fit`` computes, everything it depends on beyond
-    the statistics included (a damping): the layers fitted before on the same statistics
-    are read from the store's fit cache instead (:mod:`~tda_plugins.precondition.fit_cache`),
-    and what is fitted here is kept there. ``progress``: a bar named ``what`` on rank 0
-    over its own layers."""
+    the statistics and the store's dtype included (a damping): the layers fitted before on
+    the same statistics are read from the store's fit cache instead
+    (:mod:`~tda_plugins.precondition.fit_cache`), and what is fitted here is kept there.
+    ``progress``: a bar named ``what`` on rank 0 over its own layers."""
     found = statistics_set(store)
     units = units_by_layer(found, store)
     cache = FitCache(store, found, ranks, kind)

@@ -64,7 +64,7 @@ class KFACPreconditioner(Preconditioner):
             row = ABSENT if sides.row is None else damped_inverse(sides.row, self.damping)
             return row.to(dtype), invert_col(sides.col)
 
-        kind = f"kfac-damping{self.damping!r}-{str(dtype).removeprefix('torch.')}"
+        kind = f"kfac-damping{self.damping!r}"
         fitted = fit_layers(store, ranks or Ranks(), fit, kind, progress, "K-FAC damped inverses")
         self.inverses: dict[str, LayerTensors] = fitted.untied()
         self.tied: dict[str, tuple[Basis, Tensor]] = {}
