@@ -45,6 +45,25 @@ def test_attribute_equals_the_method_and_carries_the_texts(stores: tuple[Path, P
     assert scores.query_texts == {i: f"q {i}" for i in scores.query_ids.tolist()}
 
 
+@pytest.mark.parametrize(
+    ("method", "bar"),
+    [
+        ("tracin", "tracin scores, checkpoint 1 of 1:"),
+        ("ekfac", "EK-FAC eigenvalue correction:"),
+    ],
+)
+def test_progress_bars_name_their_pass_and_count_to_the_store(
+    stores: tuple[Path, Path], capsys: pytest.CaptureFixture[str], method: str, bar: str
+) -> None:
+    """A user sees what runs and how far it is: TracIn's bar names itself, not GradDot,
+    and EK-FAC's correction pass counts to the store's examples (not an open count)."""
+    tda_plugins.attribute(*stores, method, progress=True)
+    examples = StoreReader(stores[0]).num_examples
+    shown = [line for line in capsys.readouterr().err.split("\r") if line.startswith(bar)]
+    assert shown, f"no bar {bar!r}"
+    assert all(f"/{examples} [" in line for line in shown), shown
+
+
 def test_top_k_lists_hold_only_their_sign() -> None:
     """Helpful lists only positive scores, best first; harmful only negative, worst first;
     a zero is in neither."""

@@ -28,6 +28,9 @@ Checked for both runs:
 ``tests/selection_ddp_worker.py``: ``DataSelectionCallback`` under the DDP ``Trainer`` and
 on a ``fully_shard``-ed model, whose every step drops what one process drops on the same
 global batch (see that test).
+
+``tests/alone_ranks_worker.py``: the same launch with ``use_cpu`` unset, where accelerate
+trains each rank alone; every callback refuses it before the first step.
 """
 
 from __future__ import annotations
@@ -78,7 +81,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 def launched(tmp_path_factory: pytest.TempPathFactory, zygote: Zygote) -> Path:
     """``<root>/<worker>``: each worker's output, from one two-rank launch."""
     root = tmp_path_factory.mktemp("hf-distributed")
-    forked_ranks(zygote, root, "hf_ddp_worker", "selection_ddp_worker", ranks=WORLD)
+    forked_ranks(
+        zygote, root, "hf_ddp_worker", "selection_ddp_worker", "alone_ranks_worker", ranks=WORLD
+    )
     return root
 
 
@@ -288,3 +293,22 @@ def test_transformers_ddp_and_fsdp2_select_what_one_process_selects(launched: Pa
     # the cost model gathers a layer only when that moves fewer bytes than reducing it
     assert 0 < memory["surgery_peak_bytes"]["0"] <= largest
     assert memory["max_grad_norm_restored"]
+
+
+@pytest.mark.parametrize("callback", ["capture", "influence", "selection"])
+def test_launched_ranks_that_the_trainer_runs_alone_are_refused_before_any_step(
+    launched: Path, callback: str
+) -> None:
+    """torchrun's two ranks, the ``Trainer`` without ``use_cpu`` on this GPU-less machine:
+    accelerate runs each rank alone (``not_parallel``), so each would train on all the data
+    as rank 0. Each callback refuses at ``on_train_begin``, naming the cause and the fix."""
+    for rank in range(WORLD):
+        outcome = json.loads(
+            (launched / "alone_ranks_worker" / f"{callback}-{rank}.json").read_text()
+        )
+        assert outcome["parallel_mode"] == "not_parallel"  # the setup really is the case
+        refusal = outcome["refusal"]
+        assert refusal is not None, f"rank {rank} trained"
+        for phrase in ("2 processes were launched", "runs each one alone", "use_cpu=True"):
+            assert phrase in refusal, refusal
+        assert outcome["steps"] == 0 and not outcome["store"]

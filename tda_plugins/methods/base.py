@@ -63,12 +63,14 @@ class ScoreRun:
         allow_mismatch: score queries of another model than the store's.
         ranks: the processes that share the work and where they compute (default: this
             process, on the CPU).
+        label: what the progress bar names the pass (``None``: ``"<method> scores"``).
     """
 
     chunk_examples: int | None = None
     progress: bool = False
     allow_mismatch: bool = False
     ranks: Ranks = field(default_factory=Ranks)
+    label: str | None = None
 
     def chunk(self, queries: int) -> int:
         """Training examples per chunk against ``queries`` queries."""
@@ -210,7 +212,7 @@ class AttributionMethod(ABC):
         part = ranks.part(store, chunk)
         examples = 0 if part is None else part.num_examples
         show = run.progress and ranks.rank == 0
-        bar = tqdm(total=examples, desc=f"{self.name} scores", disable=not show)
+        bar = tqdm(total=examples, desc=run.label or f"{self.name} scores", disable=not show)
         totals = _Totals(queries.num_examples, self.normalize)
         query_ids = torch.empty(0, dtype=torch.long)
         with bar:
@@ -345,6 +347,10 @@ class _ScorePass:
     part: StoreReader | None
     chunk: int
     device: torch.device
+
+    @property
+    def examples(self) -> int:
+        return 0 if self.part is None else self.part.num_examples
 
     def chunks(self, layers: list[str]) -> Iterator[StoreChunk]:
         if self.part is None:

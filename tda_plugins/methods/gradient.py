@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -63,9 +63,11 @@ class TracIn(AttributionMethod):
         groups = self.groups
         per_checkpoint = [
             GradDot(exclude_params=groups.exclude, normalize_layers=groups.normalize_layers).scores(
-                c.store, c.queries, run
+                c.store,
+                c.queries,
+                replace(run, label=f"{self.name} scores, checkpoint {i} of {len(checkpoints)}"),
             )
-            for c in checkpoints
+            for i, c in enumerate(checkpoints, 1)
         ]
         first = per_checkpoint[0]
         for other in per_checkpoint[1:]:

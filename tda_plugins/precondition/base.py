@@ -32,6 +32,11 @@ class TrainingChunks(Protocol):
     chunk: int
     device: torch.device
 
+    @property
+    def examples(self) -> int:
+        """How many examples this rank's chunks hold."""
+        ...
+
     def chunks(self, layers: list[str]) -> Iterator[StoreChunk]:
         """This rank's chunks of the gradients of ``layers``, in store order."""
         ...

@@ -215,7 +215,8 @@ class EKFACPreconditioner(Preconditioner):
         rotated back. Otherwise they are scored from ``source`` again."""
         keep = self._kept_bytes(source.store, layers) <= KEPT_BYTES
         show = progress and ranks.rank == 0
-        with tqdm(desc="EK-FAC eigenvalue correction", disable=not show, leave=False) as bar:
+        desc = "EK-FAC eigenvalue correction"
+        with tqdm(total=source.examples, desc=desc, disable=not show, leave=False) as bar:
             kept = self._correct(
                 _counted(source.chunks(layers), bar), layers, source.store, ranks, keep
             )
@@ -309,6 +310,10 @@ class KeptChunks:
     chunk: int
     device: torch.device
     kept: list[StoreChunk]
+
+    @property
+    def examples(self) -> int:
+        return sum(chunk.size for chunk in self.kept)
 
     def chunks(self, layers: list[str]) -> Iterator[StoreChunk]:
         for chunk in self.kept:

@@ -20,7 +20,11 @@ computes) keeps that; these setups do not, and would store wrong gradients or no
   stay on its device where scores sum over the layers; load the model on one device, or
   shard it with FSDP2;
 * compiled models (``torch.compile``, ``Module.compile``, ``torch_compile=True``),
-  whose graphs do not run the hooks as eager modules do.
+  whose graphs do not run the hooks as eager modules do;
+* several launched processes that the trainer runs each alone: ``torchrun`` on a machine
+  without GPUs and ``use_cpu`` unset, where accelerate falls back to one process's
+  training (``parallel_mode`` ``not_parallel``, ``world_size`` 1) with only a warning. Every
+  process would then train on all the data, call itself rank 0 and write the same files.
 
 Each check returns a one-line refusal (the cause and the way out) or ``None``;
 :data:`TRAINER_CHECKS` is the table ``check_trainer_setup`` runs, in order.
@@ -33,6 +37,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, parse_flag_from_env
 from torch import nn
@@ -195,6 +200,27 @@ def _compiled(args: TrainingArguments, model: nn.Module) -> Refusal:
     return None
 
 
+def _launched_processes() -> int:
+    """How many processes the launcher started: the process group's size once one is
+    made, else ``WORLD_SIZE`` from the environment ``torchrun`` gives its ranks."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def _processes_run_alone(args: TrainingArguments, model: nn.Module) -> Refusal:
+    launched = _launched_processes()
+    if launched > 1 and args.world_size == 1:
+        return (
+            f"{launched} processes were launched, but the trainer runs each one alone "
+            f"(parallel_mode {args.parallel_mode.value}, world_size 1: without a GPU accelerate "
+            "falls back to one process unless use_cpu=True), so each would train on all the "
+            "data and write the same files as rank 0; on a CPU machine pass use_cpu=True "
+            "(accelerate then trains data-parallel over gloo), or launch one process"
+        )
+    return None
+
+
 #: The refusals ``check_trainer_setup`` runs before step 0, in this order.
 TRAINER_CHECKS: tuple[SetupCheck, ...] = (
     SetupCheck("packing", _packing),
@@ -205,4 +231,5 @@ TRAINER_CHECKS: tuple[SetupCheck, ...] = (
     SetupCheck("pipeline_parallel", _pipeline_parallel),
     SetupCheck("split_devices", _split_devices),
     SetupCheck("compiled", _compiled),
+    SetupCheck("processes_run_alone", _processes_run_alone),
 )
