@@ -7,10 +7,13 @@ micro-batches per rank, AdamW) on the token file ``write_tokens`` put in ``FOLDE
 times in one process group, each through OLMo-core's own ``dp_config``: ``ddp``
 (``replicate``), ``fsdp`` (``fully_shard``: DTensor parameters sharded on dim 0) and
 ``hsdp`` (two replicas of a one-rank shard: placements ``(Replicate(), Shard(0))``), with
-half of each step's global batch dropped. Each rank saves ``FOLDER/<mode>/rank<r>.pt``: its
+half of each step's global batch dropped; then ``ddp-defaults`` and ``fsdp-defaults``: the
+callback's default settings (``step_cosine`` in Adam's metric, which weighs every pair of
+the global batch). Each rank saves ``FOLDER/<run>/rank<r>.pt``: its
 instance indices and tokens per step, the full parameters each step started from, the full
 ``.grad`` after selection, and the global selection outcome per step. :func:`train` with
-``mode="single"`` is the one-process run on the same data and global batch size.
+``"single"`` (``"single-defaults"``) is the one-process run on the same data and global
+batch size.
 """
 
 from __future__ import annotations
@@ -40,7 +43,11 @@ from tests.olmo_core_dist_worker import (
 from tests.selection_helpers import PINNED
 
 MODES = ("ddp", "fsdp", "hsdp")
+#: The runs with the callback's default settings (``<mode>-defaults``).
+DEFAULTS = ("ddp-defaults", "fsdp-defaults")
 FRACTION = 0.5
+#: The callback's options per settings variant (``<mode>`` or ``<mode>-<variant>``).
+VARIANTS: dict[str, dict[str, Any]] = {"": {"fraction": FRACTION, **PINNED}, "defaults": {}}
 TARGET = np.random.default_rng(11).integers(1, VOCAB, size=(3, SEQ)).tolist()
 
 
@@ -74,14 +81,16 @@ class Audit(Callback):
         )
 
 
-def train(folder: Path, mode: str) -> dict[str, Any]:
-    """:data:`STEPS` steps with selection; what the rank saves."""
+def train(folder: Path, run: str) -> dict[str, Any]:
+    """:data:`STEPS` steps with selection (``run``: ``<mode>`` or ``<mode>-<variant>`` of
+    :data:`VARIANTS`); what the rank saves."""
+    mode, _, variant = run.partition("-")
     torch.manual_seed(0)
     loader, module = loader_and_module(folder, mode)
-    selection = DataSelectionCallback(TARGET, fraction=FRACTION, **PINNED)
+    selection = DataSelectionCallback(TARGET, **VARIANTS[variant])
     audit = Audit()
     config = TrainerConfig(
-        save_folder=str(folder / mode / "run"),
+        save_folder=str(folder / run / "run"),
         max_duration=Duration.steps(STEPS),
         metrics_collect_interval=1,
         no_checkpoints=True,
@@ -103,4 +112,4 @@ def train(folder: Path, mode: str) -> dict[str, Any]:
 
 
 def main(folder: Path) -> None:
-    save_each_mode(folder, MODES, train)
+    save_each_mode(folder, MODES + DEFAULTS, train)

@@ -4,6 +4,8 @@
   micro-batches, of ``sum of their summed token losses / their label tokens`` (the
   normalization of a trainer that divides by ``num_items_in_batch``), without the engine.
 * :func:`clipped`: that gradient after ``clip_grad_norm_``'s rule.
+* :func:`oracle_kept`: what ``step_cosine`` keeps, by brute force on per-example gradients
+  computed one example at a time (:func:`greedy_by_hand`).
 * :class:`SelectionAudit`: a ``TrainerCallback`` placed after ``DataSelectionCallback``
   that keeps, per optimizer step, the weights, the micro-batches the model trained on,
   the ``num_items_in_batch`` it was told and every ``.grad`` the optimizer is about to use.
@@ -28,7 +30,7 @@ from transformers import TrainerCallback
 
 from tda_plugins import causal_lm_example_losses
 from tda_plugins.capture import content_hash
-from tests.oracle import max_rel_error
+from tests.oracle import loop_oracle, max_rel_error
 
 #: Tolerance of an fp64 ``.grad`` against the fresh backward over the kept examples.
 FP64_TOL = 1e-6
@@ -119,6 +121,51 @@ def adam_step_metric(optimizer: torch.optim.Optimizer, param: Tensor, grad: Tens
     state = stepper.state[shadow]
     v_hat = state["exp_avg_sq"] / (1 - group["betas"][1] ** float(state["step"]))
     return 1.0 / (v_hat.sqrt() + group["eps"])
+
+
+def greedy_by_hand(vectors: Tensor, target: Tensor, margin: float) -> Tensor:
+    """``(N,)`` kept mask: from all examples, remove the one whose removal gives the
+    highest ``cos(sum of the rest, target)`` while that beats the current cosine by more
+    than ``margin`` times its size."""
+    kept = list(range(vectors.shape[0]))
+
+    def cosine(rows: list[int]) -> float:
+        step = vectors[rows].sum(0)
+        return float(step @ target / (step.norm() * target.norm()))
+
+    current = cosine(kept)
+    while len(kept) > 1:
+        value, worst = max((cosine([j for j in kept if j != i]), i) for i in kept)
+        if value <= current + max(margin, 1e-9) * abs(current):
+            break
+        kept.remove(worst)
+        current = value
+    return torch.tensor([i in kept for i in range(vectors.shape[0])])
+
+
+def oracle_kept(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    window: Batch,
+    target: Batch,
+    margin: float,
+) -> Tensor:
+    """``step_cosine``'s kept set by :func:`greedy_by_hand` on the oracle's per-example
+    gradients over every trainable parameter, in Adam's metric ``P`` when there is an
+    optimizer (``<g_i, P T>``, ``<g_i, P g_j>``: the vectors scaled by ``sqrt(P)``)."""
+    names = list(trainable(model))
+    per_example = loop_oracle(model, window, names)
+    target_grad = {n: g.sum(0) for n, g in loop_oracle(model, target, names).items()}
+    scale = {}
+    for name in names:
+        if optimizer is None:
+            scale[name] = torch.ones_like(target_grad[name])
+            continue
+        grad = per_example[name].sum(0) / label_counts(window).sum()
+        scale[name] = adam_step_metric(optimizer, model.get_parameter(name), grad).sqrt()
+    vectors = torch.cat([(per_example[n] * scale[n]).flatten(1) for n in names], dim=1)
+    direction = torch.cat([(target_grad[n] * scale[n]).flatten() for n in names])
+    return greedy_by_hand(vectors, direction, margin)
 
 
 def global_norm(grads: Mapping[str, Tensor]) -> float:

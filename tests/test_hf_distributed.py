@@ -29,6 +29,10 @@ Checked for both runs:
 on a ``fully_shard``-ed model, whose every step drops what one process drops on the same
 global batch (see that test).
 
+``tests/step_cosine_ranks_worker.py``: the library's default rule, ``step_cosine`` in
+Adam's metric, which weighs every pair of the global batch's gradients, on ranks that each
+hold half of it (DDP and FSDP2), against the brute-force greedy of one process.
+
 ``tests/alone_ranks_worker.py``: the same launch with ``use_cpu`` unset, where accelerate
 trains each rank alone; every callback refuses it before the first step.
 """
@@ -64,8 +68,12 @@ from tests.selection_helpers import (
     StepAudit,
     assert_trainer_grads_match_fresh,
     example_losses,
+    fresh_kept_gradient,
     label_counts,
+    oracle_kept,
 )
+from tests.step_cosine_ranks_worker import MARGIN, target_batch, warmed, window
+from tests.step_cosine_ranks_worker import MODES as COSINE_MODES
 from tests.stores import ManualScale, rel_error
 from tests.trainers import FP32_TOL
 from tests.zygote import Zygote
@@ -82,7 +90,13 @@ def launched(tmp_path_factory: pytest.TempPathFactory, zygote: Zygote) -> Path:
     """``<root>/<worker>``: each worker's output, from one two-rank launch."""
     root = tmp_path_factory.mktemp("hf-distributed")
     forked_ranks(
-        zygote, root, "hf_ddp_worker", "selection_ddp_worker", "alone_ranks_worker", ranks=WORLD
+        zygote,
+        root,
+        "hf_ddp_worker",
+        "selection_ddp_worker",
+        "step_cosine_ranks_worker",
+        "alone_ranks_worker",
+        ranks=WORLD,
     )
     return root
 
@@ -312,3 +326,31 @@ def test_launched_ranks_that_the_trainer_runs_alone_are_refused_before_any_step(
         for phrase in ("2 processes were launched", "runs each one alone", "use_cpu=True"):
             assert phrase in refusal, refusal
         assert outcome["steps"] == 0 and not outcome["store"]
+
+
+@pytest.mark.parametrize("mode", COSINE_MODES)
+def test_step_cosine_on_ranks_keeps_the_greedy_set_of_the_global_batch(
+    launched: Path, mode: str
+) -> None:
+    """DDP and FSDP2, each rank holding half the global batch: every rank's outcome is the
+    brute-force greedy's on the whole batch, in the Adam metric of the step (the pairs
+    across ranks included, which no rank holds alone), and ``.grad`` is the fresh
+    backward over the kept examples."""
+    saved = torch.load(launched / "step_cosine_ranks_worker" / f"{mode}.pt")
+    torch.manual_seed(0)
+    model = tiny_causal_lm("llama", torch.float64)
+    optimizer = warmed(model)
+    for name, value in model.state_dict().items():  # the ranks stepped from these weights
+        assert rel_error(saved["weights"][name], value) <= 1e-12, name
+    whole = window()
+    expected = oracle_kept(model, optimizer, whole, target_batch(), MARGIN)
+    assert 0 < int(expected.sum()) < len(expected), "vacuous: nothing or everything dropped"
+    for rank, dropped in enumerate(saved["dropped"]):
+        assert (~dropped).tolist() == expected.tolist(), f"rank {rank}"
+    tokens = float(label_counts(whole).sum())
+    micro = [{k: v[j : j + 2] for k, v in whole.items()} for j in range(0, 8, 2)]
+    masks = [expected[j : j + 2] for j in range(0, 8, 2)]
+    fresh = fresh_kept_gradient(model, micro, masks, tokens)
+    for name, grad in fresh.items():
+        err = rel_error(saved["grads"][name], grad)
+        assert err <= 1e-9, f"{name}: {err:.2e}"

@@ -239,3 +239,31 @@ def test_olmo_core_ddp_fsdp_hsdp_select_what_one_process_selects(launched: Path)
             for rank in ranks:
                 error = max_rel_error(rank["grads"][step], fresh)
                 assert error <= FP32_TOL, f"{mode} step {step}: .grad {error:.2e} off"
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_olmo_core_ddp_and_fsdp_with_the_default_rule_select_what_one_process_selects(
+    launched: Path,
+) -> None:
+    """The callback's defaults (``step_cosine`` in Adam's metric) under ``dp_config`` DDP
+    and FSDP: every rank drops at each step what the one-process run drops on the same
+    global batch, the run drops something, and ``.grad`` after selection is the fresh
+    backward over the kept. (A batch where the pairs across ranks change the kept set:
+    ``tests/test_hf_distributed.py``'s twin examples.)"""
+    folder = launched / "olmo_core_selection_worker"
+    single = selection.train(folder, "single-defaults")
+    assert any(entry["dropped_ids"] for entry in single["history"]), "vacuous: nothing dropped"
+    for run in selection.DEFAULTS:
+        ranks = [torch.load(folder / run / f"rank{r}.pt") for r in range(WORLD)]
+        assert ranks[0]["history"] == ranks[1]["history"]
+        for step in range(STEPS):
+            entry, reference = ranks[0]["history"][step], single["history"][step]
+            assert sorted(entry["dropped_ids"]) == sorted(reference["dropped_ids"]), run
+            batch = torch.cat([ranks[0]["indices"][step], ranks[1]["indices"][step]])
+            ids = torch.cat([ranks[0]["input_ids"][step], ranks[1]["input_ids"][step]])
+            kept = torch.tensor([int(i) not in entry["dropped_ids"] for i in batch])
+            fresh = fresh_kept(twin(ranks[0]["params"][step]), ids[kept])
+            for rank in ranks:
+                error = max_rel_error(rank["grads"][step], fresh)
+                assert error <= FP32_TOL, f"{run} step {step}: .grad {error:.2e} off"

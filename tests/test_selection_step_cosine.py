@@ -22,13 +22,14 @@ from tda_plugins.data_selection.target import target_gradient
 from tda_plugins.integrations.transformers.selection import causal_lm_token_counts
 from tda_plugins.session.batch import causal_lm_losses
 from tests.models import lm_batch, tiny_causal_lm, with_lora
-from tests.oracle import loop_oracle, max_rel_error
+from tests.oracle import max_rel_error
 from tests.selection_helpers import (
-    adam_step_metric,
     current_grads,
     example_losses,
     fresh_kept_gradient,
+    greedy_by_hand,
     label_counts,
+    oracle_kept,
     trainable,
 )
 from tests.stores import ManualScale
@@ -36,26 +37,6 @@ from tests.stores import ManualScale
 FP64_TOL = 1e-6
 #: The engine cases' margin: small enough that the tiny models' steps drop some examples.
 MARGIN = 0.001
-
-
-def greedy_by_hand(vectors: Tensor, target: Tensor, margin: float) -> Tensor:
-    """``(N,)`` kept mask: from all examples, remove the one whose removal gives the
-    highest ``cos(sum of the rest, target)`` while that beats the current cosine by more
-    than ``margin`` times its size."""
-    kept = list(range(vectors.shape[0]))
-
-    def cosine(rows: list[int]) -> float:
-        step = vectors[rows].sum(0)
-        return float(step @ target / (step.norm() * target.norm()))
-
-    current = cosine(kept)
-    while len(kept) > 1:
-        value, worst = max((cosine([j for j in kept if j != i]), i) for i in kept)
-        if value <= current + max(margin, 1e-9) * abs(current):
-            break
-        kept.remove(worst)
-        current = value
-    return torch.tensor([i in kept for i in range(vectors.shape[0])])
 
 
 @pytest.mark.parametrize("margin", [0.0, 0.02])
@@ -111,27 +92,6 @@ def subject(spec: str, adam: bool, warm: bool = True) -> tuple[nn.Module, torch.
     return model, optimizer
 
 
-def oracle_kept(
-    model: nn.Module, optimizer: torch.optim.Adam | None, window: dict, target: dict
-) -> Tensor:
-    """The greedy on the oracle's per-example gradients over every trainable parameter,
-    in Adam's metric ``P`` when there is an optimizer (``<g_i, P T>``, ``<g_i, P g_j>``:
-    the vectors scaled by ``sqrt(P)``)."""
-    names = list(trainable(model))
-    per_example = loop_oracle(model, window, names)
-    target_grad = {n: g.sum(0) for n, g in loop_oracle(model, target, names).items()}
-    scale = {}
-    for name in names:
-        if optimizer is None:
-            scale[name] = torch.ones_like(target_grad[name])
-            continue
-        grad = per_example[name].sum(0) / label_counts(window).sum()
-        scale[name] = adam_step_metric(optimizer, model.get_parameter(name), grad).sqrt()
-    vectors = torch.cat([(per_example[n] * scale[n]).flatten(1) for n in names], dim=1)
-    direction = torch.cat([(target_grad[n] * scale[n]).flatten() for n in names])
-    return greedy_by_hand(vectors, direction, MARGIN)
-
-
 CASES = [
     pytest.param("llama-lora", 1, "dot", True, id="lora-ga1-dot"),
     pytest.param("llama-lora", 2, "cosine", True, id="lora-ga2-cosine"),
@@ -152,7 +112,7 @@ def test_engine_keeps_the_greedy_set_and_grad_is_fresh_over_it(
     window = lm_batch(8, 10, lengths=(10, 7, 9, 5, 10, 8, 6, 10), seed=1)
     # a target of a different batch: some examples of the window point away from it
     target = lm_batch(2, 8, lengths=(8, 5), seed=2)
-    expected = oracle_kept(model, optimizer, window, target)
+    expected = oracle_kept(model, optimizer, window, target, MARGIN)
     assert 0 < int(expected.sum()) < 8, "vacuous case: the greedy drops nothing or all"
     size = 8 // accumulation
     micro = [
@@ -225,33 +185,3 @@ def test_settings_refuse_what_the_set_rule_cannot_weigh() -> None:
                 score="adam",
                 optimizer=torch.optim.Adam(model.parameters()),
             )
-
-
-def test_data_parallel_ranks_are_refused_before_any_step(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The rule weighs every pair of the global batch's gradients, which the ranks do not
-    share: a session on 2 ranks refuses at construction, naming the way out, and leaves no
-    hook on the model."""
-    from tda_plugins.data_selection import SelectionSession
-    from tda_plugins.data_selection import session as session_module
-    from tda_plugins.data_selection.parallel import Ranks
-    from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
-    from tda_plugins.integrations.transformers.selection import target_token_counts
-    from tda_plugins.session.capture import UnsupportedTrainingSetup
-
-    monkeypatch.setattr(session_module.Ranks, "current", classmethod(lambda cls: Ranks(2, 0)))
-    model = with_lora(tiny_causal_lm("llama"))
-    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
-    with pytest.raises(UnsupportedTrainingSetup, match="one process or use a rule over scores"):
-        SelectionSession(
-            SelectionSettings(),
-            model,
-            target=lm_batch(2, 8, seed=2),
-            losses=causal_lm_losses,
-            target_tokens=target_token_counts,
-            normalization=CausalLMNormalization(),
-            token_counts=causal_lm_token_counts,
-        )
-    after = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
-    assert after == hooks

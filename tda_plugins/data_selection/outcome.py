@@ -133,10 +133,10 @@ def decide(
 ) -> Decision:
     """Gather this rank's ``(B,)`` ids and loss tokens and its per-unit scores with every
     other rank's, and apply ``rule`` once to the global batch (``count``: the number a
-    ranked rule drops, per unit, instead of its own; ``gram``: the ``(B, B)`` Gram matrix
-    a set rule reads, one process only)."""
-    if isinstance(rule, SetRule) and (gram is None or ranks.world > 1):
-        raise ValueError(f"rule {rule.name!r} needs the step's Gram matrix, in one process")
+    ranked rule drops, per unit, instead of its own; ``gram``: the ``(N, N)`` Gram matrix
+    a set rule reads: the global batch's, in rank order)."""
+    if isinstance(rule, SetRule) and gram is None:
+        raise ValueError(f"rule {rule.name!r} needs the step's Gram matrix")
     parts = [ids.view(torch.float64)[:, None], counts.double()[:, None], scores.dots]
     if scores.squares is not None:
         parts.append(scores.squares)

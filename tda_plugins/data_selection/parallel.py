@@ -40,15 +40,25 @@ class Ranks:
             return cls(dist.get_world_size(), dist.get_rank())
         return cls()
 
-    def gather_rows(self, local: Tensor) -> tuple[Tensor, list[int]]:
+    def sizes(self, count: int, device: torch.device) -> list[int]:
+        """Every rank's ``count``, in rank order (one collective; ``device``: where the
+        process group's backend exchanges tensors)."""
+        if self.world == 1:
+            return [count]
+        mine = torch.tensor([count], dtype=torch.int64, device=device)
+        counts = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(counts, mine)
+        return [int(c) for c in torch.cat(counts).tolist()]
+
+    def gather_rows(
+        self, local: Tensor, sizes: list[int] | None = None
+    ) -> tuple[Tensor, list[int]]:
         """``(B_r, K)`` rows of every rank -> ``(sum_r B_r, K)`` in rank order, and each
-        rank's ``B_r`` (two collectives: the counts, then the rows padded to the largest)."""
+        rank's ``B_r`` (two collectives: the counts, unless ``sizes`` gives them, then the
+        rows padded to the largest)."""
         if self.world == 1:
             return local, [local.shape[0]]
-        count = torch.tensor([local.shape[0]], dtype=torch.int64, device=local.device)
-        counts = [torch.empty_like(count) for _ in range(self.world)]
-        dist.all_gather(counts, count)
-        sizes = [int(c) for c in torch.cat(counts).tolist()]
+        sizes = sizes or self.sizes(local.shape[0], local.device)
         padded = local.new_zeros(max(sizes), *local.shape[1:])
         padded[: local.shape[0]] = local
         parts = [torch.empty_like(padded) for _ in range(self.world)]

@@ -16,7 +16,7 @@ dot is the sum of its layers' dots; its cosine norm is taken over the parameter 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from tda_plugins.capture.adapters import LayerAdapter
 from tda_plugins.capture.records import MicroBatchRecord
+from tda_plugins.data_selection.parallel import Ranks
 from tda_plugins.data_selection.settings import ScoreMode
 from tda_plugins.data_selection.target import Target
 from tda_plugins.grads.base import PerExampleGrad
@@ -33,6 +34,10 @@ from tda_plugins.grads.projection import ProjectionConfig, Projector
 from tda_plugins.parallel.dtensor import gathered
 
 Layers = dict[str, tuple[nn.Module, LayerAdapter]]
+
+#: Most bytes of materialized per-example gradients the ranks gather at once to build a
+#: set rule's global Gram matrix (a unit larger than this is gathered alone).
+GRAM_GATHER_BYTES = 256 * 2**20
 
 
 @dataclass
@@ -210,23 +215,25 @@ class Scorer:
 
     # -- the step ----------------------------------------------------------------------
 
-    def gram(self, records: list[MicroBatchRecord]) -> Tensor:
-        """``(B, B)`` fp64 inner products of this rank's examples' gradients over every
+    def gram(self, records: list[MicroBatchRecord], ranks: Ranks | None = None) -> Tensor:
+        """``(N, N)`` fp64 inner products of the step's examples' gradients over every
         captured parameter, in the metric of the score (``P`` for ``adam``; under a
-        projection, of the projected gradients). Cost per layer and pair of micro-batches:
-        the cheaper of the ghost product and the materialized one
-        (:func:`~tda_plugins.grads.ops.cross_gram`); a tied unit is materialized (not
-        under ``adam``: refused where the rule is chosen)."""
+        projection, of the projected gradients), on the host.
+
+        One process (``ranks`` ``None`` or of world 1): this process's examples, each layer
+        and pair of micro-batches by the cheaper of the ghost product and the materialized
+        one (:func:`~tda_plugins.grads.ops.cross_gram`); a tied unit is materialized (not
+        under ``adam``: refused where the rule is chosen). Data-parallel ranks: the whole
+        global batch's, rows and columns in rank order, the same on every rank
+        (:meth:`_global_gram`)."""
+        if ranks is not None and ranks.world > 1:
+            return self._global_gram(records, ranks)
         sizes = [r.batch_size for r in records]
         starts = [sum(sizes[:k]) for k in range(len(sizes))]
         out = torch.zeros(sum(sizes), sum(sizes), dtype=torch.float64)
         for unit in self.units:
             if len(unit) > 1 and self.projector is None:
-                per_layer = {
-                    n: torch.cat([r.layers[n].grads.materialize() * r.loss_scale for r in records])
-                    for n in unit
-                }
-                grads = self._in_parameters(unit, per_layer).double().cpu()
+                grads = self._unit_rows(unit, records).double().cpu()
                 out += grads @ grads.T
                 continue
             for name in unit:
@@ -240,6 +247,65 @@ class Scorer:
                             block
                         )
         return out
+
+    def _global_gram(self, records: list[MicroBatchRecord], ranks: Ranks) -> Tensor:
+        """The global batch's Gram matrix on every data-parallel rank. No rank holds another
+        rank's gradients, so the units' materialized per-example gradients are gathered
+        from every rank, a group of units at a time (at most :data:`GRAM_GATHER_BYTES`
+        gathered at once, a larger unit alone); each rank multiplies its own examples'
+        (in the metric) with everyone's, ``(B_r, N)``, and those rows are gathered last.
+        Collectives per step: one for the counts, one per group, one for the rows."""
+        local = sum(r.batch_size for r in records)
+        device = records[0].example_ids.device
+        sizes = ranks.sizes(local, device)
+        rows = torch.zeros(local, sum(sizes), dtype=torch.float64, device=device)
+        for group in self._row_groups(records, sum(sizes)):
+            mine = torch.cat([unit_rows for _, unit_rows in group], dim=1)
+            everyone, _ = ranks.gather_rows(mine, sizes)
+            left = mine
+            if self.score == "adam":
+                metric = torch.cat([self._unit_metric(unit, mine.dtype) for unit, _ in group])
+                left = mine * metric.to(mine.device)
+            rows += (left @ everyone.T).double()
+        gram, _ = ranks.gather_rows(rows, sizes)
+        return gram.cpu()
+
+    def _row_groups(
+        self, records: list[MicroBatchRecord], examples: int
+    ) -> Iterator[list[tuple[list[str], Tensor]]]:
+        """Each unit with its :meth:`_unit_rows`, in consecutive groups whose rows for
+        ``examples`` examples take at most :data:`GRAM_GATHER_BYTES` (a larger unit alone).
+        Every rank cuts the same groups: the widths and ``examples`` are the same on all."""
+        group: list[tuple[list[str], Tensor]] = []
+        used = 0
+        for unit in self.units:
+            unit_rows = self._unit_rows(unit, records)
+            size = examples * unit_rows.shape[1] * unit_rows.element_size()
+            if group and used + size > GRAM_GATHER_BYTES:
+                yield group
+                group, used = [], 0
+            group.append((unit, unit_rows))
+            used += size
+        if group:
+            yield group
+
+    def _unit_rows(self, unit: list[str], records: list[MicroBatchRecord]) -> Tensor:
+        """``(B, D_u)`` the unit's per-example gradients as scored, materialized, each
+        record's ``loss_scale`` applied (a tied unit's layers added in its parameters)."""
+        per_layer = {
+            name: torch.cat([_scaled_rows(self.grads(r, name), r) for r in records])
+            for name in unit
+        }
+        if len(unit) > 1 and self.projector is None:
+            return self._in_parameters(unit, per_layer)
+        return torch.cat([per_layer[name] for name in unit], dim=1)
+
+    def _unit_metric(self, unit: list[str], dtype: torch.dtype) -> Tensor:
+        """``(D_u,)`` the Adam metric ``P`` of a one-layer unit, flattened like its rows."""
+        (name,) = unit  # adam on tied units is refused where the rule is chosen
+        module, adapter = self.layers[name]
+        width = sum(p.numel() for p in adapter.captured_parameters(module).values())
+        return self._adam_scale(name, dtype).expand(width)
 
     def scores(
         self, records: list[MicroBatchRecord], target: Target, *, per_unit: bool
@@ -296,6 +362,12 @@ class Scorer:
         squares = torch.stack([self._unit_sq_norms(u, records).double() for u in units], dim=1)
         target_sq = torch.stack([self._unit_target_sq(u, records, vectors) for u in units])
         return UnitScores(dots, squares, target_sq)
+
+
+def _scaled_rows(grads: PerExampleGrad, record: MicroBatchRecord) -> Tensor:
+    """``(B, D)`` ``grads`` materialized, times ``record``'s ``loss_scale``."""
+    values = grads.materialize()
+    return values * _scale(record).to(values).view(-1, 1)
 
 
 def _in_metric(grads: PerExampleGrad, metric: Tensor | None) -> PerExampleGrad:

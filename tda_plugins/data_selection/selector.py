@@ -294,7 +294,7 @@ class DataSelector(CaptureConsumer):
             per_layer=per_layer,
             ranks=self.ranks,
             count=self._drop_count(step),
-            gram=self.scorer.gram(records) if self.rule.needs_gram else None,
+            gram=self.scorer.gram(records, self.ranks) if self.rule.needs_gram else None,
         )
         outcome = decision.outcome
         if not outcome.skipped:

@@ -152,12 +152,6 @@ class SelectionSession:
             if settings.score == "loss" and output_losses is not None:
                 self.forward_losses = ForwardLosses(model, output_losses)
             captured = self.engine.captured_layers
-            if settings.drop_rule().needs_gram and self.ranks.world > 1:
-                raise UnsupportedTrainingSetup(
-                    f"rule {settings.rule!r} weighs every pair of the global batch's "
-                    "gradients, which data-parallel ranks do not share; train in one process "
-                    "or use a rule over scores (bottom_fraction, threshold, ...)"
-                )
             check_coverage(model, captured, fix)
             check_layout(model, captured)
             self.divide = divide_factor(model, self.ranks)

@@ -30,8 +30,9 @@ class SelectionSettings:
 
     rule: str = "step_cosine"
     """A registered rule: ``"bottom_fraction"``, ``"top_fraction"``, ``"random"``,
-    ``"threshold"``, ``"negative_in_bottom"`` or ``"step_cosine"`` (one process: it
-    reads the Gram matrix of the step's gradients)."""
+    ``"threshold"``, ``"negative_in_bottom"`` or ``"step_cosine"`` (it reads the Gram
+    matrix of the global batch's gradients: data-parallel ranks gather every example's
+    gradient for it)."""
     fraction: float = 0.25
     """Share of a step's examples the fraction rules consider, in ``[0, 1)``."""
     threshold: float = 0.0

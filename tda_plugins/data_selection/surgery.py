@@ -50,7 +50,7 @@ from tda_plugins.data_selection.parallel import (
     reduced_to_local,
     rows_of,
 )
-from tda_plugins.grads.base import PerExampleGrad, tensors_of
+from tda_plugins.grads.base import PerExampleGrad, tensors_of, values_dtype
 from tda_plugins.grads.dense import stack_examples
 from tda_plugins.grads.embedding import EmbeddingFactors
 from tda_plugins.grads.ops import rows_sums
@@ -105,6 +105,12 @@ def local_rows_sums(
         return _rows_sum_embedding(grads, first)
     full = adapter.unflatten(module, grads.total())
     return {k: v[rows_of(params[k])] for k, v in full.items()}
+
+
+def _zero_sum(grads: PerExampleGrad, device: torch.device) -> Tensor:
+    """A ``(D,)`` sum over no rows of ``grads``, in the dtype its rows sum in (the ranks
+    reduce it with the other ranks' sums, which must match it in size)."""
+    return torch.zeros(grads.dim, dtype=values_dtype(grads), device=device)
 
 
 @dataclass
@@ -260,7 +266,7 @@ class Surgery:
                 totals[name] = totals[name].add_(part) if name in totals else part
         device = records[0].example_ids.device
         return {
-            name: totals.get(name, torch.zeros(records[0].layers[name].grads.dim, device=device))
+            name: totals.get(name, _zero_sum(records[0].layers[name].grads, device))
             for name in names
         }
 
