@@ -74,6 +74,27 @@ def _output_width(module: nn.Module) -> int | None:
     return getattr(module, "nf", None) if type(module).__name__ == "Conv1D" else None
 
 
+def _refuse_dora(model: nn.Module, chosen: Mapping[str, tuple[nn.Module, LayerAdapter]]) -> None:
+    """Refuse a PEFT DoRA adapter (``LoraConfig(use_dora=True)``) among the chosen layers.
+
+    DoRA calls its ``lora_A``/``lora_B`` a second time per forward, on an identity matrix
+    (to measure the adapted weight's column norms), which a per-example hook cannot tell
+    from a batch; and its trainable magnitude vector scales the whole layer's output, a
+    parameter no adapter captures per example."""
+    named = dict(model.named_modules())
+    for name, (module, _) in chosen.items():
+        if not is_lora_adapter(name, module):
+            continue
+        owner, _, rest = name.rpartition(".lora_")
+        adapter = rest.partition(".")[2]
+        if getattr(named.get(owner), "use_dora", {}).get(adapter, False):
+            raise LayerSelectionError(
+                f"{owner} is a DoRA adapter (LoraConfig(use_dora=True)): PEFT calls its "
+                "lora_A/lora_B on an identity matrix besides the batch, and its magnitude "
+                "vector has no per-example capture; train the adapter with use_dora=False"
+            )
+
+
 def has_lora(model: nn.Module) -> bool:
     """Whether ``model`` carries PEFT LoRA adapters."""
     return any(is_lora_adapter(n, m) for n, m in model.named_modules())
@@ -121,6 +142,7 @@ class LayerSelection:
         chosen = self._by_regex(chosen)
         chosen = self._by_blocks(model, chosen)
         chosen = self._drop_partially_tied(model, chosen)
+        _refuse_dora(model, chosen)
         if not chosen:
             raise LayerSelectionError(
                 f"{self!r} matched no layer of {type(model).__name__}; supported layers there: "

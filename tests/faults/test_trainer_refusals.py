@@ -262,3 +262,49 @@ def test_context_parallelism_set_by_accelerate_launch_is_refused(
     monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "2")
     with pytest.raises(UnsupportedTrainingSetup, match="cp_size=2"):
         check_trainer_setup(args, tiny_causal_lm("llama", torch.float32))
+
+
+# -- PEFT DoRA --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("use_dora", [True, False])
+def test_a_dora_adapter_is_refused_before_any_step(tmp_path: Path, use_dora: bool) -> None:
+    """``LoraConfig(use_dora=True)``: PEFT calls ``lora_A``/``lora_B`` on an identity matrix
+    besides the batch, and its magnitude vector has no per-example capture. Every
+    callback, through the real ``Trainer``, and ``capture_examples`` refuse it before any
+    step, with the way out; the same adapter without DoRA trains (the control)."""
+    from peft import LoraConfig, get_peft_model
+
+    from tda_plugins import capture_examples
+    from tda_plugins.capture.layers import LayerSelectionError
+
+    def model() -> nn.Module:
+        config = LoraConfig(r=4, target_modules="all-linear", use_dora=use_dora)
+        return get_peft_model(llama(), config)
+
+    rows = [{"input_ids": r} for r in token_rows(4)]
+    for name, callback in (
+        ("capture", GradientCaptureCallback(store_dir=str(tmp_path / "store"))),
+        ("influence", InfluenceLoggingCallback(EXAMPLES)),
+        ("selection", DataSelectionCallback(EXAMPLES)),
+    ):
+        steps = StepCounter()
+        trainer = Trainer(
+            model=model(),
+            args=training_args(tmp_path / f"out-{name}", max_steps=1),
+            train_dataset=Dataset.from_list(rows),
+            data_collator=pad_examples,
+            callbacks=[steps, callback],
+        )
+        if not use_dora:
+            trainer.train()
+            assert steps.begun == 1
+            continue
+        with pytest.raises(LayerSelectionError, match=r"DoRA adapter .*use_dora=False"):
+            trainer.train()
+        assert steps.begun == 0, name
+        assert not (tmp_path / "store").exists()
+    if use_dora:
+        with pytest.raises(LayerSelectionError, match="use_dora=False"):
+            capture_examples(model(), rows, tmp_path / "queries")
+        assert not (tmp_path / "queries").exists()
