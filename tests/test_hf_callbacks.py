@@ -524,3 +524,44 @@ def test_less_scores_a_trainer_store(tmp_path: Path) -> None:
     assert torch.isfinite(scores.values).all()
     assert scores.values.abs().max() <= 1 + 1e-5  # cosines
     assert scores.values.abs().min() > 0
+
+
+@pytest.mark.parametrize("on_embedding", [True, False])
+def test_trainable_parameters_left_out_of_the_capture_are_named_with_the_way_in(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, on_embedding: bool
+) -> None:
+    """PEFT LoRA on ``embed_tokens`` trains ``lora_embedding_A/B``, raw parameters no
+    per-example hook sees: the capture warns once, naming them and the fix (leave the
+    embedding out of ``target_modules``), and selection, which could not correct their
+    ``.grad``, refuses with the same fix. LoRA on the projections alone: no warning."""
+    from peft import LoraConfig, get_peft_model
+
+    from tda_plugins.integrations.transformers import DataSelectionCallback
+
+    targets = ["q_proj", "embed_tokens"] if on_embedding else ["q_proj"]
+    rows = [{"input_ids": r} for r in token_rows(4)]
+
+    def trainer(callback: TrainerCallback, out: str) -> Trainer:
+        model = get_peft_model(
+            tiny_causal_lm("llama", torch.float32), LoraConfig(r=4, target_modules=targets)
+        )
+        return Trainer(
+            model=model,
+            args=training_args(tmp_path / out, max_steps=1),
+            train_dataset=Dataset.from_list(rows),
+            data_collator=pad_rows,
+            callbacks=[callback],
+        )
+
+    with caplog.at_level("WARNING", logger="tda_plugins"):
+        trainer(GradientCaptureCallback(store_dir=str(tmp_path / "store")), "capture").train()
+    warned = [r.getMessage() for r in caplog.records if "not captured" in r.getMessage()]
+    selection = trainer(DataSelectionCallback(rows[:1]), "selection")
+    if not on_embedding:
+        assert warned == []
+        selection.train()
+        return
+    (message,) = warned
+    assert "lora_embedding_A" in message and "leave the embedding out of target_modules" in message
+    with pytest.raises(UnsupportedTrainingSetup, match="leave the embedding out of target_modules"):
+        selection.train()

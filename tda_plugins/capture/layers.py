@@ -8,6 +8,7 @@ nothing raises an error that names the filter and what was available.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ from torch import nn
 from tda_plugins.capture.adapters import DEFAULT_REGISTRY, AdapterRegistry, LayerAdapter
 
 SelectionKind = Literal["auto", "linear", "lora", "all"]
+
+logger = logging.getLogger(__name__)
 
 _LORA_NAME = re.compile(r"(^|\.)lora_[AB](\.|$)")
 
@@ -274,6 +277,35 @@ def uncovered_trainable(
         for p in adapter.captured_parameters(module).values()
     }
     return [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered]
+
+
+def uncovered_fix(missing: Iterable[str], fallback: str) -> str:
+    """How to cover the trainable parameters ``missing`` names: ``fallback``, unless some
+    are PEFT LoRA on an embedding (``lora_embedding_A``/``_B``), which the embedding uses
+    as raw parameters no per-example hook sees."""
+    if any(".lora_embedding_" in name for name in missing):
+        return (
+            "PEFT LoRA on an embedding (lora_embedding_A/B) has no per-example capture: leave "
+            "the embedding out of target_modules (or put it in modules_to_save)"
+        )
+    return fallback
+
+
+def warn_uncaptured(
+    model: nn.Module, layers: Mapping[str, tuple[nn.Module, LayerAdapter]], what: str
+) -> None:
+    """Log, once per call, the trainable parameters of ``model`` that ``layers`` leave out:
+    ``what`` (the scores, the store) then holds no gradient of theirs."""
+    missing = uncovered_trainable(model, dict(layers))
+    if missing:
+        logger.warning(
+            "tda-plugins: %d trainable parameters are not captured (%s), so %s leave their "
+            "gradients out; %s",
+            len(missing),
+            _preview(missing, 3),
+            what,
+            uncovered_fix(missing, "capture them with layers='all', or freeze them"),
+        )
 
 
 def _is_block_list(module: nn.Module) -> bool:

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from tda_plugins.capture import CaptureEngine, LayerSelection
 from tda_plugins.capture.adapters import LayerAdapter
 from tda_plugins.capture.engine import capture_suspended
-from tda_plugins.capture.layers import uncovered_trainable
+from tda_plugins.capture.layers import uncovered_fix, uncovered_trainable
 from tda_plugins.capture.normalization import LossNormalization
 from tda_plugins.data_selection.losses import ForwardLosses, OutputLosses
 from tda_plugins.data_selection.outcome import StepSelection
@@ -76,7 +76,7 @@ def check_coverage(
     if missing:
         raise UnsupportedTrainingSetup(
             f"{len(missing)} trainable parameters are not captured ({missing[:3]}), so "
-            f"their .grad could not be corrected; {fix}"
+            f"their .grad could not be corrected; {uncovered_fix(missing, fix)}"
         )
 
 

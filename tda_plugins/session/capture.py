@@ -18,6 +18,7 @@ from torch import nn
 
 from tda_plugins.capture import CaptureConsumer, CaptureEngine
 from tda_plugins.capture.config import CaptureConfig
+from tda_plugins.capture.layers import warn_uncaptured
 from tda_plugins.capture.normalization import LossNormalization
 from tda_plugins.parallel.dtensor import is_dtensor
 from tda_plugins.precondition.adam import save_adam_state
@@ -212,6 +213,7 @@ class CaptureSession:
             normalization=normalization,
         )
         self.engine.attach()
+        warn_uncaptured(model, self.engine.captured_layers, "the store and its scores")
         self.engine.resume_at_step(start_step)
         self.trajectory: TrajectoryRecorder | None = None
         if trajectory is not None and optimizer is not None:

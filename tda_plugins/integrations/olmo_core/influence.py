@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from tda_plugins.capture import CaptureEngine, MicroBatchRecord
+from tda_plugins.capture.layers import warn_uncaptured
 from tda_plugins.data_selection.parallel import is_sharded
 from tda_plugins.integrations.olmo_core.callbacks import (
     before_each_forward,
@@ -213,6 +214,7 @@ class InfluenceLoggingCallback(Callback, LayerOptions, ProjectionOptions):
             consumers=[self.influence_log],
             normalization=OLMoCoreLossNormalization(),
         ).attach()
+        warn_uncaptured(model, engine.captured_layers, "the logged influence scores")
         self._ids_hook = before_each_forward(model, self._give_example_ids)
         return engine
 

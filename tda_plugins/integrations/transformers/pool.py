@@ -9,6 +9,7 @@ from torch import nn
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from tda_plugins.capture import CaptureEngine
+from tda_plugins.capture.layers import warn_uncaptured
 from tda_plugins.integrations.transformers.data import ExamplePool, Examples
 from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
 from tda_plugins.integrations.transformers.setup import (
@@ -51,6 +52,7 @@ class PoolCallback(MetricsCallback):
             projection=self.settings.projection,
             normalization=CausalLMNormalization(),
         ).attach()
+        warn_uncaptured(start.model, engine.captured_layers, "the logged influence scores")
         engine.resume_at_step(start.state.global_step)
         self.engine = engine
         return engine
