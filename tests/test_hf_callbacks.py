@@ -565,3 +565,96 @@ def test_trainable_parameters_left_out_of_the_capture_are_named_with_the_way_in(
     assert "lora_embedding_A" in message and "leave the embedding out of target_modules" in message
     with pytest.raises(UnsupportedTrainingSetup, match="leave the embedding out of target_modules"):
         selection.train()
+
+
+@pytest.mark.parametrize(
+    ("options", "left_out"),
+    [
+        ({"use_liger_kernel": True}, True),
+        (
+            {
+                "use_liger_kernel": True,
+                "liger_kernel_config": {"fused_linear_cross_entropy": False},
+            },
+            False,
+        ),
+        ({}, False),
+    ],
+    ids=["liger", "liger-without-fused-loss", "plain"],
+)
+def test_liger_fused_cross_entropy_leaves_the_head_out_at_train_begin(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, options: dict[str, Any], left_out: bool
+) -> None:
+    """Liger's fused linear cross-entropy (on by default with ``use_liger_kernel``) reads
+    ``lm_head.weight`` without calling ``lm_head``, as TRL's fused head does: the head is
+    left out of the layers at ``on_train_begin``, with a warning that names the fusion.
+    (liger-kernel is not installed here: the arguments alone are what the check reads.)"""
+    from tda_plugins.integrations.transformers.setup import adapt_settings
+    from tda_plugins.session.settings import LayerSettings
+
+    model = tiny_causal_lm("llama", torch.float32)
+    args = training_args(tmp_path / "out", **options)
+    with caplog.at_level("WARNING", logger="tda_plugins"):
+        settings = adapt_settings(LayerSettings(), args, model)
+    layers = settings.selection.resolve(model)
+    assert ("lm_head" not in layers) is left_out
+    warned = [r.getMessage() for r in caplog.records if "bypasses" in r.getMessage()]
+    assert bool(warned) is left_out
+    if left_out:
+        assert "Liger's fused linear cross-entropy (use_liger_kernel) bypasses lm_head" in warned[0]
+
+
+def fused_loss_forward(
+    self: nn.Module, input_ids: Any = None, labels: Any = None, **kw: Any
+) -> Any:
+    """A causal LM forward that computes the logits from ``lm_head.weight`` directly, as a
+    fused loss head does (Liger's, TRL's): ``lm_head`` is never called."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    hidden = self.model(input_ids=input_ids, attention_mask=kw.get("attention_mask"))
+    logits = torch.nn.functional.linear(hidden.last_hidden_state, self.lm_head.weight)
+    if labels is None:
+        return CausalLMOutputWithPast(logits=logits)
+    loss = torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100
+    )
+    return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+@pytest.mark.parametrize("callback", ["capture", "selection", "influence"])
+def test_a_captured_layer_whose_weight_is_used_outside_its_call_stops_the_first_step(
+    tmp_path: Path, callback: str
+) -> None:
+    """A fused loss head the setup checks do not know: ``lm_head`` captured, never called.
+    Capture used to train the whole run into a store that could not be read, selection to
+    fail with ``KeyError: 'lm_head'``, influence logging to leave the head out of its
+    scores without a word. All three now stop in the first step, before the
+    optimizer moves a weight, naming the layer and the way out."""
+    import types
+
+    from tda_plugins.integrations.transformers import (
+        DataSelectionCallback,
+        InfluenceLoggingCallback,
+    )
+
+    model = tiny_causal_lm("llama", torch.float32)
+    model.forward = types.MethodType(fused_loss_forward, model)  # type: ignore[method-assign]
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    rows = [{"input_ids": r} for r in token_rows(4)]
+    chosen: TrainerCallback = {
+        "capture": lambda: GradientCaptureCallback(store_dir=str(tmp_path / "store")),
+        "selection": lambda: DataSelectionCallback(rows[:1], layers="all"),
+        "influence": lambda: InfluenceLoggingCallback(rows[:1], layers="linear"),
+    }[callback]()
+    trainer = Trainer(
+        model=model,
+        args=training_args(tmp_path / "out"),
+        train_dataset=Dataset.from_list(rows),
+        data_collator=pad_rows,
+        callbacks=[chosen],
+    )
+    with pytest.raises(Exception, match=r"layer 'lm_head' received no gradient .* step 1") as info:
+        trainer.train()
+    assert "LayerSelection(exclude=...)" in str(info.value)
+    assert trainer.state.global_step == 0
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in initial.items())

@@ -37,9 +37,9 @@ from tda_plugins.integrations.transformers.setup import (
     TrainStart,
     adapt_settings,
     checkpoint_folder,
+    fused_head,
     process_index,
     resumed_checkpoint,
-    uses_fused_head,
 )
 from tda_plugins.session.batch import causal_lm_example_losses, causal_lm_losses
 from tda_plugins.session.settings import LayerOptions, LayerSettings
@@ -227,10 +227,12 @@ class DataSelectionCallback(MetricsCallback):
         # all-reduce needs autograd's own gradients; a LoRA adapter's is a cheap rank-r
         # product, cheaper than building it again: there it is computed and corrected.
         built = args.world_size == 1 and not has_lora(model)
+        fusion = fused_head(args)
         fix = (
-            "TRL's fused LM head bypasses the head's forward: freeze the head or train with "
-            "label smoothing"
-            if uses_fused_head(args)
+            f"{fusion} bypasses the head's forward: freeze the head, or turn the fusion off "
+            "(TRL: label smoothing; Liger: liger_kernel_config={'fused_linear_cross_entropy': "
+            "False})"
+            if fusion is not None
             else DEFAULT_FIX
         )
         log_path = self.settings.log_path or str(Path(str(args.output_dir)) / "selection.jsonl")

@@ -36,10 +36,17 @@ def check_trainer_setup(args: TrainingArguments, model: nn.Module | None) -> nn.
     return model
 
 
-def uses_fused_head(args: TrainingArguments) -> bool:
-    """TRL's ``SFTTrainer`` computes logits from ``lm_head.weight`` directly (its fused LM
-    head, the default without label smoothing), so no module hook sees the head."""
-    return type(args).__name__ == "SFTConfig" and not getattr(args, "label_smoothing_factor", 0)
+def fused_head(args: TrainingArguments) -> str | None:
+    """What computes the loss from the LM head's weight directly, so that no module hook
+    sees the head (``None``: nothing): TRL's ``SFTTrainer`` (its fused LM head, the default
+    without label smoothing), or Liger's fused linear cross-entropy (``use_liger_kernel``
+    in the ``Trainer``, on unless ``liger_kernel_config`` turns it off; TRL turns it off)."""
+    if type(args).__name__ == "SFTConfig":
+        return None if getattr(args, "label_smoothing_factor", 0) else "TRL's fused LM head"
+    config = getattr(args, "liger_kernel_config", None) or {}
+    if getattr(args, "use_liger_kernel", False) and config.get("fused_linear_cross_entropy", True):
+        return "Liger's fused linear cross-entropy (use_liger_kernel)"
+    return None
 
 
 def adapt_settings(
@@ -48,12 +55,14 @@ def adapt_settings(
     """Leave out the output head where the trainer bypasses its module call (logged)."""
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
-    if head is None or not uses_fused_head(args):
+    fusion = fused_head(args)
+    if head is None or fusion is None:
         return settings
     name = next(n for n, m in model.named_modules() if m is head)
     logger.warning(
-        "tda-plugins: TRL's fused LM head bypasses %s's forward, so its per-example gradient "
-        "cannot be captured; it is left out of the captured layers",
+        "tda-plugins: %s bypasses %s's forward, so its per-example gradient cannot be "
+        "captured; it is left out of the captured layers",
+        fusion,
         name,
     )
     pattern = rf"^{re.escape(name)}$"
