@@ -88,6 +88,22 @@ def test_resumed_run_selects_as_the_uninterrupted_run(tmp_path: Path, case: str)
         assert torch.equal(a, b), name
 
 
+def test_a_resumed_run_continues_the_log_with_each_step_once(tmp_path: Path) -> None:
+    """The log a crashed run left holds the steps it got to past its checkpoint: resumed
+    from ``checkpoint-3`` into that log, the run rewrites those steps, so the log holds
+    steps 1..6 once each, the uninterrupted run's lines. A fresh run into an old log
+    starts it over."""
+    output, log = tmp_path / "out", tmp_path / "selection.jsonl"
+    run(output, log, {})  # the uninterrupted run, its log as a crash at step 6 leaves it
+    reference = log.read_text()
+    run(output, log, {}, resume=output / f"checkpoint-{SAVE_EVERY}")
+    steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
+    assert steps == list(range(1, STEPS + 1))
+    assert log.read_text() == reference
+    run(tmp_path / "again", log, {})
+    assert log.read_text() == reference  # the same run again, from an empty log
+
+
 @pytest.mark.parametrize("fault", ["missing", "another_step"])
 def test_resume_without_a_usable_schedule_warns(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, fault: str

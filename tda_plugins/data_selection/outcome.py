@@ -184,6 +184,23 @@ def decide(
     )
 
 
+def start_log(path: Path, start_step: int) -> None:
+    """Make ``path`` the log of a run whose next optimizer step has index ``start_step``:
+    the lines of its steps before (a resumed run's earlier steps) stay; later lines (the
+    steps a crashed run got to past its checkpoint, which the resumed run redoes, or a
+    previous run's in the same folder) go. Rewritten through a temporary file renamed
+    over it, so an interruption leaves the old log or the new one."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= start_step]
+    if len(kept) == len(lines):
+        return
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(kept))
+    partial.replace(path)
+
+
 def append_log(path: Path, outcome: StepSelection) -> None:
     """One JSON line per optimizer step (written by rank 0 only: the outcome is global)."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -40,7 +40,7 @@ from tda_plugins.capture.engine import capture_suspended
 from tda_plugins.capture.layers import uncovered_fix, uncovered_trainable
 from tda_plugins.capture.normalization import LossNormalization
 from tda_plugins.data_selection.losses import ForwardLosses, OutputLosses
-from tda_plugins.data_selection.outcome import StepSelection
+from tda_plugins.data_selection.outcome import StepSelection, start_log
 from tda_plugins.data_selection.parallel import Ranks, check_layout, divide_factor, is_sharded
 from tda_plugins.data_selection.resume import ScheduleState, ScheduleStateError
 from tda_plugins.data_selection.selector import DataSelector, TokenCounter
@@ -174,6 +174,8 @@ class SelectionSession:
             raise
         self.engine.add_consumer(self.selector)
         self.engine.resume_at_step(start_step)
+        if log_path is not None and self.ranks.rank == 0:
+            start_log(Path(log_path), start_step)
         self._target_step: int | None = None
         #: The last selected step's global batch size, as restored (before any step here).
         self._restored_step_examples: int | None = None
