@@ -163,3 +163,44 @@ def test_add_to_puts_the_callback_before_the_integrations_that_report_its_metric
     trainer.train()
     logged = [entry for entry in recorder.logs if "loss" in entry]
     assert logged and all("influence/q0_mean" in entry for entry in logged)
+
+
+def resumable_run(output: Path, resume: Path | None = None) -> dict[str, Any]:
+    """6 steps of 4 examples with a checkpoint every 3 and live influence (lr 1e-2, so
+    the weights move); the report ``influence.json``."""
+    queries = [{"input_ids": r} for r in token_rows(2, seed=9)]
+    trainer = Trainer(
+        model=tiny_causal_lm("llama", torch.float32),
+        args=training_args(
+            output,
+            per_device_train_batch_size=4,
+            max_steps=6,
+            save_strategy="steps",
+            save_steps=3,
+        ),
+        train_dataset=Dataset.from_list([{"input_ids": r} for r in token_rows(32)]),
+        data_collator=pad_rows,
+        callbacks=[InfluenceLoggingCallback(queries, layers="linear", top_k=3)],
+    )
+    trainer.train(resume_from_checkpoint=None if resume is None else str(resume))
+    return json.loads((output / "influence" / "influence.json").read_text())
+
+
+def test_a_resumed_run_reports_every_step_as_the_uninterrupted_run(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Resumed from ``checkpoint-3``, the report covers steps 1..6 with the uninterrupted
+    run's per-step history, cumulative scores and top-k (the checkpoint holds the log so
+    far). A checkpoint without it: a warning, and a report of steps 4..6 only."""
+    output = tmp_path / "out"
+    reference = resumable_run(output)
+    assert [h["step"] for h in reference["history"]] == list(range(1, 7))
+    checkpoint = output / "checkpoint-3"
+    assert (checkpoint / "influence-state-rank-0.safetensors").is_file()
+    assert resumable_run(output, resume=checkpoint) == reference
+
+    (checkpoint / "influence-state-rank-0.safetensors").unlink()
+    with caplog.at_level("WARNING", logger="tda_plugins"):
+        partial = resumable_run(output, resume=checkpoint)
+    assert [h["step"] for h in partial["history"]] == [4, 5, 6]
+    assert any("covers the steps from 4 on only" in r.getMessage() for r in caplog.records)

@@ -40,12 +40,13 @@ from tda_plugins.integrations.olmo_core import (
 from tda_plugins.live.influence import InfluenceLogger
 from tda_plugins.session.settings import CaptureSettings
 from tda_plugins.store import StoreReader
-from tests.test_olmo_core import (
+from tests.test_olmo_core import (  # noqa: F401 (gloo_world_of_one: a fixture)
     BATCH,
     MODEL,
     VOCAB,
     StepRecorder,
     fit,
+    gloo_world_of_one,
     instance_grads,
     layer_params,
 )
@@ -217,3 +218,26 @@ def test_bad_arguments_are_refused_when_the_callback_is_made() -> None:
         InfluenceLoggingCallback([[3]])
     with pytest.raises(TypeError, match="decode"):
         InfluenceLoggingCallback(QUERIES, tokenizer=42)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("gloo_world_of_one")
+def test_a_resumed_run_reports_every_step(tmp_path: Path) -> None:
+    """OLMo-core resumed from its step-2 checkpoint: the report holds steps 1..4, the first
+    two as the checkpoint saved them, and every instance's cumulative score equals the
+    uninterrupted run's (the resumed steps to fp32 rounding of a resumed trainer)."""
+
+    def report(save: Path, load: Path | None = None) -> dict:
+        influence = InfluenceLoggingCallback(QUERIES, method="graddot", layers="all")
+        fit(tmp_path, {"influence": influence}, STEPS, save, load_path=load, checkpoints=True)
+        return json.loads(influence.report["json"].read_text())
+
+    reference = report(tmp_path / "first")
+    resumed = report(tmp_path / "second", load=tmp_path / "first" / "step2")
+    assert [h["step"] for h in resumed["history"]] == [1, 2, 3, 4]
+    assert resumed["history"][:2] == reference["history"][:2]
+    want = {row["id"]: row["scores"] for row in reference["cumulative"]}
+    got = {row["id"]: row["scores"] for row in resumed["cumulative"]}
+    assert got.keys() == want.keys() and len(got) == STEPS * BATCH
+    for example, scores in want.items():
+        assert torch.allclose(torch.tensor(got[example]), torch.tensor(scores), rtol=FP32_TOL)

@@ -203,6 +203,55 @@ class InfluenceLogger(CaptureConsumer):
             merged.update(tokens)
         self._tokens = merged
 
+    def state(self) -> dict[str, Tensor]:
+        """The history, cumulative scores and token ids as tensors, to save with a
+        checkpoint (layout: :mod:`tda_plugins.live.resume`)."""
+        history = self.history
+        width = history[0].mean.shape[0] if history else 0
+        cumulative = sorted(self._cumulative)
+        tokens = sorted(self._tokens)
+        ids = [h.example_ids.long() for h in history] or [torch.zeros(0, dtype=torch.long)]
+        return {
+            "steps": torch.tensor([h.step for h in history], dtype=torch.long),
+            "rows": torch.tensor([h.example_ids.numel() for h in history], dtype=torch.long),
+            "mean": _stacked([h.mean for h in history], width),
+            "max": _stacked([h.max for h in history], width),
+            "example_ids": torch.cat(ids),
+            "scores": torch.cat([h.scores.float() for h in history] or [torch.zeros(0, width)]),
+            "cumulative_ids": torch.tensor(cumulative, dtype=torch.long),
+            "cumulative": _stacked([self._cumulative[i] for i in cumulative], width),
+            "token_ids": torch.tensor(tokens, dtype=torch.long),
+            "token_counts": torch.tensor([len(self._tokens[i]) for i in tokens], dtype=torch.long),
+            "tokens": torch.tensor([t for i in tokens for t in self._tokens[i]], dtype=torch.long),
+        }
+
+    def restore(self, state: dict[str, Tensor]) -> None:
+        """Go on from ``state`` (:meth:`state` of the run this one resumes), before the
+        first step."""
+        rows = state["rows"].tolist()
+        self.history = [
+            StepInfluence(int(step), mean, peak, ids, scores)
+            for step, mean, peak, ids, scores in zip(
+                state["steps"].tolist(),
+                state["mean"],
+                state["max"],
+                state["example_ids"].split(rows),
+                state["scores"].split(rows),
+                strict=True,
+            )
+        ]
+        self._cumulative = dict(
+            zip(state["cumulative_ids"].tolist(), state["cumulative"], strict=True)
+        )
+        self._tokens = {
+            example: part.tolist()
+            for example, part in zip(
+                state["token_ids"].tolist(),
+                state["tokens"].split(state["token_counts"].tolist()),
+                strict=True,
+            )
+        }
+
     def cumulative_scores(self, query_ids: Tensor) -> Scores:
         """Every example seen so far, with its cumulative influence, as :class:`Scores`."""
         ids = sorted(self._cumulative)
@@ -277,6 +326,11 @@ class InfluenceLogger(CaptureConsumer):
             paths["html"] = write_html(out / "influence.html", page)
         paths["png"] = _plot(out / "influence.png", self.history, query_ids)
         return paths
+
+
+def _stacked(rows: list[Tensor], width: int) -> Tensor:
+    """``(len(rows), width)`` the rows stacked, fp32."""
+    return torch.stack([r.float() for r in rows]) if rows else torch.zeros(0, width)
 
 
 def _plot(path: Path, history: list[StepInfluence], query_ids: Tensor) -> Path:

@@ -86,7 +86,8 @@ class InfluenceLoggingCallback(Callback, LayerOptions, ProjectionOptions):
     OLMo-core instance index (the batch's ``index``; a content hash of the tokens without
     one), queries by their position ``j``, as in the metric names; the report's steps are
     the trainer's. The learning rate of a step is the one the train module's scheduler
-    sets for it (first parameter group). A resumed run starts a new report.
+    sets for it (first parameter group). Each checkpoint holds the log so far (in the
+    per-rank trainer state), so a run resumed from it reports every step.
 
     Data parallelism (``dp_config`` DDP, FSDP or HSDP): every rank takes the queries'
     gradients itself (its own instances are scored on it, against every query) and the
@@ -148,6 +149,8 @@ class InfluenceLoggingCallback(Callback, LayerOptions, ProjectionOptions):
         self._query_losses = partial(summed_token_losses, ignore_index=-100)
         self._ids_hook: RemovableHandle | None = None
         self._batch_has_index = False
+        #: The log a loaded checkpoint held, given to the logger at the first step.
+        self._loaded: dict[str, Tensor] | None = None
 
     # -- OLMo-core events --------------------------------------------------------------
 
@@ -187,6 +190,18 @@ class InfluenceLoggingCallback(Callback, LayerOptions, ProjectionOptions):
         if self.influence_log.gather.rank == 0:
             self._write_report()
 
+    def state_dict(self) -> dict[str, Any]:
+        """Called as OLMo-core takes a checkpoint (saved in its per-rank trainer state): the
+        influence log so far (:meth:`~tda_plugins.live.influence.InfluenceLogger.state`),
+        so that a run resumed from it reports every step; empty before the first step."""
+        if self._engine is None:
+            return {}
+        return {"influence_log": self.influence_log.state()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A checkpoint was loaded: keep its log for the logger (made at the first step)."""
+        self._loaded = state_dict.get("influence_log")
+
     def close(self) -> None:
         """Always runs as ``fit`` exits: after an error, unhook without a report."""
         self._release()
@@ -207,6 +222,8 @@ class InfluenceLoggingCallback(Callback, LayerOptions, ProjectionOptions):
         self._query_batch = pool_batch(self.queries, ignore_index)
         self._query_losses = partial(summed_token_losses, ignore_index=ignore_index)
         self.influence_log = self.influence_log.over(rank_gather())
+        if self._loaded is not None:
+            self.influence_log.restore(self._loaded)
         engine = CaptureEngine(
             model,
             layers=self._layers.selection,

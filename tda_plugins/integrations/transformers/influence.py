@@ -11,8 +11,14 @@ from transformers import TrainerControl, TrainerState, TrainingArguments
 from tda_plugins.capture import MicroBatchRecord, content_hash
 from tda_plugins.integrations.transformers.data import Examples
 from tda_plugins.integrations.transformers.pool import PoolCallback
-from tda_plugins.integrations.transformers.setup import TrainStart
+from tda_plugins.integrations.transformers.setup import (
+    TrainStart,
+    checkpoint_folder,
+    process_index,
+    resumed_checkpoint,
+)
 from tda_plugins.live.influence import InfluenceLogger
+from tda_plugins.live.resume import read_state, warn_not_restored, write_state
 from tda_plugins.parallel.gather import OneProcess, rank_gather
 
 
@@ -26,7 +32,9 @@ class InfluenceLoggingCallback(PoolCallback):
     ``state.log_history``; for ``report_to`` integrations, add it with
     :meth:`add_to` so it runs before them). At the end it writes ``influence.json``,
     ``influence.html`` (running top-k helpful/harmful examples with their texts) and
-    ``influence.png`` to ``report_dir`` (default ``<output_dir>/influence``).
+    ``influence.png`` to ``report_dir`` (default ``<output_dir>/influence``). Each
+    checkpoint holds the log so far (:mod:`tda_plugins.live.resume`), so a run resumed from
+    it reports every step, as an uninterrupted run does.
 
     Data-parallel runs (DDP, FSDP2): every rank computes the queries' gradients itself
     (its own examples are scored on it, against every query), the ranks' scores are
@@ -81,6 +89,22 @@ class InfluenceLoggingCallback(PoolCallback):
     def begin(self, start: TrainStart) -> None:
         self.influence_log = self.influence_log.over(rank_gather())
         self.attach(start).add_consumer(self.influence_log)
+        checkpoint = resumed_checkpoint(start.args, start.state)
+        if checkpoint is not None:
+            saved = read_state(checkpoint, process_index(start.args))
+            if saved is None:
+                warn_not_restored(checkpoint, start.state.global_step)
+            else:
+                self.influence_log.restore(saved)
+
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """The trainer has just saved ``checkpoint-<global_step>``: save the influence log
+        in it (one file per rank), so that a run resumed there reports every step."""
+        if self.engine is not None:
+            folder = checkpoint_folder(args, state.global_step)
+            write_state(self.influence_log, folder, process_index(args))
 
     def use_pool(self, pooled: MicroBatchRecord | None, lr_scheduler: Any) -> None:
         rate = float(lr_scheduler.get_last_lr()[0]) if lr_scheduler is not None else 1.0
