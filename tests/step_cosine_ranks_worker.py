@@ -11,7 +11,8 @@ loss over the global batch's label tokens times the world size, which the data-p
 reduction averages out) against :func:`target_batch`, ``margin`` :data:`MARGIN`, the
 target computed once over the ranks as the session computes it. Rank 0 writes
 ``<mode>.pt``: the global outcome's dropped mask (in global example order) as each rank
-saw it, the whole ``.grad`` after selection and the weights the step started from.
+saw it, the whole ``.grad`` after selection and the weights the step started from. Under
+DDP the surgery's all-reduce buckets are cut at 4 KiB, so that there are many.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from tda_plugins import CaptureEngine, LayerSelection
-from tda_plugins.data_selection import DataSelector, rule_by_name
+from tda_plugins.data_selection import DataSelector, rule_by_name, surgery
 from tda_plugins.data_selection.parallel import Ranks
 from tda_plugins.data_selection.target import shared_target
 from tda_plugins.integrations.transformers.selection import causal_lm_token_counts
@@ -39,6 +40,7 @@ MARGIN = 0.001
 PER_RANK = 4
 MICRO = 2
 MODES = ("ddp", "fsdp")
+BUCKET_BYTES = surgery.REDUCE_BUCKET_BYTES
 
 
 def window() -> dict[str, torch.Tensor]:
@@ -130,6 +132,9 @@ def run(mode: str) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, tor
 def main(folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for mode in MODES:
+        # DDP's replicated sums all-reduced in many small buckets (a tiny model's layers
+        # would otherwise all fit one): every bucket's cut and split is exercised
+        surgery.REDUCE_BUCKET_BYTES = 4096 if mode == "ddp" else BUCKET_BYTES
         dropped, grads, weights = run(mode)
         every = [torch.empty_like(dropped) for _ in range(dist.get_world_size())]
         dist.all_gather(every, dropped)

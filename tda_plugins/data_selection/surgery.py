@@ -23,12 +23,14 @@ choice on every rank, from the exchanged row and token counts):
   ``g``'s matching columns, an embedding's from the tokens that look those rows up);
 * ``reduce``: this rank's own summed examples as a dense ``(D,)`` sum, then a
   reduce-scatter to the shards (FSDP; HSDP adds an all-reduce of the shard over the
-  replicas) or an all-reduce (DDP).
+  replicas) or an all-reduce (DDP). Replicated parameters' sums are all-reduced in
+  buckets of up to :data:`REDUCE_BUCKET_BYTES`, one collective per bucket: a LoRA run's
+  hundreds of small adapters would otherwise pay one collective's latency each.
 
 ``gather`` moves what the summed examples hold, ``reduce`` what the layer's parameters
 hold: few summed examples or short sequences against a wide layer gather. The peak extra
-memory this adds per rank is one layer at a time, the gathered gradients or the one
-full-size sum, tracked in :attr:`Surgery.peak_bytes`.
+memory this adds per rank is one layer at a time (the gathered gradients or the one
+full-size sum) or one bucket, tracked in :attr:`Surgery.peak_bytes`.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from tda_plugins.capture.adapters import LayerAdapter
 from tda_plugins.capture.adapters.embedding import EmbeddingAdapter
@@ -111,6 +114,11 @@ def _zero_sum(grads: PerExampleGrad, device: torch.device) -> Tensor:
     """A ``(D,)`` sum over no rows of ``grads``, in the dtype its rows sum in (the ranks
     reduce it with the other ranks' sums, which must match it in size)."""
     return torch.zeros(grads.dim, dtype=values_dtype(grads), device=device)
+
+
+#: Most bytes of replicated parameters' sums all-reduced together (DDP's own default
+#: bucket is 25 MiB).
+REDUCE_BUCKET_BYTES = 25 * 2**20
 
 
 @dataclass
@@ -232,6 +240,7 @@ class Surgery:
             return out
         sides = {name: self._local_side(self._captured, name, side) for name in names}
         shapes = self._largest_shapes(sides)
+        bucket: list[tuple[nn.Parameter, Tensor]] = []
         for name in names:
             module, adapter = self.layers[name]
             params = adapter.captured_parameters(module)
@@ -247,11 +256,35 @@ class Surgery:
                 total = self._local_sums(records, [name], side)[name]
                 self._hold(total.numel() * total.element_size())
                 full = adapter.unflatten(module, total)
+                if not any(isinstance(p, DTensor) for p in params.values()):
+                    bucket += [(params[k], v) for k, v in full.items()]
+                    if sum(v.numel() * v.element_size() for _, v in bucket) >= REDUCE_BUCKET_BYTES:
+                        out += self._all_reduced(bucket)
+                        bucket = []
+                    continue
                 parts = {
                     k: reduced_to_local(v.contiguous(), params[k], self.ranks)
                     for k, v in full.items()
                 }
             out += [(params[k], v / self.divide) for k, v in parts.items()]
+        return out + self._all_reduced(bucket)
+
+    def _all_reduced(
+        self, bucket: list[tuple[nn.Parameter, Tensor]]
+    ) -> list[tuple[nn.Parameter, Tensor]]:
+        """Replicated parameters' full-size sums, each summed over the ranks and divided by
+        ``F``: one all-reduce per dtype of one flat buffer (every rank cuts the same
+        buckets, from the same layers and routes)."""
+        out: list[tuple[nn.Parameter, Tensor]] = []
+        for dtype in dict.fromkeys(v.dtype for _, v in bucket):
+            same = [(p, v) for p, v in bucket if v.dtype == dtype]
+            flat = torch.cat([v.reshape(-1) for _, v in same])
+            self._hold(flat.numel() * flat.element_size())
+            self.ranks.all_reduce(flat)
+            parts = flat.split([v.numel() for _, v in same])
+            out += [
+                (p, part.view_as(v) / self.divide) for (p, v), part in zip(same, parts, strict=True)
+            ]
         return out
 
     def _local_sums(
