@@ -469,8 +469,24 @@ class CaptureEngine:
             input_ids=batch.input_ids,
             labels=batch.labels,
         )
+        _require_every_layer(record, self._layers)
         self._micro_batches += 1
         for consumer in self._consumers:
             consumer.on_micro_batch(record)
         if any(c.wants_step_records for c in self._consumers):
             self._step_records.append(record)
+
+
+def _require_every_layer(record: MicroBatchRecord, layers: Iterable[str]) -> None:
+    """Refuse a micro-batch without the gradients of some captured layer: it received none
+    through its module call (no consumer can hold, score or correct that layer's share of
+    the step), before any consumer sees it and before the optimizer step."""
+    absent = next((name for name in layers if name not in record.layers), None)
+    if absent is not None:
+        raise RuntimeError(
+            f"layer {absent!r} received no gradient through its module call in a micro-batch "
+            f"of step {record.step + 1} (unused, or its weight used directly, as a fused loss "
+            "head does: Liger's fused linear cross-entropy, TRL's fused LM head), so its "
+            "per-example gradients are missing; leave it out of the captured layers "
+            "(LayerSelection(exclude=...)) or turn the fusion off"
+        )

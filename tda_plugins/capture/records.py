@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -120,18 +119,3 @@ class MicroBatchRecord:
     def nbytes(self) -> int:
         """Bytes held by the gradient tensors (a shared input factor counts once)."""
         return unique_nbytes([r.grads for r in self.layers.values()])
-
-
-def missing_layer(record: MicroBatchRecord, layers: Iterable[str], needs: str) -> str | None:
-    """Why ``record`` cannot serve a consumer that ``needs`` every one of ``layers``'
-    gradients (``None`` when it holds them all): the first layer it lacks, which received
-    no gradient through its module call in that micro-batch, and the way out."""
-    absent = next((name for name in layers if name not in record.layers), None)
-    if absent is None:
-        return None
-    return (
-        f"layer {absent!r} received no gradient through its module call in a micro-batch of "
-        f"step {record.step + 1} (unused, or its weight used directly, as a fused loss head "
-        f"does: Liger's fused linear cross-entropy, TRL's fused LM head), so {needs}; leave "
-        "it out of the captured layers (LayerSelection(exclude=...)) or turn the fusion off"
-    )

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from tda_plugins.capture.adapters import LayerAdapter
 from tda_plugins.capture.consumer import CaptureConsumer
-from tda_plugins.capture.records import MicroBatchRecord, missing_layer
+from tda_plugins.capture.records import MicroBatchRecord
 from tda_plugins.data_selection.outcome import Decision, StepSelection, append_log, decide
 from tda_plugins.data_selection.parallel import Ranks
 from tda_plugins.data_selection.rules import DropRule
@@ -49,7 +49,6 @@ from tda_plugins.grads.dense import DenseGrad
 from tda_plugins.grads.projection import ProjectionConfig
 from tda_plugins.grads.routing import Route, choose_route
 from tda_plugins.grads.workspace import Workspace
-from tda_plugins.session.capture import UnsupportedTrainingSetup
 
 TokenCounter = Callable[[MicroBatchRecord], Tensor]
 #: ``record -> (B,)`` each example's summed token loss in the training forward.
@@ -276,10 +275,6 @@ class DataSelector(CaptureConsumer):
     def on_optimizer_step(self, step: int, records: list[MicroBatchRecord]) -> None:
         if not records:
             return
-        for record in records:
-            why = missing_layer(record, self.layers, "its .grad could not be corrected")
-            if why is not None:
-                raise UnsupportedTrainingSetup(why)
         missing = self._without_grad(records)
         if self.target is None and self.needs_target:
             if missing:  # nothing to select against yet: every example, as autograd would

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from tda_plugins.capture.config import CaptureConfig
 from tda_plugins.capture.consumer import CaptureConsumer
-from tda_plugins.capture.records import MicroBatchRecord, missing_layer
+from tda_plugins.capture.records import MicroBatchRecord
 from tda_plugins.grads.base import PerExampleGrad
 from tda_plugins.grads.dense import sum_of_uses
 from tda_plugins.grads.ops import QueryGradients
@@ -98,7 +98,6 @@ class InfluenceLogger(CaptureConsumer):
         self.space = ScoringSpace(normalize_layers=self.groups.normalize_layers)
         self._resolved = False
         self.ties: tuple[tuple[str, ...], ...] = ()
-        self._layers: tuple[str, ...] = ()
         self.queries: QueryGradients | None = None
         self.learning_rate = 1.0
         self.history: list[StepInfluence] = []
@@ -117,7 +116,6 @@ class InfluenceLogger(CaptureConsumer):
         )
 
     def on_attach(self, config: CaptureConfig) -> None:
-        self._layers = config.layers
         self.space = self.groups.resolve(config)
         self._resolved = True
         self.ties = config.tied
@@ -163,10 +161,6 @@ class InfluenceLogger(CaptureConsumer):
         self.learning_rate = learning_rate
 
     def on_optimizer_step(self, step: int, records: list[MicroBatchRecord]) -> None:
-        for record in records:
-            why = missing_layer(record, self._layers, "the scores would leave it out")
-            if why is not None:
-                raise ValueError(why)
         if self.queries is None:  # not a scored step, on every rank alike
             return
         cosine = self.method == "gradcos"

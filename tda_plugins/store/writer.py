@@ -76,7 +76,7 @@ from torch import nn
 
 from tda_plugins.capture.config import CaptureConfig
 from tda_plugins.capture.consumer import CaptureConsumer
-from tda_plugins.capture.records import MicroBatchRecord, missing_layer
+from tda_plugins.capture.records import MicroBatchRecord
 from tda_plugins.store.codec import compact, encode
 from tda_plugins.store.fingerprint import (
     fingerprint_differences,
@@ -267,7 +267,6 @@ class GradientStore(CaptureConsumer):
                 f"or truncate(from_step={record.step}) to redo it"
             )
         self._lock.check()
-        self._check_layers(record)
         ids = record.example_ids.tolist()
         self._check_ids(record.step, ids)
         self._wait_for_room()
@@ -330,14 +329,6 @@ class GradientStore(CaptureConsumer):
             or sum(n for _, n in self._in_flight) > budget
         ):
             self._sync.wait_for(self._in_flight.popleft()[0])
-
-    def _check_layers(self, record: MicroBatchRecord) -> None:
-        """Refuse a micro-batch without some captured layer's gradients, before anything
-        of it is written."""
-        expected = self.config.layers if self.config is not None else ()
-        why = missing_layer(record, expected, "the store cannot hold every example's gradient")
-        if why is not None:
-            raise StoreError(why)
 
     def on_optimizer_step(self, step: int, records: list[MicroBatchRecord]) -> None:
         self.commit()
