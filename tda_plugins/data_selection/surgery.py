@@ -241,6 +241,7 @@ class Surgery:
         sides = {name: self._local_side(self._captured, name, side) for name in names}
         shapes = self._largest_shapes(sides)
         bucket: list[tuple[nn.Parameter, Tensor]] = []
+        filled = 0  # bytes in the bucket
         for name in names:
             module, adapter = self.layers[name]
             params = adapter.captured_parameters(module)
@@ -258,9 +259,10 @@ class Surgery:
                 full = adapter.unflatten(module, total)
                 if not any(isinstance(p, DTensor) for p in params.values()):
                     bucket += [(params[k], v) for k, v in full.items()]
-                    if sum(v.numel() * v.element_size() for _, v in bucket) >= REDUCE_BUCKET_BYTES:
+                    filled += total.numel() * total.element_size()
+                    if filled >= REDUCE_BUCKET_BYTES:
                         out += self._all_reduced(bucket)
-                        bucket = []
+                        bucket, filled = [], 0
                     continue
                 parts = {
                     k: reduced_to_local(v.contiguous(), params[k], self.ranks)
