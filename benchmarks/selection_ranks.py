@@ -10,13 +10,16 @@ global batch of 4), one epoch, against a target of 3 rows (two training rows and
 written apart). Arms, alternated round by round: ``plain`` (no callback),
 ``bottom_fraction`` (``DataSelectionCallback(target, rule="bottom_fraction")``:
 Adam-metric scores, a few floats per example gathered) and ``step_cosine`` (the
-callback's defaults: every example's gradient gathered for the Gram matrix). Timed:
+callback's defaults: every example's gradient gathered for the Gram matrix), and
+``step_cosine_per_layer``, the same with each layer's ``.grad`` correction all-reduced
+on its own (``surgery.REDUCE_BUCKET_BYTES = 0``, as before the bucketed all-reduce). Timed:
 ``trainer.train()`` on rank 0. Reported: each arm's median (range) over the rounds and its
-ratio to ``plain``, and ``step_cosine`` over ``bottom_fraction``. Last, per size,
+ratio to ``plain``, and ``step_cosine`` over ``bottom_fraction`` and over
+``step_cosine_per_layer``. Last, per size,
 ``step_cosine`` once in one process with batches of 4 on the same rows: its
 ``selection.jsonl`` against the first 2-rank run's, step by step.
 
-    python benchmarks/selection_ranks.py --rows 40 80 --rounds 2
+    python benchmarks/selection_ranks.py --rows 24 40 --rounds 2
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from pathlib import Path
 from common import REPO, base_parser, heading, load_average, publish, rotated, tidy
 
 SECTION = "## The default rule on data-parallel ranks (step_cosine's global Gram)"
-ARMS = ("plain", "bottom_fraction", "step_cosine")
+ARMS = ("plain", "bottom_fraction", "step_cosine", "step_cosine_per_layer")
 RANKS = 2
 PER_RANK = 2
 TARGET_EXTRA = {
@@ -79,20 +82,21 @@ def worker(arm: str, folder: Path, batch: int) -> None:
     sys.path.insert(0, str(REPO))
     from recipes.smollm2 import DEFAULT_CACHE, smollm2_checkpoint
     from tda_plugins import DataSelectionCallback, use_id_column
+    from tda_plugins.data_selection import surgery
 
     torch.manual_seed(0)
     checkpoint = smollm2_checkpoint(DEFAULT_CACHE)
     if checkpoint is None:
         raise SystemExit("SmolLM2-135M-Instruct is not installed: run `make demo` once")
+    target = str(folder.parent / "target.jsonl")
     callbacks = {
         "plain": [],
-        "bottom_fraction": [
-            DataSelectionCallback(
-                target=str(folder.parent / "target.jsonl"), rule="bottom_fraction"
-            )
-        ],
-        "step_cosine": [DataSelectionCallback(target=str(folder.parent / "target.jsonl"))],
+        "bottom_fraction": [DataSelectionCallback(target=target, rule="bottom_fraction")],
+        "step_cosine": [DataSelectionCallback(target=target)],
+        "step_cosine_per_layer": [DataSelectionCallback(target=target)],
     }[arm]
+    if arm == "step_cosine_per_layer":  # each layer's correction all-reduced on its own
+        surgery.REDUCE_BUCKET_BYTES = 0
     trainer = SFTTrainer(
         model=AutoModelForCausalLM.from_pretrained(checkpoint),
         args=SFTConfig(
@@ -176,9 +180,12 @@ def measure(rows: int, rounds: int, loads: list[float]) -> tuple[str, str]:
         for arm in ARMS
     )
     over = [c / b for c, b in zip(times["step_cosine"], times["bottom_fraction"], strict=True)]
+    buckets = [
+        c / b for c, b in zip(times["step_cosine"], times["step_cosine_per_layer"], strict=True)
+    ]
     same = sum(two.get(step) == ids for step, ids in one.items())
     total = sum(len(ids) for ids in one.values())
-    line = f"| {rows} | {spread(over)}x | {same} of {len(one)} | {total} |"
+    line = f"| {rows} | {spread(over)}x | {spread(buckets)}x | {same} of {len(one)} | {total} |"
     return table, line
 
 
@@ -212,12 +219,13 @@ rank 0, median (range over the rounds):
 |---|---|---:|---:|
 {tables}
 
-`step_cosine` over `bottom_fraction` (per round), and `step_cosine` on {RANKS} ranks
-against one process (batches of {RANKS * PER_RANK}, the same rows): the steps at which
-both dropped the same examples, and how many the one-process run dropped:
+`step_cosine` over `bottom_fraction` and over `step_cosine_per_layer` (per round), and
+`step_cosine` on {RANKS} ranks against one process (batches of {RANKS * PER_RANK}, the
+same rows): the steps at which both dropped the same examples, and how many the
+one-process run dropped:
 
-| rows | step_cosine / bottom_fraction | same drops | dropped |
-|---|---:|---:|---:|
+| rows | step_cosine / bottom_fraction | / step_cosine_per_layer | same drops | dropped |
+|---|---:|---:|---:|---:|
 {lines}
 """
     )
