@@ -53,6 +53,16 @@ def test_flat_options_mean_the_composed_settings() -> None:
     )
 
 
+def test_layers_takes_a_whole_layer_selection_but_not_beside_its_filters() -> None:
+    """``layers=LayerSelection(...)`` (the object the errors and docs name) means that
+    selection; a filter given beside it would be dropped silently, so it is refused."""
+    chosen = LayerSelection("linear", include="q_proj", last_n_blocks=2)
+    assert layer_settings(layers=chosen) == LayerSettings(chosen)
+    assert CaptureSettings.from_options(store_dir="s", layers=chosen).layers.selection == chosen
+    with pytest.raises(TypeError, match=r"\['exclude'\] are given too; put them in the"):
+        layer_settings(layers=chosen, exclude="lm_head")
+
+
 def test_unknown_or_missing_options_are_refused_with_the_known_ones() -> None:
     with pytest.raises(TypeError, match=r"unknown capture options \['layerz'\].*'layers'"):
         CaptureSettings.from_options(store_dir="s", layerz="all")

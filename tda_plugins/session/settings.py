@@ -42,22 +42,33 @@ class LayerOptions:
 
     Attributes:
         layers: ``"auto"`` (LoRA adapters on PEFT models, else linear layers), ``"linear"``,
-            ``"lora"`` or ``"all"`` (linear, embedding and norm scales).
+            ``"lora"`` or ``"all"`` (linear, embedding and norm scales); or a whole
+            :class:`LayerSelection` (then without the three filters below, which it holds).
         include: regex; keep only layers whose module name matches.
         exclude: regex; drop layers whose module name matches.
         last_n_blocks: keep only layers in the last N transformer blocks.
     """
 
-    layers: SelectionKind = "auto"
+    layers: SelectionKind | LayerSelection = "auto"
     include: str | None = None
     exclude: str | None = None
     last_n_blocks: int | None = None
 
     def layer_selection(self) -> LayerSelection:
         blocks = self.last_n_blocks
-        return LayerSelection(
-            self.layers, include=self.include, exclude=self.exclude, last_n_blocks=blocks
-        )
+        if not isinstance(self.layers, LayerSelection):
+            return LayerSelection(
+                self.layers, include=self.include, exclude=self.exclude, last_n_blocks=blocks
+            )
+        filters = {"include": self.include, "exclude": self.exclude, "last_n_blocks": blocks}
+        given = [name for name, value in filters.items() if value is not None]
+        if given:
+            raise TypeError(
+                f"layers= is a LayerSelection and {given} are given too; put them in the "
+                f"LayerSelection (LayerSelection({self.layers.kind!r}, include=...)) or "
+                "give layers as its kind string"
+            )
+        return self.layers
 
 
 @dataclass(kw_only=True)
