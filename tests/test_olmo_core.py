@@ -289,6 +289,27 @@ def test_fused_loss_refused_only_when_it_hides_a_captured_layer() -> None:
     check_train_module(module, LayerSelection(exclude="lm_head"))
 
 
+def test_a_mixture_of_experts_is_refused() -> None:
+    """OLMo-core's MoE routers add batch-wide load-balancing and z-losses (on by default)
+    and their experts are grouped weights, not hooked modules: refused at ``pre_train``'s
+    check, naming the cause."""
+    config = TransformerConfig.llama_like_moe(
+        d_model=32,
+        vocab_size=VOCAB,
+        n_layers=1,
+        n_heads=2,
+        num_experts=2,
+        top_k=1,
+        expert_hidden_size=32,
+        dropless=True,
+    )
+    module = TransformerTrainModuleConfig(
+        rank_microbatch_size=SEQ, max_sequence_length=SEQ, optim=AdamWConfig()
+    ).build(config.build(init_device="cpu"), device=torch.device("cpu"))
+    with pytest.raises(UnsupportedTrainingSetup, match="MoETransformer is a mixture of experts"):
+        check_train_module(module, LayerSelection())
+
+
 def test_settings_must_be_capture_settings() -> None:
     with pytest.raises(TypeError, match="CaptureSettings"):
         GradientCaptureCallback({"store_dir": "grads"})  # type: ignore[arg-type]

@@ -264,6 +264,61 @@ def test_context_parallelism_set_by_accelerate_launch_is_refused(
         check_trainer_setup(args, tiny_causal_lm("llama", torch.float32))
 
 
+# -- losses the callbacks cannot split per example ------------------------------------------
+
+
+def test_label_smoothing_is_refused(tmp_path: Path) -> None:
+    """``label_smoothing_factor``: the ``Trainer`` (and TRL's) pops the labels and computes
+    the loss from the logits outside the model, so the model returns no loss to read the
+    normalization from. Without the check the first forward failed with a message
+    about missing labels."""
+    named = ("label_smoothing_factor=0.1", "LabelSmoother", "set label_smoothing_factor=0")
+    assert_refused(tmp_path, llama(), *named, label_smoothing_factor=0.1)
+
+
+def test_trl_dft_loss_is_refused_and_nll_accepted(tmp_path: Path) -> None:
+    """TRL's ``loss_type="dft"`` weights each token by its detached probability: the
+    gradient at the fused head's log-probabilities is no longer ``-c/N`` everywhere, so
+    the normalization read from it would scale each micro-batch by its mean probability."""
+    from trl import SFTConfig
+
+    dft = training_args(tmp_path / "out", SFTConfig, loss_type="dft")
+    assert_refused(tmp_path, llama(), "loss_type='dft'", "loss_type='nll'", training=dft)
+    nll = training_args(tmp_path / "out", SFTConfig, loss_type="nll")
+    assert check_trainer_setup(nll, llama()) is not None
+
+
+@pytest.mark.parametrize("coefficient", [0.02, 0.0])
+def test_an_moe_router_load_balancing_loss_is_refused(tmp_path: Path, coefficient: float) -> None:
+    """A Mixtral whose forward adds ``router_aux_loss_coef * aux_loss`` (a balance term of
+    the whole batch) to the loss is refused; with the coefficient at 0, or the router
+    logits off, nothing is added and the model is accepted."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    def mixtral(router_logits: bool) -> nn.Module:
+        config = MixtralConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            output_router_logits=router_logits,
+            router_aux_loss_coef=coefficient,
+        )
+        return MixtralForCausalLM(config)
+
+    args = training_args(tmp_path / "out")
+    assert check_trainer_setup(args, mixtral(router_logits=False)) is not None
+    if coefficient:
+        named = ("output_router_logits=True", "router_aux_loss_coef=0.02", "no one example's")
+        assert_refused(tmp_path, mixtral(router_logits=True), *named)
+    else:
+        assert check_trainer_setup(args, mixtral(router_logits=True)) is not None
+
+
 # -- PEFT DoRA --------------------------------------------------------------------------
 
 

@@ -54,6 +54,14 @@ def check_train_module(train_module: TrainModule, layers: LayerSelection) -> Tra
             "example's whole gradient; train without tp_config and cp_config"
         )
     model = train_module.model
+    if model.is_moe:
+        raise UnsupportedTrainingSetup(
+            f"{type(model).__name__} is a mixture of experts: its routers add load-balancing "
+            "and z-losses over the whole batch (and a capacity factor drops tokens by the "
+            "batch's load), so no example's gradient is its own, and the experts' grouped "
+            "weights are not modules the capture hooks; MoE models are not supported, "
+            "train a dense TransformerConfig"
+        )
     if model.compile_enabled:
         raise UnsupportedTrainingSetup(
             "the model is torch.compile'd, which bypasses module hooks; set compile_model=False"

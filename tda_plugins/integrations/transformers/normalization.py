@@ -39,9 +39,11 @@ class CausalLMNormalization:
         loss = _field(output, "loss")
         if loss is None:
             raise ValueError(
-                "the model output has neither a loss nor TRL's log_probs: train with labels "
-                "(a causal-LM collator), or capture with the engine and a LossNormalization "
-                "of your own"
+                "the model output has neither a loss nor TRL's log_probs: the batch has no "
+                "labels, or the trainer computes the loss outside the model (a "
+                "compute_loss_func, or a compute_loss override that pops the labels); train "
+                "with labels (a causal-LM collator) and the model's own loss, or capture "
+                "with the engine and a LossNormalization of your own"
             )
         at_loss = GradientAt(loss)
         count = kwargs.get("num_items_in_batch")

@@ -6,6 +6,10 @@ FSDP2 and HSDP, whose ``fully_shard`` gathers each parameter whole before the mo
 computes) keeps that; these setups do not, and would store wrong gradients or none:
 
 * batches that mix examples in one sequence (TRL's ``packing``, ``padding_free``);
+* losses whose normalization the callbacks cannot read, or that are not a sum of the
+  examples' own token losses: label smoothing (computed outside the model), TRL's
+  ``loss_type="dft"`` (each token weighted by its detached probability), and an MoE
+  router's load-balancing loss (a term of the whole batch);
 * DeepSpeed, however it is enabled (``TrainingArguments.deepspeed``, accelerate's config
   or state, ``ACCELERATE_USE_DEEPSPEED``, a ZeRO-3 partitioned model);
 * FSDP1 (``FullyShardedDataParallel``): flat parameters outside the modules' own;
@@ -70,6 +74,41 @@ def _packing(args: TrainingArguments, model: nn.Module) -> Refusal:
 def _padding_free(args: TrainingArguments, model: nn.Module) -> Refusal:
     if getattr(args, "padding_free", False):
         return "padding_free=True flattens the batch into one sequence; set padding_free=False"
+    return None
+
+
+def _loss_outside_model(args: TrainingArguments, model: nn.Module) -> Refusal:
+    factor = getattr(args, "label_smoothing_factor", 0)
+    if factor:
+        return (
+            f"label_smoothing_factor={factor} makes the trainer compute the loss from the logits "
+            "outside the model (LabelSmoother), where the callbacks cannot read how it is "
+            "normalized; set label_smoothing_factor=0"
+        )
+    return None
+
+
+def _token_weighted_loss(args: TrainingArguments, model: nn.Module) -> Refusal:
+    loss_type = getattr(args, "loss_type", "nll")
+    if type(args).__name__ == "SFTConfig" and loss_type not in ("nll", "chunked_nll"):
+        return (
+            f"loss_type={loss_type!r} weights each token's loss by its detached probability, "
+            "so the normalization read from its gradient would be off by each micro-batch's "
+            "mean token weight; set loss_type='nll' in SFTConfig"
+        )
+    return None
+
+
+def _router_aux_loss(args: TrainingArguments, model: nn.Module) -> Refusal:
+    config = getattr(model, "config", None)
+    coefficient = getattr(config, "router_aux_loss_coef", 0)
+    if getattr(config, "output_router_logits", False) and coefficient:
+        return (
+            f"the model adds its MoE router's load-balancing loss (output_router_logits=True, "
+            f"router_aux_loss_coef={coefficient}), a term of the whole batch whose gradient is "
+            "no one example's, so each stored gradient would carry a share of it; set "
+            "model.config.output_router_logits=False (or router_aux_loss_coef=0)"
+        )
     return None
 
 
@@ -225,6 +264,9 @@ def _processes_run_alone(args: TrainingArguments, model: nn.Module) -> Refusal:
 TRAINER_CHECKS: tuple[SetupCheck, ...] = (
     SetupCheck("packing", _packing),
     SetupCheck("padding_free", _padding_free),
+    SetupCheck("loss_outside_model", _loss_outside_model),
+    SetupCheck("token_weighted_loss", _token_weighted_loss),
+    SetupCheck("router_aux_loss", _router_aux_loss),
     SetupCheck("deepspeed", _deepspeed),
     SetupCheck("fsdp1", _fsdp1),
     SetupCheck("tensor_parallel", _tensor_parallel),
