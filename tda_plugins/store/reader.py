@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from tda_plugins.grads.base import PerExampleGrad
+from tda_plugins.grads.blocks import TensorKey, tensor_key
 from tda_plugins.store.chunks import ShardContents, read_chunk
 from tda_plugins.store.fingerprint import fingerprint_differences
 from tda_plugins.store.index import read_index
@@ -29,6 +30,7 @@ from tda_plugins.store.layout import (
 )
 from tda_plugins.store.memory import IN_MEMORY, medium_for, not_in_this_process
 from tda_plugins.store.texts import TokenTexts, read_texts, read_token_texts
+from tda_plugins.utils.finite import first_non_finite
 
 
 @dataclass
@@ -256,29 +258,24 @@ class StoreReader:
 
 
 def _require_finite(chunk: StoreChunk) -> None:
-    """Refuse a chunk holding NaN/inf, naming the first example that does (one pass over
-    each tensor and one host sync per tensor when all is finite)."""
+    """Refuse a chunk holding NaN/inf, naming the first example that does: one pass over
+    each tensor (an input shared by several layers once) and one host sync when all is
+    finite (:func:`~tda_plugins.utils.finite.first_non_finite`)."""
+    tensors: dict[TensorKey, tuple[str, Tensor]] = {}
     for name, grads in chunk.layers.items():
-        bad = _non_finite_tensor(grads)
-        if bad is not None:
-            rows = (~bad.isfinite()).reshape(bad.shape[0], -1).any(dim=1)
-            example = int(chunk.example_ids[int(rows.nonzero()[0])])
-            raise StoreError(
-                f"the stored gradient of example {example} in layer {name!r} holds NaN/inf; "
-                "the store is damaged: recapture it (capture refuses non-finite gradients)"
-            )
 
+        def keep(t: Tensor, name: str = name) -> Tensor:
+            return tensors.setdefault(tensor_key(t), (name, t))[1]
 
-def _non_finite_tensor(grads: PerExampleGrad) -> Tensor | None:
-    """The first floating tensor of ``grads`` (examples first) with a NaN/inf, if any."""
-    bad: list[Tensor] = []
-
-    def check(t: Tensor) -> Tensor:
-        if not bad and t.is_floating_point() and t.numel():
-            low, high = torch.aminmax(t)  # NaN propagates; reads t once, no bool copy
-            if not bool(torch.isfinite(torch.stack([low, high])).all()):
-                bad.append(t)
-        return t
-
-    grads.map_tensors(check)
-    return bad[0] if bad else None
+        grads.map_tensors(keep)
+    found = list(tensors.values())
+    bad = first_non_finite([t for _, t in found])
+    if bad is None:
+        return
+    name, t = found[bad]
+    rows = (~t.isfinite()).reshape(t.shape[0], -1).any(dim=1)
+    example = int(chunk.example_ids[int(rows.nonzero()[0])])
+    raise StoreError(
+        f"the stored gradient of example {example} in layer {name!r} holds NaN/inf; "
+        "the store is damaged: recapture it (capture refuses non-finite gradients)"
+    )

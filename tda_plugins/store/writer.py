@@ -107,6 +107,7 @@ from tda_plugins.store.sync import (
     sync_later,
 )
 from tda_plugins.store.texts import TokenTexts, example_line
+from tda_plugins.utils.finite import first_non_finite
 
 #: Shard fsyncs in flight at once in the end sync (each waits on the disk, not the CPU).
 _END_SYNC_THREADS = 8
@@ -500,19 +501,13 @@ def _repeated_id(example_id: int, where: str, root: Path) -> str:
 
 
 def _require_finite(tensors: dict[str, torch.Tensor], step: int) -> None:
-    """Refuse a micro-batch with NaN/inf anywhere in its gradients, with one host sync.
-
-    A tensor is finite exactly when its minimum and maximum are (both propagate NaN), and
-    ``aminmax`` reads it once without the boolean copy of ``isfinite``. Only when the
-    check fails is each tensor inspected, to name the layer.
-    """
-    floating = {k: t for k, t in tensors.items() if t.is_floating_point() and t.numel()}
-    if not floating:
+    """Refuse a micro-batch with NaN/inf anywhere in its gradients, with one host sync
+    (:func:`~tda_plugins.utils.finite.first_non_finite`), naming the layer."""
+    keys = list(tensors)
+    bad = first_non_finite([tensors[k] for k in keys])
+    if bad is None:
         return
-    extremes = torch.cat([torch.stack(torch.aminmax(t)).double() for t in floating.values()])
-    if bool(torch.isfinite(extremes).all()):
-        return
-    key = next(k for k, t in floating.items() if not bool(torch.isfinite(t).all()))
+    key = keys[bad]
     raise StoreError(
         f"non-finite gradients (NaN/inf) in layer {key.split('::')[0]!r} at step {step}; "
         "the step is not written and earlier steps are intact. "
