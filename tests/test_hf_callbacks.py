@@ -604,6 +604,29 @@ def test_liger_fused_cross_entropy_leaves_the_head_out_at_train_begin(
         assert "Liger's fused linear cross-entropy (use_liger_kernel) bypasses lm_head" in warned[0]
 
 
+def test_a_fused_head_outside_the_selection_is_not_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A LoRA run under TRL's fused head (its most common use): the head has no adapter,
+    so it is not among the captured layers, and nothing is said about leaving it out. A
+    full fine-tuning run, whose head is captured, is still told."""
+    from peft import LoraConfig, get_peft_model
+    from trl import SFTConfig
+
+    from tda_plugins.integrations.transformers.setup import adapt_settings
+    from tda_plugins.session.settings import LayerSettings
+
+    model = get_peft_model(tiny_causal_lm("llama", torch.float32), LoraConfig(r=2))
+    args = training_args(tmp_path / "out", SFTConfig)
+    with caplog.at_level("WARNING", logger="tda_plugins"):
+        settings = adapt_settings(LayerSettings(), args, model)
+    assert settings == LayerSettings()
+    assert not [r for r in caplog.records if "bypasses" in r.getMessage()]
+    with caplog.at_level("WARNING", logger="tda_plugins"):
+        adapt_settings(LayerSettings(), args, tiny_causal_lm("llama", torch.float32))
+    assert [r for r in caplog.records if "TRL's fused LM head bypasses" in r.getMessage()]
+
+
 def fused_loss_forward(
     self: nn.Module, input_ids: Any = None, labels: Any = None, **kw: Any
 ) -> Any:

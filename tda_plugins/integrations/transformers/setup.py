@@ -52,13 +52,17 @@ def fused_head(args: TrainingArguments) -> str | None:
 def adapt_settings(
     settings: LayerSettings, args: TrainingArguments, model: nn.Module
 ) -> LayerSettings:
-    """Leave out the output head where the trainer bypasses its module call (logged)."""
+    """Leave out the output head where the trainer bypasses its module call and the
+    selection holds it (logged; a LoRA run whose head has no adapter is left as it is,
+    without a word)."""
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     fusion = fused_head(args)
     if head is None or fusion is None:
         return settings
     name = next(n for n, m in model.named_modules() if m is head)
+    if name not in settings.selection.resolve(model):
+        return settings
     logger.warning(
         "tda-plugins: %s bypasses %s's forward, so its per-example gradient cannot be "
         "captured; it is left out of the captured layers",
