@@ -8,6 +8,9 @@ example id; without it the engine hashes the unpadded token ids):
 * ``{"prompt": "...", "completion": "..."}`` -- loss on the completion tokens only;
 * ``{"messages": [{"role": ..., "content": ...}, ...]}`` -- the tokenizer's chat template,
   loss on every token;
+* ``{"prompt": [messages], "completion": [messages]}`` -- a conversation in TRL's
+  prompt-completion form: the chat template of both, the prompt's with the generation
+  prompt, loss on the completion tokens only;
 * ``{"input_ids": [...], "labels": [...]?}`` -- already tokenized (no tokenizer needed).
 """
 
@@ -60,6 +63,29 @@ def _text(row: dict[str, Any], key: str, line: int) -> str:
     return value
 
 
+def _conversation(row: dict[str, Any], key: str, line: int) -> list[dict[str, str]]:
+    """``row[key]`` checked to be a list of ``{role, content}`` strings."""
+    value = row[key]
+    if not isinstance(value, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in value
+    ):
+        raise ValueError(f"line {line}: {key!r} must be a list of {{role, content}} strings")
+    return value
+
+
+def _chat_ids(tokenizer: Any, messages: list[dict[str, str]], **options: Any) -> list[int]:
+    """The token ids of ``messages`` through the tokenizer's chat template, as TRL's
+    ``SFTTrainer`` tokenizes a conversation (``return_dict``: the same form whatever the
+    transformers version returns by default)."""
+    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **options)
+    return list(out["input_ids"])
+
+
+def _chat_text(messages: list[dict[str, str]]) -> str:
+    return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+
+
 def _with_eos(text: str, tokenizer: Any, line: int) -> str:
     """``text`` ending in the tokenizer's end-of-sequence token (added if missing), as
     TRL's ``SFTTrainer`` makes non-conversational rows."""
@@ -105,9 +131,8 @@ def _tokenize(
             f"line {line}: an example needs 'text', 'prompt'+'completion', 'messages' or "
             f"'input_ids'; got keys {sorted(row)}"
         )
-    for key in ("text", "prompt", "completion"):
-        if key in row:
-            _text(row, key, line)
+    if "text" in row:
+        _text(row, "text", line)
     if tokenizer is None:
         raise ValueError(
             f"line {line}: text examples need a tokenizer; save one in the model directory "
@@ -119,24 +144,35 @@ def _tokenize(
         ids = tokenizer(text, truncation=True, max_length=max_length)["input_ids"]
         return Example(ids, list(ids), text, example_id)
     if "prompt" in row and "completion" in row:
-        prompt_text, completion_text = _text(row, "prompt", line), _text(row, "completion", line)
-        completion_text = _with_eos(completion_text, tokenizer, line) if eos else completion_text
+        prompt, ids, text = _prompt_completion(row, tokenizer, line, eos)
         # As TRL does: prompt and completion tokenized together (tokens may merge across
         # the boundary); the loss starts where the prompt's own tokens stop matching.
-        prompt = tokenizer(prompt_text)["input_ids"]
-        ids = tokenizer(prompt_text + completion_text)["input_ids"]
         start = _common_prefix(prompt, ids)
         labels = ([-100] * start + ids[start:])[:max_length]
-        return Example(ids[:max_length], labels, prompt_text + completion_text, example_id)
-    messages = row["messages"]
-    if not isinstance(messages, list) or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in messages
-    ):
-        raise ValueError(f"line {line}: 'messages' must be a list of {{role, content}} strings")
-    ids = tokenizer.apply_chat_template(messages, tokenize=True)[:max_length]
-    text = "\n".join(f"{m['role']}: {m['content']}" for m in messages)
-    return Example(list(ids), list(ids), text, example_id)
+        return Example(ids[:max_length], labels, text, example_id)
+    messages = _conversation(row, "messages", line)
+    ids = _chat_ids(tokenizer, messages)[:max_length]
+    return Example(ids, list(ids), _chat_text(messages), example_id)
+
+
+def _prompt_completion(
+    row: dict[str, Any], tokenizer: Any, line: int, eos: bool
+) -> tuple[list[int], list[int], str]:
+    """``(prompt ids, prompt + completion ids, text)`` of a prompt-completion row: two
+    strings (``eos``: the completion ends in the end-of-sequence token), or a
+    conversation through the chat template (the prompt's with the generation prompt)."""
+    if isinstance(row["prompt"], list):
+        prompt, completion = (
+            _conversation(row, "prompt", line),
+            _conversation(row, "completion", line),
+        )
+        ids = _chat_ids(tokenizer, prompt + completion)
+        text = _chat_text(prompt + completion)
+        return _chat_ids(tokenizer, prompt, add_generation_prompt=True), ids, text
+    prompt_text, completion_text = _text(row, "prompt", line), _text(row, "completion", line)
+    completion_text = _with_eos(completion_text, tokenizer, line) if eos else completion_text
+    ids = tokenizer(prompt_text + completion_text)["input_ids"]
+    return tokenizer(prompt_text)["input_ids"], ids, prompt_text + completion_text
 
 
 def jsonl_rows(path: str | Path) -> list[tuple[int, Any]]:

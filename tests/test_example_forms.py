@@ -1,0 +1,77 @@
+"""Every row form the callbacks, ``capture_examples`` and ``tda capture`` take is tokenized,
+and its loss tokens chosen, as TRL's ``SFTTrainer`` prepares the same row for training: the
+oracle is the trainer's own processed dataset (``input_ids``, ``labels``), with a real
+``PreTrainedTokenizerFast`` and a chat template whose generation prompt opens the
+assistant's turn."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from datasets import Dataset
+from trl import SFTConfig, SFTTrainer
+
+from tda_plugins.integrations.transformers.data import ExamplePool, tokenize_rows
+from tests.models import tiny_causal_lm
+from tests.trainers import prompt_completion_pairs, training_args, word_tokenizer, words
+
+#: Each message's words then ``</s>``; an assistant turn opens with ``w7``, which is also
+#: the generation prompt.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}w7 {% endif %}"
+    "{{ m['content'] }} </s> {% endfor %}{% if add_generation_prompt %}w7 {% endif %}"
+)
+
+
+def rows(form: str) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for p in prompt_completion_pairs(6):
+        user = {"role": "user", "content": words(list(p.prompt))}
+        assistant = {"role": "assistant", "content": words(list(p.completion))}
+        if form == "text":
+            out.append({"text": words([*p.prompt, *p.completion])})
+        elif form == "prompt-completion":
+            out.append(p.row())
+        elif form == "messages":
+            out.append({"messages": [user, assistant]})
+        else:
+            out.append({"prompt": [user], "completion": [assistant]})
+    return out
+
+
+FORMS = ["text", "prompt-completion", "messages", "conversational prompt-completion"]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_rows_are_tokenized_as_trl_trains_them(tmp_path: Path, form: str) -> None:
+    tokenizer = word_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    given = rows(form)
+    trainer = SFTTrainer(
+        model=tiny_causal_lm("llama", torch.float32),
+        args=training_args(tmp_path / "out", config_cls=SFTConfig, max_length=64),
+        train_dataset=Dataset.from_list(given),
+        processing_class=tokenizer,
+    )
+    trained = list(trainer.train_dataset)
+    ours = tokenize_rows(list(enumerate(given, 1)), tokenizer, 64, eos=True)
+    for example, row in zip(ours, trained, strict=True):
+        assert example.input_ids == row["input_ids"]
+        assert example.labels == row.get("labels", row["input_ids"])
+
+
+def test_a_conversational_query_pool_batches_its_completion_loss() -> None:
+    """The callbacks' queries and targets in TRL's conversational prompt-completion form
+    (a list of messages each): the batch's labels are the completion's tokens, after the
+    generation prompt (``w7``) that the prompt's template ends with."""
+    tokenizer = word_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    given = rows("conversational prompt-completion")[:2]
+    batch = ExamplePool(given, "InfluenceLoggingCallback").batch(tokenizer)
+    for row, ids, labels in zip(given, batch["input_ids"], batch["labels"], strict=True):
+        completion = tokenizer(f"{row['completion'][0]['content']} </s>")["input_ids"]
+        start = int((labels != -100).nonzero()[0])
+        assert ids[start - 1] == 7 and labels[labels != -100].tolist() == completion
