@@ -319,23 +319,19 @@ def test_an_moe_router_load_balancing_loss_is_refused(tmp_path: Path, coefficien
         assert check_trainer_setup(args, mixtral(router_logits=True)) is not None
 
 
-def test_fp16_loss_scaling_on_an_accelerator_is_refused_by_the_capture(
+def test_fp16_loss_scaling_on_an_accelerator_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On a GPU, ``fp16=True`` trains under a ``GradScaler`` that skips each overflowing
-    step: its non-finite per-example gradients would stop the store mid-run. No GPU
-    here: the arguments' device is set to CUDA (what the callback reads), and the
-    refusal comes at ``on_train_begin`` with nothing written. On the CPU, where
-    accelerate keeps no scaler, the same arguments train and capture (the control)."""
-    store = tmp_path / "store"
+    step, whose non-finite per-example gradients the callbacks would store, score or
+    select on. No GPU here: the arguments' device is set to CUDA (what the check reads).
+    On the CPU, where accelerate keeps no scaler, the same arguments are accepted (the
+    control)."""
     args = training_args(tmp_path / "out", fp16=True)
-    on_cpu = GradientCaptureCallback(store_dir=str(tmp_path / "cpu-store"), curvature=False)
-    on_cpu.on_train_begin(args, TrainerState(), TrainerControl(), model=llama())
+    assert check_trainer_setup(args, llama()) is not None
     monkeypatch.setattr(TrainingArguments, "device", property(lambda self: torch.device("cuda")))
-    callback = GradientCaptureCallback(store_dir=str(store))
-    with pytest.raises(UnsupportedTrainingSetup, match=r"fp16 mixed precision .*\(bf16=True\)"):
-        callback.on_train_begin(args, TrainerState(), TrainerControl(), model=llama())
-    assert not store.exists()
+    named = ("fp16 mixed precision on an accelerator", "(bf16=True)")
+    assert_refused(tmp_path, llama(), *named, training=args)
 
 
 # -- PEFT DoRA --------------------------------------------------------------------------

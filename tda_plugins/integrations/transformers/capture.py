@@ -50,13 +50,6 @@ class GradientCaptureCallback(CheckedCallback):
         self.session: CaptureSession | None = None
 
     def begin(self, start: TrainStart) -> None:
-        if start.args.fp16 and start.args.device.type != "cpu":
-            raise UnsupportedTrainingSetup(
-                "fp16 mixed precision on an accelerator scales the loss and skips each step "
-                "whose gradients overflow, and a skipped step's non-finite per-example "
-                "gradients would stop the capture there, however far into the run; train "
-                "in bf16 (bf16=True) or fp32"
-            )
         if self.settings.record_trajectory and start.args.fp16:
             raise UnsupportedTrainingSetup(
                 "record_trajectory: fp16 loss scaling rescales .grad before clipping and skips "

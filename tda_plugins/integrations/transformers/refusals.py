@@ -10,6 +10,8 @@ computes) keeps that; these setups do not, and would store wrong gradients or no
   examples' own token losses: label smoothing (computed outside the model), TRL's
   ``loss_type="dft"`` (each token weighted by its detached probability), and an MoE
   router's load-balancing loss (a term of the whole batch);
+* fp16 mixed precision on an accelerator, whose loss scaler skips the steps that
+  overflow (accelerate keeps no scaler on the CPU);
 * DeepSpeed, however it is enabled (``TrainingArguments.deepspeed``, accelerate's config
   or state, ``ACCELERATE_USE_DEEPSPEED``, a ZeRO-3 partitioned model);
 * FSDP1 (``FullyShardedDataParallel``): flat parameters outside the modules' own;
@@ -108,6 +110,17 @@ def _router_aux_loss(args: TrainingArguments, model: nn.Module) -> Refusal:
             f"router_aux_loss_coef={coefficient}), a term of the whole batch whose gradient is "
             "no one example's, so each stored gradient would carry a share of it; set "
             "model.config.output_router_logits=False (or router_aux_loss_coef=0)"
+        )
+    return None
+
+
+def _fp16_loss_scaling(args: TrainingArguments, model: nn.Module) -> Refusal:
+    if getattr(args, "fp16", False) and args.device.type != "cpu":
+        return (
+            "fp16 mixed precision on an accelerator trains under a loss scaler that skips each "
+            "step whose gradients overflow, and that step's non-finite per-example gradients "
+            "would stop the store, poison the influence totals or be selected on, however "
+            "far into the run; train in bf16 (bf16=True) or fp32"
         )
     return None
 
@@ -267,6 +280,7 @@ TRAINER_CHECKS: tuple[SetupCheck, ...] = (
     SetupCheck("loss_outside_model", _loss_outside_model),
     SetupCheck("token_weighted_loss", _token_weighted_loss),
     SetupCheck("router_aux_loss", _router_aux_loss),
+    SetupCheck("fp16_loss_scaling", _fp16_loss_scaling),
     SetupCheck("deepspeed", _deepspeed),
     SetupCheck("fsdp1", _fsdp1),
     SetupCheck("tensor_parallel", _tensor_parallel),
