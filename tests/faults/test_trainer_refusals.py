@@ -283,7 +283,8 @@ def test_trl_dft_loss_is_refused_and_nll_accepted(tmp_path: Path) -> None:
     from trl import SFTConfig
 
     dft = training_args(tmp_path / "out", SFTConfig, loss_type="dft")
-    assert_refused(tmp_path, llama(), "loss_type='dft'", "loss_type='nll'", training=dft)
+    named = ("loss_type='dft'", "mean token weight", "set loss_type='nll'")
+    assert_refused(tmp_path, llama(), *named, training=dft)
     nll = training_args(tmp_path / "out", SFTConfig, loss_type="nll")
     assert check_trainer_setup(nll, llama()) is not None
 

@@ -90,15 +90,17 @@ def _loss_outside_model(args: TrainingArguments, model: nn.Module) -> Refusal:
     return None
 
 
-def _token_weighted_loss(args: TrainingArguments, model: nn.Module) -> Refusal:
-    loss_type = getattr(args, "loss_type", "nll")
-    if type(args).__name__ == "SFTConfig" and loss_type not in ("nll", "chunked_nll"):
-        return (
-            f"loss_type={loss_type!r} weights each token's loss by its detached probability, "
-            "so the normalization read from its gradient would be off by each micro-batch's "
-            "mean token weight; set loss_type='nll' in SFTConfig"
-        )
-    return None
+def _loss_type(args: TrainingArguments, model: nn.Module) -> Refusal:
+    loss_type = getattr(args, "loss_type", "nll")  # TRL's configs (SFTConfig: "nll")
+    if loss_type in ("nll", "chunked_nll"):
+        return None
+    why = (
+        "weights each token's loss by its detached probability, so the normalization read "
+        "from its gradient would be off by each micro-batch's mean token weight"
+        if loss_type == "dft"
+        else "is not the token negative log-likelihood the callbacks split per example"
+    )
+    return f"loss_type={loss_type!r} {why}; set loss_type='nll'"
 
 
 def _router_aux_loss(args: TrainingArguments, model: nn.Module) -> Refusal:
@@ -278,7 +280,7 @@ TRAINER_CHECKS: tuple[SetupCheck, ...] = (
     SetupCheck("packing", _packing),
     SetupCheck("padding_free", _padding_free),
     SetupCheck("loss_outside_model", _loss_outside_model),
-    SetupCheck("token_weighted_loss", _token_weighted_loss),
+    SetupCheck("loss_type", _loss_type),
     SetupCheck("router_aux_loss", _router_aux_loss),
     SetupCheck("fp16_loss_scaling", _fp16_loss_scaling),
     SetupCheck("deepspeed", _deepspeed),
