@@ -70,7 +70,7 @@ def _add_capture(sub: Any) -> None:
     p.add_argument(
         "--data",
         required=True,
-        help="JSONL: text | prompt+completion | "
+        help="JSONL: text | prompt+completion (strings, or lists of chat messages) | "
         "messages | input_ids per line, optional integer 'id'",
     )
     p.add_argument("--out", required=True, type=Path, help="gradient store directory to create")
