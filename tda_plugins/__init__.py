@@ -1,6 +1,7 @@
 """tda-plugins: training-data attribution from the training run's own backward pass.
 
     from tda_plugins import GradientCaptureCallback, attribute, capture_examples
+    from tda_plugins import score_examples  # GradDot/GradCos against known queries, no store
     from tda_plugins import metagradient  # exact, replays the run (docs/design.md section 13)
 
 The engine (``tda_plugins.capture``) imports torch only; framework integrations live in
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from tda_plugins.methods.metagradient import metagradient
     from tda_plugins.session.batch import causal_lm_example_losses, per_example_gradients
     from tda_plugins.session.dataset import capture_examples
+    from tda_plugins.session.scoring import score_examples
 
 __version__ = "0.1.0"
 
@@ -89,6 +91,7 @@ _EXPORTS = {
         ("causal_lm_example_losses", "per_example_gradients"), "tda_plugins.session.batch"
     ),
     "capture_examples": "tda_plugins.session.dataset",
+    "score_examples": "tda_plugins.session.scoring",
 }
 
 
@@ -130,6 +133,7 @@ __all__ = [
     "metagradient",
     "per_example_gradients",
     "per_token_scores",
+    "score_examples",
     "score_record",
     "sq_norms",
     "use_id_column",

@@ -18,9 +18,11 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torch import Tensor
 from tqdm.auto import tqdm
 
 from tda_plugins.capture import CaptureEngine, content_hash
@@ -90,8 +92,6 @@ def capture_examples(
         ValueError: a bad row (named by its line), a repeated id, or K-FAC statistics over
             ``settings.curvature_budget_gb``; nothing is written then.
     """
-    from tda_plugins.integrations.transformers.data import batches, numbered_rows, tokenize_rows
-
     ranks = ranks or Ranks(next(model.parameters()).device)
     if settings is None:
         settings = settings_from(None, {**options, "store_dir": str(out)})
@@ -99,25 +99,9 @@ def capture_examples(
         settings = settings_from(settings, options)
         written = dataclasses.replace(settings.store, directory=str(out))
         settings = dataclasses.replace(settings, store=written)
-    inputs_device = model.get_input_embeddings().weight.device
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    source = str(examples) if isinstance(examples, str | Path) else "examples"
-    rows = tokenize_rows(
-        numbered_rows(examples), tokenizer, _length(model, max_length), vocab, source, eos
-    )
-    pad_id = getattr(tokenizer, "pad_token_id", None) or 0
-    planned = []  # every batch and its ids first: bad ids are refused before any write
-    for inputs, given, group in batches(rows, batch_size, pad_id):
-        mask = inputs["attention_mask"]
-        ids = content_hash(inputs["input_ids"], mask) if given is None else given
-        planned.append((inputs, ids, group))
-    all_ids = [i for _, ids, _ in planned for i in ids.tolist()]
-    repeated = next((i for i, n in Counter(all_ids).items() if n > 1), None)
-    if repeated is not None:
-        raise ValueError(
-            f"example id {repeated} occurs twice in {source}: give each example its own "
-            "'id' (without ids, duplicated examples get the same content hash)"
-        )
+    # every batch and its ids first: bad rows and ids are refused before any write
+    planned = plan_batches(model, examples, tokenizer, batch_size, max_length, eos)
+    all_ids = [i for batch in planned for i in batch.ids.tolist()]
     settings, plan = resolve_curvature(settings, model, ranks.rank)
     if settings.curvature and ranks.size > 1 and plan.schedule != "local":
         raise ValueError(
@@ -162,46 +146,109 @@ def capture_examples(
     if ranks.rank != 0:
         ranks.barrier()  # rank 0 attaches first: it writes the store's header
     shown = progress and ranks.rank == 0
+    examples_count = sum(len(batch.examples) for batch in planned)
     with (
         engine,
-        tqdm(total=len(rows), desc="capture", unit="ex", disable=not shown) as bar,
+        tqdm(total=examples_count, desc="capture", unit="ex", disable=not shown) as bar,
     ):
         if ranks.rank == 0:
             ranks.barrier()
         store.check_new_ids(all_ids)  # against the examples an appended store holds
         # appending continues the numbering after every rank's last step
         engine.resume_at_step(max(ranks.objects(store.next_step)))
-        for inputs, ids, group in mine:
-            inputs = {k: v.to(inputs_device) for k, v in inputs.items()}
-            engine.set_example_ids(ids.to(inputs_device))
-            labels = inputs.pop("labels")
-            losses = causal_lm_example_losses(model(**inputs).logits, labels)
-            losses.sum().backward()
-            model.zero_grad(set_to_none=True)
+        for batch in mine:
+            backward_each_example(model, engine, batch)
             engine.optimizer_step()  # one committed store step per batch (per round)
-            bar.update(len(group) * ranks.size)
+            bar.update(len(batch.examples) * ranks.size)
         engine.end()
     ranks.barrier()  # every rank's steps are committed
     if ranks.rank == 0:
-        texts = {
-            i: e.text for _, ids, group in planned for i, e in zip(ids.tolist(), group, strict=True)
-        }
         store.write_examples(
-            texts, _tokens(planned, tokenizer) if settings.store.keep_tokens else None
+            example_texts(planned),
+            _tokens(planned, tokenizer) if settings.store.keep_tokens else None,
         )
     return StoreReader(out)
 
 
-def _tokens(planned: list[Any], tokenizer: Any) -> dict[int, TokenTexts] | None:
+@dataclass
+class PlannedBatch:
+    """One padded batch of examples and their ids, ready for a captured backward.
+
+    Attributes:
+        inputs: ``input_ids``, ``attention_mask``, ``labels`` (``(B, T)``, on the CPU).
+        ids: ``(B,)`` example ids: the rows' ``id``, else content hashes of the tokens.
+        examples: the tokenized rows (their texts).
+    """
+
+    inputs: dict[str, Tensor]
+    ids: Tensor
+    examples: list[Any]
+
+
+def plan_batches(
+    model: Any,
+    examples: Any,
+    tokenizer: Any,
+    batch_size: int,
+    max_length: int | None,
+    eos: bool = False,
+) -> list[PlannedBatch]:
+    """Every row of ``examples`` tokenized and batched, with its id; a bad row (named by
+    its line) or an id met twice is refused before any forward runs."""
+    from tda_plugins.integrations.transformers.data import batches, numbered_rows, tokenize_rows
+
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    source = str(examples) if isinstance(examples, str | Path) else "examples"
+    rows = tokenize_rows(
+        numbered_rows(examples), tokenizer, _length(model, max_length), vocab, source, eos
+    )
+    pad_id = getattr(tokenizer, "pad_token_id", None) or 0
+    planned = []
+    for inputs, given, group in batches(rows, batch_size, pad_id):
+        mask = inputs["attention_mask"]
+        ids = content_hash(inputs["input_ids"], mask) if given is None else given
+        planned.append(PlannedBatch(inputs, ids, group))
+    all_ids = [i for batch in planned for i in batch.ids.tolist()]
+    repeated = next((i for i, n in Counter(all_ids).items() if n > 1), None)
+    if repeated is not None:
+        raise ValueError(
+            f"example id {repeated} occurs twice in {source}: give each example its own "
+            "'id' (without ids, duplicated examples get the same content hash)"
+        )
+    return planned
+
+
+def backward_each_example(model: Any, engine: CaptureEngine, batch: PlannedBatch) -> None:
+    """One forward and backward of the batch's summed per-example token losses (each
+    example's own summed loss: the store convention) under ``engine``'s hooks; the
+    model's own gradients are cleared after."""
+    device = model.get_input_embeddings().weight.device
+    inputs = {k: v.to(device) for k, v in batch.inputs.items()}
+    engine.set_example_ids(batch.ids.to(device))
+    labels = inputs.pop("labels")
+    causal_lm_example_losses(model(**inputs).logits, labels).sum().backward()
+    model.zero_grad(set_to_none=True)
+
+
+def example_texts(planned: list[PlannedBatch]) -> dict[int, str]:
+    """Example id -> its text."""
+    return {
+        i: e.text
+        for batch in planned
+        for i, e in zip(batch.ids.tolist(), batch.examples, strict=True)
+    }
+
+
+def _tokens(planned: list[PlannedBatch], tokenizer: Any) -> dict[int, TokenTexts] | None:
     """Each example's tokens (for token-level scores), where a tokenizer can decode them."""
     if not callable(getattr(tokenizer, "decode", None)):
         return None
     return {
         i: pieces
-        for inputs, ids, _ in planned
+        for batch in planned
         for i, pieces in zip(
-            ids.tolist(),
-            token_texts(tokenizer, inputs["input_ids"], inputs["attention_mask"]),
+            batch.ids.tolist(),
+            token_texts(tokenizer, batch.inputs["input_ids"], batch.inputs["attention_mask"]),
             strict=True,
         )
     }

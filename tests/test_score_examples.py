@@ -1,0 +1,73 @@
+"""``score_examples``: GradDot and GradCos of training rows against query rows in one
+call, with no store. Oracles: each pair's dot product of the two examples' own
+summed-loss gradients by autograd (every captured weight), and ``attribute`` on stores
+``capture_examples`` writes from the same rows, which it must equal to rounding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tda_plugins import LayerSelection, attribute, capture_examples, score_examples
+from tests.models import tiny_causal_lm, with_lora
+from tests.trainers import prompt_completion_pairs, token_rows, word_tokenizer
+
+TRAIN = [{"input_ids": r, "id": 10 + i} for i, r in enumerate(token_rows(7))]
+QUERIES = [{"input_ids": r, "id": 90 + i} for i, r in enumerate(token_rows(3, seed=4))]
+
+
+def own_gradient(model: nn.Module, ids: list[int], names: list[str]) -> torch.Tensor:
+    """The example's summed next-token loss gradient over the captured layers' weights."""
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=torch.tensor([ids])).logits[0, :-1]
+    nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum").backward()
+    modules = dict(model.named_modules())
+    return torch.cat([modules[n].weight.grad.flatten() for n in names])
+
+
+def test_graddot_is_each_pairs_gradient_dot_product() -> None:
+    model = tiny_causal_lm("llama", torch.float64)
+    scores = score_examples(model, TRAIN, QUERIES, batch_size=3, progress=False)
+    names = list(LayerSelection().resolve(model))
+    train = torch.stack([own_gradient(model, r["input_ids"], names) for r in TRAIN])
+    queries = torch.stack([own_gradient(model, r["input_ids"], names) for r in QUERIES])
+    assert scores.train_ids.tolist() == [r["id"] for r in TRAIN]
+    assert scores.query_ids.tolist() == [r["id"] for r in QUERIES]
+    expected = train @ queries.T
+    assert scores.values.dtype == torch.float32  # as attribute's
+    assert (scores.values.double() - expected).abs().max() <= 1e-6 * expected.abs().max()
+
+
+@pytest.mark.parametrize("method", ["graddot", "gradcos"])
+def test_scores_equal_attribute_on_the_stores_of_the_same_rows(tmp_path: Path, method: str) -> None:
+    """A LoRA model, text rows through a tokenizer: the same scores, ids and texts as
+    capturing both sides to stores and scoring them."""
+    tokenizer = word_tokenizer()
+    model = with_lora(tiny_causal_lm("llama", torch.float64))
+    pairs = prompt_completion_pairs(9)
+    train = [{**p.row(), "id": i} for i, p in enumerate(pairs[:6])]
+    queries = [p.row() for p in pairs[6:]]
+    got = score_examples(
+        model, train, queries, tokenizer=tokenizer, method=method, batch_size=4, progress=False
+    )
+    store = capture_examples(model, train, tmp_path / "train", tokenizer=tokenizer, progress=False)
+    asked = capture_examples(model, queries, tmp_path / "q", tokenizer=tokenizer, progress=False)
+    expected = attribute(store, asked, method)
+    assert torch.equal(got.train_ids, expected.train_ids)
+    assert torch.equal(got.query_ids, expected.query_ids)
+    assert (got.values - expected.values).abs().max() <= 1e-6 * expected.values.abs().max()
+    assert got.train_texts == expected.train_texts and got.query_texts == expected.query_texts
+
+
+def test_bad_methods_and_repeated_ids_are_refused_before_any_forward() -> None:
+    model = tiny_causal_lm("llama", torch.float64)
+    calls: list[int] = []
+    model.register_forward_hook(lambda *args: calls.append(1))
+    with pytest.raises(ValueError, match=r"not 'ekfac'; for the others capture a store"):
+        score_examples(model, TRAIN, QUERIES, method="ekfac", progress=False)
+    with pytest.raises(ValueError, match="example id 10 occurs twice"):
+        score_examples(model, TRAIN + TRAIN[:1], QUERIES, progress=False)
+    assert calls == []
