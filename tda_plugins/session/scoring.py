@@ -13,7 +13,9 @@ the cheapest exact path when the queries are known before the training rows are 
 (the store is for scoring queries that come later, and for the methods that need the
 whole training set first: K-FAC, EK-FAC, LoGra, TracIn over checkpoints). Scores follow
 the store's convention (each example's own summed token loss) and equal ``attribute``'s
-on stores captured from the same rows.
+on stores captured from the same rows. It runs in one process: under ``torchrun``, where
+every rank would score every row, ``capture_examples`` deals the batches over the ranks
+and ``attribute`` splits the scoring.
 """
 
 from __future__ import annotations
