@@ -224,6 +224,31 @@ def test_cli_topk_and_report_name_real_examples(run: CliRun) -> None:
         assert f"<pre>{text_of(run.train[train_ids[row]])}</pre>" in html
 
 
+@pytest.mark.slow
+def test_tda_score_equals_capture_then_attribute(run: CliRun, tmp_path: Path) -> None:
+    """``tda score`` (no store) writes the same scores, ids, top-k and report texts as
+    ``tda capture`` of both files then ``tda attribute --method graddot``, and so the
+    oracle's dot products."""
+    out = tmp_path / "scored"
+    queries = run.train_file.parent / "queries.jsonl"
+    options = ["--data", run.train_file, "--queries", queries, "--out", out, "--top-k", 3]
+    run_tda("score", "--model", run.model_dir, *options, "--dtype", "float64", "--batch-size", 3)
+    got, expected = Scores.load(out), Scores.load(run.out)
+    assert torch.equal(got.train_ids, expected.train_ids)
+    assert torch.equal(got.query_ids, expected.query_ids)
+    assert rel_error(got.values, expected.values) <= REL_TOL
+    got_topk = json.loads((out / "topk.json").read_text())
+    expected_topk = json.loads((run.out / "topk.json").read_text())
+    ranked = [
+        [[r["id"] for r in q[side]] for side in ("helpful", "harmful")] for q in got_topk["queries"]
+    ]
+    assert ranked == [
+        [[r["id"] for r in q[side]] for side in ("helpful", "harmful")]
+        for q in expected_topk["queries"]
+    ]
+    assert (out / "report.html").read_text() == (run.out / "report.html").read_text()
+
+
 def test_report_rerenders_the_attribute_report(
     capsys: pytest.CaptureFixture[str], runs: dict[str, CliRun], tmp_path: Path
 ) -> None:
@@ -263,9 +288,11 @@ def test_option_choices_are_the_registries() -> None:
     """The parser's torch-free choices name every registered method and durability mode."""
     from tda_plugins.cli import choices
     from tda_plugins.methods import METHODS
+    from tda_plugins.session.scoring import LIVE_METHODS
     from tda_plugins.store.sync import DURABILITY
 
     assert tuple(sorted(METHODS)) == choices.METHODS
+    assert tuple(sorted(LIVE_METHODS)) == choices.LIVE_METHODS
     assert tuple(sorted(DURABILITY)) == choices.DURABILITY
 
 
@@ -273,6 +300,7 @@ SUBCOMMAND_OPTIONS = {
     "capture": ["--model", "--data", "--out", "--layers", "--projection", "--k-a", "--keep-tokens"],
     "attribute": ["--store", "--queries", "--method", "--damping", "--checkpoint", "--top-k"],
     "report": ["--scores", "--store", "--queries", "--out"],
+    "score": ["--model", "--data", "--queries", "--method", "--layers", "--projection", "--out"],
 }
 
 

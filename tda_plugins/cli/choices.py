@@ -15,6 +15,8 @@ METHODS = (
     "logra",
     "tracin",
 )
+#: ``tda score --method``: :data:`tda_plugins.session.scoring.LIVE_METHODS`.
+LIVE_METHODS = ("gradcos", "graddot")
 #: ``tda capture --durability``: :data:`tda_plugins.store.sync.DURABILITY`.
 DURABILITY = ("end", "none", "step")
 #: ``tda capture --dtype``: names of torch dtypes.

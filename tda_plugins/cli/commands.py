@@ -3,6 +3,7 @@
     tda capture   --model DIR --data FILE.jsonl --out STORE [layer/projection options]
     tda attribute --store STORE --queries QSTORE --method graddot --top-k 10 --out DIR
     tda report    --scores DIR --store STORE --queries QSTORE --out report.html
+    tda score     --model DIR --data FILE.jsonl --queries Q.jsonl --out DIR  (no store)
 
 Bad input ends with exit code 2 and a one-line reason on stderr. This module is the parser
 and imports no torch: ``--help`` and usage errors return at once; the command itself runs
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from tda_plugins.cli.choices import DTYPES, DURABILITY, METHODS
+from tda_plugins.cli.choices import DTYPES, DURABILITY, LIVE_METHODS, METHODS
 from tda_plugins.cli.option_types import (
     device,
     finite_float,
@@ -48,6 +49,13 @@ _SUBCOMMANDS = {
         "HTML page of the top-k per query",
         "Render saved scores as HTML, with texts where stored.",
     ),
+    "score": (
+        "GradDot/GradCos of a JSONL dataset against JSONL queries, with no store",
+        "Score every example of --data against every query of --queries in one pass: the "
+        "queries' gradients are taken first and each training batch is scored as its "
+        "backward finishes, so nothing is written but the scores (one process). For other "
+        "methods, or queries that come later, use capture and attribute.",
+    ),
 }
 
 
@@ -56,8 +64,8 @@ def _subcommand(sub: Any, name: str) -> argparse.ArgumentParser:
     return sub.add_parser(name, help=summary, description=description)
 
 
-def _add_capture(sub: Any) -> None:
-    p = _subcommand(sub, "capture")
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    """``--model`` and ``--adapter``."""
     p.add_argument(
         "--model",
         required=True,
@@ -67,18 +75,10 @@ def _add_capture(sub: Any) -> None:
     p.add_argument(
         "--adapter", help="PEFT adapter directory to load on --model (LoRA layers captured)"
     )
-    p.add_argument(
-        "--data",
-        required=True,
-        help="JSONL: text | prompt+completion (strings, or lists of chat messages) | "
-        "messages | input_ids per line, optional integer 'id'",
-    )
-    p.add_argument("--out", required=True, type=Path, help="gradient store directory to create")
-    p.add_argument(
-        "--append",
-        action="store_true",
-        help="add to an existing store of the same model and options (new steps after its own)",
-    )
+
+
+def _add_layer_options(p: argparse.ArgumentParser) -> None:
+    """The layer and projection options (the callbacks' own names)."""
     p.add_argument(
         "--layers",
         default="auto",
@@ -107,6 +107,10 @@ def _add_capture(sub: Any) -> None:
         help="random map of the projection",
     )
     p.add_argument("--seed", type=int, default=0, help="projection seed")
+
+
+def _add_row_options(p: argparse.ArgumentParser) -> None:
+    """How the JSONL rows become batches."""
     p.add_argument(
         "--batch-size", type=positive_int, default=8, help="examples per forward/backward"
     )
@@ -122,6 +126,25 @@ def _add_capture(sub: Any) -> None:
         help="end text and completion rows in the tokenizer's end-of-sequence token, as "
         "TRL's SFTTrainer trains them",
     )
+
+
+def _add_capture(sub: Any) -> None:
+    p = _subcommand(sub, "capture")
+    _add_model_options(p)
+    p.add_argument(
+        "--data",
+        required=True,
+        help="JSONL: text | prompt+completion (strings, or lists of chat messages) | "
+        "messages | input_ids per line, optional integer 'id'",
+    )
+    p.add_argument("--out", required=True, type=Path, help="gradient store directory to create")
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="add to an existing store of the same model and options (new steps after its own)",
+    )
+    _add_layer_options(p)
+    _add_row_options(p)
     p.add_argument(
         "--durability",
         default="end",
@@ -267,6 +290,32 @@ def _add_report(sub: Any) -> None:
     p.add_argument("--force", action="store_true", help="replace an existing --out")
 
 
+def _add_score(sub: Any) -> None:
+    p = _subcommand(sub, "score")
+    _add_model_options(p)
+    p.add_argument(
+        "--data",
+        required=True,
+        help="JSONL training examples, as tda capture --data takes them",
+    )
+    p.add_argument("--queries", required=True, help="JSONL query examples, likewise")
+    p.add_argument(
+        "--method",
+        default="graddot",
+        choices=LIVE_METHODS,
+        help="graddot: dot product of the gradients; gradcos: their cosine",
+    )
+    _add_layer_options(p)
+    _add_row_options(p)
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="model dtype")
+    p.add_argument("--device", type=device, default="cpu", help="torch device")
+    p.add_argument("--top-k", type=positive_int, default=10, help="examples per query in the top-k")
+    p.add_argument(
+        "--out", required=True, type=Path, help="output directory (scores, top-k, report)"
+    )
+    p.add_argument("--force", action="store_true", help="replace an existing --out")
+
+
 class _Parser(argparse.ArgumentParser):
     """Usage errors in one line, ``tda <command>: error: <what>``, and exit code 2."""
 
@@ -283,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_capture(sub)
     _add_attribute(sub)
     _add_report(sub)
+    _add_score(sub)
     return parser
 
 

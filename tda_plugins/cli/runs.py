@@ -21,6 +21,7 @@ from tda_plugins.parallel.ranks import Ranks, launch_size, launched_ranks
 from tda_plugins.report import render_html, write_html
 from tda_plugins.report.tokens import TOKENS_FILE, require_token_scores, token_report
 from tda_plugins.session.dataset import capture_examples
+from tda_plugins.session.scoring import score_examples
 from tda_plugins.session.settings import (
     LAYER_OPTION_NAMES,
     PROJECTION_OPTION_NAMES,
@@ -125,19 +126,51 @@ def _attribute_on(args: argparse.Namespace, ranks: Ranks) -> None:
         if args.tokens
         else None
     )
-    with staged_directory(args.out) as stage:
-        scores.save(stage, k=args.top_k)
-        if tokens is not None:
-            atomic_write_json(stage / TOKENS_FILE, tokens)
-        page = render_html(
-            scores, scores.train_texts, scores.query_texts, k=args.top_k, tokens=tokens
-        )
-        write_html(stage / "report.html", page)
+    _write_scores(args.out, scores, args.top_k, tokens)
     n, m = scores.values.shape
     print(
         f"scored {n} x {m} with {args.method} in {seconds:.2f} s on {ranks.size} rank(s) "
         f"({ranks.device}): {args.out}"
     )
+
+
+def _write_scores(out: Path, scores: Scores, top_k: int, tokens: Any = None) -> None:
+    """``out`` made whole at once: the scores, their top-k, ``tokens.json`` (token scores,
+    where asked) and ``report.html``."""
+    with staged_directory(out) as stage:
+        scores.save(stage, k=top_k)
+        if tokens is not None:
+            atomic_write_json(stage / TOKENS_FILE, tokens)
+        page = render_html(scores, scores.train_texts, scores.query_texts, k=top_k, tokens=tokens)
+        write_html(stage / "report.html", page)
+
+
+def _score(args: argparse.Namespace) -> None:
+    """``tda score``: :func:`~tda_plugins.session.scoring.score_examples`, one process."""
+    refuse_existing(args.out, args.force)
+    if launch_size() > 1:
+        raise ValueError(
+            "tda score runs in one process, where every rank would score every row; under "
+            "torchrun use tda capture and tda attribute, which split the work over the ranks"
+        )
+    source = ModelSource.resolve(args.model, args.adapter)
+    model, tokenizer = source.load(getattr(torch, args.dtype), torch.device(args.device), None)
+    start = time.perf_counter()
+    scores = score_examples(
+        model,
+        args.data,
+        args.queries,
+        tokenizer=tokenizer,
+        method=args.method,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+        eos=args.eos,
+        **{name: getattr(args, name) for name in LAYER_OPTION_NAMES | PROJECTION_OPTION_NAMES},
+    )
+    seconds = time.perf_counter() - start
+    _write_scores(args.out, scores, args.top_k)
+    n, m = scores.values.shape
+    print(f"scored {n} x {m} with {args.method} in {seconds:.2f} s, no store: {args.out}")
 
 
 def _report(args: argparse.Namespace) -> None:
@@ -165,4 +198,5 @@ USER_ERRORS = (
 
 def run(args: argparse.Namespace) -> None:
     """Run the parsed command ``args.command``."""
-    {"capture": _capture, "attribute": _attribute, "report": _report}[args.command](args)
+    commands = {"capture": _capture, "attribute": _attribute, "report": _report, "score": _score}
+    commands[args.command](args)
