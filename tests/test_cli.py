@@ -249,6 +249,26 @@ def test_tda_score_equals_capture_then_attribute(run: CliRun, tmp_path: Path) ->
     assert (out / "report.html").read_text() == (run.out / "report.html").read_text()
 
 
+def test_tda_score_under_torchrun_names_capture_and_attribute(
+    capsys: pytest.CaptureFixture[str],
+    runs: dict[str, CliRun],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Launched on several ranks (``WORLD_SIZE``, as torchrun sets it), every rank would
+    score every row: refused with the commands that split the work, nothing written."""
+    run = runs["llama"]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    out = tmp_path / "scored"
+    queries = run.train_file.parent / "queries.jsonl"
+    args = ["--data", run.train_file, "--queries", queries, "--out", out]
+    code, _, err = run_main(capsys, "score", "--model", run.model_dir, *args)
+    assert_one_line_error(
+        code, err, "score", "runs in one process", "tda capture and tda attribute"
+    )
+    assert not out.exists()
+
+
 def test_report_rerenders_the_attribute_report(
     capsys: pytest.CaptureFixture[str], runs: dict[str, CliRun], tmp_path: Path
 ) -> None:
