@@ -200,7 +200,7 @@ def plan_batches(
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     source = str(examples) if isinstance(examples, str | Path) else "examples"
     rows = tokenize_rows(
-        numbered_rows(examples), tokenizer, _length(model, max_length), vocab, source, eos
+        numbered_rows(examples), tokenizer, truncation_length(model, max_length), vocab, source, eos
     )
     pad_id = getattr(tokenizer, "pad_token_id", None) or 0
     planned = []
@@ -254,13 +254,13 @@ def _tokens(planned: list[PlannedBatch], tokenizer: Any) -> dict[int, TokenTexts
     }
 
 
-def _length(model: Any, max_length: int | None) -> int:
+def truncation_length(model: Any, max_length: int | None) -> int:
     """The truncation length: ``max_length``, at most the model's positions (warned)."""
     positions = model_positions(model)
     length = max_length or positions or 512
     if positions is not None and length > positions:
         print(
-            f"tda capture: warning: max length {length} is more than the model's "
+            f"tda-plugins: warning: max length {length} is more than the model's "
             f"{positions} positions; examples are truncated to {positions} tokens",
             file=sys.stderr,
         )

@@ -34,6 +34,7 @@ from tda_plugins.session.dataset import (
     backward_each_example,
     example_texts,
     plan_batches,
+    truncation_length,
 )
 from tda_plugins.session.settings import LayerSettings, layer_settings
 
@@ -99,7 +100,7 @@ def score_examples(
             "capture a store (capture_examples) and call attribute"
         )
     settings = layer_settings(**options)
-    plan = (batch_size, max_length, eos)
+    plan = (batch_size, truncation_length(model, max_length), eos)  # warned once
     query_batches = plan_batches(model, queries, tokenizer, *plan)
     train_batches = plan_batches(model, train, tokenizer, *plan)
     total = sum(len(b.examples) for b in query_batches + train_batches)
