@@ -725,11 +725,21 @@ def test_scoring_with_an_empty_store_fails_clearly(tmp_path: Path) -> None:
         graddot(empty, train)
 
 
-@pytest.mark.parametrize("mismatch", list(CONFIG_MISMATCHES))
+QUERY_MISMATCHES = {
+    "layers the store holds": (
+        LayerSelection("linear"),
+        None,
+        r"the queries lack layers the store holds",
+    ),
+    "projection": CONFIG_MISMATCHES["projection"],
+}
+
+
+@pytest.mark.parametrize("mismatch", list(QUERY_MISMATCHES))
 def test_queries_captured_with_another_config_are_refused(mismatch: str, tmp_path: Path) -> None:
-    """Queries captured with other layers or another projection than the store cannot be
-    scored against it; the error names what differs."""
-    layers, projection, cause = CONFIG_MISMATCHES[mismatch]
+    """Queries that lack some of the store's layers, or are captured with another
+    projection, cannot be scored against it; the error names what differs."""
+    layers, projection, cause = QUERY_MISMATCHES[mismatch]
     model = tiny_causal_lm("llama")
     capture(model, micro_batches(1, (10, 7)), tmp_path / "train")
     capture(model, [[lm_batch(2, 8, seed=99)]], tmp_path / "queries", layers, projection)

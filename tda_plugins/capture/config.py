@@ -73,6 +73,23 @@ class CaptureConfig:
             only_here = sorted(set(self.layers) - set(other.layers))[:3]
             only_there = sorted(set(other.layers) - set(self.layers))[:3]
             out.append(f"layers differ (only in one: {only_here}, only in the other: {only_there})")
+        return out + self._gradient_differences(other)
+
+    def query_differences(self, queries: CaptureConfig) -> list[str]:
+        """:meth:`differences` for queries scored against this training capture: they
+        must hold every layer it holds, and may hold more (scores are sums over this
+        capture's layers, so the others are not read; see :meth:`extra_query_layers`)."""
+        missing = [name for name in self.layers if name not in set(queries.layers)]
+        out = [f"the queries lack layers the store holds ({missing[:3]})"] if missing else []
+        return out + self._gradient_differences(queries)
+
+    def extra_query_layers(self, queries: CaptureConfig) -> list[str]:
+        """The layers of ``queries`` this capture does not hold, in their order."""
+        return [name for name in queries.layers if name not in set(self.layers)]
+
+    def _gradient_differences(self, other: CaptureConfig) -> list[str]:
+        """What makes two captures' gradients of one layer incomparable."""
+        out = []
         if self.projection != other.projection:
             out.append(f"projection differs ({self.projection} vs {other.projection})")
         if self.loss_convention != other.loss_convention:

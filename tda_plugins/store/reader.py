@@ -9,6 +9,7 @@ id). A damaged or crafted store is a :class:`StoreError`, never a wrong score.
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,11 @@ from torch import Tensor
 from tda_plugins.grads.base import PerExampleGrad
 from tda_plugins.grads.blocks import TensorKey, tensor_key
 from tda_plugins.store.chunks import ShardContents, read_chunk
-from tda_plugins.store.fingerprint import fingerprint_differences
+from tda_plugins.store.fingerprint import (
+    WeightsDigest,
+    fingerprint_differences,
+    weights_differences,
+)
 from tda_plugins.store.index import read_index
 from tda_plugins.store.io import read_json
 from tda_plugins.store.layout import (
@@ -31,6 +36,8 @@ from tda_plugins.store.layout import (
 from tda_plugins.store.memory import IN_MEMORY, medium_for, not_in_this_process
 from tda_plugins.store.texts import TokenTexts, read_texts, read_token_texts
 from tda_plugins.utils.finite import first_non_finite
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -111,22 +118,27 @@ class StoreReader:
             ]
         return sorted(shards, key=lambda s: (s.step, s.rank, s.micro_batch))
 
-    def end_weights(self) -> str | None:
+    def end_weights(self) -> WeightsDigest | None:
         """The digest of the captured weights when the capture ended (every rank's must
         agree), or ``None`` if a rank's capture did not end (a crashed run)."""
         folders = {self.root / f"rank-{s.rank}" for s in self._shards}
-        digests = set()
+        digests = {}
         for folder in sorted(folders):
             path = folder / END_FILE
             if not path.exists():
                 return None
             try:
-                digests.add(str(read_json(path)["weights_sha256"]))
-            except (ValueError, KeyError, TypeError) as error:
+                end = read_json(path)
+                layers = end.get("layer_weights_xxh3", {})  # absent: written before it was
+                digest = WeightsDigest(
+                    str(end["weights_sha256"]), {str(k): str(v) for k, v in layers.items()}
+                )
+            except (ValueError, KeyError, TypeError, AttributeError) as error:
                 raise StoreError(f"{path} is damaged ({error!r}); recapture") from error
+            digests[(digest.whole, tuple(sorted(digest.layers.items())))] = digest
         if len(digests) > 1:
             raise StoreError(f"the ranks of {self.root} ended at different weights; recapture")
-        return digests.pop() if digests else None
+        return next(iter(digests.values()), None)
 
     @property
     def layer_names(self) -> list[str]:
@@ -161,11 +173,22 @@ class StoreReader:
         both stores know their model, from the same one: configuration, tokenizer, and the
         weights this store's capture ended at. ``allow_mismatch`` accepts another model
         (scores are then computed, but they attribute a model the run did not end with)."""
-        differences = self.config.differences(other.config)
+        differences = self.config.query_differences(other.config)
         if differences:
             raise StoreError(
                 f"queries in {other.root} do not match the store {self.root}: "
                 f"{'; '.join(differences)}. Capture the queries with the store's options"
+            )
+        extra = self.config.extra_query_layers(other.config)
+        if extra:
+            logger.warning(
+                "tda-plugins: the queries in %s hold %d layer(s) the store %s does not (%s): "
+                "scores cover the store's %d layers",
+                other.root,
+                len(extra),
+                self.root,
+                ", ".join(extra[:3]) + (", ..." if len(extra) > 3 else ""),
+                len(self.config.layers),
             )
         if allow_mismatch or self.fingerprint is None or other.fingerprint is None:
             return  # a store written without its model (GradientStore(model=None)) says nothing
@@ -177,10 +200,10 @@ class StoreReader:
                 f"{unfinished} has no end-of-capture weights (its capture did not finish), so "
                 "the queries' weights cannot be checked against the training run's"
             )
-        elif ours != theirs:
-            differences.append(
-                "the queries were captured at other weights than the training run ended with"
-            )
+        else:
+            same = list(other.config.layers) == list(self.config.layers)
+            layers = None if same else self.layer_names  # else compared layer by layer
+            differences += weights_differences(ours, theirs, layers)
         if differences:
             raise StoreError(
                 f"queries in {other.root} come from another model than the store {self.root}: "

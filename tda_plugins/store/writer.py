@@ -338,7 +338,11 @@ class GradientStore(CaptureConsumer):
         self.commit()
         if self.model is not None and self.config is not None:
             digest = weights_digest(self.model, self.config.layers)
-            end = {"weights_sha256": digest, "last_step": max(self._steps, default=None)}
+            end = {
+                "weights_sha256": digest.whole,
+                "layer_weights_xxh3": digest.layers,
+                "last_step": max(self._steps, default=None),
+            }
             durable = self.durability.per_step
             self._sync.submit(lambda: atomic_write_json(self._dir / END_FILE, end, durable=durable))
         self._sync.close()  # every shard, the index and the end marker are written

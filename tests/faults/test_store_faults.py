@@ -46,12 +46,14 @@ def batches(steps: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     return [lm_batch(2, 8, seed=seed + s) for s in range(steps)]
 
 
-def store_of(path: Path, steps: int = 3, net: torch.nn.Module | None = None) -> Path:
+def store_of(
+    path: Path, steps: int = 3, net: torch.nn.Module | None = None, layers: LayerSelection = ALL
+) -> Path:
     """A committed store of ``steps`` steps of 2 examples, written with its model (so it
     has a fingerprint and end-of-capture weights) through a session's store."""
     net = net if net is not None else model()
     store = GradientStore(path, model=net)
-    with CaptureEngine(net, layers=ALL, consumers=[store]) as engine:
+    with CaptureEngine(net, layers=layers, consumers=[store]) as engine:
         for batch in batches(steps):
             summed_loss(net, batch).backward()
             net.zero_grad(set_to_none=True)
@@ -432,6 +434,63 @@ def test_queries_of_other_weights_with_the_same_shapes_are_refused(tmp_path: Pat
         graddot.score(StoreReader(store), StoreReader(queries))
     scores = graddot.score(StoreReader(store), StoreReader(queries), allow_mismatch=True)
     assert scores.values.shape == (6, 2)
+
+
+NO_HEAD = LayerSelection("linear", exclude=r"lm_head")
+
+
+def test_queries_with_more_layers_than_the_store_are_scored_on_the_stores_layers(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A training store without the LM head (as TRL's fused head leaves it) against queries
+    captured with it: checked and scored on the store's layers, equal to queries captured
+    with exactly those, and the layers left out are named in a warning."""
+    store = StoreReader(store_of(tmp_path / "store", layers=NO_HEAD))
+    assert "lm_head" not in store.layer_names
+    more = StoreReader(store_of(tmp_path / "more", steps=1))
+    same = StoreReader(store_of(tmp_path / "same", steps=1, layers=NO_HEAD))
+    assert "lm_head" in more.layer_names
+    for name in ("graddot", "gradcos"):
+        with caplog.at_level("WARNING"):
+            caplog.clear()
+            got = method_by_name(name).score(store, more)
+        assert "hold 1 layer(s) the store" in caplog.text and "lm_head" in caplog.text
+        assert torch.equal(got.values, method_by_name(name).score(store, same).values), name
+
+
+def test_queries_with_more_layers_are_refused_when_a_store_layer_has_other_weights(
+    tmp_path: Path,
+) -> None:
+    store = store_of(tmp_path / "store", layers=NO_HEAD)
+    other = model()
+    with torch.no_grad():
+        other.get_submodule("model.layers.1.mlp.down_proj").weight.mul_(2)
+    queries = store_of(tmp_path / "queries", steps=1, net=other)
+    with pytest.raises(StoreError, match=r"other weights .*\(layers \['model\.layers\.1\.mlp"):
+        StoreReader(store).require_compatible(StoreReader(queries))
+
+
+def without_layer_digests(store: Path) -> None:
+    """Rewrite ``end.json`` as a tda-plugins that recorded only the whole digest wrote it."""
+    path = rank_dir(store, 0) / "end.json"
+    end = json.loads(path.read_text())
+    del end["layer_weights_xxh3"]
+    atomic_write_json(path, end)
+
+
+def test_stores_without_layer_digests_compare_whole_and_refuse_more_layers(
+    tmp_path: Path,
+) -> None:
+    """Written before the per-layer digests: the same layers still compare by the whole
+    digest; queries with more layers cannot be checked, and the refusal says what to do."""
+    store = store_of(tmp_path / "store", layers=NO_HEAD)
+    same = store_of(tmp_path / "same", steps=1, layers=NO_HEAD)
+    more = store_of(tmp_path / "more", steps=1)
+    for path in (store, same):
+        without_layer_digests(path)
+    StoreReader(store).require_compatible(StoreReader(same))
+    with pytest.raises(StoreError, match="capture the queries with the store's layers"):
+        StoreReader(store).require_compatible(StoreReader(more))
 
 
 def test_queries_of_another_model_config_are_refused_naming_the_key(tmp_path: Path) -> None:
