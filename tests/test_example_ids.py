@@ -22,6 +22,7 @@ from tda_plugins.integrations.transformers import (
     GradientCaptureCallback,
     use_id_column,
 )
+from tda_plugins.methods import method_by_name
 from tda_plugins.store import StoreReader
 from tda_plugins.store.texts import TokenTexts
 from tests.models import tiny_causal_lm, with_lora
@@ -98,6 +99,21 @@ def test_duplicate_texts_with_distinct_ids_stay_two_examples(tmp_path: Path) -> 
     assert sorted(stored_grads_by_id(store)) == sorted(IDS)
     texts = store.texts()
     assert texts[IDS[1]] == texts[IDS[5]] == words(rows[1]["input_ids"])
+
+
+def test_duplicate_rows_without_ids_train_together_and_score_as_one_example(
+    tmp_path: Path,
+) -> None:
+    """Without ids a duplicated row is one content hash; both copies in one step are that
+    example trained twice: stored twice, scored once (the sum of its rows)."""
+    rows = _tokenized_rows(duplicate=True)
+    batch = {"per_device_train_batch_size": len(rows)}  # every row in every step
+    store = StoreReader(_train(tmp_path, rows, ids=False, args=batch))
+    twice = int(content_hash(torch.tensor([rows[1]["input_ids"]]))[0])
+    for step, ids in store.step_example_ids().items():
+        assert len(ids) == len(rows) and ids.count(twice) == 2, step
+    scores = method_by_name("graddot").score(store.at_step(0), store.at_step(0))
+    assert sorted(scores.train_ids.tolist()) == sorted(set(store.step_example_ids()[0]))
 
 
 def test_texts_are_stored_unless_turned_off(tmp_path: Path) -> None:

@@ -73,8 +73,10 @@ class _PendingBatch:
         token_mask: Tensor | None,
         input_ids: Tensor | None,
         labels: Tensor | None,
+        content_ids: bool,
     ):
         self.example_ids = example_ids
+        self.content_ids = content_ids
         self.token_mask = token_mask
         self.input_ids = input_ids
         self.labels = labels
@@ -339,6 +341,7 @@ class CaptureEngine:
         ids, self._explicit_ids = self._explicit_ids, None
         if ids is None:
             ids = kwargs.get(EXAMPLE_IDS_KEY)  # carried in the batch by the data path
+        content_ids = ids is None
         if ids is None:
             if not isinstance(input_ids, Tensor):
                 raise ValueError(
@@ -355,7 +358,9 @@ class CaptureEngine:
         )
         labels = kwargs.get("labels")
         labels = labels if isinstance(labels, Tensor) else None
-        self._pending = _PendingBatch(ids, token_mask=token_mask, input_ids=tokens, labels=labels)
+        self._pending = _PendingBatch(
+            ids, token_mask=token_mask, input_ids=tokens, labels=labels, content_ids=content_ids
+        )
 
     def _on_root_output(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         batch = self._pending
@@ -468,6 +473,7 @@ class CaptureEngine:
             loss_scale=batch.loss_scale(),
             input_ids=batch.input_ids,
             labels=batch.labels,
+            content_ids=batch.content_ids,
         )
         _require_every_layer(record, self._layers)
         self._micro_batches += 1

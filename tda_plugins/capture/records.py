@@ -48,6 +48,8 @@ class MicroBatchRecord:
         index: micro-batch counter since the engine was attached (0-based).
         step: optimizer step the micro-batch belongs to (0-based).
         example_ids: ``(B,)`` int64 ids (explicit, else a content hash of the unpadded ids).
+        content_ids: the ids are content hashes (no explicit ids were given), so duplicated
+            rows share one, in a micro-batch or a step alike: one example trained twice.
         token_mask: ``(B, T)`` bool, true at real (non-padding) tokens; ``None`` when the
             forward call had no 2-D attention mask.
         layers: module name -> :class:`LayerRecord`, in model order.
@@ -69,6 +71,7 @@ class MicroBatchRecord:
     loss_scale: float | Tensor = 1.0
     input_ids: Tensor | None = None
     labels: Tensor | None = None
+    content_ids: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -95,6 +98,7 @@ class MicroBatchRecord:
             else self.loss_scale,
             input_ids=None if self.input_ids is None else move(self.input_ids),
             labels=None if self.labels is None else move(self.labels),
+            content_ids=self.content_ids,
         )
 
     def example_grads(self) -> dict[str, PerExampleGrad]:

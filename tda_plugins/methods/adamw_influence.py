@@ -22,7 +22,7 @@ and second moment once (``docs/design.md`` section 7.9).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -273,9 +273,6 @@ class _StoreRows:
 
     def by_example(self, values: Tensor, query_ids: Tensor, method: str) -> Scores:
         """One row per example id (first occurrence order), the sum of its rows."""
-        unique = list(dict.fromkeys(self.ids))
-        where = {i: r for r, i in enumerate(unique)}
-        rows = torch.tensor([where[i] for i in self.ids], dtype=torch.long)
-        summed = torch.zeros(len(unique), values.shape[1], dtype=values.dtype)
-        summed.index_add_(0, rows, values)
-        return Scores(torch.tensor(unique, dtype=torch.long), query_ids, summed.float(), method)
+        ids = torch.tensor(self.ids, dtype=torch.long)
+        summed = Scores(ids, query_ids, values, method).summed_by_id()
+        return replace(summed, values=summed.values.float())

@@ -35,6 +35,7 @@ from tda_plugins.grads.ops import (
 )
 from tda_plugins.methods.groups import ParameterGroups, ScoringSpace
 from tda_plugins.methods.scores import Scores
+from tda_plugins.methods.token_rows import summed_occurrences
 from tda_plugins.parallel.ranks import Ranks, on_device
 from tda_plugins.precondition.base import PRECONDITIONERS, Preconditioner, TrainingChunks
 from tda_plugins.store.layout import StoreError
@@ -175,7 +176,10 @@ class AttributionMethod(ABC):
         allow_mismatch: bool = False,
         ranks: Ranks | None = None,
     ) -> Scores:
-        """``(N, M)`` scores of every stored training example against every query.
+        """``(N, M)`` scores of every stored training example against every query: one
+        row per example id, in store order of its first occurrence; an example stored
+        more than once (several epochs, duplicated rows) scores the sum of its rows
+        (:meth:`~tda_plugins.methods.scores.Scores.summed_by_id`).
 
         ``chunk_examples``: training examples read and scored at once (whole
         micro-batches); ``None`` (default): :func:`default_chunk` of the query count.
@@ -231,7 +235,7 @@ class AttributionMethod(ABC):
         train_ids = ranks.rows(totals.train_ids()).cpu()
         scores = Scores(train_ids, query_ids, ranks.rows(totals.values()).cpu(), self.name)
         scores.require_finite()
-        return scores
+        return scores.summed_by_id()
 
     def _query_groups(self, query: StoreChunk) -> list[slice]:
         """Query rows preconditioned and scored together: all of them, unless the
@@ -308,7 +312,9 @@ class AttributionMethod(ABC):
     def token_scores(
         self, store: StoreReader, queries: StoreReader, train_ids: list[int]
     ) -> dict[int, Tensor]:
-        """Train id -> ``(M, T)`` score of each of its tokens; a row sums to its score.
+        """Train id -> ``(M, T)`` score of each of its tokens; a row sums to its score
+        (an example stored more than once: its occurrences added token by token,
+        :func:`~tda_plugins.methods.token_rows.summed_occurrences`).
 
         Needs per-token training gradients (a store written with ``keep_tokens``).
         """
@@ -319,8 +325,10 @@ class AttributionMethod(ABC):
         q_layers = self._query_sides(query, slice(None), release=False)
         q_norms = example_norms(q_layers) if self.normalize else None
         wanted = set(train_ids)
-        out: dict[int, Tensor] = {}
-        for chunk in store.iter_chunks(layers=layers):
+        occurrences: dict[int, list[Tensor]] = {}
+        # one micro-batch a chunk: each row keeps its own width, so that the real tokens of
+        # an example's occurrences can be found in theirs (left padding: at the end)
+        for chunk in store.iter_chunks(1, layers=layers):
             rows = [i for i, x in enumerate(chunk.example_ids.tolist()) if x in wanted]
             if not rows:
                 continue
@@ -331,11 +339,12 @@ class AttributionMethod(ABC):
                 scale = torch.outer(example_norms(t_layers), q_norms)
                 per_token = per_token / scale.unsqueeze(2)
             for row, example in zip(per_token, chunk.example_ids[index].tolist(), strict=True):
-                out[example] = row.float()
-        missing = wanted - set(out)
+                occurrences.setdefault(example, []).append(row.float())
+        missing = wanted - set(occurrences)
         if missing:
             raise StoreError(f"train ids {sorted(missing)[:5]} are not in the store {store.root}")
-        return out
+        texts = store.token_texts()
+        return {i: summed_occurrences(i, rows, texts.get(i)) for i, rows in occurrences.items()}
 
 
 @dataclass

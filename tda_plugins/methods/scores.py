@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,8 @@ class Scores:
     """Influence of every training example on every query.
 
     Attributes:
-        train_ids: ``(N,)`` int64 training example ids.
+        train_ids: ``(N,)`` int64 training example ids (unique once :meth:`summed_by_id`,
+            as every method returns them).
         query_ids: ``(M,)`` int64 query example ids.
         values: ``(N, M)`` fp32; positive = the training example pushes the query's loss
             down (helpful), negative = up (harmful), under the method's convention.
@@ -51,6 +52,23 @@ class Scores:
                 "scores are not finite): the gradients overflow in this dtype, or a store is "
                 "damaged; recapture in float32/float64"
             )
+
+    def summed_by_id(self) -> Scores:
+        """One row per training id, in order of first occurrence, the sum of its rows.
+
+        An example the store holds more than once (trained in several epochs, or
+        duplicated rows under one content hash) scores the sum over its occurrences: the
+        removal of every occurrence, the convention of the score's derivative. ``self``
+        when every id is already unique."""
+        ids = self.train_ids.tolist()
+        unique = list(dict.fromkeys(ids))
+        if len(unique) == len(ids):
+            return self
+        where = {i: r for r, i in enumerate(unique)}
+        rows = torch.tensor([where[i] for i in ids], dtype=torch.long)
+        values = self.values.new_zeros(len(unique), self.values.shape[1])
+        values.index_add_(0, rows, self.values)
+        return replace(self, train_ids=torch.tensor(unique, dtype=torch.long), values=values)
 
     def top_k(self, k: int) -> list[dict[str, Any]]:
         """Per query: the ``k`` most helpful examples (highest positive scores) and the

@@ -269,7 +269,7 @@ class GradientStore(CaptureConsumer):
             )
         self._lock.check()
         ids = record.example_ids.tolist()
-        self._check_ids(record.step, ids)
+        self._check_ids(record.step, ids, record.content_ids)
         self._wait_for_room()
         cpu = record.to("cpu", non_blocking=False)
         tensors = {"example_ids": cpu.example_ids.contiguous()}
@@ -468,15 +468,17 @@ class GradientStore(CaptureConsumer):
                 raise StoreError(_repeated_id(i, "this capture", self.root))
             seen.add(i)
 
-    def _check_ids(self, step: int, ids: list[int]) -> None:
-        """Refuse an id twice in one step, and with ``unique_ids`` an id already stored."""
+    def _check_ids(self, step: int, ids: list[int], content: bool) -> None:
+        """Refuse an id twice in one step, and with ``unique_ids`` an id already stored.
+        A content hash (``content``) may repeat within a step: duplicated rows are one
+        example trained twice, and its scores sum its rows."""
         if self._step_ids[0] != step:
             self._step_ids = (step, set())
         seen = self._step_ids[1]
         repeated = [i for i in ids if i in seen or (self.unique_ids and i in self._ids)]
         if len(set(ids)) != len(ids):
             repeated += [i for i in ids if ids.count(i) > 1]
-        if repeated:
+        if repeated and not (content and not self.unique_ids):
             where = "this capture" if self.unique_ids else f"step {step}"
             raise StoreError(_repeated_id(repeated[0], where, self.root))
         seen.update(ids)
