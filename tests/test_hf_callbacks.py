@@ -34,7 +34,7 @@ import torch
 from datasets import Dataset
 from safetensors.torch import load_file
 from torch import nn
-from transformers import Trainer, TrainerCallback
+from transformers import DataCollatorWithFlattening, Trainer, TrainerCallback
 from trl import SFTConfig, SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
@@ -449,6 +449,26 @@ def test_sft_batches_that_mix_examples_are_refused_at_train_begin(
     assert_refused_before_any_step(run, UnsupportedTrainingSetup, named)
     assert_same_weights(model, initial)
     assert not run.store_dir.exists()
+
+
+def test_a_flattening_collator_is_refused_at_train_begin(tmp_path: Path) -> None:
+    """transformers' DataCollatorWithFlattening packs each batch into one row (a plain
+    Trainer, no SFTConfig flag to read): refused by name before step 0, weights untouched,
+    no store."""
+    model = llama()
+    initial = copy.deepcopy(model.state_dict())
+    store = tmp_path / "store"
+    trainer = Trainer(
+        model=model,
+        args=training_args(tmp_path / "out"),
+        train_dataset=Dataset.from_list([{"input_ids": r, "labels": r} for r in token_rows(4)]),
+        data_collator=DataCollatorWithFlattening(),
+        callbacks=[GradientCaptureCallback(store_dir=str(store), curvature=False)],
+    )
+    with pytest.raises(UnsupportedTrainingSetup, match="DataCollatorWithFlattening"):
+        trainer.train()
+    assert_same_weights(model, initial)
+    assert not store.exists()
 
 
 def test_selection_matching_nothing_is_refused_at_train_begin(tmp_path: Path) -> None:

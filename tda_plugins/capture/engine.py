@@ -42,6 +42,7 @@ from tda_plugins.capture.layers import (
     tied_units,
 )
 from tda_plugins.capture.normalization import LossNormalization, LossScale, SummedLoss
+from tda_plugins.capture.packing import PACKED_ROWS_FIX, packed_rows
 from tda_plugins.capture.records import LayerRecord, MicroBatchRecord
 from tda_plugins.grads.base import PerExampleGrad, unique_nbytes
 from tda_plugins.grads.projection import ProjectionConfig, Projector
@@ -335,6 +336,12 @@ class CaptureEngine:
             return
         # A previous micro-batch whose end-of-backward callback never ran is done now.
         self.flush()
+        packed = packed_rows(kwargs)
+        if packed is not None:
+            raise ValueError(
+                f"{packed}: per-example capture would store the whole row as one example "
+                f"(its gradient the sum of the sequences'); {PACKED_ROWS_FIX}"
+            )
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         mask = kwargs.get("attention_mask")
         token_mask = mask.bool() if isinstance(mask, Tensor) and mask.dim() == 2 else None

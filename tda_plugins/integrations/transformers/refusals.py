@@ -5,7 +5,8 @@ captured module in one process, with the module hooks running. Data parallelism 
 FSDP2 and HSDP, whose ``fully_shard`` gathers each parameter whole before the module
 computes) keeps that; these setups do not, and would store wrong gradients or none:
 
-* batches that mix examples in one sequence (TRL's ``packing``, ``padding_free``);
+* batches that mix examples in one sequence (TRL's ``packing``, ``padding_free``, a
+  flattening data collator);
 * losses whose normalization the callbacks cannot read, or that are not a sum of the
   examples' own token losses: label smoothing (computed outside the model), TRL's
   ``loss_type="dft"`` (each token weighted by its detached probability), and an MoE
@@ -52,6 +53,8 @@ from torch.distributed.pipelining import Pipe
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers import TrainingArguments
 
+from tda_plugins.capture.packing import PACKED_ROWS_FIX
+
 Refusal = str | None
 
 
@@ -76,6 +79,20 @@ def _packing(args: TrainingArguments, model: nn.Module) -> Refusal:
 def _padding_free(args: TrainingArguments, model: nn.Module) -> Refusal:
     if getattr(args, "padding_free", False):
         return "padding_free=True flattens the batch into one sequence; set padding_free=False"
+    return None
+
+
+def flattening_collator(collator: Any) -> Refusal:
+    """The refusal of a padding-free collator given as the trainer's ``data_collator``
+    (transformers' ``DataCollatorWithFlattening``, or one with ``padding_free`` set, as
+    TRL's): it packs the batch into one row. The engine refuses any other packed batch at
+    its first forward (:mod:`~tda_plugins.capture.packing`)."""
+    flattening = type(collator).__name__ == "DataCollatorWithFlattening"
+    if flattening or getattr(collator, "padding_free", False) is True:
+        return (
+            f"the data collator ({type(collator).__name__}) packs each batch into one "
+            f"sequence, so gradients can no longer be split per example; {PACKED_ROWS_FIX}"
+        )
     return None
 
 

@@ -15,22 +15,25 @@ from torch import Tensor, nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from tda_plugins.integrations.transformers.refusals import TRAINER_CHECKS
+from tda_plugins.integrations.transformers.refusals import TRAINER_CHECKS, flattening_collator
 from tda_plugins.session.capture import UnsupportedTrainingSetup
 from tda_plugins.session.settings import LayerSettings
 
 logger = logging.getLogger(__name__)
 
 
-def check_trainer_setup(args: TrainingArguments, model: nn.Module | None) -> nn.Module:
+def check_trainer_setup(
+    args: TrainingArguments, model: nn.Module | None, collator: Any = None
+) -> nn.Module:
     """Refuse, before any step runs, what would make per-example gradients wrong: every
     check of :data:`~tda_plugins.integrations.transformers.refusals.TRAINER_CHECKS`
     (mixed-example batches, DeepSpeed, FSDP1, tensor/context/expert and pipeline
-    parallelism, compiled models), each with its reason and way out in one line."""
+    parallelism, compiled models), and a training ``collator`` that packs each batch
+    into one sequence, each with its reason and way out in one line."""
     if model is None:
         raise UnsupportedTrainingSetup("the trainer passed no model to the callback")
-    for check in TRAINER_CHECKS:
-        refusal = check.refuse(args, model)
+    refusals = [check.refuse(args, model) for check in TRAINER_CHECKS]
+    for refusal in [*refusals, flattening_collator(collator)]:
         if refusal is not None:
             raise UnsupportedTrainingSetup(refusal)
     return model
@@ -172,7 +175,8 @@ class CheckedCallback(TrainerCallback):
         optimizer: Any = None,
         **kwargs: Any,
     ) -> None:
-        model = check_trainer_setup(args, model)
+        loader = kwargs.get("train_dataloader")
+        model = check_trainer_setup(args, model, getattr(loader, "collate_fn", None))
         self.begin(TrainStart(args, state, model, processing_class, unwrap_optimizer(optimizer)))
 
     def begin(self, start: TrainStart) -> None:
