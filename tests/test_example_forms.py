@@ -6,6 +6,7 @@ assistant's turn."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch
 from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 
-from tda_plugins.integrations.transformers.data import ExamplePool, tokenize_rows
+from tda_plugins.integrations.transformers.data import ExamplePool, jsonl_rows, tokenize_rows
 from tests.models import tiny_causal_lm
 from tests.trainers import prompt_completion_pairs, training_args, word_tokenizer, words
 
@@ -75,3 +76,17 @@ def test_a_conversational_query_pool_batches_its_completion_loss() -> None:
         completion = tokenizer(f"{row['completion'][0]['content']} </s>")["input_ids"]
         start = int((labels != -100).nonzero()[0])
         assert ids[start - 1] == 7 and labels[labels != -100].tolist() == completion
+
+
+def test_jsonl_from_windows_tools_reads_as_written(tmp_path: Path) -> None:
+    """A byte-order mark and CRLF line ends (what Windows editors and spreadsheets write)
+    give the same rows; a file that is not UTF-8 is refused naming its line."""
+    given = [{"id": 1, "text": "w5 w6 ünï"}, {"id": 2, "text": "w8"}]
+    lines = [json.dumps(r, ensure_ascii=False) for r in given]
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(lines).encode() + b"\r\n")
+    assert jsonl_rows(path) == [(1, given[0]), (2, given[1])]
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(lines[1].encode() + b"\n" + lines[0].encode("latin-1") + b"\n")
+    with pytest.raises(ValueError, match=r"latin\.jsonl:2: not UTF-8"):
+        jsonl_rows(latin)

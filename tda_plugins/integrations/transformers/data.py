@@ -176,14 +176,24 @@ def _prompt_completion(
 
 
 def jsonl_rows(path: str | Path) -> list[tuple[int, Any]]:
-    """``(line number, parsed row)`` of every non-empty line of a JSONL file."""
+    """``(line number, parsed row)`` of every non-empty line of a JSONL file, read as
+    UTF-8 whatever the platform's locale (a leading byte-order mark, as Windows tools
+    write it, skipped; ``\r\n`` line ends taken)."""
     source = Path(path)
     if not source.exists():
         raise FileNotFoundError(f"no data file at {source}")
     if not source.is_file():
         raise ValueError(f"{source} is not a file (give a JSONL file)")
+    try:
+        text = source.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = source.read_bytes()[: exc.start].count(b"\n") + 1
+        raise ValueError(
+            f"{source}:{line}: not UTF-8 ({exc.reason} at byte {exc.start}): JSON Lines "
+            "files are UTF-8; convert it (e.g. iconv -f <its encoding> -t utf-8)"
+        ) from exc
     rows = []
-    for number, raw in enumerate(source.read_text().splitlines(), start=1):
+    for number, raw in enumerate(text.splitlines(), start=1):
         if not raw.strip():
             continue
         try:
