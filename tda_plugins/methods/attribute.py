@@ -27,7 +27,8 @@ def attribute(
 
     Args:
         store: the training gradient store (a path, or an open :class:`StoreReader`).
-        queries: the query store, captured with the same layers and projection.
+        queries: the query store, captured with the same projection and at least the
+            store's layers (more are left out of the scores, with a warning).
         method: a registered method (``graddot``, ``gradcos``, ``tracin``, ``kfac``,
             ``ekfac``, ``logra``, ``less``).
         allow_mismatch: score queries of another model than the store's anyway.
@@ -45,7 +46,9 @@ def attribute(
 
     Returns:
         :class:`Scores` (``(N, M)``, higher = more helpful; each example's gradient is that
-        of its own summed token loss), with the stores' texts where they hold them:
+        of its own summed token loss; one row per example id, an example the store holds
+        more than once, as after several epochs, scoring the sum of its occurrences),
+        with the stores' texts where they hold them:
         ``scores.top_k(10)``, ``scores.to_pandas()``, ``scores.to_dataset()``.
     """
     scorer = method_by_name(method, **options)
