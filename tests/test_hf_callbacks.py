@@ -38,7 +38,7 @@ from transformers import DataCollatorWithFlattening, Trainer, TrainerCallback
 from trl import SFTConfig, SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from tda_plugins import LayerSelection, LayerSelectionError
+from tda_plugins import LayerSelection, LayerSelectionError, capture_examples
 from tda_plugins.capture.adapters import DEFAULT_REGISTRY
 from tda_plugins.integrations.transformers import GradientCaptureCallback
 from tda_plugins.integrations.transformers.setup import unwrap_optimizer
@@ -418,6 +418,72 @@ def test_evaluation_and_generation_record_nothing(tmp_path: Path) -> None:
     run.trainer.model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False)
     assert stored_ids_per_step(run.store) == stored
     assert run.store.num_examples == 3 * 2
+
+
+def test_a_run_that_restores_its_best_checkpoint_ends_the_store_there(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """load_best_model_at_end, the eval loss rising over the run (random rows): the
+    trainer puts back checkpoint-1 after 3 steps. The store, its K-FAC statistics and Adam
+    moments are then those of the same run stopped after 1 step, and queries taken from
+    the restored model are accepted as the model the store ends with."""
+    eval_rows = Dataset.from_list([{"input_ids": r} for r in token_rows(6, seed=1)])
+    with caplog.at_level("WARNING"):
+        run = train(
+            tmp_path,
+            eval_strategy="steps",
+            eval_steps=1,
+            save_strategy="steps",
+            save_steps=1,
+            load_best_model_at_end=True,
+            metric_for_best_model="eval_loss",
+            greater_is_better=False,
+            per_device_eval_batch_size=2,
+            eval_dataset=eval_rows,
+        )
+    restored = Path(str(run.trainer.state.best_model_checkpoint)).name
+    assert restored == "checkpoint-1" and run.trainer.state.global_step == 3
+    assert "restored checkpoint-1, the weights after 1 of the run's 3" in caplog.text
+    assert "K-FAC statistics and Adam moments saved with that checkpoint" in caplog.text
+    stopped = train(tmp_path, store="stopped-store", output="stopped-out", max_steps=1)
+    assert_same_store(run.store, stopped.store)
+    assert_same_curvature(run.store_dir, stopped.store_dir)
+    got, expected = (
+        load_file(run.store_dir / "optimizer.safetensors"),
+        load_file(stopped.store_dir / "optimizer.safetensors"),
+    )
+    assert sorted(got) == sorted(expected)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert run.store.end_weights() == stopped.store.end_weights()
+    query = {"input_ids": token_rows(1, seed=5)[0]}
+    queries = capture_examples(run.trainer.model, [query], tmp_path / "q", layers="all")
+    run.store.require_compatible(queries)
+
+
+def test_a_restored_checkpoint_without_optimizer_state_leaves_the_moments_out(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With save_only_model the restored checkpoint has no optimizer.pt: the store ends
+    there all the same, without Adam moments (the last step's would not match its
+    weights), and says that LESS cannot score it."""
+    eval_rows = Dataset.from_list([{"input_ids": r} for r in token_rows(6, seed=1)])
+    with caplog.at_level("WARNING"):
+        run = train(
+            tmp_path,
+            eval_strategy="steps",
+            eval_steps=1,
+            save_strategy="steps",
+            save_steps=1,
+            save_only_model=True,
+            load_best_model_at_end=True,
+            metric_for_best_model="eval_loss",
+            greater_is_better=False,
+            per_device_eval_batch_size=2,
+            eval_dataset=eval_rows,
+        )
+    assert run.store.steps == [0]
+    assert "LESS cannot score it" in caplog.text
+    assert not (run.store_dir / "optimizer.safetensors").exists()
 
 
 # -- 5. bad configurations fail before the first step --------------------------------------

@@ -13,7 +13,9 @@ turned into the update Adam would take from it:
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
@@ -31,10 +33,22 @@ from tda_plugins.utils.progress import end_of_run_bar
 OPTIMIZER_FILE = "optimizer.safetensors"
 
 
+class AdamMoments(Protocol):
+    """What saving the moments reads of an optimizer: a live ``torch.optim.Optimizer``,
+    or the state a trainer checkpointed (``param_groups`` with ``betas`` and ``eps``;
+    ``state``: parameter -> its ``exp_avg``, ``exp_avg_sq`` and ``step``)."""
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]: ...
+
+    @property
+    def state(self) -> Mapping[Tensor, Any]: ...
+
+
 def save_adam_state(
     root: str | Path,
     engine: CaptureEngine,
-    optimizer: torch.optim.Optimizer,
+    optimizer: AdamMoments,
     *,
     write: bool = True,
 ) -> None:

@@ -21,7 +21,7 @@ from tda_plugins.capture.config import CaptureConfig
 from tda_plugins.capture.layers import warn_uncaptured
 from tda_plugins.capture.normalization import LossNormalization
 from tda_plugins.parallel.dtensor import is_dtensor
-from tda_plugins.precondition.adam import save_adam_state
+from tda_plugins.precondition.adam import AdamMoments, save_adam_state
 from tda_plugins.precondition.plan import (
     CapturePlan,
     PlanInputs,
@@ -46,7 +46,7 @@ class UnsupportedTrainingSetup(ValueError):
     """The trainer is configured in a way that per-example capture cannot follow."""
 
 
-def has_adam_moments(optimizer: torch.optim.Optimizer | None) -> bool:
+def has_adam_moments(optimizer: AdamMoments | None) -> bool:
     """Adam-family optimizers (Adam, AdamW, OLMo-core's SkipStepAdamW...): betas and eps
     in every parameter group."""
     if optimizer is None or not optimizer.param_groups:
@@ -312,7 +312,27 @@ class CaptureSession:
         if self.curvature is not None:
             self.curvature.commit(next_step, "checkpoint")
 
-    def end(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def roll_back(self, next_step: int) -> None:
+        """The run ends on the weights it checkpointed after ``next_step`` optimizer steps
+        (transformers' ``load_best_model_at_end``): drop the later steps from the store
+        and the trajectory and take the K-FAC statistics saved with that checkpoint, so
+        that the store holds what a run stopped there would (call before :meth:`end`,
+        which then digests the restored weights). Refused, changing nothing, when those
+        statistics are missing."""
+        root = Path(self.settings.store.directory)
+        if self.curvature is not None and latest_set(root, at_step=next_step) is None:
+            raise StoreError(
+                f"{root} has no K-FAC statistics saved at step {next_step} (the checkpoint the "
+                "trainer restored), so they cannot be rolled back with the store's steps"
+            )
+        self.store.truncate(from_step=next_step)
+        if self.trajectory is not None:
+            self.trajectory.writer.truncate(from_step=next_step)
+        if self.curvature is not None:
+            self.curvature.restore(next_step)
+            discard_after(rank_dir(root, self.rank), next_step)
+
+    def end(self, optimizer: AdamMoments | None = None) -> None:
         """Finish: commit, save statistics and (for Adam) the optimizer moments; detach.
 
         Every rank of a distributed run calls this: moments sharded by FSDP2/HSDP are

@@ -9,7 +9,9 @@ trajectory at ``on_optimizer_step`` with ``record_trajectory`` (before the sched
 the learning rate on), saves what a resumed run
 needs as soon as the trainer decides to checkpoint (``control.should_save`` at
 ``on_step_end``/``on_epoch_end``, before it writes the checkpoint; again at ``on_save``,
-where that finds it done), and finishes at ``on_train_end``.
+where that finds it done), and finishes at ``on_train_end`` (where a run whose trainer
+restored its best checkpoint, ``load_best_model_at_end``, ends the store at that
+checkpoint: :mod:`~tda_plugins.integrations.transformers.best_model`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ from typing import Any
 
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
+from tda_plugins.integrations.transformers.best_model import (
+    end_at_checkpoint,
+    restored_checkpoint,
+)
 from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
 from tda_plugins.integrations.transformers.setup import (
     CheckedCallback,
@@ -27,6 +33,7 @@ from tda_plugins.integrations.transformers.setup import (
     process_index,
     unwrap_optimizer,
 )
+from tda_plugins.precondition.adam import AdamMoments
 from tda_plugins.session.capture import CaptureSession, UnsupportedTrainingSetup
 from tda_plugins.session.settings import CaptureSettings, settings_from
 
@@ -104,5 +111,10 @@ class GradientCaptureCallback(CheckedCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         if self.session is not None:
-            self.session.end(unwrap_optimizer(kwargs.get("optimizer")))
+            optimizer = unwrap_optimizer(kwargs.get("optimizer"))
+            moments: AdamMoments | None = optimizer
+            restored = restored_checkpoint(args, state)
+            if restored is not None:  # load_best_model_at_end put earlier weights back
+                moments = end_at_checkpoint(self.session, restored, optimizer, state.global_step)
+            self.session.end(moments)
             self.session = None
