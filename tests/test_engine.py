@@ -110,7 +110,9 @@ def test_thousand_forward_only_calls_leave_memory_unchanged() -> None:
             else:
                 model(ids)  # grad enabled, never backpropagated
         engine.flush()
-        assert _live_tensors() == before
+        # at most as many: a background thread of an earlier test in this process may
+        # let go of its tensors meanwhile, never one of these forwards keep one
+        assert _live_tensors() <= before
         assert engine.held_bytes() == 0
     assert collector.records == []
 
