@@ -486,6 +486,29 @@ def test_a_restored_checkpoint_without_optimizer_state_leaves_the_moments_out(
     assert not (run.store_dir / "optimizer.safetensors").exists()
 
 
+def test_an_optimizer_without_adam_moments_ends_the_run_without_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Adamax has betas and eps but keeps exp_inf, not exp_avg_sq: the run ends normally,
+    its store whole, with a warning that LESS cannot score it (which LESS then says)."""
+    model = llama()
+    store = tmp_path / "store"
+    trainer = Trainer(
+        model=model,
+        args=training_args(tmp_path / "out"),
+        train_dataset=Dataset.from_list([{"input_ids": r} for r in token_rows(6)]),
+        data_collator=pad_rows,
+        optimizers=(torch.optim.Adamax(model.parameters(), lr=1e-2), None),
+        callbacks=[GradientCaptureCallback(store_dir=str(store), curvature=False)],
+    )
+    with caplog.at_level("WARNING"):
+        trainer.train()
+    assert "the optimizer (Adamax) keeps no Adam moments" in caplog.text
+    assert StoreReader(store).steps == [0, 1, 2]
+    with pytest.raises(StoreError, match="LESS needs the Adam moments"):
+        method_by_name("less").score(StoreReader(store), StoreReader(store))
+
+
 # -- 5. bad configurations fail before the first step --------------------------------------
 
 

@@ -45,6 +45,23 @@ class AdamMoments(Protocol):
     def state(self) -> Mapping[Tensor, Any]: ...
 
 
+def adam_state_refusal(engine: CaptureEngine, optimizer: AdamMoments) -> str | None:
+    """Why ``optimizer`` holds no Adam moments for the engine's captured parameters
+    (``exp_avg`` and ``exp_avg_sq`` in each one's state: Adam, AdamW, NAdam, RAdam, OLMo-core's
+    SkipStepAdamW; not Adamax, Adafactor or 8-bit states), or ``None`` when it does."""
+    for name, (module, adapter) in engine.captured_layers.items():
+        for local, param in adapter.captured_parameters(module).items():
+            state = optimizer.state.get(param, {})
+            if "exp_avg" not in state or "exp_avg_sq" not in state:
+                kind = type(optimizer).__name__
+                held = sorted(state) if state else "nothing (no step updated it)"
+                return (
+                    f"the optimizer ({kind}) keeps no Adam moments for {name}.{local} (its "
+                    f"state holds {held}, not exp_avg and exp_avg_sq)"
+                )
+    return None
+
+
 def save_adam_state(
     root: str | Path,
     engine: CaptureEngine,

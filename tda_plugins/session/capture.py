@@ -21,7 +21,7 @@ from tda_plugins.capture.config import CaptureConfig
 from tda_plugins.capture.layers import warn_uncaptured
 from tda_plugins.capture.normalization import LossNormalization
 from tda_plugins.parallel.dtensor import is_dtensor
-from tda_plugins.precondition.adam import AdamMoments, save_adam_state
+from tda_plugins.precondition.adam import AdamMoments, adam_state_refusal, save_adam_state
 from tda_plugins.precondition.plan import (
     CapturePlan,
     PlanInputs,
@@ -341,9 +341,17 @@ class CaptureSession:
         self.engine.end()
         saves_moments = self.settings.save_optimizer_state and has_adam_moments(optimizer)
         if saves_moments and optimizer is not None:
-            save_adam_state(
-                self.settings.store.directory, self.engine, optimizer, write=self.rank == 0
-            )
+            refusal = adam_state_refusal(self.engine, optimizer)
+            if refusal is None:
+                save_adam_state(
+                    self.settings.store.directory, self.engine, optimizer, write=self.rank == 0
+                )
+            else:  # the run is over: say so, but never fail it here
+                logger.warning(
+                    "tda-plugins: %s, so the store gets none and LESS cannot score it; the "
+                    "other methods are unaffected",
+                    refusal,
+                )
         self.engine.detach()
 
 
