@@ -204,3 +204,26 @@ def test_a_resumed_run_reports_every_step_as_the_uninterrupted_run(
         partial = resumable_run(output, resume=checkpoint)
     assert [h["step"] for h in partial["history"]] == [4, 5, 6]
     assert any("covers the steps from 4 on only" in r.getMessage() for r in caplog.records)
+
+
+def test_writing_the_plot_leaves_the_processs_matplotlib_as_it_was(
+    run: dict, tmp_path: Path
+) -> None:
+    """The report's PNG is drawn without pyplot: a notebook's backend and its open figures
+    are the same after it (pyplot's Agg switch would end inline plots)."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    logger = run["influence"].influence_log
+    previous = matplotlib.get_backend()
+    matplotlib.use("svg")
+    try:
+        figure = plt.figure()
+        ids = torch.tensor([7, 9])
+        paths = logger.write_report(tmp_path, ids, {}, {})
+        assert paths["png"].read_bytes().startswith(b"\x89PNG")
+        assert matplotlib.get_backend() == "svg"
+        assert plt.get_fignums() == [figure.number]
+    finally:
+        plt.close("all")
+        matplotlib.use(previous)

@@ -328,12 +328,13 @@ def _stacked(rows: list[Tensor], width: int) -> Tensor:
 
 
 def _plot(path: Path, history: list[StepInfluence], query_ids: Tensor) -> Path:
-    import matplotlib
+    """Each query's mean influence per step, as a PNG. Drawn on a ``Figure`` of its own
+    (not through ``pyplot``), so that the process's backend and open figures, a
+    notebook's inline plots among them, stay as they were."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     steps = [h.step + 1 for h in history]  # as the trainer's logs number them
     for j, qid in enumerate(query_ids.tolist()):
         ax.plot(steps, [float(h.mean[j]) for h in history], label=f"q{j} (id {qid})")
@@ -344,5 +345,4 @@ def _plot(path: Path, history: list[StepInfluence], query_ids: Tensor) -> Path:
         ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return path
