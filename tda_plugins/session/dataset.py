@@ -16,7 +16,7 @@ store step per round of N batches: the merged store equals one process's.
 from __future__ import annotations
 
 import dataclasses
-import sys
+import logging
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +33,8 @@ from tda_plugins.session.capture import resolve_curvature
 from tda_plugins.session.settings import CaptureSettings, settings_from
 from tda_plugins.store import GradientStore, StoreReader
 from tda_plugins.store.texts import TokenTexts, token_texts
+
+logger = logging.getLogger(__name__)
 
 #: Shard bytes a one-pass capture lets wait for the disk before it waits itself.
 IN_FLIGHT_BYTES = 256 * 2**20
@@ -259,10 +261,12 @@ def truncation_length(model: Any, max_length: int | None) -> int:
     positions = model_positions(model)
     length = max_length or positions or 512
     if positions is not None and length > positions:
-        print(
-            f"tda-plugins: warning: max length {length} is more than the model's "
-            f"{positions} positions; examples are truncated to {positions} tokens",
-            file=sys.stderr,
+        logger.warning(
+            "tda-plugins: max length %d is more than the model's %d positions; examples are "
+            "truncated to %d tokens",
+            length,
+            positions,
+            positions,
         )
         length = positions
     return length
