@@ -227,3 +227,48 @@ def test_writing_the_plot_leaves_the_processs_matplotlib_as_it_was(
     finally:
         plt.close("all")
         matplotlib.use(previous)
+
+
+def test_the_report_ends_at_the_checkpoint_load_best_model_at_end_restores(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Three steps at learning rate 0 evaluate alike, so checkpoint-1 stays the best and
+    the trainer puts it back: the report is the log saved with it (step 1 and its
+    examples), while the trainer's logs keep every step's metrics."""
+    rows = [{"input_ids": r} for r in token_rows(8)]
+    queries = [{"input_ids": r} for r in token_rows(2, seed=9)]
+    influence = InfluenceLoggingCallback(
+        queries=queries, method="graddot", layers="linear", report_dir=str(tmp_path / "report")
+    )
+    args = training_args(
+        tmp_path / "out",
+        learning_rate=0.0,
+        logging_strategy="steps",
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=1,
+        per_device_eval_batch_size=2,
+        save_strategy="steps",
+        save_steps=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        greater_is_better=False,
+    )
+    trainer = Trainer(
+        model=tiny_causal_lm("llama", torch.float32),
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        eval_dataset=Dataset.from_list(rows[:2]),
+        data_collator=pad_rows,
+        callbacks=[influence],
+    )
+    with caplog.at_level("WARNING"):
+        trainer.train()
+    assert Path(str(trainer.state.best_model_checkpoint)).name == "checkpoint-1"
+    assert "the influence report ends there" in caplog.text
+    summary = json.loads(Path(influence.report["json"]).read_text())
+    assert [h["step"] for h in summary["history"]] == [1]
+    first = influence.influence_log.history[0].example_ids.tolist()
+    assert sorted(e["id"] for e in summary["cumulative"]) == sorted(first)
+    logged = [h["step"] for h in trainer.state.log_history if "influence/q0_mean" in h]
+    assert logged == [1, 2, 3]

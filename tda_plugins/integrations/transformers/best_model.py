@@ -7,7 +7,8 @@ would score examples that had no part in it. The capture callback therefore ends
 where the restored weights were checkpointed: the later steps leave the store (and the
 trajectory), the K-FAC statistics are those saved with that checkpoint, and the Adam
 moments LESS needs are read from the checkpoint's ``optimizer.pt`` (the live optimizer
-holds the last step's), all with one warning that says so.
+holds the last step's), all with one warning that says so. The influence logging
+callback likewise ends its report with the log it saved in that checkpoint.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -9,6 +10,10 @@ from typing import Any, Literal
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from tda_plugins.capture import MicroBatchRecord, content_hash
+from tda_plugins.integrations.transformers.best_model import (
+    RestoredCheckpoint,
+    restored_checkpoint,
+)
 from tda_plugins.integrations.transformers.data import Examples
 from tda_plugins.integrations.transformers.pool import PoolCallback
 from tda_plugins.integrations.transformers.setup import (
@@ -20,6 +25,8 @@ from tda_plugins.integrations.transformers.setup import (
 from tda_plugins.live.influence import InfluenceLogger
 from tda_plugins.live.resume import read_state, warn_not_restored, write_state
 from tda_plugins.parallel.gather import OneProcess, rank_gather
+
+logger = logging.getLogger(__name__)
 
 
 class InfluenceLoggingCallback(PoolCallback):
@@ -113,11 +120,38 @@ class InfluenceLoggingCallback(PoolCallback):
     def step_metrics(self) -> dict[str, float]:
         return self.influence_log.metrics()
 
+    def _end_at(self, restored: RestoredCheckpoint, rank: int, last_step: int) -> None:
+        """End the report at the checkpoint the trainer restored: the log it saved there
+        (the cumulative scores of the model the run ends with; the trainer's own logs keep
+        the later steps' metrics)."""
+        saved = read_state(restored.path, rank)
+        if saved is None:
+            logger.warning(
+                "tda-plugins: load_best_model_at_end restored %s, which holds no influence log, "
+                "so the influence report covers all %d steps, the %d after it included",
+                restored.path.name,
+                last_step,
+                last_step - restored.step,
+            )
+            return
+        self.influence_log.restore(saved)
+        logger.warning(
+            "tda-plugins: load_best_model_at_end restored %s: the influence report ends there, "
+            "with the model the run ends with (steps 1..%d of %d; the trainer's logs keep the "
+            "metrics of the later ones)",
+            restored.path.name,
+            restored.step,
+            last_step,
+        )
+
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         if self.engine is None:
             return
+        restored = restored_checkpoint(args, state)
+        if restored is not None:  # load_best_model_at_end put earlier weights back
+            self._end_at(restored, process_index(args), state.global_step)
         self.detach()  # every rank: the end gathers the report's token ids
         if self.influence_log.gather.rank != 0:
             return
