@@ -314,15 +314,20 @@ def test_bad_option_values_are_usage_errors_before_any_work(
 
 
 def test_examples_longer_than_the_models_positions_are_truncated_with_a_warning(
-    setup: Setup, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    setup: Setup,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """GPT-2's 64 positions: a 100-token example with ``--max-length 1000`` is captured as
-    its first 64 tokens (it used to fail with an IndexError)."""
+    its first 64 tokens (it used to fail with an IndexError), with a logged warning (on
+    stderr outside the tests)."""
     data = write_jsonl(tmp_path / "long.jsonl", [{"input_ids": [5] * 100, "id": 1}])
     argv = ["capture", "--model", setup.gpt2, "--data", data, "--out", tmp_path / "s"]
-    code, err = run(capsys, *argv, "--max-length", 1000)
+    with caplog.at_level("WARNING"):
+        code, err = run(capsys, *argv, "--max-length", 1000)
     assert code == 0, err
-    assert "max length 1000 is more than the model's 64 positions" in err
+    assert "max length 1000 is more than the model's 64 positions" in caplog.text
     assert StoreReader(tmp_path / "s").num_examples == 1
 
 
