@@ -215,3 +215,23 @@ def test_capture_options_are_checked_by_name(tmp_path: Path) -> None:
             tiny_causal_lm("llama"), [{"input_ids": [2, 3, 4]}], tmp_path / "q", layerz="all"
         )
     assert not (tmp_path / "q").exists()
+
+
+def test_capture_examples_like_a_store_refuses_what_would_not_match(tmp_path: Path) -> None:
+    """``like=``: the store's layers by name (no head here, as TRL's fused head leaves a
+    training store), refused with layer options beside it, or on a model without one of
+    those layers, before anything is written."""
+    rows = [{"input_ids": [5, 9, 14, 3, 22]}, {"input_ids": [7, 30, 12]}]
+    llama = tiny_causal_lm("llama")
+    store = tda_plugins.capture_examples(
+        llama, rows, tmp_path / "train", layers="linear", exclude="lm_head", progress=False
+    )
+    queries = tda_plugins.capture_examples(
+        llama, rows[:1], tmp_path / "q", like=store, progress=False
+    )
+    assert queries.config.layers == store.config.layers
+    with pytest.raises(ValueError, match=r"leave out \['layers'\]"):
+        tda_plugins.capture_examples(llama, rows, tmp_path / "a", like=store, layers="all")
+    with pytest.raises(ValueError, match="the model has no trainable layer"):
+        tda_plugins.capture_examples(tiny_causal_lm("gpt2"), rows, tmp_path / "b", like=store)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

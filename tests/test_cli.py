@@ -316,6 +316,42 @@ def test_option_choices_are_the_registries() -> None:
     assert tuple(sorted(DURABILITY)) == choices.DURABILITY
 
 
+def test_layer_option_defaults_are_the_settings_defaults() -> None:
+    """The torch-free parser's layer and projection defaults are the callbacks' own (what
+    --like compares against to tell which options were given)."""
+    from tda_plugins.session.settings import LAYER_OPTION_DEFAULTS
+
+    args = build_parser().parse_args(["capture", "--model", "m", "--data", "d", "--out", "o"])
+    assert {name: getattr(args, name) for name in LAYER_OPTION_DEFAULTS} == LAYER_OPTION_DEFAULTS
+
+
+def test_like_captures_queries_with_the_stores_layers_and_projection(
+    runs: dict[str, CliRun], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A store of linear layers but the head, factor-projected with its own sizes and seed:
+    queries captured with --like hold its very layers and projection, and score as queries
+    captured with the same options spelled out; --like with a layer option is refused."""
+    run = runs["llama"]
+    options = ["--layers", "linear", "--exclude", "lm_head", "--projection", "factor"]
+    options += ["--k-a", 4, "--k-g", 6, "--seed", 3]
+    store, spelled, like = tmp_path / "store", tmp_path / "spelled", tmp_path / "like"
+    run_tda(*capture_args(run.model_dir, run.train_file, store, *options))
+    queries = write_examples(tmp_path / "q.jsonl", run.queries)
+    run_tda(*capture_args(run.model_dir, queries, spelled, *options))
+    run_tda(*capture_args(run.model_dir, queries, like, "--like", store))
+    config = StoreReader(store).config
+    assert "lm_head" not in config.layers and config.projection is not None
+    assert StoreReader(like).config.layers == config.layers
+    assert StoreReader(like).config.projection == config.projection
+    for name, folder in (("spelled", spelled), ("like", like)):
+        run_tda(*attribute_args(store, folder, tmp_path / f"scores-{name}"))
+    got, expected = (Scores.load(tmp_path / f"scores-{n}") for n in ("like", "spelled"))
+    assert torch.equal(got.values, expected.values)
+    refused = capture_args(run.model_dir, queries, tmp_path / "x", "--like", store, "--k-a", 8)
+    code, _, err = run_main(capsys, *refused)
+    assert_one_line_error(code, err, "capture", "--like takes the layers", "--k-a")
+
+
 SUBCOMMAND_OPTIONS = {
     "capture": ["--model", "--data", "--out", "--layers", "--projection", "--k-a", "--keep-tokens"],
     "attribute": ["--store", "--queries", "--method", "--damping", "--checkpoint", "--top-k"],

@@ -144,6 +144,12 @@ def _add_capture(sub: Any) -> None:
         help="add to an existing store of the same model and options (new steps after its own)",
     )
     _add_layer_options(p)
+    p.add_argument(
+        "--like",
+        metavar="STORE",
+        help="capture the layers and projection of this gradient store (the training "
+        "store, for its queries), in place of the layer and projection options",
+    )
     _add_row_options(p)
     p.add_argument(
         "--durability",

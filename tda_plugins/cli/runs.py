@@ -23,6 +23,7 @@ from tda_plugins.report.tokens import TOKENS_FILE, require_token_scores, token_r
 from tda_plugins.session.dataset import capture_examples
 from tda_plugins.session.scoring import score_examples
 from tda_plugins.session.settings import (
+    LAYER_OPTION_DEFAULTS,
     LAYER_OPTION_NAMES,
     PROJECTION_OPTION_NAMES,
     CaptureSettings,
@@ -36,11 +37,20 @@ from tda_plugins.store.io import atomic_write_json, refuse_existing, staged_dire
 def _settings(args: argparse.Namespace) -> CaptureSettings:
     """What ``tda capture`` records, as the trainer callbacks' settings: the layer and
     projection options are the callbacks' own (their parser destinations are the
-    settings' option names)."""
+    settings' option names); with ``--like`` they are the store's, and refused here."""
     layer_names = LAYER_OPTION_NAMES | PROJECTION_OPTION_NAMES
+    options = {name: getattr(args, name) for name in layer_names}
+    if args.like is not None:
+        given = sorted(n for n, v in options.items() if v != LAYER_OPTION_DEFAULTS[n])
+        if given:
+            flags = ", ".join("--" + n.replace("_", "-") for n in given)
+            raise ValueError(
+                f"--like takes the layers and projection of {args.like}; leave out {flags}"
+            )
+        options = {}
     return CaptureSettings(
         StoreSettings(str(args.out), keep_tokens=args.keep_tokens),
-        layers=layer_settings(**{name: getattr(args, name) for name in layer_names}),
+        layers=layer_settings(**options),
         curvature=args.curvature,
         curvature_head=args.curvature_head,
         curvature_budget_gb=args.curvature_budget_gb,
@@ -78,6 +88,7 @@ def _capture_on(args: argparse.Namespace, ranks: Ranks) -> None:
         ranks=ranks,
         eos=args.eos,
         durability=args.durability,
+        like=args.like,
     )
     if ranks.rank == 0:
         print(f"wrote the examples of {args.data} to {args.out} ({ranks.size} rank(s))")

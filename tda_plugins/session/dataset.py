@@ -26,11 +26,18 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from tda_plugins.capture import CaptureEngine, content_hash
+from tda_plugins.capture.layers import LayerSelectionError
 from tda_plugins.parallel.ranks import Ranks
 from tda_plugins.precondition import CurvatureAccumulator
 from tda_plugins.session.batch import causal_lm_example_losses
 from tda_plugins.session.capture import resolve_curvature
-from tda_plugins.session.settings import CaptureSettings, settings_from
+from tda_plugins.session.settings import (
+    LAYER_OPTION_NAMES,
+    PROJECTION_OPTION_NAMES,
+    CaptureSettings,
+    LayerSettings,
+    settings_from,
+)
 from tda_plugins.store import GradientStore, StoreReader
 from tda_plugins.store.texts import TokenTexts, token_texts
 
@@ -55,6 +62,7 @@ def capture_examples(
     progress: bool = True,
     eos: bool = False,
     durability: str = "end",
+    like: str | Path | StoreReader | None = None,
     **options: Any,
 ) -> StoreReader:
     """Write every example's exact gradient (its own summed token loss) to the store ``out``.
@@ -86,6 +94,10 @@ def capture_examples(
             at exit. ``"step"``: each step durable before the next is captured (a
             capture whose machine may crash midway, resumed with ``append``). ``"none"``:
             never fsynced (a scratch store scored and thrown away).
+        like: a gradient store (the training store, for its queries) whose layers, by
+            name, and projection to capture with, in place of the layer and projection
+            settings (which are then refused); the model must have every one of those
+            layers, trainable.
 
     Returns:
         A reader of the written store.
@@ -101,6 +113,8 @@ def capture_examples(
         settings = settings_from(settings, options)
         written = dataclasses.replace(settings.store, directory=str(out))
         settings = dataclasses.replace(settings, store=written)
+    if like is not None:
+        settings = settings_like(settings, options, like, model)
     # every batch and its ids first: bad rows and ids are refused before any write
     planned = plan_batches(model, examples, tokenizer, batch_size, max_length, eos)
     all_ids = [i for batch in planned for i in batch.ids.tolist()]
@@ -254,6 +268,32 @@ def _tokens(planned: list[PlannedBatch], tokenizer: Any) -> dict[int, TokenTexts
             strict=True,
         )
     }
+
+
+def settings_like(
+    settings: CaptureSettings, options: dict[str, Any], like: str | Path | StoreReader, model: Any
+) -> CaptureSettings:
+    """``settings`` with the layers and projection of the store ``like``
+    (:meth:`LayerSettings.like`); refused, before any work, when layer or projection
+    options were given too or the model lacks (or freezes) one of those layers."""
+    given = sorted(set(options) & (LAYER_OPTION_NAMES | PROJECTION_OPTION_NAMES))
+    if given or settings.layers != LayerSettings():
+        named = given or ["settings.layers"]
+        raise ValueError(f"like= takes the layers and projection of its store; leave out {named}")
+    store = like if isinstance(like, StoreReader) else StoreReader(like)
+    layers = LayerSettings.like(store.config)
+    try:
+        found = layers.selection.resolve(model)
+    except LayerSelectionError:  # not one of them
+        found = {}
+    missing = [name for name in store.config.layers if name not in found]
+    if missing:
+        raise ValueError(
+            f"the model has no trainable layer {missing[:3]} of the store {store.root} "
+            f"({len(missing)} of its {len(store.config.layers)} missing): load the model the "
+            "store was captured from (with its adapter, trainable), or capture without like="
+        )
+    return dataclasses.replace(settings, layers=layers)
 
 
 def truncation_length(model: Any, max_length: int | None) -> int:

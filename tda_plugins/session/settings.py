@@ -15,9 +15,11 @@ composed settings.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tda_plugins.capture.config import CaptureConfig
 from tda_plugins.capture.layers import LayerSelection, SelectionKind
 from tda_plugins.grads.projection import MapKind, ProjectionConfig
 
@@ -34,6 +36,14 @@ class LayerSettings:
 
     selection: LayerSelection = field(default_factory=LayerSelection)
     projection: ProjectionConfig | None = field(default=None, kw_only=True)
+
+    @classmethod
+    def like(cls, config: CaptureConfig) -> LayerSettings:
+        """The settings that capture exactly the layers of ``config`` (a store's), by
+        name, with its projection: queries for that store."""
+        names = "|".join(re.escape(name) for name in config.layers)
+        selection = LayerSelection(kind="all", include=f"^(?:{names})$")
+        return cls(selection, projection=config.projection)
 
 
 @dataclass(kw_only=True)
@@ -103,6 +113,11 @@ class ProjectionOptions:
 #: The flat option names of :class:`LayerOptions` and :class:`ProjectionOptions`.
 LAYER_OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(LayerOptions))
 PROJECTION_OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(ProjectionOptions))
+#: Their defaults (``tda capture``'s too), by name.
+LAYER_OPTION_DEFAULTS: dict[str, Any] = {
+    f.name: f.default
+    for f in dataclasses.fields(LayerOptions) + dataclasses.fields(ProjectionOptions)
+}
 
 
 def layer_settings(**options: Any) -> LayerSettings:
