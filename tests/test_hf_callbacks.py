@@ -24,6 +24,7 @@ the labels the trainer actually used (``tests.trainers.RecordingCollator``). Cov
 from __future__ import annotations
 
 import copy
+import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -378,6 +379,25 @@ def test_resume_from_a_checkpoint_outside_output_dir(tmp_path: Path, uninterrupt
     assert resumed.store.steps == [0, 1, 2, 3]
     assert_same_store(resumed.store, uninterrupted.store)
     assert_same_curvature(resumed.store_dir, uninterrupted.store_dir)
+
+
+def test_checkpoints_the_trainer_deletes_take_their_statistics_along(tmp_path: Path) -> None:
+    """save_total_limit=2 with a checkpoint every step: the store keeps the K-FAC
+    statistics of checkpoints 3 and 4 alone, the ones the trainer still holds (each is the
+    size of all the statistics), and a run resumed from checkpoint-3 still ends with the
+    store and statistics the whole run ended with."""
+    rotating = {**RESUMABLE, "save_steps": 1, "save_total_limit": 2}
+    run = train(tmp_path, **rotating)
+    held = sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*"))
+    assert held == ["checkpoint-3", "checkpoint-4"]
+    snapshots = sorted(p.name for p in (run.store_dir / "rank-0").glob("curvature-*"))
+    assert snapshots == ["curvature-before-step3.safetensors", "curvature-before-step4.safetensors"]
+    whole = tmp_path / "whole"
+    shutil.copytree(run.store_dir, whole)
+    resumed = train(tmp_path, resume_from=tmp_path / "out" / "checkpoint-3", **rotating)
+    assert resumed.snapshots.steps_begun == 1
+    assert_same_store(resumed.store, StoreReader(whole))
+    assert_same_curvature(resumed.store_dir, whole)
 
 
 # -- 4. evaluation and generation ----------------------------------------------------------

@@ -340,6 +340,14 @@ def discard_after(rank_folder: Path, step: int) -> None:
             path.unlink()
 
 
+def drop_checkpoints(rank_folder: Path, steps: Iterable[int]) -> None:
+    """Remove this rank's checkpoint snapshots of ``steps``: the trainer has deleted those
+    checkpoints (``save_total_limit``), so no run resumes there, and each snapshot is the
+    whole of the statistics."""
+    for step in steps:
+        snapshot_path(rank_folder, "checkpoint", step).unlink(missing_ok=True)
+
+
 def prune_commits(rank_folder: Path, keep: Path) -> None:
     """Remove this rank's periodic snapshots older than the one before ``keep`` (two are
     kept, so that a rank one commit behind another still has a set in common with it)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from tda_plugins.precondition.plan import (
     plan_capture,
     require_within_budget,
 )
-from tda_plugins.precondition.snapshots import discard_after, latest_set
+from tda_plugins.precondition.snapshots import discard_after, drop_checkpoints, latest_set
 from tda_plugins.precondition.statistics import CurvatureAccumulator
 from tda_plugins.session.settings import CaptureSettings
 from tda_plugins.store import GradientStore, StoreError
@@ -311,6 +312,13 @@ class CaptureSession:
             self.trajectory.writer.flush()
         if self.curvature is not None:
             self.curvature.commit(next_step, "checkpoint")
+
+    def drop_checkpoints(self, steps: Iterable[int]) -> None:
+        """The trainer has deleted its checkpoints after ``steps`` optimizer steps: drop
+        the K-FAC statistics saved for them (no run resumes there, and each snapshot is
+        the size of all the statistics)."""
+        if self.curvature is not None:
+            drop_checkpoints(rank_dir(Path(self.settings.store.directory), self.rank), steps)
 
     def roll_back(self, next_step: int) -> None:
         """The run ends on the weights it checkpointed after ``next_step`` optimizer steps
