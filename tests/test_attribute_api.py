@@ -230,6 +230,7 @@ def test_capture_examples_like_a_store_refuses_what_would_not_match(tmp_path: Pa
         llama, rows[:1], tmp_path / "q", like=store, progress=False
     )
     assert queries.config.layers == store.config.layers
+    assert not (tmp_path / "q" / "rank-0" / "curvature.safetensors").exists()  # queries need none
     with pytest.raises(ValueError, match=r"leave out \['layers'\]"):
         tda_plugins.capture_examples(llama, rows, tmp_path / "a", like=store, layers="all")
     with pytest.raises(ValueError, match="the model has no trainable layer"):

@@ -97,7 +97,7 @@ def capture_examples(
         like: a gradient store (the training store, for its queries) whose layers, by
             name, and projection to capture with, in place of the layer and projection
             settings (which are then refused); the model must have every one of those
-            layers, trainable.
+            layers, trainable. K-FAC statistics are then off unless ``curvature=True``.
 
     Returns:
         A reader of the written store.
@@ -274,8 +274,9 @@ def settings_like(
     settings: CaptureSettings, options: dict[str, Any], like: str | Path | StoreReader, model: Any
 ) -> CaptureSettings:
     """``settings`` with the layers and projection of the store ``like``
-    (:meth:`LayerSettings.like`); refused, before any work, when layer or projection
-    options were given too or the model lacks (or freezes) one of those layers."""
+    (:meth:`LayerSettings.like`), and no K-FAC statistics unless asked for (queries need
+    none); refused, before any work, when layer or projection options were given too or
+    the model lacks (or freezes) one of those layers."""
     given = sorted(set(options) & (LAYER_OPTION_NAMES | PROJECTION_OPTION_NAMES))
     if given or settings.layers != LayerSettings():
         named = given or ["settings.layers"]
@@ -293,7 +294,9 @@ def settings_like(
             f"({len(missing)} of its {len(store.config.layers)} missing): load the model the "
             "store was captured from (with its adapter, trainable), or capture without like="
         )
-    return dataclasses.replace(settings, layers=layers)
+    # queries need no K-FAC statistics: "auto" does not weigh them up (or warn about them)
+    curvature = False if settings.curvature == "auto" else settings.curvature
+    return dataclasses.replace(settings, layers=layers, curvature=curvature)
 
 
 def truncation_length(model: Any, max_length: int | None) -> int:
