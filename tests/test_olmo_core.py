@@ -99,8 +99,10 @@ def fit(
     checkpoints: bool = False,
     scheduler: Scheduler | None = None,
     model: TransformerConfig = MODEL,
+    checkpointer: CheckpointerCallback | None = None,
 ) -> Trainer:
-    """Train ``steps`` steps (in total, counting a loaded checkpoint's) on CPU."""
+    """Train ``steps`` steps (in total, counting a loaded checkpoint's) on CPU; with
+    ``checkpoints``, saving through ``checkpointer`` (default: every 2 steps)."""
     torch.manual_seed(0)
     dataset = dataset_config(folder).build()
     loader = NumpyDataLoaderConfig(global_batch_size=BATCH * SEQ, seed=0).build(dataset)
@@ -118,7 +120,8 @@ def fit(
         metrics_collect_interval=1,
         no_checkpoints=not checkpoints,
         callbacks={
-            "checkpointer": CheckpointerCallback(save_interval=2, pre_train_checkpoint=False)
+            "checkpointer": checkpointer
+            or CheckpointerCallback(save_interval=2, pre_train_checkpoint=False)
         },
     ).with_callbacks(callbacks)
     trainer = config.build(module, loader)
@@ -249,6 +252,26 @@ def test_resume_from_a_checkpoint_counts_every_step_once(tmp_path: Path) -> None
     assert len(set(ids.tolist())) == 4 * BATCH, "an epoch's instances, each once"
     for factors in load_curvature(store).values():
         assert factors.tokens.item() == 4 * BATCH * SEQ
+
+
+@pytest.mark.usefixtures("gloo_world_of_one")
+def test_ephemeral_checkpoints_take_their_statistics_along(tmp_path: Path) -> None:
+    """An ephemeral checkpoint every step, each removed once the next is saved: the store
+    drops the K-FAC statistics it kept for the removed ones (each is the size of all the
+    statistics) and keeps those of the checkpoints still on disk."""
+    store = tmp_path / "grads"
+    settings = CaptureSettings.from_options(store_dir=str(store))
+    checkpointer = CheckpointerCallback(
+        save_interval=100, ephemeral_save_interval=1, pre_train_checkpoint=False
+    )
+    saves = tmp_path / "saves"
+    callbacks = {"tda": GradientCaptureCallback(settings)}
+    fit(tmp_path, callbacks, 5, saves, checkpoints=True, checkpointer=checkpointer)
+    held = {int(p.name[len("step") :]) for p in saves.glob("step*")}
+    kept = {int(p.name.split("step")[-1].split(".")[0]) for p in store.glob("rank-0/*before-step*")}
+    assert {1, 2} & held == set() and 5 in held
+    assert {1, 2} & kept == set()  # removed long before the run ended
+    assert held <= kept  # a checkpoint on disk can still be resumed from
 
 
 def test_mean_reduction_outside_the_trainer(tmp_path: Path) -> None:

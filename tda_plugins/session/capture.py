@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -217,6 +216,9 @@ class CaptureSession:
         warn_uncaptured(model, self.engine.captured_layers, "the store and its scores")
         self.engine.resume_at_step(start_step)
         self.trajectory: TrajectoryRecorder | None = None
+        #: The checkpoints this run saved: step -> folder, and those whose folder was seen.
+        self._checkpoints: dict[int, Path] = {}
+        self._seen_checkpoints: set[int] = set()
         if trajectory is not None and optimizer is not None:
             self.trajectory = TrajectoryRecorder(
                 trajectory,
@@ -301,24 +303,34 @@ class CaptureSession:
         if self.curvature is not None and every and next_step % every == 0:
             self.curvature.commit(next_step)
 
-    def save_checkpoint(self, next_step: int) -> None:
-        """The trainer checkpoints after ``next_step`` optimizer steps: keep what a run
-        resumed from that checkpoint needs (every committed step on disk, and the K-FAC
-        statistics so far, in the store). Call it before the trainer writes its
-        checkpoint where the trainer allows (then a crash between the two leaves the
-        checkpoint resumable); calling it again for the same step writes nothing."""
+    def save_checkpoint(self, next_step: int, folder: Path | None = None) -> None:
+        """The trainer checkpoints after ``next_step`` optimizer steps (into ``folder``,
+        where it is known): keep what a run resumed from that checkpoint needs (every
+        committed step on disk, and the K-FAC statistics so far, in the store). Call it
+        before the trainer writes its checkpoint where the trainer allows (then a crash
+        between the two leaves the checkpoint resumable); calling it again for the same
+        step writes nothing."""
         self.store.flush()
         if self.trajectory is not None:
             self.trajectory.writer.flush()
         if self.curvature is not None:
             self.curvature.commit(next_step, "checkpoint")
+        if folder is not None:
+            self._checkpoints[next_step] = folder
 
-    def drop_checkpoints(self, steps: Iterable[int]) -> None:
-        """The trainer has deleted its checkpoints after ``steps`` optimizer steps: drop
-        the K-FAC statistics saved for them (no run resumes there, and each snapshot is
-        the size of all the statistics)."""
-        if self.curvature is not None:
-            drop_checkpoints(rank_dir(Path(self.settings.store.directory), self.rank), steps)
+    def drop_deleted_checkpoints(self) -> None:
+        """Drop the K-FAC statistics kept for the checkpoints this run saved that the
+        trainer has deleted since (a ``save_total_limit`` rotation, OLMo-core's ephemeral
+        checkpoints): their folders, seen before, are gone. No run resumes there, and each
+        copy is the size of all the statistics. A folder this process never saw (still
+        being written, or on another node's disk) is left alone."""
+        present = {step for step, folder in self._checkpoints.items() if folder.is_dir()}
+        gone = self._seen_checkpoints - present
+        self._seen_checkpoints = present
+        for step in gone:
+            del self._checkpoints[step]
+        if gone and self.curvature is not None:
+            drop_checkpoints(rank_dir(Path(self.settings.store.directory), self.rank), gone)
 
     def roll_back(self, next_step: int) -> None:
         """The run ends on the weights it checkpointed after ``next_step`` optimizer steps

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -92,6 +93,15 @@ def before_each_forward(
     return model.register_forward_pre_hook(
         lambda module, args, kwargs: hook(module, kwargs), prepend=True, with_kwargs=True
     )
+
+
+def checkpoint_folder(trainer: Any, step: int) -> Path | None:
+    """Where OLMo-core saves its checkpoint of ``step`` steps (``<save_folder>/step<n>``),
+    when the save folder is on this machine's filesystem (``None`` for a remote URL)."""
+    folder = str(getattr(trainer, "save_folder", "") or "")
+    if not folder or "://" in folder:
+        return None
+    return Path(folder) / f"step{step}"
 
 
 def give_example_ids(
@@ -187,7 +197,9 @@ class GradientCaptureCallback(Callback):
         if self._session is not None:
             # Store step k is OLMo-core step k + 1: after global_step steps, the next store
             # step is global_step.
-            self._session.save_checkpoint(self.trainer.global_step)
+            step = self.trainer.global_step
+            self._session.save_checkpoint(step, checkpoint_folder(self.trainer, step))
+            self._session.drop_deleted_checkpoints()  # ephemeral checkpoints removed since
         return {}
 
     def post_train(self) -> None:
@@ -196,6 +208,7 @@ class GradientCaptureCallback(Callback):
             optimizer = (
                 train_module.optim if isinstance(train_module, TransformerTrainModule) else None
             )
+            self._session.drop_deleted_checkpoints()
             self._session.end(optimizer)
             self._release()
 

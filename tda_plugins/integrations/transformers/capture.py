@@ -30,7 +30,7 @@ from tda_plugins.integrations.transformers.setup import (
     CheckedCallback,
     TrainStart,
     adapt_settings,
-    deleted_checkpoints,
+    checkpoint_folder,
     process_index,
     unwrap_optimizer,
 )
@@ -56,11 +56,8 @@ class GradientCaptureCallback(CheckedCallback):
     def __init__(self, settings: CaptureSettings | None = None, **options: Any):
         self.settings = settings_from(settings, options)
         self.session: CaptureSession | None = None
-        #: The steps of the checkpoints this run saved that the trainer still holds.
-        self._saved: set[int] = set()
 
     def begin(self, start: TrainStart) -> None:
-        self._saved = set()
         if self.settings.record_trajectory and start.args.fp16:
             raise UnsupportedTrainingSetup(
                 "record_trajectory: fp16 loss scaling rescales .grad before clipping and skips "
@@ -109,11 +106,10 @@ class GradientCaptureCallback(CheckedCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         if self.session is not None:
-            self.session.save_checkpoint(state.global_step)
-            self._saved.add(state.global_step)
-            gone = deleted_checkpoints(args, self._saved)  # the trainer has rotated them
-            self.session.drop_checkpoints(gone)
-            self._saved -= gone
+            self.session.save_checkpoint(
+                state.global_step, checkpoint_folder(args, state.global_step)
+            )
+            self.session.drop_deleted_checkpoints()  # the trainer has rotated its checkpoints
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

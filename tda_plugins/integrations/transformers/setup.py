@@ -95,15 +95,6 @@ def checkpoint_folder(args: TrainingArguments, step: int) -> Path:
     return Path(str(args.output_dir)) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
 
 
-def deleted_checkpoints(args: TrainingArguments, saved: set[int]) -> set[int]:
-    """Which of the checkpoints this run saved (after ``saved`` optimizer steps) the trainer
-    has deleted since (its ``save_total_limit`` rotation): their ``checkpoint-<step>``
-    folders are gone from ``output_dir``. Empty where this process sees none of them (a
-    node whose disk the trainer does not save to)."""
-    gone = {step for step in saved if not checkpoint_folder(args, step).is_dir()}
-    return set() if gone == saved else gone
-
-
 def resumed_checkpoint(args: TrainingArguments, state: TrainerState) -> Path | None:
     """The checkpoint folder a run resumed from (``None``: a run from step 0); see
     :func:`checkpoint_folder`."""
