@@ -51,6 +51,7 @@ from tests.models import tiny_causal_lm, with_lora
 from tests.stores import capture_store
 from tests.trainers import (
     PAD_ID,
+    RESTORE_BEST,
     RecordingCollator,
     WeightSnapshots,
     assert_steps_hold_their_micro_batches,
@@ -449,18 +450,7 @@ def test_a_run_that_restores_its_best_checkpoint_ends_the_store_there(
     the restored model are accepted as the model the store ends with."""
     eval_rows = Dataset.from_list([{"input_ids": r} for r in token_rows(6, seed=1)])
     with caplog.at_level("WARNING"):
-        run = train(
-            tmp_path,
-            eval_strategy="steps",
-            eval_steps=1,
-            save_strategy="steps",
-            save_steps=1,
-            load_best_model_at_end=True,
-            metric_for_best_model="eval_loss",
-            greater_is_better=False,
-            per_device_eval_batch_size=2,
-            eval_dataset=eval_rows,
-        )
+        run = train(tmp_path, eval_dataset=eval_rows, **RESTORE_BEST)
     restored = Path(str(run.trainer.state.best_model_checkpoint)).name
     assert restored == "checkpoint-1" and run.trainer.state.global_step == 3
     assert "restored checkpoint-1, the weights after 1 of the run's 3" in caplog.text
@@ -488,19 +478,7 @@ def test_a_restored_checkpoint_without_optimizer_state_leaves_the_moments_out(
     weights), and says that LESS cannot score it."""
     eval_rows = Dataset.from_list([{"input_ids": r} for r in token_rows(6, seed=1)])
     with caplog.at_level("WARNING"):
-        run = train(
-            tmp_path,
-            eval_strategy="steps",
-            eval_steps=1,
-            save_strategy="steps",
-            save_steps=1,
-            save_only_model=True,
-            load_best_model_at_end=True,
-            metric_for_best_model="eval_loss",
-            greater_is_better=False,
-            per_device_eval_batch_size=2,
-            eval_dataset=eval_rows,
-        )
+        run = train(tmp_path, eval_dataset=eval_rows, save_only_model=True, **RESTORE_BEST)
     assert run.store.steps == [0]
     assert "LESS cannot score it" in caplog.text
     assert not (run.store_dir / "optimizer.safetensors").exists()

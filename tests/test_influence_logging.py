@@ -23,7 +23,7 @@ from tda_plugins.session.batch import capture_batch
 from tda_plugins.store import StoreReader
 from tests.models import tiny_causal_lm
 from tests.stores import capture_store
-from tests.trainers import pad_rows, token_rows, training_args
+from tests.trainers import RESTORE_BEST, pad_rows, token_rows, training_args
 
 STEPS = 4
 
@@ -245,14 +245,7 @@ def test_the_report_ends_at_the_checkpoint_load_best_model_at_end_restores(
         learning_rate=0.0,
         logging_strategy="steps",
         logging_steps=1,
-        eval_strategy="steps",
-        eval_steps=1,
-        per_device_eval_batch_size=2,
-        save_strategy="steps",
-        save_steps=1,
-        load_best_model_at_end=True,
-        metric_for_best_model="eval_loss",
-        greater_is_better=False,
+        **RESTORE_BEST,
     )
     trainer = Trainer(
         model=tiny_causal_lm("llama", torch.float32),

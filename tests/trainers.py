@@ -103,6 +103,20 @@ def word_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>")
 
 
+#: Evaluate and checkpoint every step, and put the checkpoint of the lowest eval loss back
+#: after the last step (``load_best_model_at_end``).
+RESTORE_BEST: dict[str, Any] = dict(
+    eval_strategy="steps",
+    eval_steps=1,
+    per_device_eval_batch_size=2,
+    save_strategy="steps",
+    save_steps=1,
+    load_best_model_at_end=True,
+    metric_for_best_model="eval_loss",
+    greater_is_better=False,
+)
+
+
 def training_args(
     output_dir: str | Path,
     config_cls: type[TrainingArguments] = TrainingArguments,
