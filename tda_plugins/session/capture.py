@@ -216,9 +216,8 @@ class CaptureSession:
         warn_uncaptured(model, self.engine.captured_layers, "the store and its scores")
         self.engine.resume_at_step(start_step)
         self.trajectory: TrajectoryRecorder | None = None
-        #: The checkpoints this run saved: step -> folder, and those whose folder was seen.
+        #: The checkpoints this run saved and the trainer may still hold: step -> folder.
         self._checkpoints: dict[int, Path] = {}
-        self._seen_checkpoints: set[int] = set()
         if trajectory is not None and optimizer is not None:
             self.trajectory = TrajectoryRecorder(
                 trajectory,
@@ -321,12 +320,14 @@ class CaptureSession:
     def drop_deleted_checkpoints(self) -> None:
         """Drop the K-FAC statistics kept for the checkpoints this run saved that the
         trainer has deleted since (a ``save_total_limit`` rotation, OLMo-core's ephemeral
-        checkpoints): their folders, seen before, are gone. No run resumes there, and each
-        copy is the size of all the statistics. A folder this process never saw (still
-        being written, or on another node's disk) is left alone."""
+        checkpoints): their folders are gone while a later one's is there (checkpoints
+        are written in order, so an earlier one missing then was written and removed). No
+        run resumes there, and each copy is the size of all the statistics. Nothing is
+        dropped where this process sees none of the folders (another node's disk)."""
         present = {step for step, folder in self._checkpoints.items() if folder.is_dir()}
-        gone = self._seen_checkpoints - present
-        self._seen_checkpoints = present
+        if not present:
+            return
+        gone = {step for step in self._checkpoints if step < max(present)} - present
         for step in gone:
             del self._checkpoints[step]
         if gone and self.curvature is not None:
