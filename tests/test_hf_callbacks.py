@@ -594,6 +594,20 @@ def test_compiled_model_is_refused_at_train_begin(tmp_path: Path) -> None:
     assert_same_weights(model, initial)
 
 
+def test_peft_prompt_tuning_is_refused_at_train_begin(tmp_path: Path) -> None:
+    """PEFT prompt tuning's virtual tokens are concatenated to the batch's embeddings, not
+    called per example through a layer: refused by name before any step, even with every
+    layer asked for (which first failed inside PEFT's forward)."""
+    from peft import PromptTuningConfig, get_peft_model
+
+    model = get_peft_model(llama(), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    initial = copy.deepcopy(model.state_dict())
+    run = train(tmp_path, model, capture={"layers": "all"}, expect_failure=True)
+    assert_refused_before_any_step(run, UnsupportedTrainingSetup, "is PROMPT_TUNING")
+    assert "train a LoRA adapter" in str(run.error)
+    assert_same_weights(model, initial)
+
+
 def assert_same_weights(model: nn.Module, initial: dict[str, torch.Tensor]) -> None:
     """No optimizer step touched ``model``: its weights are still ``initial``."""
     current = model.state_dict()

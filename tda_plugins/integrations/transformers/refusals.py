@@ -28,6 +28,8 @@ computes) keeps that; these setups do not, and would store wrong gradients or no
   shard it with FSDP2;
 * compiled models (``torch.compile``, ``Module.compile``, ``torch_compile=True``),
   whose graphs do not run the hooks as eager modules do;
+* PEFT prompt learning (prompt tuning, prefix tuning, P-tuning), whose virtual tokens
+  reach the model beside the batch, not through a captured layer's per-example call;
 * several launched processes that the trainer runs each alone: ``torchrun`` on a machine
   without GPUs and ``use_cpu`` unset, where accelerate falls back to one process's
   training (``parallel_mode`` ``not_parallel``, ``world_size`` 1) with only a warning. Every
@@ -271,6 +273,22 @@ def _compiled(args: TrainingArguments, model: nn.Module) -> Refusal:
     return None
 
 
+def _prompt_learning(args: TrainingArguments, model: nn.Module) -> Refusal:
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, dict):
+        return None
+    for name, config in configs.items():
+        if getattr(config, "is_prompt_learning", False):
+            kind = getattr(getattr(config, "peft_type", None), "value", type(config).__name__)
+            return (
+                f"the PEFT adapter {name!r} is {kind}, whose trained virtual tokens enter the "
+                "model beside the batch rather than through a layer's per-example call, so "
+                "their per-example gradients are not captured; train a LoRA adapter "
+                "(LoraConfig), or capture without PEFT prompt learning"
+            )
+    return None
+
+
 def _launched_processes() -> int:
     """How many processes the launcher started: the process group's size once one is
     made, else ``WORLD_SIZE`` from the environment ``torchrun`` gives its ranks."""
@@ -306,5 +324,6 @@ TRAINER_CHECKS: tuple[SetupCheck, ...] = (
     SetupCheck("pipeline_parallel", _pipeline_parallel),
     SetupCheck("split_devices", _split_devices),
     SetupCheck("compiled", _compiled),
+    SetupCheck("prompt_learning", _prompt_learning),
     SetupCheck("processes_run_alone", _processes_run_alone),
 )
