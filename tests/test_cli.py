@@ -353,7 +353,16 @@ def test_like_captures_queries_with_the_stores_layers_and_projection(
 
 
 SUBCOMMAND_OPTIONS = {
-    "capture": ["--model", "--data", "--out", "--layers", "--projection", "--k-a", "--keep-tokens"],
+    "capture": [
+        "--model",
+        "--data",
+        "--out",
+        "--layers",
+        "--projection",
+        "--k-a",
+        "--keep-tokens",
+        "--like",
+    ],
     "attribute": ["--store", "--queries", "--method", "--damping", "--checkpoint", "--top-k"],
     "report": ["--scores", "--store", "--queries", "--out"],
     "score": ["--model", "--data", "--queries", "--method", "--layers", "--projection", "--out"],
