@@ -100,9 +100,11 @@ def fit(
     scheduler: Scheduler | None = None,
     model: TransformerConfig = MODEL,
     checkpointer: CheckpointerCallback | None = None,
+    async_bookkeeping: bool | None = None,
 ) -> Trainer:
     """Train ``steps`` steps (in total, counting a loaded checkpoint's) on CPU; with
-    ``checkpoints``, saving through ``checkpointer`` (default: every 2 steps)."""
+    ``checkpoints``, saving through ``checkpointer`` (default: every 2 steps).
+    ``async_bookkeeping=False`` removes old checkpoints in the training thread."""
     torch.manual_seed(0)
     dataset = dataset_config(folder).build()
     loader = NumpyDataLoaderConfig(global_batch_size=BATCH * SEQ, seed=0).build(dataset)
@@ -119,6 +121,7 @@ def fit(
         max_duration=Duration.steps(steps),
         metrics_collect_interval=1,
         no_checkpoints=not checkpoints,
+        async_bookkeeping=async_bookkeeping,
         callbacks={
             "checkpointer": checkpointer
             or CheckpointerCallback(save_interval=2, pre_train_checkpoint=False)
@@ -258,15 +261,25 @@ def test_resume_from_a_checkpoint_counts_every_step_once(tmp_path: Path) -> None
 def test_ephemeral_checkpoints_take_their_statistics_along(tmp_path: Path) -> None:
     """An ephemeral checkpoint every step, each removed once the next is saved: the store
     drops the K-FAC statistics it kept for the removed ones (each is the size of all the
-    statistics) and keeps those of the checkpoints still on disk."""
+    statistics) and keeps those of the checkpoints still on disk. Saved and removed in the
+    training thread, so that what the store sees at each save does not race the removals
+    (asynchronous ones are caught up with at a later save)."""
     store = tmp_path / "grads"
     settings = CaptureSettings.from_options(store_dir=str(store))
     checkpointer = CheckpointerCallback(
-        save_interval=100, ephemeral_save_interval=1, pre_train_checkpoint=False
+        save_interval=100, ephemeral_save_interval=1, pre_train_checkpoint=False, save_async=False
     )
     saves = tmp_path / "saves"
     callbacks = {"tda": GradientCaptureCallback(settings)}
-    fit(tmp_path, callbacks, 5, saves, checkpoints=True, checkpointer=checkpointer)
+    fit(
+        tmp_path,
+        callbacks,
+        5,
+        saves,
+        checkpoints=True,
+        checkpointer=checkpointer,
+        async_bookkeeping=False,
+    )
     held = {int(p.name[len("step") :]) for p in saves.glob("step*")}
     kept = {int(p.name.split("step")[-1].split(".")[0]) for p in store.glob("rank-0/*before-step*")}
     assert {1, 2} & held == set() and 5 in held
