@@ -329,6 +329,32 @@ def test_a_resume_refused_for_a_missing_curvature_snapshot_changes_nothing(
     assert snapshot(store) == files
 
 
+def test_checkpoint_statistics_go_only_when_a_later_checkpoint_is_seen(tmp_path: Path) -> None:
+    """A checkpoint folder never seen (another node's disk, or still being written) keeps
+    its K-FAC statistics; once a later checkpoint's folder is there and an earlier one's
+    is not, the earlier one's statistics go, and only those."""
+    store, saves = tmp_path / "store", tmp_path / "saves"
+    net = model()
+    settings = CaptureSettings.from_options(store_dir=str(store), layers="linear", curvature=True)
+    session = CaptureSession(settings, model=net, normalization=SummedLoss())
+    for step, batch in enumerate(batches(3), start=1):
+        summed_loss(net, batch).backward()
+        net.zero_grad(set_to_none=True)
+        session.step()
+        session.save_checkpoint(step, saves / f"checkpoint-{step}")
+
+    def copies() -> list[int]:
+        return sorted(int(p.stem.rsplit("step", 1)[1]) for p in store.glob("rank-0/*before-*"))
+
+    session.drop_deleted_checkpoints()  # no folder seen: nothing goes
+    assert copies() == [1, 2, 3]
+    (saves / "checkpoint-3").mkdir(parents=True)  # 1 was written and removed, 2 is there
+    (saves / "checkpoint-2").mkdir()
+    session.drop_deleted_checkpoints()
+    assert copies() == [2, 3]
+    session.end()
+
+
 #: refused session start -> (layer kind, start step, what the error says)
 REFUSED_STARTS = {
     "resume past the store's end": ("linear", 7, "steps would be missing"),
