@@ -23,16 +23,13 @@ from typing import Any
 import torch
 from torch import Tensor
 from transformers import TrainerState, TrainingArguments
+from transformers.trainer import OPTIMIZER_NAME, TRAINER_STATE_NAME
 
 from tda_plugins.parallel.dtensor import is_dtensor
 from tda_plugins.precondition.adam import AdamMoments
 from tda_plugins.session.capture import CaptureSession, has_adam_moments
 
 logger = logging.getLogger(__name__)
-
-#: What the ``Trainer`` names a checkpoint's optimizer state and its own state.
-OPTIMIZER_NAME = "optimizer.pt"
-TRAINER_STATE_NAME = "trainer_state.json"
 
 
 @dataclass(frozen=True)
