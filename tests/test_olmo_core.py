@@ -31,10 +31,15 @@ from olmo_core.nn.transformer import Transformer, TransformerConfig
 from olmo_core.optim import AdamWConfig, Scheduler
 from olmo_core.train import Duration, Trainer, TrainerConfig
 from olmo_core.train.callbacks import Callback, CheckpointerCallback
-from olmo_core.train.train_module import TransformerTrainModuleConfig
+from olmo_core.train.train_module import (
+    TransformerActivationCheckpointingConfig,
+    TransformerActivationCheckpointingMode,
+    TransformerTrainModuleConfig,
+)
 from torch import Tensor
 
 from tda_plugins.capture import LayerSelection
+from tda_plugins.capture.names import canonical_name
 from tda_plugins.integrations.olmo_core import (
     GradientCaptureCallback,
     OLMoCoreLossNormalization,
@@ -65,13 +70,14 @@ class RecordedStep:
 
 @dataclass
 class StepRecorder(Callback):
-    """Keeps, before each step, the parameters it starts from and its batch."""
+    """Keeps, before each step, the parameters it starts from (by their names without
+    activation checkpointing's wrappers) and its batch."""
 
     steps: list[RecordedStep] = field(default_factory=list)
 
     def pre_step(self, batch: dict) -> None:
         model = self.trainer.train_module.model
-        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        params = {canonical_name(n): p.detach().clone() for n, p in model.named_parameters()}
         self.steps.append(RecordedStep(params, batch["index"].clone(), batch["input_ids"].clone()))
 
 
@@ -101,6 +107,7 @@ def fit(
     model: TransformerConfig = MODEL,
     checkpointer: CheckpointerCallback | None = None,
     async_bookkeeping: bool | None = None,
+    activation_checkpointing: TransformerActivationCheckpointingConfig | None = None,
 ) -> Trainer:
     """Train ``steps`` steps (in total, counting a loaded checkpoint's) on CPU; with
     ``checkpoints``, saving through ``checkpointer`` (default: every 2 steps).
@@ -114,6 +121,7 @@ def fit(
         optim=AdamWConfig(lr=1e-2),
         z_loss_multiplier=z_loss,
         scheduler=scheduler,
+        ac_config=activation_checkpointing,
     ).build(model.build(init_device="cpu"), device=torch.device("cpu"))
     config = TrainerConfig(
         save_folder=str(save_folder),
@@ -207,6 +215,32 @@ def test_trainer_run_stores_exact_gradients_keyed_by_instance_index(
     for step in recorder.steps:
         for index, ids in zip(step.index.tolist(), step.input_ids, strict=True):
             assert torch.equal(torch.as_tensor(dataset[index]["input_ids"]), ids)
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_stores_exact_gradients_under_the_plain_names(
+    tmp_path: Path,
+) -> None:
+    """``ac_config`` wraps every block in torch's checkpoint wrapper: the store names the
+    layers as the model without it does, and its gradients stay exact (the blocks'
+    forwards run again in the backward)."""
+    store = tmp_path / "grads"
+    settings = CaptureSettings.from_options(store_dir=str(store), layers="all", curvature=False)
+    full = TransformerActivationCheckpointingMode.full
+    trainer = fit(
+        tmp_path,
+        {"tda": GradientCaptureCallback(settings), "recorder": StepRecorder()},
+        steps=2,
+        save_folder=tmp_path / "run",
+        activation_checkpointing=TransformerActivationCheckpointingConfig(mode=full),
+    )
+    model = trainer.train_module.model
+    assert any("_checkpoint_wrapped_module" in n for n, _ in model.named_modules())
+    plain = list(LayerSelection(kind="all").resolve(MODEL.build(init_device="cpu")))
+    assert StoreReader(store).layer_names == plain
+    recorder = trainer.callbacks["recorder"]
+    assert isinstance(recorder, StepRecorder)
+    assert check_against_oracle(store, recorder.steps, None) == 2 * BATCH * len(plain)
 
 
 @pytest.fixture

@@ -12,11 +12,12 @@ import logging
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeGuard
 
 from torch import nn
 
 from tda_plugins.capture.adapters import DEFAULT_REGISTRY, AdapterRegistry, LayerAdapter
+from tda_plugins.capture.names import canonical_name, modules_by_name, named_modules
 
 SelectionKind = Literal["auto", "linear", "lora", "all"]
 
@@ -41,7 +42,7 @@ def head_layers(model: nn.Module) -> frozenset[str]:
     wide as the vocabulary, the widest ``nn.Embedding``) and the linear modules inside it
     as wide as it (a PEFT LoRA's ``lora_B`` on the head). Empty when there is none. Never
     by width alone: an MLP as wide as a tiny vocabulary is not the head."""
-    named = dict(model.named_modules())
+    named = modules_by_name(model)
     found = _output_embeddings(model)
     head = next((n for n, m in named.items() if m is found), None)
     if head is None:
@@ -84,7 +85,7 @@ def _refuse_dora(model: nn.Module, chosen: Mapping[str, tuple[nn.Module, LayerAd
     (to measure the adapted weight's column norms), which a per-example hook cannot tell
     from a batch; and its trainable magnitude vector scales the whole layer's output, a
     parameter no adapter captures per example."""
-    named = dict(model.named_modules())
+    named = modules_by_name(model)
     for name, (module, _) in chosen.items():
         if not is_lora_adapter(name, module):
             continue
@@ -100,7 +101,7 @@ def _refuse_dora(model: nn.Module, chosen: Mapping[str, tuple[nn.Module, LayerAd
 
 def has_lora(model: nn.Module) -> bool:
     """Whether ``model`` carries PEFT LoRA adapters."""
-    return any(is_lora_adapter(n, m) for n, m in model.named_modules())
+    return any(is_lora_adapter(n, m) for n, m in named_modules(model))
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ class LayerSelection:
 
     def _supported_modules(self, model: nn.Module) -> dict[str, tuple[nn.Module, LayerAdapter]]:
         found = {}
-        for name, module in model.named_modules():
+        for name, module in named_modules(model):
             adapter = self._registry.lookup(module)
             if adapter is None:
                 continue
@@ -230,7 +231,7 @@ class LayerSelection:
             return mods
         if self.last_n_blocks < 1:
             raise LayerSelectionError(f"last_n_blocks must be >= 1, got {self.last_n_blocks}")
-        lists = [(n, m) for n, m in model.named_modules() if _is_block_list(m)]
+        lists = [(n, m) for n, m in named_modules(model) if _is_block_list(m)]
         if not lists:
             raise LayerSelectionError(
                 f"last_n_blocks={self.last_n_blocks} needs a list of transformer blocks, but "
@@ -246,7 +247,7 @@ class LayerSelection:
         self, model: nn.Module, mods: dict[str, tuple[nn.Module, LayerAdapter]]
     ) -> dict[str, tuple[nn.Module, LayerAdapter]]:
         owners: dict[int, list[str]] = {}
-        for name, module in model.named_modules():
+        for name, module in named_modules(model):
             for p in module.parameters(recurse=False):
                 owners.setdefault(id(p), []).append(name)
         out = {}
@@ -276,7 +277,11 @@ def uncovered_trainable(
         for module, adapter in layers.values()
         for p in adapter.captured_parameters(module).values()
     }
-    return [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered]
+    return [
+        canonical_name(n)
+        for n, p in model.named_parameters()
+        if p.requires_grad and id(p) not in covered
+    ]
 
 
 def uncovered_fix(missing: Iterable[str], fallback: str) -> str:
@@ -308,7 +313,7 @@ def warn_uncaptured(
         )
 
 
-def _is_block_list(module: nn.Module) -> bool:
+def _is_block_list(module: nn.Module) -> TypeGuard[nn.ModuleList | nn.ModuleDict]:
     """transformers keep blocks in an ``nn.ModuleList``; OLMo-core in an ``nn.ModuleDict``
     keyed ``"0"``, ``"1"``, ..."""
     if isinstance(module, nn.ModuleList):

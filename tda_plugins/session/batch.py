@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from tda_plugins.capture.consumer import RecordCollector
 from tda_plugins.capture.engine import CaptureEngine
 from tda_plugins.capture.layers import LayerSelection
+from tda_plugins.capture.names import canonical_name
 from tda_plugins.capture.records import MicroBatchRecord
 from tda_plugins.grads.projection import ProjectionConfig
 
@@ -143,9 +144,10 @@ def per_example_gradients(
 def canonical_grads(model: nn.Module, record: MicroBatchRecord) -> dict[str, Tensor]:
     """A record's per-example gradients keyed like ``model.named_parameters()`` (each
     ``(B, *param.shape)``): the uses of a shared parameter (tied weights), recorded under
-    each module's own name, summed into one."""
+    each module's own name, summed into one. The record names layers by their canonical
+    names (:mod:`~tda_plugins.capture.names`)."""
     canonical = {id(p): n for n, p in model.named_parameters()}
-    by_module = dict(model.named_parameters(remove_duplicate=False))
+    by_module = {canonical_name(n): p for n, p in model.named_parameters(remove_duplicate=False)}
     out: dict[str, Tensor] = {}
     for qualified, grad in record.param_grads().items():
         name = canonical[id(by_module[qualified])]

@@ -35,6 +35,7 @@ import torch
 import xxhash
 from torch import nn
 
+from tda_plugins.capture.names import modules_by_name
 from tda_plugins.parallel.dtensor import gathered
 from tda_plugins.utils.progress import end_of_run_bar
 
@@ -110,20 +111,22 @@ def weights_digest(model: nn.Module, layers: Iterable[str]) -> WeightsDigest:
     """The :class:`WeightsDigest` of the captured modules ``layers`` of ``model``."""
     whole = hashlib.sha256()
     seen: set[int] = set()
+    modules = modules_by_name(model)
     names = list(layers)
-    params = {id(p): p for n in names for p in model.get_submodule(n).parameters()}
+    params = {id(p): p for n in names for p in modules[n].parameters()}
     total = sum(p.numel() * p.element_size() for p in params.values())
     per_layer = {}
     with end_of_run_bar(total, "weights digest") as bar:
         for layer in names:
-            per_layer[layer] = _digest_layer(model, layer, whole, seen, bar)
+            per_layer[layer] = _digest_layer(modules[layer], layer, whole, seen, bar)
     return WeightsDigest(whole.hexdigest(), per_layer)
 
 
-def _digest_layer(model: nn.Module, layer: str, whole: Any, seen: set[int], bar: Any) -> str:
-    """Feed ``layer``'s parameters not in ``seen`` to ``whole``; its own digest."""
+def _digest_layer(module: nn.Module, layer: str, whole: Any, seen: set[int], bar: Any) -> str:
+    """Feed the parameters of ``module`` (the layer ``layer``) not in ``seen`` to
+    ``whole``; its own digest."""
     own = xxhash.xxh3_128()
-    for local, param in model.get_submodule(layer).named_parameters():
+    for local, param in module.named_parameters():
         value = gathered(param.detach()).cpu().contiguous()
         tag = f"{layer}.{local}:{value.dtype}:{tuple(value.shape)};".encode()
         data = value.view(-1).view(torch.uint8).numpy().data  # the bytes, not a copy

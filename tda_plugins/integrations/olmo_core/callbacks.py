@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from tda_plugins.capture import CaptureEngine, LayerSelection
+from tda_plugins.capture.names import named_modules
 from tda_plugins.integrations.olmo_core.normalization import OLMoCoreLossNormalization
 from tda_plugins.parallel.gather import process_rank
 from tda_plugins.session.capture import CaptureSession, UnsupportedTrainingSetup
@@ -74,7 +75,7 @@ def check_train_module(train_module: TrainModule, layers: LayerSelection) -> Tra
         )
     fused = LMLossImplementation.fused_linear
     if model.lm_head is not None and model.lm_head.loss_implementation == fused:
-        name = next(n for n, m in model.named_modules() if m is model.lm_head.w_out)
+        name = next(n for n, m in named_modules(model) if m is model.lm_head.w_out)
         if name in layers.resolve(model):
             raise UnsupportedTrainingSetup(
                 f"the fused linear cross-entropy computes {name}'s output without calling it, "

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from tda_plugins.capture.names import named_modules
 from tda_plugins.integrations.transformers.refusals import TRAINER_CHECKS, flattening_collator
 from tda_plugins.session.capture import UnsupportedTrainingSetup
 from tda_plugins.session.settings import LayerSettings
@@ -63,7 +64,7 @@ def adapt_settings(
     fusion = fused_head(args)
     if head is None or fusion is None:
         return settings
-    name = next(n for n, m in model.named_modules() if m is head)
+    name = next(n for n, m in named_modules(model) if m is head)
     if name not in settings.selection.resolve(model):
         return settings
     logger.warning(
