@@ -41,6 +41,35 @@ def test_graddot_is_each_pairs_gradient_dot_product() -> None:
     assert (scores.values.double() - expected).abs().max() <= 1e-6 * expected.abs().max()
 
 
+def test_a_tied_weight_counts_once_in_graddot_and_refuses_gradcos() -> None:
+    """GPT-2's head shares the input embedding's weight: with every layer captured, each
+    pair's score is the dot of the whole gradients, the shared weight's counted once
+    (both uses summed), not the two uses' separate dots. A cosine, which would count the
+    weight twice in its norms, is refused before any forward."""
+    model = tiny_causal_lm("gpt2", torch.float64)
+    selection = LayerSelection(kind="all")
+    params = list(
+        {
+            id(p): p
+            for module, adapter in selection.resolve(model).values()
+            for p in adapter.captured_parameters(module).values()
+        }.values()
+    )
+
+    def whole_gradient(ids: list[int]) -> torch.Tensor:
+        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1]
+        loss = nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum")
+        return torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
+
+    train = torch.stack([whole_gradient(r["input_ids"]) for r in TRAIN])
+    queries = torch.stack([whole_gradient(r["input_ids"]) for r in QUERIES])
+    scores = score_examples(model, TRAIN, QUERIES, layers="all", batch_size=3, progress=False)
+    expected = train @ queries.T
+    assert (scores.values.double() - expected).abs().max() <= 1e-6 * expected.abs().max()
+    with pytest.raises(ValueError, match="share one weight"):
+        score_examples(model, TRAIN, QUERIES, layers="all", method="gradcos", progress=False)
+
+
 @pytest.mark.parametrize("method", ["graddot", "gradcos"])
 def test_scores_equal_attribute_on_the_stores_of_the_same_rows(tmp_path: Path, method: str) -> None:
     """A LoRA model, text rows through a tokenizer: the same scores, ids and texts as

@@ -29,9 +29,8 @@ from tda_plugins.capture.config import CaptureConfig
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.records import MicroBatchRecord
 from tda_plugins.grads.base import PerExampleGrad
-from tda_plugins.grads.dense import sum_of_uses
 from tda_plugins.grads.ops import QueryGradients
-from tda_plugins.live.queries import query_gradients, score_record
+from tda_plugins.live.queries import query_gradients, refuse_tied_cosine, score_record, summed_uses
 from tda_plugins.methods.groups import ParameterGroups, ScoringSpace
 from tda_plugins.methods.scores import Scores
 from tda_plugins.parallel.gather import OneProcess, RankGather
@@ -119,25 +118,14 @@ class InfluenceLogger(CaptureConsumer):
         self.space = self.groups.resolve(config)
         self._resolved = True
         self.ties = config.tied
-        if self.ties and (self.method == "gradcos" or self.groups.normalize_layers):
-            unit = " and ".join(self.ties[0])
-            raise ValueError(
-                f"the captured layers {unit} share one weight, which a cosine or per-layer "
-                "normalization would count as two: log influence with method='graddot' "
-                "(which counts it once), or capture one of the two uses (e.g. "
-                "layers='linear')"
-            )
+        if self.method == "gradcos" or self.groups.normalize_layers:
+            refuse_tied_cosine(self.ties, "log influence")
 
     def _query_layers(self, layers: Mapping[str, PerExampleGrad]) -> dict[str, PerExampleGrad]:
         """A query record's layers as scored: the parameter groups applied, and the uses
         of a tied weight given one side, the sum of their gradients (so that the dots
         with each use's training gradients add up to the weight's)."""
-        out = self.space.apply(layers)
-        for unit in self.ties:
-            kept = [n for n in unit if n in out]  # a use left out by exclude_params is gone
-            shared = sum_of_uses([out[n] for n in kept])
-            out.update(dict.fromkeys(kept, shared))
-        return out
+        return summed_uses(self.space.apply(layers), self.ties)
 
     def set_queries(
         self,

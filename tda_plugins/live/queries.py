@@ -31,10 +31,11 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from tda_plugins.capture.config import CaptureConfig
 from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.records import MicroBatchRecord
 from tda_plugins.grads.base import PerExampleGrad, empty_values
-from tda_plugins.grads.dense import DenseGrad, stack_examples
+from tda_plugins.grads.dense import DenseGrad, stack_examples, sum_of_uses
 from tda_plugins.grads.ops import QueryGradients, example_norms
 from tda_plugins.grads.routing import Route, choose_route
 
@@ -44,6 +45,35 @@ LayerTransform = Callable[[Mapping[str, PerExampleGrad]], dict[str, PerExampleGr
 
 def _as_captured(layers: Mapping[str, PerExampleGrad]) -> dict[str, PerExampleGrad]:
     return dict(layers)
+
+
+def summed_uses(
+    layers: dict[str, PerExampleGrad], ties: Sequence[Sequence[str]]
+) -> dict[str, PerExampleGrad]:
+    """``layers`` (one side of a dot product, the queries) with each use of a tied weight
+    (``ties``: groups of layers sharing one, an embedding and the head tied to it) given
+    the sum of the uses' gradients: the dots with each use's training gradients then add
+    up to the shared weight's, ``<q_1 + q_2, t_1 + t_2>``, which a dot per layer alone would
+    miss the cross terms of. A use absent from ``layers`` is left out of its sum. Such a
+    side serves dot products only: its norms count the shared weight twice."""
+    for unit in ties:
+        kept = [n for n in unit if n in layers]
+        if len(kept) > 1:
+            layers.update(dict.fromkeys(kept, sum_of_uses([layers[n] for n in kept])))
+    return layers
+
+
+def refuse_tied_cosine(ties: Sequence[Sequence[str]], fix: str) -> None:
+    """Refuse a cosine or per-layer normalization over layers that share a weight
+    (``ties``, as :func:`summed_uses` takes them); ``fix`` starts the way out
+    (``"score"``: "score with method='graddot' ...")."""
+    if ties:
+        unit = " and ".join(ties[0])
+        raise ValueError(
+            f"the captured layers {unit} share one weight, which a cosine or per-layer "
+            f"normalization would count as two: {fix} with method='graddot' (which counts "
+            "it once), or capture one of the two uses (e.g. layers='linear')"
+        )
 
 
 class _LayerRows(Protocol):
@@ -94,7 +124,9 @@ class QueryCollector(CaptureConsumer):
 
     Attach it to the engine that captures the queries (or call :meth:`add` with records),
     then take :meth:`gradients` once every query row has arrived. Memory: the prepared
-    side plus one micro-batch's record.
+    side plus one micro-batch's record. Attached, it sums the uses of each tied weight the
+    engine captures (:func:`summed_uses`), so that its queries score dot products against
+    training gradients of the same layers; not cosines (which such a weight refuses).
 
     Args:
         rows: number of query examples that will arrive (the size of each layer's
@@ -111,6 +143,10 @@ class QueryCollector(CaptureConsumer):
         self._filled = 0
         self._captured: set[str] = set()
         self._layers: dict[str, _LayerRows] = {}
+        self._ties: tuple[tuple[str, ...], ...] = ()
+
+    def on_attach(self, config: CaptureConfig) -> None:
+        self._ties = config.tied
 
     def on_micro_batch(self, record: MicroBatchRecord) -> None:
         self.add(record)
@@ -128,7 +164,8 @@ class QueryCollector(CaptureConsumer):
                 f"QueryCollector was made for {self.rows} query rows but received "
                 f"{self._filled + record.batch_size}; pass the number of query examples"
             )
-        for name, grads in self.transform(record.example_grads()).items():
+        layers = summed_uses(self.transform(record.example_grads()), self._ties)
+        for name, grads in layers.items():
             if name not in self._layers:
                 form = _FORMS[choose_route(grads.gram_costs(grads))]
                 self._layers[name] = form(grads, self.rows)

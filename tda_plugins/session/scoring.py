@@ -27,7 +27,12 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from tda_plugins.capture import CaptureConsumer, CaptureEngine, MicroBatchRecord
-from tda_plugins.live.queries import QueryCollector, QueryGradients, score_record
+from tda_plugins.live.queries import (
+    QueryCollector,
+    QueryGradients,
+    refuse_tied_cosine,
+    score_record,
+)
 from tda_plugins.methods.scores import Scores
 from tda_plugins.session.dataset import (
     PlannedBatch,
@@ -91,8 +96,10 @@ def score_examples(
         ``Scores`` of shape ``(N_train, N_queries)``: ``top_k``, ``to_pandas``, ``save``.
 
     Raises:
-        ValueError: an unknown method, a bad row (named by its line) or a repeated id,
-            before any forward runs.
+        ValueError: an unknown method, a bad row (named by its line), a repeated id, or
+            ``gradcos`` over layers that share a weight (a head tied to the input
+            embedding with ``layers="all"``; ``graddot`` counts it once), before any
+            forward runs.
     """
     if method not in LIVE_METHODS:
         raise ValueError(
@@ -105,11 +112,12 @@ def score_examples(
     train_batches = plan_batches(model, train, tokenizer, *plan)
     total = sum(len(b.examples) for b in query_batches + train_batches)
     with tqdm(total=total, desc=f"{method} scores", unit="ex", disable=not progress) as bar:
+        cosine = LIVE_METHODS[method]
         collector = QueryCollector(sum(len(b.examples) for b in query_batches))
-        _captured(model, settings, query_batches, collector, bar)
-        scored = _Scored(collector.gradients(), LIVE_METHODS[method])
+        _captured(model, settings, query_batches, collector, bar, cosine)
+        scored = _Scored(collector.gradients(), cosine)
         del collector
-        _captured(model, settings, train_batches, scored, bar)
+        _captured(model, settings, train_batches, scored, bar, cosine)
     return Scores(
         torch.cat([b.ids for b in train_batches]),
         torch.cat([b.ids for b in query_batches]),
@@ -126,9 +134,12 @@ def _captured(
     planned: list[PlannedBatch],
     consumer: CaptureConsumer,
     bar: tqdm,
+    cosine: bool,
 ) -> None:
     """Each batch's captured backward into ``consumer``, one engine step per batch
-    (autograd builds no weight gradient of the model's own)."""
+    (autograd builds no weight gradient of the model's own). A tied weight among the
+    layers is scored once by the queries' :class:`QueryCollector`, and refused by a
+    ``cosine`` before any forward."""
     engine = CaptureEngine(
         model,
         layers=settings.selection,
@@ -137,6 +148,8 @@ def _captured(
         parameter_grads=False,
     )
     with engine:
+        if cosine:
+            refuse_tied_cosine(engine.config.tied, "score")
         for batch in planned:
             backward_each_example(model, engine, batch)
             engine.optimizer_step()
