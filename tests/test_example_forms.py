@@ -90,3 +90,30 @@ def test_jsonl_from_windows_tools_reads_as_written(tmp_path: Path) -> None:
     latin.write_bytes(lines[1].encode() + b"\n" + lines[0].encode("latin-1") + b"\n")
     with pytest.raises(ValueError, match=r"latin\.jsonl:2: not UTF-8"):
         jsonl_rows(latin)
+
+
+def test_rows_without_a_loss_token_are_refused_naming_the_row() -> None:
+    """An empty completion, or one cut off by the length, leaves no loss token: the row's
+    gradient would be zero and every score with it 0, so it is refused by its line."""
+    tokenizer = word_tokenizer()
+    good = {"prompt": "w5 w6 w7", "completion": " w8 w9"}
+    empty = {"prompt": "w5 w6 w7", "completion": ""}
+    with pytest.raises(ValueError, match=r"queries:2: has no loss token"):
+        tokenize_rows([(1, good), (2, empty)], tokenizer, 64, source="queries")
+    with pytest.raises(ValueError, match=r"queries:1: has no loss token .*max_length=3"):
+        tokenize_rows([(1, good)], tokenizer, 3, source="queries")
+    assert len(tokenize_rows([(1, good)], tokenizer, 4, source="queries")) == 1
+
+
+@pytest.mark.parametrize("rows_in_a_batch", [1, 2, 8])
+def test_ids_given_to_some_rows_only_are_refused_whatever_the_batching(
+    rows_in_a_batch: int,
+) -> None:
+    """Every row an 'id' or none: the mix is refused naming a row of each kind, before
+    any batch is made (so not only when both kinds meet in one batch)."""
+    from tda_plugins.session.dataset import plan_batches
+
+    rows = [{"text": "w5 w6", "id": 5}, {"text": "w7 w8", "id": 6}, {"text": "w9 w10"}]
+    model = tiny_causal_lm("llama")
+    with pytest.raises(ValueError, match=r"examples:3 has no 'id' while examples:1 has one"):
+        plan_batches(model, rows, word_tokenizer(), rows_in_a_batch, 64)

@@ -221,8 +221,13 @@ def tokenize_rows(
 ) -> list[Example]:
     """Tokenize numbered rows (token ids checked against ``vocab_size`` when given);
     errors name ``source`` and the row. ``eos``: text and completion rows end in the
-    tokenizer's end-of-sequence token, as TRL's ``SFTTrainer`` trains them."""
+    tokenizer's end-of-sequence token, as TRL's ``SFTTrainer`` trains them.
+
+    Refused, naming the row: a row without a loss token (fewer than 2 tokens, or every
+    label after the first -100: an empty completion, or one cut off by ``max_length``),
+    whose gradient is zero and every score with it 0; and ids given to some rows only."""
     examples = []
+    numbers = []
     for number, row in rows:
         try:
             example = _tokenize(row, tokenizer, max_length, number, vocab_size, eos)
@@ -230,9 +235,23 @@ def tokenize_rows(
             raise ValueError(f"{source}: {exc}") from exc
         if len(example.input_ids) < 2:
             raise ValueError(f"{source}:{number}: needs at least 2 tokens to have a loss")
+        if all(label == -100 for label in example.labels[1:]):
+            raise ValueError(
+                f"{source}:{number}: has no loss token (an empty completion, or one cut off "
+                f"at max_length={max_length}), so its gradient is zero and every score with "
+                "it 0: give it a completion within the length, or raise max_length"
+            )
         examples.append(example)
+        numbers.append(number)
     if not examples:
         raise ValueError(f"{source} holds no example")
+    given = [e.example_id is not None for e in examples]
+    if any(given) and not all(given):
+        with_id, without = numbers[given.index(True)], numbers[given.index(False)]
+        raise ValueError(
+            f"{source}:{without} has no 'id' while {source}:{with_id} has one: give every "
+            "example an 'id', or none (each is then named by a content hash of its tokens)"
+        )
     return examples
 
 
