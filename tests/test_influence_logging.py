@@ -265,3 +265,40 @@ def test_the_report_ends_at_the_checkpoint_load_best_model_at_end_restores(
     assert sorted(e["id"] for e in summary["cumulative"]) == sorted(first)
     logged = [h["step"] for h in trainer.state.log_history if "influence/q0_mean" in h]
     assert logged == [1, 2, 3]
+
+
+def one_step_report(output: Path, queries: list[dict[str, Any]]) -> dict[str, Any]:
+    """One training step with live influence on ``queries``; the report."""
+    trainer = Trainer(
+        model=tiny_causal_lm("llama", torch.float32),
+        args=training_args(output, max_steps=1),
+        train_dataset=Dataset.from_list([{"input_ids": r} for r in token_rows(4)]),
+        data_collator=pad_rows,
+        callbacks=[InfluenceLoggingCallback(queries, layers="linear", method="graddot")],
+    )
+    trainer.train()
+    return json.loads((output / "influence" / "influence.json").read_text())
+
+
+def test_the_report_names_queries_by_their_ids(tmp_path: Path) -> None:
+    """Queries with an 'id' are reported under it, as every other example row is; two
+    queries of the same tokens then keep their own columns."""
+    first, second = token_rows(2, seed=9)
+    queries = [
+        {"input_ids": first, "id": 7},
+        {"input_ids": first, "id": 3},
+        {"input_ids": second, "id": 11},
+    ]
+    report = one_step_report(tmp_path / "ids", queries)
+    assert report["query_ids"] == [7, 3, 11]
+    assert [entry["query_id"] for entry in report["top_k"]] == [7, 3, 11]
+
+
+def test_queries_of_the_same_tokens_without_ids_are_refused_before_any_step(
+    tmp_path: Path,
+) -> None:
+    first, second = token_rows(2, seed=9)
+    queries = [{"input_ids": first}, {"input_ids": second}, {"input_ids": first}]
+    with pytest.raises(ValueError, match="queries q0 and q2 are the same tokens"):
+        one_step_report(tmp_path / "same", queries)
+    assert not (tmp_path / "same" / "influence").exists()

@@ -17,6 +17,7 @@ example id; without it the engine hashes the unpadded token ids):
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tda_plugins.capture.identity import content_hash
 from tda_plugins.integrations.transformers.setup import pad_examples
 
 #: Examples as callers give them: a JSONL path, a ``datasets.Dataset`` or a list of dicts.
@@ -245,14 +247,20 @@ def tokenize_rows(
         numbers.append(number)
     if not examples:
         raise ValueError(f"{source} holds no example")
-    given = [e.example_id is not None for e in examples]
+    refuse_partial_ids(source, numbers, [e.example_id for e in examples])
+    return examples
+
+
+def refuse_partial_ids(source: str, numbers: list[int], ids: list[int | None]) -> None:
+    """Refuse ids (``None``: none given) on some of the rows ``numbers`` only, naming a
+    row of each kind."""
+    given = [i is not None for i in ids]
     if any(given) and not all(given):
         with_id, without = numbers[given.index(True)], numbers[given.index(False)]
         raise ValueError(
             f"{source}:{without} has no 'id' while {source}:{with_id} has one: give every "
             "example an 'id', or none (each is then named by a content hash of its tokens)"
         )
-    return examples
 
 
 def read_examples(
@@ -280,6 +288,29 @@ class ExamplePool:
         self.owner = owner
         self.max_length = max_length
         self.tokenized = all(isinstance(r, dict) and "input_ids" in r for _, r in self.rows)
+        self.given_ids = self._given_ids()
+
+    def _given_ids(self) -> list[int] | None:
+        """The rows' integer ``id``s, or ``None`` where no row has one; ids of another type,
+        on some rows only, or repeated are refused."""
+        ids = [row.get("id") if isinstance(row, dict) else None for _, row in self.rows]
+        for (number, _), given in zip(self.rows, ids, strict=True):
+            if given is not None and type(given) is not int:
+                raise ValueError(f"{self.owner}:{number}: 'id' must be an integer, got {given!r}")
+        refuse_partial_ids(self.owner, [number for number, _ in self.rows], ids)
+        if ids[0] is None:
+            return None
+        repeated = next((i for i, n in Counter(ids).items() if n > 1), None)
+        if repeated is not None:
+            raise ValueError(f"{self.owner}: the 'id' {repeated} is given to two examples")
+        return [int(i) for i in ids if i is not None]
+
+    def ids(self, batch: Mapping[str, Tensor]) -> Tensor:
+        """``(B,)`` ids of the examples of :meth:`batch`: the rows' ``id``s, else a content
+        hash of each one's tokens (as a store names examples)."""
+        if self.given_ids is not None:
+            return torch.tensor(self.given_ids, dtype=torch.long)
+        return content_hash(batch["input_ids"], batch["attention_mask"])
 
     def batch(self, tokenizer: Any = None) -> dict[str, torch.Tensor]:
         """The pool as one right-padded batch (``input_ids``, ``attention_mask``,

@@ -7,9 +7,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
-from tda_plugins.capture import MicroBatchRecord, content_hash
+from tda_plugins.capture import MicroBatchRecord
 from tda_plugins.integrations.transformers.best_model import (
     RestoredCheckpoint,
     restored_checkpoint,
@@ -92,10 +93,20 @@ class InfluenceLoggingCallback(PoolCallback):
         self.top_k = top_k
         self.report_dir = report_dir
         self.report: dict[str, Path] = {}
+        #: ``(M,)`` the queries' ids (their ``id``s, else content hashes), at train begin.
+        self.query_ids = torch.zeros(0, dtype=torch.long)
 
     def begin(self, start: TrainStart) -> None:
         self.influence_log = self.influence_log.over(rank_gather())
         self.attach(start).add_consumer(self.influence_log)
+        self.query_ids = self.examples.ids(self.pool)
+        duplicate = _first_duplicate(self.query_ids.tolist())
+        if duplicate is not None:
+            first, repeated = duplicate
+            raise ValueError(
+                f"queries q{first} and q{repeated} are the same tokens, so they would share "
+                "one id and one column of the report: drop one, or give every query an 'id'"
+            )
         checkpoint = resumed_checkpoint(start.args, start.state)
         if checkpoint is not None:
             saved = read_state(checkpoint, process_index(start.args))
@@ -155,7 +166,7 @@ class InfluenceLoggingCallback(PoolCallback):
         self.detach()  # every rank: the end gathers the report's token ids
         if self.influence_log.gather.rank != 0:
             return
-        query_ids = content_hash(self.pool["input_ids"], self.pool["attention_mask"])
+        query_ids = self.query_ids
         query_tokens = [
             ids[m.bool()].tolist()
             for ids, m in zip(self.pool["input_ids"], self.pool["attention_mask"], strict=True)
@@ -167,3 +178,14 @@ class InfluenceLoggingCallback(PoolCallback):
         self.report = self.influence_log.write_report(
             directory, query_ids, train_texts, query_texts, self.top_k
         )
+
+
+def _first_duplicate(ids: list[int]) -> tuple[int, int] | None:
+    """``(j, k)``: the first position ``k`` whose id an earlier position ``j`` has
+    (``None``: every id differs)."""
+    seen: dict[int, int] = {}
+    for k, i in enumerate(ids):
+        if i in seen:
+            return seen[i], k
+        seen[i] = k
+    return None
