@@ -127,7 +127,7 @@ BAD_INPUT: dict[str, tuple[Case, tuple[str, ...]]] = {
     "only empty lines": (capture(data=[]), ("holds no example",)),
     "mixed explicit and missing ids": (
         capture(data=[{"input_ids": [1, 2, 3], "id": 1}, {"input_ids": [4, 5, 6]}]),
-        ("every example has an 'id' or none does",),
+        ("d.jsonl:2 has no 'id' while", "d.jsonl:1 has one"),
     ),
     "duplicated explicit ids": (
         capture(data=[{"input_ids": [1, 2, 3], "id": 1}, {"input_ids": [4, 5, 6], "id": 1}]),
