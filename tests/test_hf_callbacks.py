@@ -688,6 +688,38 @@ def test_trainable_parameters_left_out_of_the_capture_are_named_with_the_way_in(
         selection.train()
 
 
+def test_an_embedding_tied_to_a_fused_head_is_named_with_a_way_out_that_works(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A full fine-tune under SFTTrainer of a model whose head shares the input
+    embedding's weight (SmolLM2's, Qwen2.5's), every layer asked for: TRL's fused head
+    hides the head, so the shared weight cannot be captured whole. The warning (capture)
+    and the refusal (selection) name it and a way out that works: transformers' Trainer
+    or freezing it; not ``layers='all'``, which was given, nor label smoothing, which the
+    capture refuses."""
+    from tda_plugins.integrations.transformers import DataSelectionCallback
+
+    def tied() -> nn.Module:
+        return tiny_causal_lm("llama", torch.float32, tie_word_embeddings=True)
+
+    with caplog.at_level("WARNING", logger="tda_plugins"):
+        run = sft_train(tmp_path / "capture", tied(), {"layers": "all"}, rows=4, max_steps=1)
+    assert not any("embed_tokens" in n for n in run.store.layer_names)
+    (message,) = [r.getMessage() for r in caplog.records if "not captured" in r.getMessage()]
+    assert "model.embed_tokens.weight" in message
+    assert "transformers' Trainer" in message and "layers='all'" not in message
+    trainer = SFTTrainer(
+        model=tied(),
+        args=training_args(tmp_path / "selection", config_cls=SFTConfig, max_steps=1),
+        train_dataset=Dataset.from_list([p.row() for p in prompt_completion_pairs(4)]),
+        processing_class=word_tokenizer(),
+        callbacks=[DataSelectionCallback([{"input_ids": token_rows(1)[0]}], layers="all")],
+    )
+    with pytest.raises(UnsupportedTrainingSetup, match="transformers' Trainer") as refused:
+        trainer.train()
+    assert "label smoothing" not in str(refused.value)
+
+
 @pytest.mark.parametrize(
     ("options", "left_out"),
     [

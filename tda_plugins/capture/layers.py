@@ -297,10 +297,14 @@ def uncovered_fix(missing: Iterable[str], fallback: str) -> str:
 
 
 def warn_uncaptured(
-    model: nn.Module, layers: Mapping[str, tuple[nn.Module, LayerAdapter]], what: str
+    model: nn.Module,
+    layers: Mapping[str, tuple[nn.Module, LayerAdapter]],
+    what: str,
+    fix: str | None = None,
 ) -> None:
     """Log, once per call, the trainable parameters of ``model`` that ``layers`` leave out:
-    ``what`` (the scores, the store) then holds no gradient of theirs."""
+    ``what`` (the scores, the store) then holds no gradient of theirs. ``fix``: the way
+    out to name (default: widen the selection, or freeze them)."""
     missing = uncovered_trainable(model, dict(layers))
     if missing:
         logger.warning(
@@ -309,7 +313,7 @@ def warn_uncaptured(
             len(missing),
             _preview(missing, 3),
             what,
-            uncovered_fix(missing, "capture them with layers='all', or freeze them"),
+            fix or uncovered_fix(missing, "capture them with layers='all', or freeze them"),
         )
 
 

@@ -213,7 +213,12 @@ class CaptureSession:
             normalization=normalization,
         )
         self.engine.attach()
-        warn_uncaptured(model, self.engine.captured_layers, "the store and its scores")
+        warn_uncaptured(
+            model,
+            self.engine.captured_layers,
+            "the store and its scores",
+            settings.layers.uncaptured_fix,
+        )
         self.engine.resume_at_step(start_step)
         self.trajectory: TrajectoryRecorder | None = None
         #: The checkpoints this run saved and the trainer may still hold: step -> folder.

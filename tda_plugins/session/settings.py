@@ -32,10 +32,14 @@ class LayerSettings:
         selection: the captured layers (default ``"auto"``: LoRA adapters on PEFT
             models, else linear layers).
         projection: the random projection applied in the hook; ``None``: exact gradients.
+        uncaptured_fix: the way out to name for trainable parameters the capture leaves
+            out, where the trainer's setup rather than the selection leaves them out (a
+            fused loss head, and a weight tied to it); ``None``: widen the selection.
     """
 
     selection: LayerSelection = field(default_factory=LayerSelection)
     projection: ProjectionConfig | None = field(default=None, kw_only=True)
+    uncaptured_fix: str | None = field(default=None, kw_only=True, compare=False)
 
     @classmethod
     def like(cls, config: CaptureConfig) -> LayerSettings:

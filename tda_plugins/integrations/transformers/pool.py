@@ -52,7 +52,12 @@ class PoolCallback(MetricsCallback):
             projection=self.settings.projection,
             normalization=CausalLMNormalization(),
         ).attach()
-        warn_uncaptured(start.model, engine.captured_layers, "the logged influence scores")
+        warn_uncaptured(
+            start.model,
+            engine.captured_layers,
+            "the logged influence scores",
+            self.settings.uncaptured_fix,
+        )
         engine.resume_at_step(start.state.global_step)
         self.engine = engine
         return engine

@@ -37,7 +37,6 @@ from tda_plugins.integrations.transformers.setup import (
     TrainStart,
     adapt_settings,
     checkpoint_folder,
-    fused_head,
     process_index,
     resumed_checkpoint,
 )
@@ -227,14 +226,7 @@ class DataSelectionCallback(MetricsCallback):
         # all-reduce needs autograd's own gradients; a LoRA adapter's is a cheap rank-r
         # product, cheaper than building it again: there it is computed and corrected.
         built = args.world_size == 1 and not has_lora(model)
-        fusion = fused_head(args)
-        fix = (
-            f"{fusion} bypasses the head's forward: freeze the head, or turn the fusion off "
-            "(TRL: label smoothing; Liger: liger_kernel_config={'fused_linear_cross_entropy': "
-            "False})"
-            if fusion is not None
-            else DEFAULT_FIX
-        )
+        fix = capture.uncaptured_fix or DEFAULT_FIX
         log_path = self.settings.log_path or str(Path(str(args.output_dir)) / "selection.jsonl")
         self.session = SelectionSession(
             self.settings,

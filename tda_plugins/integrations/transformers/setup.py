@@ -40,17 +40,38 @@ def check_trainer_setup(
     return model
 
 
+#: The fused loss heads :func:`fused_head` tells apart.
+TRL_FUSION = "TRL's fused LM head"
+LIGER_FUSION = "Liger's fused linear cross-entropy (use_liger_kernel)"
+
+#: The way out of each fused head, for a layer it hides that the user wants captured.
+_UNFUSED = {
+    TRL_FUSION: "train with transformers' Trainer, which calls the head (TRL's SFTTrainer "
+    "fuses it whenever the loss is its own)",
+    LIGER_FUSION: "set liger_kernel_config={'fused_linear_cross_entropy': False}",
+}
+
+
 def fused_head(args: TrainingArguments) -> str | None:
     """What computes the loss from the LM head's weight directly, so that no module hook
     sees the head (``None``: nothing): TRL's ``SFTTrainer`` (its fused LM head, the default
     without label smoothing), or Liger's fused linear cross-entropy (``use_liger_kernel``
     in the ``Trainer``, on unless ``liger_kernel_config`` turns it off; TRL turns it off)."""
     if type(args).__name__ == "SFTConfig":
-        return None if getattr(args, "label_smoothing_factor", 0) else "TRL's fused LM head"
+        return None if getattr(args, "label_smoothing_factor", 0) else TRL_FUSION
     config = getattr(args, "liger_kernel_config", None) or {}
     if getattr(args, "use_liger_kernel", False) and config.get("fused_linear_cross_entropy", True):
-        return "Liger's fused linear cross-entropy (use_liger_kernel)"
+        return LIGER_FUSION
     return None
+
+
+def fusion_fix(fusion: str) -> str:
+    """How to get the head that ``fusion`` (a :func:`fused_head`) bypasses, and a weight
+    tied to it, into the captured layers, or out of the trained ones."""
+    return (
+        f"{fusion} computes the loss from the head's weight without calling the head: "
+        f"{_UNFUSED[fusion]}, or freeze the head and any embedding tied to it"
+    )
 
 
 def adapt_settings(
@@ -69,7 +90,7 @@ def adapt_settings(
         return settings
     logger.warning(
         "tda-plugins: %s bypasses %s's forward, so its per-example gradient cannot be "
-        "captured; it is left out of the captured layers",
+        "captured; it is left out of the captured layers (and so is a weight tied to it)",
         fusion,
         name,
     )
@@ -77,7 +98,9 @@ def adapt_settings(
     given = settings.selection.exclude
     exclude = pattern if given is None else rf"(?:{given})|{pattern}"
     return dataclasses.replace(
-        settings, selection=dataclasses.replace(settings.selection, exclude=exclude)
+        settings,
+        selection=dataclasses.replace(settings.selection, exclude=exclude),
+        uncaptured_fix=fusion_fix(fusion),
     )
 
 
