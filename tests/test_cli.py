@@ -548,6 +548,35 @@ def test_capture_durability_reaches_the_store(
     )
 
 
+def test_loss_switches_reach_the_store_and_like_captures_inherit_them(
+    runs: dict[str, CliRun], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--no-completion-only-loss`` / ``--assistant-only-loss`` are the rows' loss tokens,
+    recorded in the store; ``--like`` of it takes them when not given; ``tda score``
+    passes them on."""
+    from tda_plugins.cli import runs as cli_runs
+
+    run = runs["llama"]
+    first = tmp_path / "full"
+    run_tda(*capture_args(run.model_dir, run.train_file, first, "--no-completion-only-loss"))
+    full = {"completion_only_loss": False, "assistant_only_loss": False}
+    assert StoreReader(first).metadata["loss_tokens"] == full
+    run_tda(*capture_args(run.model_dir, run.train_file, tmp_path / "like", "--like", first))
+    assert StoreReader(tmp_path / "like").metadata["loss_tokens"] == full
+    given: dict[str, object] = {}
+
+    def recorded(*args: object, **kwargs: object) -> None:
+        given.update(kwargs)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(cli_runs, "score_examples", recorded)
+    with pytest.raises(SystemExit):
+        main(["score", "--model", str(run.model_dir), "--data", str(run.train_file),
+              "--queries", str(run.train_file), "--out", str(tmp_path / "s"),
+              "--assistant-only-loss"])  # fmt: skip
+    assert given["assistant_only_loss"] is True and given["completion_only_loss"] is None
+
+
 # -- 10: model placement ---------------------------------------------------------------------
 
 

@@ -15,7 +15,12 @@ import torch
 from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 
-from tda_plugins.integrations.transformers.data import ExamplePool, jsonl_rows, tokenize_rows
+from tda_plugins.integrations.transformers.data import (
+    ExamplePool,
+    LossTokens,
+    jsonl_rows,
+    tokenize_rows,
+)
 from tests.models import tiny_causal_lm
 from tests.trainers import prompt_completion_pairs, training_args, word_tokenizer, words
 
@@ -43,22 +48,48 @@ def rows(form: str) -> list[dict[str, Any]]:
     return out
 
 
+#: :data:`CHAT_TEMPLATE` with the assistant's words and ``</s>`` in generation markers
+#: (the same text), for ``assistant_only_loss``.
+MARKED_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}w7 {% generation %}"
+    "{{ m['content'] }} </s>{% endgeneration %} {% else %}{{ m['content'] }} </s> {% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}w7 {% endif %}"
+)
+
 FORMS = ["text", "prompt-completion", "messages", "conversational prompt-completion"]
 
+#: TRL's loss switches (``SFTConfig``); ``assistant_only_loss`` takes conversations only.
+LOSSES = {
+    "defaults": ({}, FORMS),
+    "full loss": ({"completion_only_loss": False}, FORMS),
+    "assistant only": ({"assistant_only_loss": True}, FORMS[2:]),
+    "assistant only, full": (
+        {"assistant_only_loss": True, "completion_only_loss": False},
+        FORMS[3:],
+    ),
+}
 
-@pytest.mark.parametrize("form", FORMS)
-def test_rows_are_tokenized_as_trl_trains_them(tmp_path: Path, form: str) -> None:
+
+@pytest.mark.parametrize(
+    ("form", "loss"),
+    [(form, loss) for loss, (_, forms) in LOSSES.items() for form in forms],
+)
+def test_rows_are_tokenized_as_trl_trains_them(tmp_path: Path, form: str, loss: str) -> None:
+    """Our tokenization of each row form equals what TRL's ``SFTTrainer`` trains, tokens
+    and labels, under each of its loss switches (read off its config)."""
     tokenizer = word_tokenizer()
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = MARKED_TEMPLATE if "assistant" in loss else CHAT_TEMPLATE
     given = rows(form)
+    options = LOSSES[loss][0]
     trainer = SFTTrainer(
         model=tiny_causal_lm("llama", torch.float32),
-        args=training_args(tmp_path / "out", config_cls=SFTConfig, max_length=64),
+        args=training_args(tmp_path / "out", config_cls=SFTConfig, max_length=64, **options),
         train_dataset=Dataset.from_list(given),
         processing_class=tokenizer,
     )
     trained = list(trainer.train_dataset)
-    ours = tokenize_rows(list(enumerate(given, 1)), tokenizer, 64, eos=True)
+    switches = LossTokens.of_trainer(trainer.args)
+    ours = tokenize_rows(list(enumerate(given, 1)), tokenizer, 64, eos=True, loss=switches)
     for example, row in zip(ours, trained, strict=True):
         assert example.input_ids == row["input_ids"]
         assert example.labels == row.get("labels", row["input_ids"])
@@ -117,3 +148,77 @@ def test_ids_given_to_some_rows_only_are_refused_whatever_the_batching(
     model = tiny_causal_lm("llama")
     with pytest.raises(ValueError, match=r"examples:3 has no 'id' while examples:1 has one"):
         plan_batches(model, rows, word_tokenizer(), rows_in_a_batch, 64)
+
+
+@pytest.mark.parametrize(
+    ("form", "switches"),
+    [
+        ("messages", {"assistant_only_loss": True}),
+        ("prompt-completion", {"completion_only_loss": False}),
+    ],
+)
+def test_rows_captured_like_a_store_carry_the_loss_its_run_trained(
+    tmp_path: Path, form: str, switches: dict[str, bool]
+) -> None:
+    """An SFT run under a loss switch (weights fixed: learning rate 0) records it in its
+    store; its rows captured again like that store (``like=``, as ``tda capture --like``)
+    are scored on the tokens the run trained: the same gradient, example by example.
+    Without the store's switch the copy's gradients differ."""
+    from tda_plugins import GradientCaptureCallback, capture_examples
+    from tda_plugins.store import StoreReader
+
+    tokenizer = word_tokenizer()
+    tokenizer.chat_template = MARKED_TEMPLATE
+    given = rows(form)[:4]
+    model = tiny_causal_lm("llama", torch.float32)
+    SFTTrainer(
+        model=model,
+        args=training_args(
+            tmp_path / "out",
+            config_cls=SFTConfig,
+            learning_rate=0.0,
+            max_steps=2,
+            gradient_checkpointing=False,
+            **switches,
+        ),
+        train_dataset=Dataset.from_list(given),
+        processing_class=tokenizer,
+        callbacks=[
+            GradientCaptureCallback(
+                store_dir=str(tmp_path / "run"),
+                layers="linear",
+                exclude=r"^lm_head$",
+            )
+        ],
+    ).train()
+    trained = StoreReader(tmp_path / "run")
+    assert trained.metadata["loss_tokens"] == {**LossTokens().as_json(), **switches}
+
+    def gradients(store: StoreReader) -> dict[int, torch.Tensor]:
+        chunk = store.load_all()
+        flat = torch.cat([chunk.layers[n].materialize() for n in store.layer_names], dim=1)
+        return dict(zip(chunk.example_ids.tolist(), flat, strict=True))
+
+    def copy(out: str, **options: bool) -> dict[int, torch.Tensor]:
+        return gradients(
+            capture_examples(
+                model,
+                given,
+                tmp_path / out,
+                tokenizer=tokenizer,
+                like=trained,
+                eos=True,
+                progress=False,
+                **options,
+            )
+        )
+
+    expected = gradients(trained)
+    like = copy("like")
+    assert like.keys() == expected.keys()
+    for example_id, grad in expected.items():
+        torch.testing.assert_close(like[example_id], grad, rtol=1e-4, atol=1e-6)
+    defaults = copy("defaults", **{k: not v for k, v in switches.items()})
+    assert any(
+        not torch.allclose(defaults[i], grad, rtol=1e-4, atol=1e-6) for i, grad in expected.items()
+    )

@@ -126,6 +126,18 @@ def _add_row_options(p: argparse.ArgumentParser) -> None:
         help="end text and completion rows in the tokenizer's end-of-sequence token, as "
         "TRL's SFTTrainer trains them",
     )
+    p.add_argument(
+        "--completion-only-loss",
+        action=argparse.BooleanOptionalAction,
+        help="a prompt-completion row's loss on its completion alone (default, as TRL's "
+        "SFTConfig; with --like, as the store's run trained)",
+    )
+    p.add_argument(
+        "--assistant-only-loss",
+        action=argparse.BooleanOptionalAction,
+        help="a conversation's loss on the assistant's tokens alone (TRL's SFTConfig "
+        "switch; default off; with --like, as the store's run trained)",
+    )
 
 
 def _add_capture(sub: Any) -> None:

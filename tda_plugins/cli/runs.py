@@ -87,6 +87,8 @@ def _capture_on(args: argparse.Namespace, ranks: Ranks) -> None:
         metadata={**source.metadata(), "data": str(args.data)},
         ranks=ranks,
         eos=args.eos,
+        completion_only_loss=args.completion_only_loss,
+        assistant_only_loss=args.assistant_only_loss,
         durability=args.durability,
         like=args.like,
     )
@@ -176,6 +178,8 @@ def _score(args: argparse.Namespace) -> None:
         batch_size=args.batch_size,
         max_length=args.max_length,
         eos=args.eos,
+        completion_only_loss=args.completion_only_loss,
+        assistant_only_loss=args.assistant_only_loss,
         **{name: getattr(args, name) for name in LAYER_OPTION_NAMES | PROJECTION_OPTION_NAMES},
     )
     seconds = time.perf_counter() - start

@@ -122,6 +122,8 @@ class CaptureSession:
         optimizer: the run's optimizer (the torch one), for ``record_trajectory``.
         max_grad_norm: the trainer's gradient clipping threshold (``None``/0: none), for
             ``record_trajectory``.
+        metadata: free-form JSON facts for the store's ``store.json`` (which tokens the
+            trainer's rows carry their loss on).
 
     A fresh run (``start_step == 0``) refuses a store that already holds steps; a resumed
     run drops the store's steps from ``start_step`` on, so the store continues with no
@@ -147,6 +149,7 @@ class CaptureSession:
         tokenizer: Any = None,
         optimizer: torch.optim.Optimizer | None = None,
         max_grad_norm: float | None = None,
+        metadata: dict[str, Any] | None = None,
     ):
         self.rank = rank
         if settings.curvature_save_steps < 0:
@@ -168,6 +171,7 @@ class CaptureSession:
             append=start_step > 0,
             model=model,
             tokenizer=tokenizer,
+            metadata=metadata,
         )
         try:
             self._check_resume(CaptureConfig(layers, settings.layers.projection), start_step)

@@ -20,7 +20,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 from tqdm.auto import tqdm
@@ -40,6 +40,9 @@ from tda_plugins.session.settings import (
 )
 from tda_plugins.store import GradientStore, StoreReader
 from tda_plugins.store.texts import TokenTexts, token_texts
+
+if TYPE_CHECKING:
+    from tda_plugins.integrations.transformers.data import LossTokens
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +66,8 @@ def capture_examples(
     eos: bool = False,
     durability: str = "end",
     like: str | Path | StoreReader | None = None,
+    completion_only_loss: bool | None = None,
+    assistant_only_loss: bool | None = None,
     **options: Any,
 ) -> StoreReader:
     """Write every example's exact gradient (its own summed token loss) to the store ``out``.
@@ -98,6 +103,13 @@ def capture_examples(
             name, and projection to capture with, in place of the layer and projection
             settings (which are then refused); the model must have every one of those
             layers, trainable. K-FAC statistics are then off unless ``curvature=True``.
+            Rows are then scored on the tokens the store's run trained on (the switches
+            below, as the store records them) unless the switches are given.
+        completion_only_loss: a prompt-completion row's loss on its completion alone
+            (default, as TRL's ``SFTConfig``); ``False``: on every token.
+        assistant_only_loss: a conversation's loss on the assistant's tokens alone (TRL's
+            ``SFTConfig.assistant_only_loss``; default off: every token). The store records
+            both (``loss_tokens`` in its metadata).
 
     Returns:
         A reader of the written store.
@@ -115,8 +127,9 @@ def capture_examples(
         settings = dataclasses.replace(settings, store=written)
     if like is not None:
         settings = settings_like(settings, options, like, model)
+    loss = loss_tokens(completion_only_loss, assistant_only_loss, like)
     # every batch and its ids first: bad rows and ids are refused before any write
-    planned = plan_batches(model, examples, tokenizer, batch_size, max_length, eos)
+    planned = plan_batches(model, examples, tokenizer, batch_size, max_length, eos, loss)
     all_ids = [i for batch in planned for i in batch.ids.tolist()]
     settings, plan = resolve_curvature(settings, model, ranks.rank)
     if settings.curvature and ranks.size > 1 and plan.schedule != "local":
@@ -129,7 +142,7 @@ def capture_examples(
         out,
         ranks.rank,
         keep_tokens=settings.store.keep_tokens,
-        metadata=metadata or {},
+        metadata={**(metadata or {}), LOSS_TOKENS: loss.as_json()},
         append=append,
         unique_ids=True,
         model=model,
@@ -208,15 +221,23 @@ def plan_batches(
     batch_size: int,
     max_length: int | None,
     eos: bool = False,
+    loss: LossTokens | None = None,
 ) -> list[PlannedBatch]:
-    """Every row of ``examples`` tokenized and batched, with its id; a bad row (named by
-    its line) or an id met twice is refused before any forward runs."""
+    """Every row of ``examples`` tokenized and batched, with its id, its loss on the tokens
+    ``loss`` says (default: TRL's defaults); a bad row (named by its line) or an id met
+    twice is refused before any forward runs."""
     from tda_plugins.integrations.transformers.data import batches, numbered_rows, tokenize_rows
 
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     source = str(examples) if isinstance(examples, str | Path) else "examples"
     rows = tokenize_rows(
-        numbered_rows(examples), tokenizer, truncation_length(model, max_length), vocab, source, eos
+        numbered_rows(examples),
+        tokenizer,
+        truncation_length(model, max_length),
+        vocab,
+        source,
+        eos,
+        loss or loss_tokens(None, None),
     )
     pad_id = getattr(tokenizer, "pad_token_id", None) or 0
     planned = []
@@ -232,6 +253,34 @@ def plan_batches(
             "'id' (without ids, duplicated examples get the same content hash)"
         )
     return planned
+
+
+#: The store metadata entry naming which tokens of its rows carry their loss
+#: (:class:`~tda_plugins.integrations.transformers.data.LossTokens`).
+LOSS_TOKENS = "loss_tokens"
+
+
+def loss_tokens(
+    completion_only_loss: bool | None,
+    assistant_only_loss: bool | None,
+    like: str | Path | StoreReader | None = None,
+) -> LossTokens:
+    """Which tokens of a row carry its loss: the switches given, the others as the store
+    ``like`` records them (its run's), else TRL's defaults."""
+    from tda_plugins.integrations.transformers.data import LossTokens
+
+    base = LossTokens()
+    if like is not None:
+        store = like if isinstance(like, StoreReader) else StoreReader(like)
+        base = LossTokens.from_json(store.metadata.get(LOSS_TOKENS))
+    return LossTokens(
+        completion_only_loss=(
+            base.completion_only_loss if completion_only_loss is None else completion_only_loss
+        ),
+        assistant_only_loss=(
+            base.assistant_only_loss if assistant_only_loss is None else assistant_only_loss
+        ),
+    )
 
 
 def backward_each_example(model: Any, engine: CaptureEngine, batch: PlannedBatch) -> None:

@@ -38,6 +38,7 @@ from tda_plugins.session.dataset import (
     PlannedBatch,
     backward_each_example,
     example_texts,
+    loss_tokens,
     plan_batches,
     truncation_length,
 )
@@ -70,6 +71,8 @@ def score_examples(
     max_length: int | None = None,
     eos: bool = False,
     progress: bool = True,
+    completion_only_loss: bool | None = None,
+    assistant_only_loss: bool | None = None,
     **options: Any,
 ) -> Scores:
     """Score every training example against every query, exactly, without a store.
@@ -89,6 +92,10 @@ def score_examples(
         eos: end text and completion rows in the end-of-sequence token, as TRL's
             ``SFTTrainer`` trains them.
         progress: show a progress bar.
+        completion_only_loss: a prompt-completion row's loss on its completion alone
+            (default, as TRL's ``SFTConfig``); ``False``: on every token.
+        assistant_only_loss: a conversation's loss on the assistant's tokens alone (TRL's
+            ``SFTConfig.assistant_only_loss``; default off).
         options: the layer and projection options (``layers``, ``include``, ``exclude``,
             ``last_n_blocks``, ``projection``, ``k_a``, ...), as ``capture_examples``.
 
@@ -107,7 +114,8 @@ def score_examples(
             "capture a store (capture_examples) and call attribute"
         )
     settings = layer_settings(**options)
-    plan = (batch_size, truncation_length(model, max_length), eos)  # warned once
+    loss = loss_tokens(completion_only_loss, assistant_only_loss)
+    plan = (batch_size, truncation_length(model, max_length), eos, loss)  # warned once
     query_batches = plan_batches(model, queries, tokenizer, *plan)
     train_batches = plan_batches(model, train, tokenizer, *plan)
     total = sum(len(b.examples) for b in query_batches + train_batches)

@@ -25,6 +25,7 @@ from tda_plugins.integrations.transformers.best_model import (
     end_at_checkpoint,
     restored_checkpoint,
 )
+from tda_plugins.integrations.transformers.data import LossTokens
 from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
 from tda_plugins.integrations.transformers.setup import (
     CheckedCallback,
@@ -36,6 +37,7 @@ from tda_plugins.integrations.transformers.setup import (
 )
 from tda_plugins.precondition.adam import AdamMoments
 from tda_plugins.session.capture import CaptureSession, UnsupportedTrainingSetup
+from tda_plugins.session.dataset import LOSS_TOKENS
 from tda_plugins.session.settings import CaptureSettings, settings_from
 
 
@@ -74,6 +76,8 @@ class GradientCaptureCallback(CheckedCallback):
             tokenizer=start.tokenizer,
             optimizer=start.optimizer,
             max_grad_norm=start.args.max_grad_norm,
+            # which tokens carry each row's loss, for queries captured like this store
+            metadata={LOSS_TOKENS: LossTokens.of_trainer(start.args).as_json()},
         )
 
     def on_pre_optimizer_step(

@@ -12,10 +12,15 @@ example id; without it the engine hashes the unpadded token ids):
   prompt-completion form: the chat template of both, the prompt's with the generation
   prompt, loss on the completion tokens only;
 * ``{"input_ids": [...], "labels": [...]?}`` -- already tokenized (no tokenizer needed).
+
+Those are the losses of TRL's ``SFTTrainer`` by default; :class:`LossTokens` changes them
+as its ``completion_only_loss`` and ``assistant_only_loss`` do, so that a row is scored on
+the tokens it was trained on.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
@@ -76,12 +81,88 @@ def _conversation(row: dict[str, Any], key: str, line: int) -> list[dict[str, st
     return value
 
 
-def _chat_ids(tokenizer: Any, messages: list[dict[str, str]], **options: Any) -> list[int]:
-    """The token ids of ``messages`` through the tokenizer's chat template, as TRL's
-    ``SFTTrainer`` tokenizes a conversation (``return_dict``: the same form whatever the
-    transformers version returns by default)."""
-    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **options)
-    return list(out["input_ids"])
+@dataclass(frozen=True)
+class LossTokens:
+    """Which tokens of a text row carry its loss: TRL ``SFTConfig``'s two switches, by
+    their names, so that a query or a training row captured again is scored on the tokens
+    the run trained it on.
+
+    Attributes:
+        completion_only_loss: a prompt-completion row's loss on its completion alone (TRL's
+            default for such rows); ``False``: on every token.
+        assistant_only_loss: a conversation's loss on the assistant's tokens alone (the
+            chat template's ``{% generation %}`` markers, or TRL's training template where
+            the template has none, as TRL does); text rows keep every token.
+    """
+
+    completion_only_loss: bool = True
+    assistant_only_loss: bool = False
+
+    @classmethod
+    def of_trainer(cls, args: Any) -> LossTokens:
+        """What a trainer trains on: an ``SFTConfig``'s switches (``completion_only_loss``
+        unset: on, for prompt-completion rows, as TRL decides); the defaults otherwise."""
+        if type(args).__name__ != "SFTConfig":
+            return cls()
+        return cls(
+            completion_only_loss=getattr(args, "completion_only_loss", None) is not False,
+            assistant_only_loss=bool(getattr(args, "assistant_only_loss", False)),
+        )
+
+    def as_json(self) -> dict[str, bool]:
+        """The form a store's metadata keeps (``loss_tokens``)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, value: Any) -> LossTokens:
+        """From :meth:`as_json` (the defaults for ``None``: a store written before it)."""
+        return cls() if value is None else cls(**value)
+
+
+def _chat(
+    tokenizer: Any, messages: list[dict[str, str]], template: str | None, **options: Any
+) -> dict[str, list[int]]:
+    """``messages`` through the chat ``template`` (``None``: the tokenizer's), as TRL's
+    ``SFTTrainer`` tokenizes a conversation: ``input_ids`` (and ``assistant_masks`` when
+    asked for; ``return_dict``: the same form whatever the transformers version returns by
+    default)."""
+    out = tokenizer.apply_chat_template(
+        messages, tokenize=True, return_dict=True, chat_template=template, **options
+    )
+    return {key: list(value) for key, value in out.items() if key != "attention_mask"}
+
+
+def _chat_ids(tokenizer: Any, messages: list[dict[str, str]], template: str | None) -> list[int]:
+    return _chat(tokenizer, messages, template)["input_ids"]
+
+
+def _assistant_template(tokenizer: Any) -> str | None:
+    """The chat template that marks the assistant's tokens, as TRL's ``SFTTrainer`` picks
+    it under ``assistant_only_loss``: the tokenizer's own where it has ``{% generation %}``
+    markers (``None``), else TRL's training template for it."""
+    from trl.chat_template_utils import get_training_chat_template, has_generation_markers
+
+    if has_generation_markers(getattr(tokenizer, "chat_template", None) or ""):
+        return None
+    try:
+        return get_training_chat_template(tokenizer)
+    except ValueError as error:
+        raise ValueError(
+            f"assistant_only_loss needs a chat template that marks the assistant's tokens "
+            f"({{% generation %}}), and TRL has none for this tokenizer's ({error}); add the "
+            "markers to its template, or capture with assistant_only_loss=False"
+        ) from error
+
+
+def _masked(labels: list[int], keep: list[int], line: int) -> list[int]:
+    """``labels`` with -100 where ``keep`` (the assistant mask) is 0; a row left with no
+    assistant token is refused."""
+    if not any(keep):
+        raise ValueError(
+            f"line {line}: no assistant token under assistant_only_loss (no assistant turn, "
+            "or a chat template whose generation markers hold none)"
+        )
+    return [label if k else -100 for label, k in zip(labels, keep, strict=True)]
 
 
 def _chat_text(messages: list[dict[str, str]]) -> str:
@@ -111,6 +192,7 @@ def _tokenize(
     line: int,
     vocab: int | None,
     eos: bool = False,
+    loss: LossTokens = LossTokens(),
 ) -> Example:
     if not isinstance(row, dict):
         raise ValueError(f"line {line}: an example must be a JSON object")
@@ -145,36 +227,57 @@ def _tokenize(
         text = _with_eos(text, tokenizer, line) if eos else text
         ids = tokenizer(text, truncation=True, max_length=max_length)["input_ids"]
         return Example(ids, list(ids), text, example_id)
+    conversation = "messages" in row or isinstance(row.get("prompt"), list)
+    assistant = (
+        _assistant_template(tokenizer) if loss.assistant_only_loss and conversation else None
+    )
     if "prompt" in row and "completion" in row:
-        prompt, ids, text = _prompt_completion(row, tokenizer, line, eos)
+        prompt, ids, text, keep = _prompt_completion(row, tokenizer, line, eos, loss, assistant)
         # As TRL does: prompt and completion tokenized together (tokens may merge across
         # the boundary); the loss starts where the prompt's own tokens stop matching.
-        start = _common_prefix(prompt, ids)
-        labels = ([-100] * start + ids[start:])[:max_length]
-        return Example(ids[:max_length], labels, text, example_id)
+        start = _common_prefix(prompt, ids) if loss.completion_only_loss else 0
+        labels = [-100] * start + ids[start:]
+        labels = labels if keep is None else _masked(labels, keep, line)
+        return Example(ids[:max_length], labels[:max_length], text, example_id)
     messages = _conversation(row, "messages", line)
-    ids = _chat_ids(tokenizer, messages)[:max_length]
-    return Example(ids, list(ids), _chat_text(messages), example_id)
+    if not loss.assistant_only_loss:
+        ids = _chat_ids(tokenizer, messages, None)[:max_length]
+        return Example(ids, list(ids), _chat_text(messages), example_id)
+    out = _chat(tokenizer, messages, assistant, return_assistant_tokens_mask=True)
+    labels = _masked(out["input_ids"], out["assistant_masks"], line)
+    return Example(
+        out["input_ids"][:max_length], labels[:max_length], _chat_text(messages), example_id
+    )
 
 
 def _prompt_completion(
-    row: dict[str, Any], tokenizer: Any, line: int, eos: bool
-) -> tuple[list[int], list[int], str]:
-    """``(prompt ids, prompt + completion ids, text)`` of a prompt-completion row: two
-    strings (``eos``: the completion ends in the end-of-sequence token), or a
-    conversation through the chat template (the prompt's with the generation prompt)."""
+    row: dict[str, Any],
+    tokenizer: Any,
+    line: int,
+    eos: bool,
+    loss: LossTokens,
+    assistant: str | None,
+) -> tuple[list[int], list[int], str, list[int] | None]:
+    """``(prompt ids, prompt + completion ids, text, assistant mask)`` of a
+    prompt-completion row: two strings (``eos``: the completion ends in the
+    end-of-sequence token; no mask), or a conversation through the chat template (the
+    prompt's with the generation prompt; ``assistant``, the template marking the
+    assistant's tokens, and their mask under ``assistant_only_loss``)."""
     if isinstance(row["prompt"], list):
         prompt, completion = (
             _conversation(row, "prompt", line),
             _conversation(row, "completion", line),
         )
-        ids = _chat_ids(tokenizer, prompt + completion)
         text = _chat_text(prompt + completion)
-        return _chat_ids(tokenizer, prompt, add_generation_prompt=True), ids, text
+        prompt_ids = _chat(tokenizer, prompt, assistant, add_generation_prompt=True)["input_ids"]
+        if not loss.assistant_only_loss:
+            return prompt_ids, _chat_ids(tokenizer, prompt + completion, None), text, None
+        out = _chat(tokenizer, prompt + completion, assistant, return_assistant_tokens_mask=True)
+        return prompt_ids, out["input_ids"], text, out["assistant_masks"]
     prompt_text, completion_text = _text(row, "prompt", line), _text(row, "completion", line)
     completion_text = _with_eos(completion_text, tokenizer, line) if eos else completion_text
     ids = tokenizer(prompt_text + completion_text)["input_ids"]
-    return tokenizer(prompt_text)["input_ids"], ids, prompt_text + completion_text
+    return tokenizer(prompt_text)["input_ids"], ids, prompt_text + completion_text, None
 
 
 def jsonl_rows(path: str | Path) -> list[tuple[int, Any]]:
@@ -220,10 +323,12 @@ def tokenize_rows(
     vocab_size: int | None = None,
     source: str = "examples",
     eos: bool = False,
+    loss: LossTokens = LossTokens(),
 ) -> list[Example]:
     """Tokenize numbered rows (token ids checked against ``vocab_size`` when given);
     errors name ``source`` and the row. ``eos``: text and completion rows end in the
-    tokenizer's end-of-sequence token, as TRL's ``SFTTrainer`` trains them.
+    tokenizer's end-of-sequence token, as TRL's ``SFTTrainer`` trains them; ``loss``:
+    which of their tokens carry the loss.
 
     Refused, naming the row: a row without a loss token (fewer than 2 tokens, or every
     label after the first -100: an empty completion, or one cut off by ``max_length``),
@@ -232,7 +337,7 @@ def tokenize_rows(
     numbers = []
     for number, row in rows:
         try:
-            example = _tokenize(row, tokenizer, max_length, number, vocab_size, eos)
+            example = _tokenize(row, tokenizer, max_length, number, vocab_size, eos, loss)
         except ValueError as exc:
             raise ValueError(f"{source}: {exc}") from exc
         if len(example.input_ids) < 2:
@@ -312,15 +417,20 @@ class ExamplePool:
             return torch.tensor(self.given_ids, dtype=torch.long)
         return content_hash(batch["input_ids"], batch["attention_mask"])
 
-    def batch(self, tokenizer: Any = None) -> dict[str, torch.Tensor]:
+    def batch(
+        self, tokenizer: Any = None, loss: LossTokens = LossTokens()
+    ) -> dict[str, torch.Tensor]:
         """The pool as one right-padded batch (``input_ids``, ``attention_mask``,
-        ``labels``; pad id from the tokenizer, else 0).
+        ``labels``; pad id from the tokenizer, else 0), text rows' losses on the tokens
+        ``loss`` says (the trainer's: :meth:`LossTokens.of_trainer`).
         Tokenized rows are taken as they are (a row without a loss token is the
         consumer's to refuse, naming it)."""
         pad_id = getattr(tokenizer, "pad_token_id", None) or 0
         if self.tokenized:
             return pad_examples([row for _, row in self.rows], pad_id)
-        examples = tokenize_rows(self.rows, tokenizer, self.max_length, source=self.owner)
+        examples = tokenize_rows(
+            self.rows, tokenizer, self.max_length, source=self.owner, loss=loss
+        )
         inputs, _, _ = next(batches(examples, len(examples), pad_id))
         return inputs
 

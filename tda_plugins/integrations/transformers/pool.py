@@ -10,7 +10,7 @@ from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from tda_plugins.capture import CaptureEngine
 from tda_plugins.capture.layers import warn_uncaptured
-from tda_plugins.integrations.transformers.data import ExamplePool, Examples
+from tda_plugins.integrations.transformers.data import ExamplePool, Examples, LossTokens
 from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
 from tda_plugins.integrations.transformers.setup import (
     MetricsCallback,
@@ -44,7 +44,7 @@ class PoolCallback(MetricsCallback):
         """Hook the model with this callback's layers and normalization (no consumer yet).
         A pool given as texts is tokenized with the trainer's tokenizer here."""
         if not self.pool:
-            self.pool = self.examples.batch(start.tokenizer)
+            self.pool = self.examples.batch(start.tokenizer, LossTokens.of_trainer(start.args))
         self.settings = adapt_settings(self.settings, start.args, start.model)
         engine = CaptureEngine(
             start.model,

@@ -30,7 +30,7 @@ from tda_plugins.data_selection.resume import (
     write_state,
 )
 from tda_plugins.data_selection.session import DEFAULT_FIX
-from tda_plugins.integrations.transformers.data import ExamplePool, Examples
+from tda_plugins.integrations.transformers.data import ExamplePool, Examples, LossTokens
 from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
 from tda_plugins.integrations.transformers.setup import (
     MetricsCallback,
@@ -231,7 +231,11 @@ class DataSelectionCallback(MetricsCallback):
         self.session = SelectionSession(
             self.settings,
             model,
-            target=self.target.batch(start.tokenizer) if self.target is not None else None,
+            target=(
+                self.target.batch(start.tokenizer, LossTokens.of_trainer(args))
+                if self.target is not None
+                else None
+            ),
             losses=causal_lm_losses,
             target_tokens=target_token_counts,
             normalization=CausalLMNormalization(),
