@@ -54,7 +54,9 @@ class InfluenceLoggingCallback(PoolCallback):
         queries: a JSONL path, a ``datasets.Dataset`` or a list of dicts, each with
             ``input_ids`` (and optional ``labels``, -100 = no loss), or ``text``,
             ``prompt`` + ``completion`` or ``messages`` (tokenized with the trainer's
-            tokenizer when training starts).
+            tokenizer and its loss switches when training starts); an integer ``id`` on
+            every row names the queries in the report (else content hashes of their
+            tokens: queries of the same tokens are then refused).
         method: ``"gradcos"`` or ``"graddot"``.
         every_n_steps: score every n-th optimizer step.
         top_k: examples per query in the report.
