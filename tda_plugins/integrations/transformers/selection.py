@@ -150,9 +150,9 @@ class DataSelectionCallback(MetricsCallback):
     Args:
         target: the target pool: a JSONL path, a ``datasets.Dataset`` or a list of dicts,
             each with ``input_ids`` (optional ``labels``), or ``text``, ``prompt`` +
-            ``completion`` or ``messages`` (tokenized with the trainer's tokenizer when
-            training starts); ``None`` for ``score="loss"`` (the loss baselines, and
-            ``rule="random"`` with them), which needs none.
+            ``completion`` or ``messages`` (tokenized with the trainer's tokenizer and
+            loss switches when training starts); ``None`` for ``score="loss"`` (the loss
+            baselines, and ``rule="random"`` with them), which needs none.
         rule, fraction, threshold, score, granularity, refresh_every, target_examples,
             score_projection, seed, margin, drop_counts: the fields of
             :class:`~tda_plugins.data_selection.SelectionSettings`, with its defaults.
