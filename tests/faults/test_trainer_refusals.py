@@ -276,6 +276,26 @@ def test_label_smoothing_is_refused(tmp_path: Path) -> None:
     assert_refused(tmp_path, llama(), *named, label_smoothing_factor=0.1)
 
 
+@pytest.mark.parametrize("head", ["LlamaForSequenceClassification", "LlamaForTokenClassification"])
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_task_heads_own_loss_is_refused(tmp_path: Path, head: str, lora: bool) -> None:
+    """A classifier's loss is a mean over the micro-batch that ignores the accumulation
+    window's token count the normalization reads: with gradient accumulation 2 every
+    stored gradient came out 2x its example's own. Refused, PEFT-wrapped or not; the
+    causal LM of the same config is accepted."""
+    import transformers
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    config = tiny_causal_lm("llama").config
+    model = getattr(transformers, head)(config)
+    if lora:
+        task = TaskType.SEQ_CLS if "Sequence" in head else TaskType.TOKEN_CLS
+        model = get_peft_model(model, LoraConfig(task_type=task, r=2, target_modules=["q_proj"]))
+    kind = head.removeprefix("Llama").removeprefix("For")
+    assert_refused(tmp_path, model, head, f"trains its {kind} loss", "AutoModelForCausalLM")
+    assert check_trainer_setup(training_args(tmp_path / "out"), llama()) is not None
+
+
 def test_trl_dft_loss_is_refused_and_nll_accepted(tmp_path: Path) -> None:
     """TRL's ``loss_type="dft"`` weights each token by its detached probability: the
     gradient at the fused head's log-probabilities is no longer ``-c/N`` everywhere, so

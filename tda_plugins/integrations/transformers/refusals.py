@@ -122,6 +122,24 @@ def _loss_type(args: TrainingArguments, model: nn.Module) -> Refusal:
     return f"loss_type={loss_type!r} {why}; set loss_type='nll'"
 
 
+def _task_head(args: TrainingArguments, model: nn.Module) -> Refusal:
+    """A transformers model whose own loss is not the causal LM's (a sequence or token
+    classifier, question answering): a mean over the micro-batch's examples or positions,
+    which ignores the accumulation window's ``num_items_in_batch`` the normalization reads."""
+    get_base = getattr(model, "get_base_model", None)  # a PEFT model: the wrapped one
+    base = get_base() if callable(get_base) else model
+    loss_type = getattr(base, "loss_type", None)
+    if loss_type in (None, "ForCausalLM"):
+        return None
+    return (
+        f"{type(base).__name__} trains its {loss_type.removeprefix('For')} loss (a mean over "
+        "the micro-batch, whatever the trainer's token count), not the causal language "
+        "modeling loss the callbacks split per example: per-example gradients would be "
+        "scaled wrongly under gradient accumulation; fine-tune a causal LM "
+        "(AutoModelForCausalLM)"
+    )
+
+
 def _router_aux_loss(args: TrainingArguments, model: nn.Module) -> Refusal:
     config = getattr(model, "config", None)
     coefficient = getattr(config, "router_aux_loss_coef", 0)
@@ -316,6 +334,7 @@ TRAINER_CHECKS: tuple[SetupCheck, ...] = (
     SetupCheck("padding_free", _padding_free),
     SetupCheck("loss_outside_model", _loss_outside_model),
     SetupCheck("loss_type", _loss_type),
+    SetupCheck("task_head", _task_head),
     SetupCheck("router_aux_loss", _router_aux_loss),
     SetupCheck("fp16_loss_scaling", _fp16_loss_scaling),
     SetupCheck("deepspeed", _deepspeed),
