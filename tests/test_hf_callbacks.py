@@ -688,6 +688,58 @@ def test_trainable_parameters_left_out_of_the_capture_are_named_with_the_way_in(
         selection.train()
 
 
+def test_peft_trainable_tokens_are_named_with_the_way_in(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """PEFT's ``trainable_token_indices`` (which TRL sets itself when a cloned chat
+    template adds tokens) trains a delta the embedding uses raw: with every layer asked
+    for, the capture warns and selection refuses, both naming it and a way in that
+    works (the embedding trained whole), not ``layers='all'``, which was given."""
+    from peft import LoraConfig, get_peft_model
+
+    from tda_plugins.integrations.transformers import DataSelectionCallback
+
+    rows = [{"input_ids": r} for r in token_rows(4)]
+    lora = LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices=[3, 4])
+
+    def trainer(callback: TrainerCallback, out: str) -> Trainer:
+        return Trainer(
+            model=get_peft_model(tiny_causal_lm("llama", torch.float32), lora),
+            args=training_args(tmp_path / out, max_steps=1),
+            train_dataset=Dataset.from_list(rows),
+            data_collator=pad_rows,
+            callbacks=[callback],
+        )
+
+    capture = GradientCaptureCallback(store_dir=str(tmp_path / "store"), layers="all")
+    with caplog.at_level("WARNING", logger="tda_plugins"):
+        trainer(capture, "capture").train()
+    (message,) = [r.getMessage() for r in caplog.records if "not captured" in r.getMessage()]
+    assert "trainable_tokens_delta" in message and "modules_to_save=['embed_tokens']" in message
+    selection = trainer(DataSelectionCallback(rows[:1], layers="all"), "selection")
+    with pytest.raises(UnsupportedTrainingSetup, match="trainable_token_indices"):
+        selection.train()
+
+
+def test_a_modules_to_save_head_under_a_fused_loss_is_left_out_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """PEFT's ``modules_to_save=['lm_head']`` trains a copy of the head inside a wrapper;
+    TRL's fused loss bypasses it as it does the plain head. With every layer asked for,
+    the capture leaves the copy out with a warning and trains on (it stopped at the first
+    micro-batch: the copy received no gradient through its module call)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        llama(), LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    )
+    with caplog.at_level("WARNING", logger="tda_plugins"):
+        run = sft_train(tmp_path, model, {"layers": "all"}, rows=4, max_steps=1)
+    copy = "base_model.model.lm_head.modules_to_save.default"
+    assert run.store.steps == [0] and copy not in run.store.layer_names
+    assert any(f"{copy} is left out" in r.getMessage() for r in caplog.records)
+
+
 def test_an_embedding_tied_to_a_fused_head_is_named_with_a_way_out_that_works(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

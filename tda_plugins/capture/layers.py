@@ -286,12 +286,19 @@ def uncovered_trainable(
 
 def uncovered_fix(missing: Iterable[str], fallback: str) -> str:
     """How to cover the trainable parameters ``missing`` names: ``fallback``, unless some
-    are PEFT LoRA on an embedding (``lora_embedding_A``/``_B``), which the embedding uses
-    as raw parameters no per-example hook sees."""
+    are PEFT parameters an embedding uses raw, which no per-example hook sees: LoRA on an
+    embedding (``lora_embedding_A``/``_B``) or trainable tokens (``trainable_token_indices``,
+    which TRL's ``SFTTrainer`` sets itself when a cloned chat template adds tokens)."""
     if any(".lora_embedding_" in name for name in missing):
         return (
             "PEFT LoRA on an embedding (lora_embedding_A/B) has no per-example capture: leave "
             "the embedding out of target_modules (or put it in modules_to_save)"
+        )
+    if any(".trainable_tokens_delta" in name for name in missing):
+        return (
+            "PEFT trainable tokens (trainable_token_indices) have no per-example capture: "
+            "train the embedding whole instead (modules_to_save=['embed_tokens'], captured "
+            "with layers='all'), or leave its tokens frozen"
         )
     return fallback
 

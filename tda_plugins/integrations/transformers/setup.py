@@ -78,23 +78,26 @@ def adapt_settings(
     settings: LayerSettings, args: TrainingArguments, model: nn.Module
 ) -> LayerSettings:
     """Leave out the output head where the trainer bypasses its module call and the
-    selection holds it (logged; a LoRA run whose head has no adapter is left as it is,
-    without a word)."""
+    selection holds it, or a layer inside it (a PEFT ``modules_to_save`` copy of the head,
+    a LoRA adapter on it): logged; a LoRA run whose head has no adapter is left as it is,
+    without a word."""
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     fusion = fused_head(args)
     if head is None or fusion is None:
         return settings
     name = next(n for n, m in named_modules(model) if m is head)
-    if name not in settings.selection.resolve(model):
+    inside = [n for n in settings.selection.resolve(model) if n == name or n.startswith(f"{name}.")]
+    if not inside:
         return settings
     logger.warning(
         "tda-plugins: %s bypasses %s's forward, so its per-example gradient cannot be "
-        "captured; it is left out of the captured layers (and so is a weight tied to it)",
+        "captured; %s left out of the captured layers (and so is a weight tied to it)",
         fusion,
         name,
+        " and ".join(inside) + (" is" if len(inside) == 1 else " are"),
     )
-    pattern = rf"^{re.escape(name)}$"
+    pattern = rf"^{re.escape(name)}(?:\..*)?$"
     given = settings.selection.exclude
     exclude = pattern if given is None else rf"(?:{given})|{pattern}"
     return dataclasses.replace(
