@@ -120,3 +120,58 @@ def test_adapter_errors_name_the_way_out(
     (remote / "adapter_config.json").write_text(json.dumps(config))
     code, _, err = run_main(capsys, "capture", "--model", remote, *common)
     assert_one_line_error(code, err, "capture", "not a local model directory", "--adapter")
+
+
+def test_a_named_adapter_is_loaded_under_the_name_its_store_holds(
+    lora_run: LoraRun, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run that named its adapter (``get_peft_model(..., adapter_name="sft")``) stores
+    ``lora_A.sft`` layers, and PEFT saves it in ``<dir>/sft``; loaded again it is named
+    ``default`` unless told. ``tda capture --like`` loads it under the store's name (the
+    same layers and gradients); the Python call, given the ``default``-named model, is
+    refused naming both names and the way to load it."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from tda_plugins import capture_examples
+
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(lora_run.base),
+        LoraConfig(r=4, target_modules=["q_proj"]),
+        adapter_name="sft",
+    )
+    trainer = Trainer(
+        model=model,
+        args=training_args(tmp_path / "out", learning_rate=0.0, max_steps=1),
+        train_dataset=Dataset.from_list([{"input_ids": r} for r in ROWS[:2]]),
+        data_collator=pad_rows,
+        processing_class=word_tokenizer(),
+        callbacks=[GradientCaptureCallback(store_dir=str(tmp_path / "store"), curvature=False)],
+    )
+    trainer.train()
+    trainer.save_model(str(tmp_path / "adapter"))
+    train = StoreReader(tmp_path / "store")
+    assert all(name.endswith(".sft") for name in train.layer_names)
+    out = tmp_path / "queries"
+    data = ["--data", lora_run.queries, "--out", out, "--like", tmp_path / "store"]
+    code, _, err = run_main(capsys, "capture", "--model", tmp_path / "adapter" / "sft", *data)
+    assert code == 0, err
+    queries = StoreReader(out)
+    assert queries.layer_names == train.layer_names
+    stored, captured = _by_id(train), _by_id(queries)
+    for example_id, layers in stored.items():  # the training rows are among the queries
+        for name, grad in layers.items():
+            assert rel_error(captured[example_id][name], grad) <= FP32_TOL, (example_id, name)
+    default = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(lora_run.base),
+        tmp_path / "adapter" / "sft",
+        is_trainable=True,
+    )
+    with pytest.raises(ValueError, match="adapter 'sft', the model those of \\['default'\\]"):
+        capture_examples(
+            default,
+            lora_run.queries,
+            tmp_path / "refused",
+            tokenizer=word_tokenizer(),
+            like=tmp_path / "store",
+            progress=False,
+        )

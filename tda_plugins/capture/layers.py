@@ -24,6 +24,7 @@ SelectionKind = Literal["auto", "linear", "lora", "all"]
 logger = logging.getLogger(__name__)
 
 _LORA_NAME = re.compile(r"(^|\.)lora_[AB](\.|$)")
+_LORA_ADAPTER = re.compile(r"(?:^|\.)lora_[AB]\.([^.]+)$")
 
 
 class LayerSelectionError(ValueError):
@@ -33,6 +34,12 @@ class LayerSelectionError(ValueError):
 def is_lora_adapter(name: str, module: nn.Module) -> bool:
     """PEFT LoRA adapter sub-layers: ``...lora_A.<adapter>`` / ``...lora_B.<adapter>`` linears."""
     return isinstance(module, nn.Linear) and _LORA_NAME.search(name) is not None
+
+
+def lora_adapter_names(layers: Iterable[str]) -> set[str]:
+    """The PEFT adapters the LoRA layers among ``layers`` belong to (``...lora_A.<adapter>``;
+    PEFT names an adapter ``default`` unless told otherwise)."""
+    return {m.group(1) for name in layers if (m := _LORA_ADAPTER.search(name))}
 
 
 def head_layers(model: nn.Module) -> frozenset[str]:

@@ -58,11 +58,16 @@ class ModelSource:
         return out
 
     def load(
-        self, dtype: torch.dtype, device: torch.device, device_map: str | None
+        self,
+        dtype: torch.dtype,
+        device: torch.device,
+        device_map: str | None,
+        adapter_name: str = "default",
     ) -> tuple[Any, Any]:
         """The model in eval mode on ``device`` (or spread by transformers' ``device_map``)
-        with its adapter attached trainable, and the tokenizer of the adapter directory,
-        else of the base directory (``None`` when neither has one)."""
+        with its adapter attached trainable under ``adapter_name`` (a store's, whose layer
+        names hold it), and the tokenizer of the adapter directory, else of the base
+        directory (``None`` when neither has one)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -73,7 +78,9 @@ class ModelSource:
         if self.adapter is not None:
             from peft import PeftModel
 
-            model = PeftModel.from_pretrained(model, self.adapter, is_trainable=True)
+            model = PeftModel.from_pretrained(
+                model, self.adapter, adapter_name=adapter_name, is_trainable=True
+            )
         if device_map is None:
             model = model.to(device)
         model = model.eval()

@@ -14,6 +14,7 @@ import torch
 from safetensors import SafetensorError
 
 from tda_plugins.capture import LayerSelectionError
+from tda_plugins.capture.layers import lora_adapter_names
 from tda_plugins.cli.models import ModelSource
 from tda_plugins.cli.option_types import finite_float
 from tda_plugins.methods import Checkpoint, Scores, attribute, method_by_name
@@ -74,7 +75,12 @@ def _capture(args: argparse.Namespace) -> None:
 def _capture_on(args: argparse.Namespace, ranks: Ranks) -> None:
     """``tda capture`` on this rank (:func:`~tda_plugins.session.dataset.capture_examples`)."""
     source = ModelSource.resolve(args.model, args.adapter)
-    model, tokenizer = source.load(getattr(torch, args.dtype), ranks.device, args.device_map)
+    # under --like, the adapter takes the name the store's layers hold (PEFT's default
+    # else), so that a run's named adapter matches its store
+    names = sorted(lora_adapter_names(StoreReader(args.like).layer_names)) if args.like else []
+    model, tokenizer = source.load(
+        getattr(torch, args.dtype), ranks.device, args.device_map, *names[:1]
+    )
     capture_examples(
         model,
         args.data,

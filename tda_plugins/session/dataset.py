@@ -26,7 +26,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from tda_plugins.capture import CaptureEngine, content_hash
-from tda_plugins.capture.layers import LayerSelectionError
+from tda_plugins.capture.layers import LayerSelectionError, lora_adapter_names
+from tda_plugins.capture.names import named_modules
 from tda_plugins.parallel.ranks import Ranks
 from tda_plugins.precondition import CurvatureAccumulator
 from tda_plugins.session.batch import causal_lm_example_losses
@@ -337,6 +338,18 @@ def settings_like(
     except LayerSelectionError:  # not one of them
         found = {}
     missing = [name for name in store.config.layers if name not in found]
+    stored, loaded = (
+        lora_adapter_names(store.config.layers),
+        lora_adapter_names(n for n, _ in named_modules(model)),
+    )
+    if missing and stored and loaded and not stored & loaded:
+        name = sorted(stored)[0]
+        raise ValueError(
+            f"the store {store.root} holds the LoRA layers of the PEFT adapter {name!r}, the "
+            f"model those of {sorted(loaded)}: load the adapter under its name "
+            f"(PeftModel.from_pretrained(base, adapter_dir, adapter_name={name!r}, "
+            "is_trainable=True); tda capture --like does)"
+        )
     if missing:
         raise ValueError(
             f"the model has no trainable layer {missing[:3]} of the store {store.root} "
