@@ -175,3 +175,19 @@ def test_a_named_adapter_is_loaded_under_the_name_its_store_holds(
             like=tmp_path / "store",
             progress=False,
         )
+    plain = tmp_path / "plain"
+    code, _, err = run_main(
+        capsys,
+        "capture",
+        "--model",
+        tmp_path / "adapter" / "sft",
+        *("--data", lora_run.queries, "--out", plain, "--no-curvature"),
+    )
+    assert code == 0, err  # loaded as 'default': its layers are lora_A.default
+    code, _, err = run_main(
+        capsys,
+        "attribute",
+        *("--store", tmp_path / "store", "--queries", plain, "--method", "graddot"),
+        *("--out", tmp_path / "scores"),
+    )
+    assert_one_line_error(code, err, "attribute", "adapter is named 'sft'", "--like STORE")

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tda_plugins.capture.layers import lora_adapter_names
 from tda_plugins.grads.parameters import ParameterLayout
 from tda_plugins.grads.projection import ProjectionConfig
 
@@ -81,6 +82,14 @@ class CaptureConfig:
         capture's layers, so the others are not read; see :meth:`extra_query_layers`)."""
         missing = [name for name in self.layers if name not in set(queries.layers)]
         out = [f"the queries lack layers the store holds ({missing[:3]})"] if missing else []
+        ours, theirs = lora_adapter_names(self.layers), lora_adapter_names(queries.layers)
+        if missing and ours and theirs and not ours & theirs:
+            out.append(
+                f"the store's PEFT adapter is named {sorted(ours)[0]!r}, the queries' "
+                f"{sorted(theirs)[0]!r} (PEFT loads an adapter as 'default' unless told): "
+                "capture the queries with --like STORE (like=), which loads it under the "
+                "store's name"
+            )
         return out + self._gradient_differences(queries)
 
     def extra_query_layers(self, queries: CaptureConfig) -> list[str]:
