@@ -548,6 +548,37 @@ def test_capture_durability_reaches_the_store(
     )
 
 
+def test_an_output_that_holds_an_input_is_refused_even_with_force(
+    capsys: pytest.CaptureFixture[str], run: CliRun, tmp_path: Path
+) -> None:
+    """``--out`` that is, or holds, the store or the queries would delete them when the
+    output replaces it: refused, with or without ``--force``, and nothing is removed. A
+    report ``--out`` that is a folder is refused too. New output folders get the
+    permissions of any new folder."""
+    import os
+    import shutil
+
+    root = tmp_path / "run"
+    shutil.copytree(run.store, root / "grads")
+    shutil.copytree(run.query_store, root / "queries")
+    stores = ["--store", root / "grads", "--queries", root / "queries", "--method", "graddot"]
+    for out in (root, root / "grads", root / "queries"):
+        code, _, err = run_main(capsys, "attribute", *stores, "--out", out, "--force")
+        assert_one_line_error(code, err, "attribute", "an input of this command")
+    assert StoreReader(root / "grads").num_examples == StoreReader(run.store).num_examples
+    assert (root / "queries" / "store.json").exists()
+    code, _, err = run_main(capsys, "attribute", *stores, "--out", tmp_path / "scores")
+    assert code == 0, err
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (tmp_path / "scores").stat().st_mode & 0o777 == 0o777 & ~mask
+    report = ["report", "--scores", tmp_path / "scores", "--store", root / "grads"]
+    code, _, err = run_main(
+        capsys, *report, "--queries", root / "queries", "--out", root, "--force"
+    )
+    assert_one_line_error(code, err, "report", "is a folder")
+
+
 def test_loss_switches_reach_the_store_and_like_captures_inherit_them(
     runs: dict[str, CliRun], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

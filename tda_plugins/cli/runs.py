@@ -103,7 +103,8 @@ def _capture_on(args: argparse.Namespace, ranks: Ranks) -> None:
 
 
 def _attribute(args: argparse.Namespace) -> None:
-    refuse_existing(args.out, args.force)
+    checkpoints = [path for s, q, _ in args.checkpoint or () for path in (s, q)]
+    refuse_existing(args.out, args.force, [args.store, args.queries, *checkpoints])
     _attribute_on(args, launched_ranks(args.device))
 
 
@@ -166,7 +167,8 @@ def _write_scores(out: Path, scores: Scores, top_k: int, tokens: Any = None) -> 
 
 def _score(args: argparse.Namespace) -> None:
     """``tda score``: :func:`~tda_plugins.session.scoring.score_examples`, one process."""
-    refuse_existing(args.out, args.force)
+    inputs = [args.data, args.queries, args.model, *([args.adapter] if args.adapter else [])]
+    refuse_existing(args.out, args.force, inputs)
     if launch_size() > 1:
         raise ValueError(
             "tda score runs in one process, where every rank would score every row; under "
@@ -197,7 +199,9 @@ def _score(args: argparse.Namespace) -> None:
 def _report(args: argparse.Namespace) -> None:
     path = args.out if args.out is not None else Path(args.scores) / "report.html"
     if args.out is not None:
-        refuse_existing(path, args.force)
+        if path.is_dir():
+            raise IsADirectoryError(f"--out {path} is a folder; give the report's file path")
+        refuse_existing(path, args.force, [args.scores, args.store, args.queries])
     scores = Scores.load(args.scores)
     store, queries = StoreReader(args.store), StoreReader(args.queries)
     saved = Path(args.scores) / TOKENS_FILE  # from `tda attribute --tokens`

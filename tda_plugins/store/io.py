@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -79,9 +79,19 @@ def read_json(path: Path) -> Any:
         raise ValueError(f"cannot read {path}: {exc}") from exc
 
 
-def refuse_existing(target: Path, force: bool) -> None:
-    """Refuse to replace an existing non-empty ``target`` unless ``force``; check that its
-    folder can be written. Run before any work, so a bad ``--out`` costs nothing."""
+def refuse_existing(target: Path, force: bool, inputs: Iterable[str | Path] = ()) -> None:
+    """Refuse to replace an existing non-empty ``target`` unless ``force``, and always one
+    that is or holds one of the command's ``inputs`` (which replacing it would delete);
+    check that its folder can be written. Run before any work, so a bad ``--out`` costs
+    nothing."""
+    out = target.resolve()
+    for given in inputs:
+        path = Path(given).resolve()
+        if path == out or out in path.parents:
+            raise FileExistsError(
+                f"{target} holds {given}, an input of this command, which writing the output "
+                "there would delete: choose another output"
+            )
     if target.exists() and not force and (target.is_file() or any(target.iterdir())):
         raise FileExistsError(f"{target} exists; choose another output or pass --force")
     parent = target.parent
@@ -93,8 +103,10 @@ def refuse_existing(target: Path, force: bool) -> None:
 def staged_directory(target: Path) -> Iterator[Path]:
     """A fresh temporary folder beside ``target`` to fill; on success it replaces
     ``target`` (an existing one is removed first), on failure it is removed, so ``target``
-    is never left half-written."""
-    stage = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    is never left half-written. The folder gets the permissions of any new folder (the
+    process's umask), not ``mkdtemp``'s owner-only ones."""
+    stage = target.parent / f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    stage.mkdir()
     try:
         yield stage
     except BaseException:
