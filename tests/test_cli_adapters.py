@@ -191,3 +191,35 @@ def test_a_named_adapter_is_loaded_under_the_name_its_store_holds(
         *("--out", tmp_path / "scores"),
     )
     assert_one_line_error(code, err, "attribute", "adapter is named 'sft'", "--like STORE")
+
+
+def test_queries_on_another_base_or_in_another_dtype_are_refused_naming_it(
+    lora_run: LoraRun, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The adapter's weights alone do not fix its gradients: the same adapter on another
+    base model of the same config (other frozen weights) computes other ones, and was
+    accepted. It is refused, naming the base; queries of the right model in another dtype
+    are refused naming the dtypes and the option; the right base in the store's dtype is
+    accepted."""
+    other = tmp_path / "other-base"
+    tiny_causal_lm("llama", torch.float32, seed=1).save_pretrained(other)
+    word_tokenizer().save_pretrained(other)
+    like = ["--data", lora_run.queries, "--like", lora_run.store]
+    cases = {
+        "other base": (["--model", other, "--adapter", lora_run.adapter], "another base model"),
+        "float64": (
+            ["--model", lora_run.adapter, "--dtype", "float64"],
+            "the queries' weights are float64, the store's float32",
+        ),
+        "right": (["--model", lora_run.adapter], None),
+    }
+    for name, (model, refusal) in cases.items():
+        out = tmp_path / f"q-{name.replace(' ', '-')}"
+        code, _, err = run_main(capsys, "capture", *model, *like, "--out", out)
+        assert code == 0, err
+        attribute = ["--store", lora_run.store, "--queries", out, "--method", "graddot"]
+        code, _, err = run_main(capsys, "attribute", *attribute, "--out", tmp_path / f"s-{name}")
+        if refusal is None:
+            assert code == 0, err
+        else:
+            assert_one_line_error(code, err, "attribute", refusal)

@@ -10,17 +10,21 @@ base model have the same shapes), so each store records:
 * ``tokenizer``: the tokenizer's class and a digest of its vocabulary, when one is known;
 * per rank, at the end of capture (``rank-<r>/end.json``): a digest of the captured
   modules' parameters (SHA-256 over every parameter's bytes, in layer order, a tied
-  parameter once; a LoRA layer's frozen base weight included), and one per captured
-  layer (XXH3-128 over that layer's own parameters). For a training store these are the
+  parameter once), one per captured layer (XXH3-128 over that layer's own parameters),
+  one of the frozen base weights under the captured LoRA adapters (XXH3-128: an adapter
+  put on another base model than it was trained on computes other gradients with the
+  same adapter weights), and the dtypes of all of them (so that queries captured in
+  another dtype are named as such). For a training store these are the
   final weights, the ones its queries must be captured at; for a query store, the
   weights it was captured at. Queries that hold the store's layers and more (a TRL run
   whose fused head leaves ``lm_head`` out of the training store) are checked layer by
   layer on the store's layers.
 
 Cost: the weight digest copies each captured parameter to the host once and hashes it
-(SHA-256 about 1 to 1.6 GB/s on one core, XXH3 about ten times that): nothing for LoRA
-adapters, about 30 s for 7B weights. A parameter sharded as a DTensor is gathered first
-(a collective: every rank computes the digest at the end of capture).
+(SHA-256 about 1 to 1.6 GB/s on one core, XXH3 about ten times that): about 30 s for 7B
+weights; for LoRA adapters, the XXH3 of the base weights under them (about 1 s for 7B).
+A parameter sharded as a DTensor is gathered first (a collective: every rank computes
+the digest at the end of capture).
 """
 
 from __future__ import annotations
@@ -101,10 +105,15 @@ class WeightsDigest:
         layers: layer name -> XXH3-128 hex digest of its own parameters (a shared one in
             each layer that holds it), so that captures of different layer sets can be
             compared on the layers they share.
+        base: XXH3-128 hex digest of the frozen base weights under the captured LoRA
+            adapters (``None``: no adapter, or a store written before it was recorded).
+        dtypes: the dtypes of the digested parameters, sorted (empty: not recorded).
     """
 
     whole: str
     layers: dict[str, str]
+    base: str | None = None
+    dtypes: tuple[str, ...] = ()
 
 
 def weights_digest(model: nn.Module, layers: Iterable[str]) -> WeightsDigest:
@@ -113,21 +122,43 @@ def weights_digest(model: nn.Module, layers: Iterable[str]) -> WeightsDigest:
     seen: set[int] = set()
     modules = modules_by_name(model)
     names = list(layers)
-    params = {id(p): p for n in names for p in modules[n].parameters()}
+    owners = list(dict.fromkeys(n.partition(".lora_")[0] for n in names if ".lora_" in n))
+    bases = [
+        (o, base)
+        for o in owners
+        if isinstance(base := getattr(modules[o], "base_layer", None), nn.Module)
+    ]
+    params = {
+        id(p): p
+        for module in [*(modules[n] for n in names), *(m for _, m in bases)]
+        for p in module.parameters()
+    }
     total = sum(p.numel() * p.element_size() for p in params.values())
     per_layer = {}
+    dtypes: set[str] = set()
+    base = xxhash.xxh3_128()
     with end_of_run_bar(total, "weights digest") as bar:
         for layer in names:
-            per_layer[layer] = _digest_layer(modules[layer], layer, whole, seen, bar)
-    return WeightsDigest(whole.hexdigest(), per_layer)
+            per_layer[layer] = _digest_layer(modules[layer], layer, whole, seen, bar, dtypes)
+        for owner, module in bases:
+            _digest_layer(module, f"{owner}.base_layer", base, set(), bar, dtypes)
+    return WeightsDigest(
+        whole.hexdigest(),
+        per_layer,
+        base.hexdigest() if bases else None,
+        tuple(sorted(dtypes)),
+    )
 
 
-def _digest_layer(module: nn.Module, layer: str, whole: Any, seen: set[int], bar: Any) -> str:
+def _digest_layer(
+    module: nn.Module, layer: str, whole: Any, seen: set[int], bar: Any, dtypes: set[str]
+) -> str:
     """Feed the parameters of ``module`` (the layer ``layer``) not in ``seen`` to
-    ``whole``; its own digest."""
+    ``whole`` and their dtypes to ``dtypes``; its own digest."""
     own = xxhash.xxh3_128()
     for local, param in module.named_parameters():
         value = gathered(param.detach()).cpu().contiguous()
+        dtypes.add(str(value.dtype).removeprefix("torch."))
         tag = f"{layer}.{local}:{value.dtype}:{tuple(value.shape)};".encode()
         data = value.view(-1).view(torch.uint8).numpy().data  # the bytes, not a copy
         own.update(tag)
@@ -169,13 +200,27 @@ def weights_differences(
     compared); otherwise the store's layers, which the queries hold with others, compared
     one by one.
     """
+    dtypes = (
+        [
+            f"the queries' weights are {'/'.join(theirs.dtypes)}, the store's "
+            f"{'/'.join(ours.dtypes)}: capture the queries in the store's dtype "
+            f"(tda capture --dtype {ours.dtypes[0]})"
+        ]
+        if ours.dtypes and theirs.dtypes and ours.dtypes != theirs.dtypes
+        else []
+    )
     if layers is None:
-        same = ours.whole == theirs.whole
-        return (
-            []
-            if same
-            else ["the queries were captured at other weights than the training run ended with"]
-        )
+        if ours.whole != theirs.whole:
+            return dtypes or [
+                "the queries were captured at other weights than the training run ended with"
+            ]
+        if ours.base is not None and theirs.base is not None and ours.base != theirs.base:
+            return dtypes or [
+                "the queries' LoRA adapter sits on another base model than the training "
+                "run's (its frozen weights differ): load the base model the adapter was "
+                "trained on"
+            ]
+        return []
     unknown = [n for n in layers if n not in ours.layers or n not in theirs.layers]
     if unknown:
         return [
@@ -185,7 +230,7 @@ def weights_differences(
         ]
     differ = [n for n in layers if ours.layers[n] != theirs.layers[n]]
     if differ:
-        return [
+        return dtypes or [
             "the queries were captured at other weights than the training run ended with "
             f"(layers {differ[:3]})"
         ]

@@ -130,8 +130,12 @@ class StoreReader:
             try:
                 end = read_json(path)
                 layers = end.get("layer_weights_xxh3", {})  # absent: written before it was
+                base = end.get("base_weights_xxh3")  # absent: written before it was
                 digest = WeightsDigest(
-                    str(end["weights_sha256"]), {str(k): str(v) for k, v in layers.items()}
+                    str(end["weights_sha256"]),
+                    {str(k): str(v) for k, v in layers.items()},
+                    None if base is None else str(base),
+                    tuple(str(d) for d in end.get("weights_dtypes", ())),
                 )
             except (ValueError, KeyError, TypeError, AttributeError) as error:
                 raise StoreError(f"{path} is damaged ({error!r}); recapture") from error

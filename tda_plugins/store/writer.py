@@ -341,6 +341,8 @@ class GradientStore(CaptureConsumer):
             end = {
                 "weights_sha256": digest.whole,
                 "layer_weights_xxh3": digest.layers,
+                "base_weights_xxh3": digest.base,
+                "weights_dtypes": list(digest.dtypes),
                 "last_step": max(self._steps, default=None),
             }
             durable = self.durability.per_step
