@@ -522,6 +522,12 @@ def test_capture_into_an_existing_store_appends(
     texts = reader.texts()
     assert texts[100] == text_of(run.train[100]) and texts[204] == text_of(more[204])
 
+    # the same file again (a capture resumed after a crash with its whole --data): the
+    # examples the store holds are named as such, not as duplicates within the file
+    code, _, err = run_main(capsys, *capture_args(run.model_dir, data, store, "--append"))
+    assert_one_line_error(code, err, "capture", "already holds example id 200", "(5 of the 5")
+    assert shard_entries(store) == after
+
 
 @pytest.mark.parametrize(("extra", "durability"), [((), "end"), (("--durability", "step"), "step")])
 def test_capture_durability_reaches_the_store(

@@ -466,7 +466,14 @@ class GradientStore(CaptureConsumer):
         ``ids`` or (with ``unique_ids``) are already stored."""
         seen: set[int] = set()
         for i in ids:
-            if i in seen or (self.unique_ids and i in self._ids):
+            if self.unique_ids and i in self._ids:
+                already = sum(1 for j in ids if j in self._ids)
+                raise StoreError(
+                    f"{self.root} already holds example id {i} ({already} of the {len(ids)} "
+                    "examples to append are in it: a capture appended to before, or resumed "
+                    "after a crash): append only the examples it does not hold yet"
+                )
+            if i in seen:
                 raise StoreError(_repeated_id(i, "this capture", self.root))
             seen.add(i)
 
