@@ -43,7 +43,7 @@ from torch import Tensor
 
 from tda_plugins.precondition.forms import FactorSpec
 from tda_plugins.store.io import atomic_write, write_renamed
-from tda_plugins.store.layout import CURVATURE_FILE, INDEX_FILE, StoreError
+from tda_plugins.store.layout import CURVATURE_FILE, END_FILE, INDEX_FILE, StoreError
 from tda_plugins.store.shardfile import write_streamed
 from tda_plugins.utils.progress import end_of_run_bar
 
@@ -316,6 +316,14 @@ def read_set(root: str | Path) -> StatisticsSet:
             raise StoreError(
                 f"the K-FAC statistics of {root} are incomplete (some rank never saved its "
                 "part of any commit); recapture, or resume the run from a trainer checkpoint"
+            )
+        if any(Path(root).glob(f"rank-*/{INDEX_FILE}")) and not any(
+            Path(root).glob(f"rank-*/{END_FILE}")
+        ):
+            raise StoreError(
+                f"{root} has no K-FAC statistics: its capture did not finish (no rank wrote "
+                f"its {END_FILE}), and a one-pass capture saves them at its end; recapture it "
+                "(a trainer run: resume it from a checkpoint)"
             )
         raise StoreError(
             f"{root} has no K-FAC statistics ({CURVATURE_FILE}); capture with curvature "

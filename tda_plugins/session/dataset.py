@@ -30,6 +30,7 @@ from tda_plugins.capture.layers import LayerSelectionError, lora_adapter_names
 from tda_plugins.capture.names import named_modules
 from tda_plugins.parallel.ranks import Ranks
 from tda_plugins.precondition import CurvatureAccumulator
+from tda_plugins.precondition.snapshots import latest_set
 from tda_plugins.session.batch import causal_lm_example_losses
 from tda_plugins.session.capture import resolve_curvature
 from tda_plugins.session.settings import (
@@ -151,6 +152,8 @@ def capture_examples(
         in_flight_bytes=IN_FLIGHT_BYTES,  # a slow disk stalls the capture only when full
         durability=durability,
     )
+    if settings.curvature and append:
+        _refuse_uncovered_steps(Path(out), store)
     consumers: list[Any] = [store]
     if settings.curvature:
         consumers.append(
@@ -318,6 +321,24 @@ def _tokens(planned: list[PlannedBatch], tokenizer: Any) -> dict[int, TokenTexts
             strict=True,
         )
     }
+
+
+def _refuse_uncovered_steps(root: Path, store: GradientStore) -> None:
+    """Refuse, closing ``store``, to append K-FAC statistics to a store whose statistics
+    do not cover the steps it holds (a capture stopped before it saved them at its end):
+    the appended ones would cover the new examples alone, as if the others did not exist."""
+    found = latest_set(root)
+    covered = 0 if found is None else found.next_step
+    if covered is None or covered >= store.next_step:
+        return
+    store.close()
+    raise ValueError(
+        f"{root} holds steps 0..{store.next_step - 1} but K-FAC statistics of "
+        f"{'none of them' if covered == 0 else f'steps 0..{covered - 1} only'} (its capture "
+        "stopped before it saved them at its end), so statistics appended now would leave "
+        "those examples out: capture all the data again with curvature, or append with it "
+        "off (--no-curvature; kfac, ekfac and logra then refuse the store)"
+    )
 
 
 def settings_like(

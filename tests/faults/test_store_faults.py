@@ -547,3 +547,32 @@ def test_queries_against_an_unfinished_capture_are_refused_unless_allowed(tmp_pa
     with pytest.raises(StoreError, match="its capture did not finish"):
         StoreReader(store).require_compatible(StoreReader(queries))
     StoreReader(store).require_compatible(StoreReader(queries), allow_mismatch=True)
+
+
+def test_a_one_pass_capture_killed_before_its_end_is_named_and_not_appended_to_with_curvature(
+    tmp_path: Path,
+) -> None:
+    """A one-pass capture (``tda capture``) saves its K-FAC statistics at its end; killed
+    before it, the store holds committed steps, no statistics and no end marker (made
+    here by removing them from a finished capture). K-FAC then names the unfinished
+    capture rather than asking for curvature; appending more rows with curvature, which
+    would sum the new examples alone, is refused before anything is written; without
+    curvature the rows are appended."""
+    from tda_plugins import attribute, capture_examples
+    from tests.trainers import token_rows
+
+    model = tiny_causal_lm("llama")
+    rows = [{"input_ids": r} for r in token_rows(8)]
+    store = tmp_path / "store"
+    options = {"layers": "linear", "batch_size": 2, "progress": False}
+    capture_examples(model, rows[:4], store, curvature=True, **options)
+    queries = capture_examples(model, rows[:1], tmp_path / "q", **options)
+    for path in [*store.glob("rank-*/curvature*"), *store.glob("rank-*/end.json")]:
+        path.unlink()
+    with pytest.raises(StoreError, match="its capture did not finish"):
+        attribute(store, queries, "kfac", allow_mismatch=True)
+    with pytest.raises(ValueError, match=r"holds steps 0\.\.1 but K-FAC statistics of none"):
+        capture_examples(model, rows[4:], store, append=True, curvature=True, **options)
+    assert StoreReader(store).steps == [0, 1]
+    capture_examples(model, rows[4:], store, append=True, curvature=False, **options)
+    assert StoreReader(store).steps == [0, 1, 2, 3]
