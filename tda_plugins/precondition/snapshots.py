@@ -43,7 +43,13 @@ from torch import Tensor
 
 from tda_plugins.precondition.forms import FactorSpec
 from tda_plugins.store.io import atomic_write, write_renamed
-from tda_plugins.store.layout import CURVATURE_FILE, END_FILE, INDEX_FILE, StoreError
+from tda_plugins.store.layout import (
+    CURVATURE_FILE,
+    END_FILE,
+    INDEX_FILE,
+    STORE_FILE,
+    StoreError,
+)
 from tda_plugins.store.shardfile import write_streamed
 from tda_plugins.utils.progress import end_of_run_bar
 
@@ -307,6 +313,19 @@ def latest_set(root: Path, at_step: int | None = None) -> StatisticsSet | None:
     return None
 
 
+def _unfinished(root: Path) -> bool:
+    """Whether ``root`` holds committed steps of a capture that knew its model (which
+    writes ``end.json`` per rank at its end) but no rank's end marker: a killed capture."""
+    header = root / STORE_FILE
+    if not header.is_file() or not any(root.glob(f"rank-*/{INDEX_FILE}")):
+        return False
+    try:
+        knew_model = json.loads(header.read_text()).get("fingerprint") is not None
+    except (OSError, ValueError, AttributeError):
+        return False  # the reader refuses a damaged header itself
+    return knew_model and not any(root.glob(f"rank-*/{END_FILE}"))
+
+
 def read_set(root: str | Path) -> StatisticsSet:
     """The statistics a reader uses (see :func:`latest_set`), warning when they cover
     fewer steps than the store holds (a capture that did not finish)."""
@@ -317,9 +336,7 @@ def read_set(root: str | Path) -> StatisticsSet:
                 f"the K-FAC statistics of {root} are incomplete (some rank never saved its "
                 "part of any commit); recapture, or resume the run from a trainer checkpoint"
             )
-        if any(Path(root).glob(f"rank-*/{INDEX_FILE}")) and not any(
-            Path(root).glob(f"rank-*/{END_FILE}")
-        ):
+        if _unfinished(Path(root)):
             raise StoreError(
                 f"{root} has no K-FAC statistics: its capture did not finish (no rank wrote "
                 f"its {END_FILE}), and a one-pass capture saves them at its end; recapture it "
