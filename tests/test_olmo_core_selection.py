@@ -92,10 +92,15 @@ class Run:
     work_dir: Path
 
 
-def train(tmp_path: Path, selection: DataSelectionCallback, micro_batch: int) -> Run:
+def train(
+    tmp_path: Path,
+    selection: DataSelectionCallback,
+    micro_batch: int,
+    others: dict[str, Callback] | None = None,
+) -> Run:
     """``STEPS`` steps, ``BATCH`` instances per step, ``micro_batch`` per forward/backward,
     with the audits before and after ``selection`` (callbacks of one priority run in the
-    order given)."""
+    order given) and ``others`` first."""
     torch.manual_seed(0)
     dataset = dataset_config(tmp_path).build()
     loader = NumpyDataLoaderConfig(global_batch_size=BATCH * SEQ, seed=0).build(dataset)
@@ -111,7 +116,7 @@ def train(tmp_path: Path, selection: DataSelectionCallback, micro_batch: int) ->
         max_duration=Duration.steps(STEPS),
         metrics_collect_interval=1,
         no_checkpoints=True,
-    ).with_callbacks({"before": before, "selection": selection, "after": after})
+    ).with_callbacks({**(others or {}), "before": before, "selection": selection, "after": after})
     trainer = config.build(module, loader)
     trainer.fit()
     return Run(before.steps, after.steps, selection, Path(trainer.work_dir))
@@ -205,6 +210,7 @@ def test_grad_after_selection_is_a_fresh_backward_over_the_kept_instances(
     assert len(run.after) == STEPS
     lines = (run.work_dir / "selection.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == [h.summary() for h in history]
+    assert [json.loads(line)["step"] for line in lines] == list(range(1, STEPS + 1))  # OLMo's
 
     for k, (step, before) in enumerate(zip(run.after, run.before, strict=True)):
         entry = history[k].summary()
@@ -241,6 +247,25 @@ def test_uncaptured_trainable_parameters_are_refused_before_any_step(tmp_path: P
         train(tmp_path, selection, BATCH)
     assert "embeddings" in str(info.value)
     assert selection.selector is None
+
+
+def test_a_trajectory_recorded_beside_selection_is_refused_before_any_step(
+    tmp_path: Path,
+) -> None:
+    """``record_trajectory`` records every instance of a step as trained and the whole
+    batch's clipping; selection drops instances from ``.grad`` (which OLMo-core zeroes
+    before the recorder's own check could see it), so the recorded run would not be the
+    one trained: refused at ``pre_train``, before any step or store."""
+    from tda_plugins.integrations.olmo_core import GradientCaptureCallback
+    from tda_plugins.session.settings import CaptureSettings
+
+    settings = CaptureSettings.from_options(
+        store_dir=str(tmp_path / "store"), layers="all", curvature=False, record_trajectory=True
+    )
+    selection = DataSelectionCallback(TARGET_LISTS, layers="all")
+    with pytest.raises(UnsupportedTrainingSetup, match="record_trajectory=True"):
+        train(tmp_path, selection, BATCH, {"capture": GradientCaptureCallback(settings)})
+    assert selection.selector is None and not (tmp_path / "store").exists()
 
 
 def test_target_pool_labels_are_shifted_and_padding_is_ignored() -> None:

@@ -48,6 +48,7 @@ from tda_plugins.data_selection.resume import (
 from tda_plugins.data_selection.session import check_coverage
 from tda_plugins.data_selection.settings import Granularity, ScoreMode
 from tda_plugins.integrations.olmo_core.callbacks import (
+    GradientCaptureCallback,
     before_each_forward,
     check_train_module,
     give_example_ids,
@@ -113,7 +114,7 @@ class DataSelectionCallback(Callback, LayerOptions):
             captured, else ``pre_train`` refuses (freeze the others).
         log_path: JSONL of every step's global outcome (dropped instance indices), written
             by rank 0 (default ``<trainer work_dir>/selection.jsonl``). Its ``step`` is
-            OLMo-core's step - 1.
+            OLMo-core's own (1 = the first step); :attr:`history` counts from 0.
 
     Each step also records the metrics ``selection/kept``, ``selection/dropped`` and
     ``selection/nonfinite`` (over the global batch) and ``selection/mean_score``. Data
@@ -178,6 +179,20 @@ class DataSelectionCallback(Callback, LayerOptions):
     def pre_train(self) -> None:
         model = self._check_setup()
         check_coverage(model, self._settings.layers.resolve(model), _FIX)
+        recording = [
+            name
+            for name, callback in self.trainer.callbacks.items()
+            if isinstance(callback, GradientCaptureCallback) and callback.settings.record_trajectory
+        ]
+        if recording:
+            raise UnsupportedTrainingSetup(
+                f"the capture callback {recording[0]!r} records the trajectory "
+                "(record_trajectory=True): every instance of a step as trained, with the "
+                "whole batch's clipping, while this callback drops instances from .grad, so "
+                "the replayed run would not be the one trained (OLMo-core zeroes .grad "
+                "before the recorder could notice); record the trajectory of a run without "
+                "selection, or set record_trajectory=False"
+            )
 
     def pre_step(self, batch: dict[str, Any]) -> None:
         if self._session is None:
