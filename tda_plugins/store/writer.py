@@ -511,7 +511,9 @@ def _repeated_id(example_id: int, where: str, root: Path) -> str:
         f"example id {example_id} occurs twice in {where} of {root}: two examples under one "
         "id would be scored as one. Give each example its own id (a content hash collides "
         "for duplicated texts: give explicit ids, the 'id' of a JSONL line or, under a "
-        "trainer, use_id_column)"
+        "trainer, use_id_column); with explicit ids that are already unique, the sampler "
+        "drew one row twice (sampling with replacement): sample without it, or let content "
+        "hashes name the examples (an example drawn twice is then one trained twice)"
     )
 
 

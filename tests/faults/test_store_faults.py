@@ -432,8 +432,11 @@ def capture_with_ids(store: GradientStore, net: torch.nn.Module, ids: list[list[
 
 
 def test_the_same_id_twice_in_one_step_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(StoreError, match="example id 7 occurs twice in step 0"):
+    """Explicit ids repeat within a step where the ids are not unique, or where the sampler
+    drew one row twice (with replacement): the refusal names both causes."""
+    with pytest.raises(StoreError, match="example id 7 occurs twice in step 0") as refused:
         capture_with_ids(GradientStore(tmp_path / "s"), model(), [[7, 7]])
+    assert "sampling with replacement" in str(refused.value)
 
 
 def test_a_one_pass_capture_refuses_an_id_seen_in_an_earlier_step(tmp_path: Path) -> None:
