@@ -21,9 +21,10 @@ the tokens it was trained on.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,9 +192,13 @@ def _tokenize(
     max_length: int,
     line: int,
     vocab: int | None,
-    eos: bool = False,
-    loss: LossTokens = LossTokens(),
+    eos: bool,
+    loss: LossTokens,
+    assistant_template: Callable[[], str | None],
 ) -> Example:
+    """One row as an :class:`Example`; ``assistant_template()`` gives the chat template
+    that marks the assistant's tokens (asked for only where ``assistant_only_loss`` needs
+    it, and the same for every row: :func:`tokenize_rows` resolves it once)."""
     if not isinstance(row, dict):
         raise ValueError(f"line {line}: an example must be a JSON object")
     example_id = row.get("id")
@@ -228,9 +233,7 @@ def _tokenize(
         ids = tokenizer(text, truncation=True, max_length=max_length)["input_ids"]
         return Example(ids, list(ids), text, example_id)
     conversation = "messages" in row or isinstance(row.get("prompt"), list)
-    assistant = (
-        _assistant_template(tokenizer) if loss.assistant_only_loss and conversation else None
-    )
+    assistant = assistant_template() if loss.assistant_only_loss and conversation else None
     if "prompt" in row and "completion" in row:
         prompt, ids, text, keep = _prompt_completion(row, tokenizer, line, eos, loss, assistant)
         # As TRL does: prompt and completion tokenized together (tokens may merge across
@@ -335,9 +338,11 @@ def tokenize_rows(
     whose gradient is zero and every score with it 0; and ids given to some rows only."""
     examples = []
     numbers = []
+    # TRL's training template is found by rendering templates: once, not per row
+    template = functools.cache(lambda: _assistant_template(tokenizer))
     for number, row in rows:
         try:
-            example = _tokenize(row, tokenizer, max_length, number, vocab_size, eos, loss)
+            example = _tokenize(row, tokenizer, max_length, number, vocab_size, eos, loss, template)
         except ValueError as exc:
             raise ValueError(f"{source}: {exc}") from exc
         if len(example.input_ids) < 2:
