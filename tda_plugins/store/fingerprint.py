@@ -22,7 +22,8 @@ base model have the same shapes), so each store records:
 
 Cost: the weight digest copies each captured parameter to the host once and hashes it
 (SHA-256 about 1 to 1.6 GB/s on one core, XXH3 about ten times that): about 30 s for 7B
-weights; for LoRA adapters, the XXH3 of the base weights under them (about 1 s for 7B).
+weights; for LoRA adapters, the XXH3 of the base weights under them, about 0.3 s per GB
+(SmolLM2-135M with LoRA on every linear layer: 0.17 s against 0.04 s without them).
 A parameter sharded as a DTensor is gathered first (a collective: every rank computes
 the digest at the end of capture).
 """
