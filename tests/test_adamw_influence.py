@@ -32,7 +32,7 @@ from tda_plugins import LayerSelection, causal_lm_example_losses
 from tda_plugins.capture import content_hash
 from tda_plugins.capture.normalization import SummedLoss
 from tda_plugins.cli import main as cli_main
-from tda_plugins.integrations.transformers import GradientCaptureCallback
+from tda_plugins.integrations.transformers import DataSelectionCallback, GradientCaptureCallback
 from tda_plugins.methods import Scores, method_by_name
 from tda_plugins.session.capture import CaptureSession, UnsupportedTrainingSetup
 from tda_plugins.session.settings import CaptureSettings
@@ -40,6 +40,7 @@ from tda_plugins.store import StoreError, StoreReader
 from tda_plugins.trajectory import TrajectoryReader
 from tests import trajectory_worker
 from tests.models import tiny_causal_lm, with_lora
+from tests.selection_helpers import PINNED
 from tests.stores import capture_store, rel_error, scores_by_id, summed_loss
 from tests.trainers import RecordingCollator, WeightSnapshots, pad_rows, token_rows, training_args
 from tests.trajectory_oracle import AdamWRun, replay
@@ -438,6 +439,34 @@ def test_editing_grad_behind_the_recording_is_refused_at_that_step(tmp_path: Pat
 
     with pytest.raises(StoreError, match=r"edited \.grad"):
         train(tmp_path, callbacks=[HalveGradients()], max_grad_norm=0.0)
+    assert not list((tmp_path / "store" / "rank-0" / "trajectory").glob("t*.safetensors"))
+
+
+class NegateGradients(TrainerCallback):
+    """Flips the sign of every ``.grad`` before the optimizer: the norm stays the same."""
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        for p in kwargs["model"].parameters():
+            if p.grad is not None:
+                p.grad.neg_()
+
+
+def test_an_edit_that_keeps_the_norm_is_refused_at_that_step(tmp_path: Path) -> None:
+    """A norm check alone lets a sign flip through; the sampled entries do not."""
+    with pytest.raises(StoreError, match=r"differs entry by entry.*edited \.grad"):
+        train(tmp_path, callbacks=[NegateGradients()], max_grad_norm=0.0)
+    assert not list((tmp_path / "store" / "rank-0" / "trajectory").glob("t*.safetensors"))
+
+
+def test_data_selection_beside_the_recording_is_refused_under_clipping(tmp_path: Path) -> None:
+    """Data selection, with every corrected gradient clipped to ``max_grad_norm`` (1e-3,
+    far below any step's norm): the applied gradient's norm is the one the recording
+    expects, but it is not the captured backward's, so the first step is refused."""
+    selection = DataSelectionCallback(
+        [{"input_ids": r} for r in token_rows(2, seed=7)], fraction=0.5, layers="all", **PINNED
+    )
+    with pytest.raises(StoreError, match=r"edited \.grad"):
+        train(tmp_path, callbacks=[selection], max_grad_norm=1e-3)
     assert not list((tmp_path / "store" / "rank-0" / "trajectory").glob("t*.safetensors"))
 
 

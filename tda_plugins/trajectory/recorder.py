@@ -13,10 +13,13 @@ each example on the final weights, beside the gradients the store already holds:
   weight decay, each captured layer's Adam step count and whether the update touched it,
   and its second moment ``exp_avg_sq`` in the store's flattened layout.
 
-Where ``.grad`` is still there after the update (the transformers ``Trainer``), its norm
-is checked against the clipped norm of the captured gradient: anything that edits
-``.grad`` between the backward and the optimizer (data selection, another callback)
-would make the recorded step not the run's, and is refused at that step.
+Where ``.grad`` is still there after the update (the transformers ``Trainer``), it is
+checked against the backward's: its norm against the clipped norm, and
+:data:`GRAD_SAMPLES` evenly strided entries of every ``.grad`` against the same entries at
+the backward's end times the clipping factor (a norm alone misses an edit that clipping
+brings back to ``max_grad_norm``, or a sign flip). Anything that edits ``.grad`` between
+the backward and the optimizer (data selection, another callback) would make the
+recorded step not the run's, and is refused at that step.
 """
 
 from __future__ import annotations
@@ -40,8 +43,13 @@ from tda_plugins.trajectory.record import LayerUpdate, StepRecord
 from tda_plugins.trajectory.writer import LayerLayout, TrajectoryWriter
 
 #: Relative difference allowed between ``.grad``'s norm after clipping and the clipped
-#: norm measured at the backward's end (fp32 rounding of one rescale).
+#: norm measured at the backward's end (fp32 rounding of one rescale); also between the
+#: sampled entries, relative to the largest of them.
 NORM_TOLERANCE = 1e-4
+
+#: Entries of each ``.grad`` (its local shard) sampled at the backward's end and compared
+#: after the update: at most this many per parameter, evenly strided over it.
+GRAD_SAMPLES = 64
 
 
 def layer_layouts(layers: Mapping[str, tuple[nn.Module, LayerAdapter]]) -> dict[str, LayerLayout]:
@@ -79,6 +87,18 @@ def grad_norm(model: nn.Module) -> Tensor:
     return torch.nn.utils.get_total_norm(grads)
 
 
+def _strided(grad: Tensor) -> Tensor:
+    """Up to :data:`GRAD_SAMPLES` evenly strided entries of ``grad`` (a DTensor's local
+    shard), as a new fp64 ``(S,)`` tensor on its device."""
+    flat = (grad.to_local() if hasattr(grad, "to_local") else grad).reshape(-1)
+    return flat[:: max(1, flat.numel() // GRAD_SAMPLES)][:GRAD_SAMPLES].to(torch.float64, copy=True)
+
+
+def grad_samples(model: nn.Module) -> dict[int, Tensor]:
+    """``id(parameter) -> (S,)`` strided entries of every ``.grad`` of ``model`` now."""
+    return {id(p): _strided(p.grad) for p in model.parameters() if p.grad is not None}
+
+
 class TrajectoryRecorder(CaptureConsumer):
     """Records each optimizer step into ``writer`` (see the module docstring).
 
@@ -108,9 +128,12 @@ class TrajectoryRecorder(CaptureConsumer):
         writer.write_layout(layer_layouts(self._layers))
         self._batches: list[tuple[Tensor, Tensor]] = []
         self._norm: Tensor | None = None
+        self._samples: dict[int, Tensor] = {}
         #: The step whose update is awaited: its number, examples, backward norm, counts.
         self._awaited: tuple[int, list[tuple[Tensor, Tensor]], Tensor | None, dict[str, int]]
         self._awaited = (-1, [], None, {})
+        #: The awaited step's ``.grad`` samples at its backward's end (:func:`grad_samples`).
+        self._awaited_samples: dict[int, Tensor] = {}
 
     def on_micro_batch(self, record: MicroBatchRecord) -> None:
         scale = record.loss_scale
@@ -121,11 +144,13 @@ class TrajectoryRecorder(CaptureConsumer):
             per_example = torch.full((size,), float(scale), dtype=torch.float64)
         self._batches.append((record.example_ids.detach(), per_example))
         self._norm = grad_norm(self.model)
+        self._samples = grad_samples(self.model)
 
     def on_optimizer_step(self, step: int, records: list[MicroBatchRecord]) -> None:
         counts = {name: adam_step_count(self.optimizer, p) for name, p in self._params.items()}
         self._awaited = (step, self._batches, self._norm, counts)
-        self._batches, self._norm = [], None
+        self._awaited_samples = self._samples
+        self._batches, self._norm, self._samples = [], None, {}
 
     def after_update(self) -> None:
         """The optimizer has updated the weights (its ``lr`` still the step's): write the
@@ -174,14 +199,39 @@ class TrajectoryRecorder(CaptureConsumer):
         if any(p.grad is not None for p in self.model.parameters()):
             expected, found = float(coef * norm), float(grad_norm(self.model))
             if abs(found - expected) > NORM_TOLERANCE * max(expected, found, 1e-30):
-                raise StoreError(
-                    f"at optimizer step {step} the gradient the optimizer applied has norm "
-                    f"{found:.6g}, not the {expected:.6g} of the captured backward clipped at "
-                    f"max_grad_norm={self.max_grad_norm}: something edited .grad in between "
-                    "(data selection, another callback), so the recorded trajectory would not "
-                    "be the run's. Train without it, or set record_trajectory=False"
+                self._refuse_edit(
+                    step,
+                    f"has norm {found:.6g}, not the {expected:.6g} of the captured backward "
+                    f"clipped at max_grad_norm={self.max_grad_norm}",
                 )
+            self._check_samples(step, coef)
         return float(coef)
+
+    def _check_samples(self, step: int, coef: Tensor) -> None:
+        """``.grad``'s sampled entries now are the backward's times ``coef``."""
+        before = self._awaited_samples
+        after = grad_samples(self.model)
+        if before.keys() != after.keys():
+            self._refuse_edit(step, "has .grad on other parameters than the captured backward")
+        if not after:
+            return
+        now = torch.cat([after[k] for k in before])
+        then = torch.cat([before[k] for k in before]) * coef.to(now)
+        scale = torch.maximum(now.abs().max(), then.abs().max()).clamp(min=1e-30)
+        if bool((now - then).abs().max() > NORM_TOLERANCE * scale):
+            self._refuse_edit(
+                step,
+                "differs entry by entry from the captured backward's (clipped at "
+                f"max_grad_norm={self.max_grad_norm})",
+            )
+
+    def _refuse_edit(self, step: int, what: str) -> None:
+        raise StoreError(
+            f"at optimizer step {step} the gradient the optimizer applied {what}: something "
+            "edited .grad in between (data selection, another callback), so the recorded "
+            "trajectory would not be the run's. Train without it, or set "
+            "record_trajectory=False"
+        )
 
     def on_end(self) -> None:
         self.writer.flush()
