@@ -46,15 +46,27 @@ PINNED: dict[str, Any] = {"rule": "bottom_fraction", "score": "dot", "refresh_ev
 
 
 def label_counts(batch: Batch) -> Tensor:
-    """``(B,)`` tokens each example's causal-LM loss sums over: shifted labels != -100."""
+    """``(B,)`` tokens each example's causal-LM loss sums over: shifted labels != -100, or
+    the batch's ``shift_labels`` != -100 where a collator gave them."""
+    if "shift_labels" in batch:
+        return (batch["shift_labels"] != -100).sum(dim=1)
     return (batch["labels"][:, 1:] != -100).sum(dim=1)
 
 
 def example_losses(model: nn.Module, batch: Batch) -> Tensor:
     """``(B,)`` each example's summed next-token loss. ``labels`` go into the model call
-    too, as a trainer passes them (the selection counts loss tokens from them)."""
+    too, as a trainer passes them (the selection counts loss tokens from them). With
+    ``shift_labels`` (position ``t`` predicts ``shift_labels[:, t]``) the loss is taken
+    against them, as transformers' loss does."""
     inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "labels")}
-    return causal_lm_example_losses(model(**inputs).logits, batch["labels"])
+    logits = model(**inputs).logits
+    if "shift_labels" not in batch:
+        return causal_lm_example_losses(logits, batch["labels"])
+    targets = batch["shift_labels"]
+    per_token = torch.nn.functional.cross_entropy(
+        logits.transpose(1, 2).double(), targets, ignore_index=-100, reduction="none"
+    )
+    return per_token.sum(dim=1)
 
 
 def trainable(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -173,7 +185,10 @@ def global_norm(grads: Mapping[str, Tensor]) -> float:
 
 
 def clipped(grads: Mapping[str, Tensor], max_norm: float) -> dict[str, Tensor]:
-    """``grads`` scaled as ``torch.nn.utils.clip_grad_norm_`` scales them."""
+    """``grads`` scaled as ``torch.nn.utils.clip_grad_norm_`` scales them (``max_norm``
+    0: not clipped, as the trainers take it)."""
+    if max_norm <= 0:
+        return dict(grads)
     coefficient = min(1.0, max_norm / (global_norm(grads) + 1e-6))
     return {n: g * coefficient for n, g in grads.items()}
 
@@ -216,8 +231,8 @@ class SelectionAudit(TrainerCallback):
         if not (module.training and torch.is_grad_enabled()):
             return
         audit = self.steps[self._step]
-        keys = ("input_ids", "attention_mask", "labels")
-        audit.micro_batches.append({k: kwargs[k].detach().clone() for k in keys})
+        keys = ("input_ids", "attention_mask", "labels", "shift_labels")
+        audit.micro_batches.append({k: kwargs[k].detach().clone() for k in keys if k in kwargs})
         count = kwargs.get("num_items_in_batch")
         audit.num_items.append(float("nan") if count is None else float(count))
         label_mask = getattr(output, "label_mask", None)

@@ -627,27 +627,30 @@ def train_with_selection(
     spec: str,
     accumulation: int,
     first: TrainerCallback | None = None,
+    trainer_class: type[Trainer] = Trainer,
+    collator: Callable[[list[Any]], dict[str, Tensor]] = pad_rows,
+    max_grad_norm: float = MAX_GRAD_NORM,
     **selection_options: Any,
 ) -> SelectionRun:
-    """``Trainer`` (fp32, 3 steps, batch 2, ``max_grad_norm=0.05``, logging every step)
-    with ``first`` (a probe), ``DataSelectionCallback(fraction=0.5, **selection_options)``
-    then the audit."""
+    """``trainer_class`` (fp32, 3 steps, batch 2, ``max_grad_norm``, logging every
+    step, ``collator``) with ``first`` (a probe),
+    ``DataSelectionCallback(fraction=0.5, **selection_options)`` then the audit."""
     selection = DataSelectionCallback(
         target_rows(), fraction=0.5, **{**PINNED, **selection_options}
     )
     audit = SelectionAudit()
-    trainer = Trainer(
+    trainer = trainer_class(
         model=build_model(spec, torch.float32),
         args=training_args(
             tmp_path / "out",
             gradient_accumulation_steps=accumulation,
-            max_grad_norm=MAX_GRAD_NORM,
+            max_grad_norm=max_grad_norm,
             learning_rate=LEARNING_RATE,
             logging_strategy="steps",
             logging_steps=1,
         ),
         train_dataset=Dataset.from_list([{"input_ids": r} for r in token_rows(24)]),
-        data_collator=pad_rows,
+        data_collator=collator,
         callbacks=[c for c in (first, selection, audit) if c is not None],
     )
     trainer.train()
@@ -729,6 +732,120 @@ def test_trainer_grad_is_the_clipped_fresh_backward_over_kept(
     torch.testing.assert_close(
         norms, torch.tensor(check.fresh_norms, dtype=torch.float64), rtol=1e-4, atol=0.0
     )
+
+
+def prompt_masked_shift_labels(features: list[Any]) -> dict[str, Tensor]:
+    """:func:`pad_rows` plus ``shift_labels`` (next-token targets, as context-parallel and
+    padding-free collators add them) that leave out each row's first 3 predictions, while
+    ``labels`` keep them: transformers' loss and ``num_items_in_batch`` follow
+    ``shift_labels``."""
+    batch = pad_rows(features)
+    labels = batch["labels"]
+    shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
+    shifted[:, :3] = -100
+    batch["shift_labels"] = shifted
+    return batch
+
+
+def test_a_collators_shift_labels_are_the_loss_tokens_the_selection_normalizes_by(
+    tmp_path: Path,
+) -> None:
+    """A collator's ``shift_labels`` replace the shifted ``labels`` in transformers' loss:
+    the selection counts them too, so ``.grad`` is the fresh backward over the kept
+    examples of their ``shift_labels`` losses, divided by the kept ``shift_labels`` tokens
+    (counting ``labels`` instead left it 1.5-8.6 % off). Not clipped: clipping would
+    hide a wrong count, which scales a step's whole ``.grad``."""
+    run = train_with_selection(
+        tmp_path,
+        "llama-full",
+        2,
+        collator=prompt_masked_shift_labels,
+        max_grad_norm=0.0,
+        layers="all",
+    )
+    for audit in run.audit.steps.values():
+        assert all("shift_labels" in b for b in audit.micro_batches)
+    assert_window_token_counts(run.audit.steps)  # the trainer counted shift_labels too
+    check = assert_trainer_grads_match_fresh(
+        run.audit.steps,
+        dropped_per_step(run.selection),
+        fp64_twin("llama-full"),
+        0.0,
+        FP32_TOL,
+    )
+    assert check.steps == STEPS
+
+
+class MicroBatchMeanTrainer(Trainer):
+    """An older ``compute_loss`` override that calls the parent without
+    ``num_items_in_batch``: the model then divides each micro-batch's loss by that
+    micro-batch's own tokens, and the trainer does not divide by the accumulation steps."""
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: Tensor | None = None,
+    ) -> Any:
+        return super().compute_loss(model, inputs, return_outputs=return_outputs)
+
+
+class WeightSnapshot(TrainerCallback):
+    """Keeps the model and a copy of its weights at ``on_train_begin``."""
+
+    def __init__(self) -> None:
+        self.model: nn.Module | None = None
+        self.weights: dict[str, Tensor] = {}
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.model = kwargs["model"]
+        self.weights = {k: v.clone() for k, v in self.model.state_dict().items()}
+
+
+def test_a_loss_divided_per_micro_batch_is_refused_before_the_optimizer_steps(
+    tmp_path: Path,
+) -> None:
+    """Under accumulation 2, ``MicroBatchMeanTrainer``'s loss is no token mean over the
+    step: the selection's rebuilt ``.grad`` (the token mean over the kept examples) would
+    be 16-111 % off the trainer's normalization of them. The first step is refused before
+    the optimizer changes a weight, naming the override's fix."""
+    snapshot = WeightSnapshot()
+    with pytest.raises(UnsupportedTrainingSetup, match=r"step 1: .*num_items_in_batch") as info:
+        train_with_selection(
+            tmp_path,
+            "llama-full",
+            2,
+            first=snapshot,
+            trainer_class=MicroBatchMeanTrainer,
+            layers="all",
+        )
+    assert "super().compute_loss()" in str(info.value)
+    assert snapshot.model is not None and snapshot.weights
+    for name, value in snapshot.model.state_dict().items():
+        assert torch.equal(value, snapshot.weights[name]), f"{name} changed"
+
+
+def test_a_loss_divided_per_micro_batch_is_exact_without_accumulation(tmp_path: Path) -> None:
+    """At accumulation 1 in one process each micro-batch is the whole step, so
+    ``MicroBatchMeanTrainer``'s loss is the step's token mean: the check lets it train,
+    and ``.grad`` is the fresh backward over the kept examples."""
+    run = train_with_selection(
+        tmp_path,
+        "llama-full",
+        1,
+        trainer_class=MicroBatchMeanTrainer,
+        max_grad_norm=0.0,
+        layers="all",
+    )
+    check = assert_trainer_grads_match_fresh(
+        run.audit.steps,
+        dropped_per_step(run.selection),
+        fp64_twin("llama-full"),
+        0.0,
+        FP32_TOL,
+    )
+    assert check.steps == STEPS
 
 
 def _param_grad(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:

@@ -74,6 +74,7 @@ class _PendingBatch:
         token_mask: Tensor | None,
         input_ids: Tensor | None,
         labels: Tensor | None,
+        shift_labels: Tensor | None,
         content_ids: bool,
     ):
         self.example_ids = example_ids
@@ -81,6 +82,7 @@ class _PendingBatch:
         self.token_mask = token_mask
         self.input_ids = input_ids
         self.labels = labels
+        self.shift_labels = shift_labels
         self.loss_scale: LossScale = SummedLoss().observe({}, None)
         self.grads: dict[str, PerExampleGrad] = {}
 
@@ -363,10 +365,14 @@ class CaptureEngine:
             if isinstance(input_ids, Tensor) and not input_ids.is_floating_point()
             else None
         )
-        labels = kwargs.get("labels")
-        labels = labels if isinstance(labels, Tensor) else None
+        labels, shift_labels = (kwargs.get(k) for k in ("labels", "shift_labels"))
         self._pending = _PendingBatch(
-            ids, token_mask=token_mask, input_ids=tokens, labels=labels, content_ids=content_ids
+            ids,
+            token_mask=token_mask,
+            input_ids=tokens,
+            labels=labels if isinstance(labels, Tensor) else None,
+            shift_labels=shift_labels if isinstance(shift_labels, Tensor) else None,
+            content_ids=content_ids,
         )
 
     def _on_root_output(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -480,6 +486,7 @@ class CaptureEngine:
             loss_scale=batch.loss_scale(),
             input_ids=batch.input_ids,
             labels=batch.labels,
+            shift_labels=batch.shift_labels,
             content_ids=batch.content_ids,
         )
         _require_every_layer(record, self._layers)

@@ -57,6 +57,9 @@ class MicroBatchRecord:
         input_ids: ``(B, T)`` token ids of the forward call, when it had them (a reference,
             for reports; never copied by the engine).
         labels: the ``labels`` keyword of the forward call, when it had one (a reference).
+        shift_labels: the ``shift_labels`` keyword, when it had one (a reference):
+            transformers' next-token targets, ``(B, T)`` with position ``t`` predicting
+            ``shift_labels[:, t]``, which its causal-LM loss uses in place of ``labels``.
         loss_scale: multiply the gradients by this to get each example's own gradient
             under the store's loss convention (e.g. the token count a mean loss divided
             by); 1 when the backpropagated loss already was the per-example summed loss.
@@ -71,6 +74,7 @@ class MicroBatchRecord:
     loss_scale: float | Tensor = 1.0
     input_ids: Tensor | None = None
     labels: Tensor | None = None
+    shift_labels: Tensor | None = None
     content_ids: bool = False
 
     @property
@@ -98,6 +102,7 @@ class MicroBatchRecord:
             else self.loss_scale,
             input_ids=None if self.input_ids is None else move(self.input_ids),
             labels=None if self.labels is None else move(self.labels),
+            shift_labels=None if self.shift_labels is None else move(self.shift_labels),
             content_ids=self.content_ids,
         )
 

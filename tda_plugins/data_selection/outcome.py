@@ -1,8 +1,8 @@
 """One step's decision, taken once for the whole global batch: gather every rank's scores,
 drop the non-finite ones, apply the rule, and log the outcome.
 
-Every rank gathers the same few numbers per example (its id, loss tokens and per-unit
-scores: ``2 + U`` floats, ``2 + 2U`` for cosine) in rank order, the order of the
+Every rank gathers the same few numbers per example (its id, loss tokens, loss scale and
+per-unit scores: ``3 + U`` floats, ``3 + 2U`` for cosine) in rank order, the order of the
 examples in one process's global batch (each rank's micro-batches in turn), and applies
 the rule to all of them on the host: every rank computes the same kept sets from the same
 numbers, and a run on ``W`` ranks drops exactly what one process drops on the same global
@@ -81,6 +81,7 @@ class Decision:
         keep: per unit, the ``(N,)`` kept mask of the global batch (``granularity="global"``:
             one mask for every unit).
         counts: ``(N,)`` fp64 loss tokens of every example.
+        scales: ``(N,)`` fp64 every example's ``loss_scale`` (what its loss was divided by).
         sizes: each rank's number of examples.
         offset: where this rank's examples start in the global order.
         size: this rank's number of examples.
@@ -89,6 +90,7 @@ class Decision:
 
     keep: list[Tensor]
     counts: Tensor
+    scales: Tensor
     sizes: list[int]
     offset: int
     size: int
@@ -124,6 +126,7 @@ def decide(
     *,
     ids: Tensor,
     counts: Tensor,
+    scales: Tensor,
     scores: UnitScores,
     rule: DropRule,
     per_layer: bool,
@@ -131,13 +134,18 @@ def decide(
     count: int | None = None,
     gram: Tensor | None = None,
 ) -> Decision:
-    """Gather this rank's ``(B,)`` ids and loss tokens and its per-unit scores with every
-    other rank's, and apply ``rule`` once to the global batch (``count``: the number a
+    """Gather this rank's ``(B,)`` ids, loss tokens and loss scales and its per-unit scores
+    with every other rank's, and apply ``rule`` once to the global batch (``count``: the number a
     ranked rule drops, per unit, instead of its own; ``gram``: the ``(N, N)`` Gram matrix
     a set rule reads: the global batch's, in rank order)."""
     if isinstance(rule, SetRule) and gram is None:
         raise ValueError(f"rule {rule.name!r} needs the step's Gram matrix")
-    parts = [ids.view(torch.float64)[:, None], counts.double()[:, None], scores.dots]
+    parts = [
+        ids.view(torch.float64)[:, None],
+        counts.double()[:, None],
+        scales.double()[:, None],
+        scores.dots,
+    ]
     if scores.squares is not None:
         parts.append(scores.squares)
     local = torch.cat([p.to(scores.dots.device) for p in parts], dim=1)
@@ -146,10 +154,11 @@ def decide(
     units = scores.dots.shape[1]
     global_ids = rows[:, 0].contiguous().view(torch.int64)
     global_counts = rows[:, 1].contiguous()
-    dots = rows[:, 2 : 2 + units]
+    global_scales = rows[:, 2].contiguous()
+    dots = rows[:, 3 : 3 + units]
     finite = torch.isfinite(dots).all(dim=1)
     if scores.squares is not None and scores.target_squares is not None:
-        squares = rows[:, 2 + units :]
+        squares = rows[:, 3 + units :]
         finite &= torch.isfinite(squares).all(dim=1)
         target_sq = scores.target_squares.cpu()
         if not per_layer:
@@ -180,7 +189,13 @@ def decide(
             ", and the optimizer step is skipped (no finite example)" if outcome.skipped else "",
         )
     return Decision(
-        keep, global_counts, sizes, sum(sizes[: ranks.rank]), sizes[ranks.rank], outcome
+        keep,
+        global_counts,
+        global_scales,
+        sizes,
+        sum(sizes[: ranks.rank]),
+        sizes[ranks.rank],
+        outcome,
     )
 
 

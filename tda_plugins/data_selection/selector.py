@@ -44,6 +44,7 @@ from tda_plugins.data_selection.scoring import Scorer, UnitScores
 from tda_plugins.data_selection.settings import GRADIENT_SCORES, Granularity, ScoreMode
 from tda_plugins.data_selection.surgery import Surgery
 from tda_plugins.data_selection.target import ShardedTarget, Target
+from tda_plugins.data_selection.token_mean import GENERIC_FIX, check_token_mean
 from tda_plugins.grads.base import values_dtype
 from tda_plugins.grads.dense import DenseGrad
 from tda_plugins.grads.projection import ProjectionConfig
@@ -64,6 +65,20 @@ DENSE_EXAMPLE_BYTES = 1 << 20
 #: Most bytes of per-example gradients built once per step; the selector's workspace keeps
 #: that much between steps (a fresh allocation each step costs its page faults again).
 DENSE_STEP_BYTES = 1 << 27
+
+
+def _example_scales(records: list[MicroBatchRecord], device: torch.device) -> Tensor:
+    """``(B,)`` fp64 each example's ``loss_scale`` over ``records``, on ``device``."""
+    return torch.cat(
+        [
+            torch.as_tensor(r.loss_scale, dtype=torch.float64)
+            .detach()
+            .to(device)
+            .reshape(-1)
+            .expand(r.batch_size)
+            for r in records
+        ]
+    )
 
 
 class DataSelector(CaptureConsumer):
@@ -100,6 +115,9 @@ class DataSelector(CaptureConsumer):
         example_losses: ``record -> (B,)`` summed token losses (``score="loss"``).
         drop_counts: at optimizer step ``k`` drop ``drop_counts[k]`` examples (a ranked
             rule's order); ``None``: the rule's own count.
+        token_mean_fix: the way out named when a step's loss is not the token mean over
+            its global batch (:func:`~tda_plugins.data_selection.token_mean.
+            check_token_mean`, run on every selected step before ``.grad`` is edited).
     """
 
     wants_step_records: ClassVar[bool] = True
@@ -120,6 +138,7 @@ class DataSelector(CaptureConsumer):
         divide: float | None = None,
         example_losses: ExampleLosses | None = None,
         drop_counts: Sequence[int] | None = None,
+        token_mean_fix: str = GENERIC_FIX,
     ):
         if score not in (*GRADIENT_SCORES, "loss"):
             raise ValueError(f"score must be 'dot', 'cosine', 'adam' or 'loss', got {score!r}")
@@ -135,6 +154,7 @@ class DataSelector(CaptureConsumer):
         self.layers = layers
         self.example_losses = example_losses
         self.drop_counts = None if drop_counts is None else tuple(drop_counts)
+        self.token_mean_fix = token_mean_fix
         self.rule = rule
         self.token_counts = token_counts
         self.granularity = granularity
@@ -289,6 +309,7 @@ class DataSelector(CaptureConsumer):
             step,
             ids=ids,
             counts=counts,
+            scales=_example_scales(records, counts.device),
             scores=scores,
             rule=self.rule,
             per_layer=per_layer,
@@ -297,6 +318,14 @@ class DataSelector(CaptureConsumer):
             gram=self.scorer.gram(records, self.ranks) if self.rule.needs_gram else None,
         )
         outcome = decision.outcome
+        check_token_mean(
+            step,
+            outcome.example_ids,
+            decision.counts,
+            decision.scales,
+            self.surgery.divide,
+            self.token_mean_fix,
+        )
         if not outcome.skipped:
             masks = {
                 name: decision.keep[u if per_layer else 0]
@@ -343,5 +372,5 @@ class DataSelector(CaptureConsumer):
         empty = torch.zeros(size, dtype=torch.bool)
         ids = torch.zeros(size, dtype=torch.int64)
         outcome = StepSelection(-1, ids, empty.float(), empty, empty)
-        decision = Decision([keep], counts, [size], 0, size, outcome)
+        decision = Decision([keep], counts, counts.sum().expand(size), [size], 0, size, outcome)
         self.surgery.apply(records, dict.fromkeys(self.layers, keep), decision, missing, True)

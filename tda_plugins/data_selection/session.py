@@ -52,6 +52,7 @@ from tda_plugins.data_selection.target import (
     nonfinite,
     shared_target,
 )
+from tda_plugins.data_selection.token_mean import GENERIC_FIX
 from tda_plugins.session.batch import evaluating
 from tda_plugins.session.capture import UnsupportedTrainingSetup
 
@@ -103,6 +104,9 @@ class SelectionSession:
         fix: how to cover every trainable parameter (the refusal's way out).
         output_losses: ``(output, forward kwargs) -> (B,)`` each training example's summed
             loss from the training forward's output (``score="loss"``).
+        token_mean_fix: the way out when the trainer's loss is not the token mean over a
+            step's global batch (checked at every selected step, before ``.grad`` is
+            edited).
 
     Raises:
         UnsupportedTrainingSetup: before any step, for uncovered trainable parameters or a
@@ -127,6 +131,7 @@ class SelectionSession:
         start_step: int = 0,
         fix: str = DEFAULT_FIX,
         output_losses: OutputLosses | None = None,
+        token_mean_fix: str = GENERIC_FIX,
     ):
         if settings.needs_target and target is None:
             raise ValueError(f"score={settings.score!r} needs a target pool; give target=...")
@@ -168,6 +173,7 @@ class SelectionSession:
                 divide=self.divide,
                 example_losses=self.forward_losses.of if self.forward_losses else None,
                 drop_counts=settings.drop_counts,
+                token_mean_fix=token_mean_fix,
             )
         except Exception:
             self.close()

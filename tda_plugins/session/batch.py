@@ -26,17 +26,24 @@ def causal_lm_example_losses(logits: Tensor, labels: Tensor) -> Tensor:
     Labels are shifted inside (as transformers' causal LMs do); ``-100`` is ignored.
     Each example's loss is the *sum* over its predicted tokens, not the mean.
     """
-    # Each position predicts the next label; the last one predicts nothing (-100). Cross
-    # entropy over the flattened (B*T, V) logits: no transposed or shifted copy of them.
+    # Each position predicts the next label; the last one predicts nothing (-100).
     shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
+    return next_token_example_losses(logits, shifted)
+
+
+def next_token_example_losses(logits: Tensor, targets: Tensor) -> Tensor:
+    """``(B, T, V)`` logits, ``(B, T)`` targets already shifted (position ``t`` predicts
+    ``targets[:, t]``, transformers' ``shift_labels``) -> ``(B,)`` summed token losses;
+    ``-100`` is ignored."""
+    # Cross entropy over the flattened (B*T, V) logits: no transposed or shifted copy.
     dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16 -> fp32, fp64 stays
     per_token = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).to(dtype),
-        shifted.reshape(-1),
+        targets.reshape(-1),
         ignore_index=-100,
         reduction="none",
     )
-    return per_token.view(labels.shape).sum(dim=1)
+    return per_token.view(targets.shape).sum(dim=1)
 
 
 def causal_lm_losses(model: nn.Module, batch: Mapping[str, Any]) -> Tensor:

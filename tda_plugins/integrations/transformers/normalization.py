@@ -4,7 +4,8 @@ Two output forms are handled, both without a host sync:
 
 * ``output.loss`` (``Trainer``): the model's loss is ``sum of token losses / N`` with ``N``
   the ``num_items_in_batch`` keyword (the accumulation window's token count, across
-  ranks) or, without it, the micro-batch's shifted label count; the trainer then
+  ranks) or, without it, the micro-batch's label count (:func:`loss_tokens`: its
+  ``shift_labels`` where a collator gives them, as transformers' loss reads them); the trainer then
   multiplies or divides it by ``c`` (world size, accumulation steps). The gradient
   arriving at ``output.loss`` *is* ``c``, so ``loss_scale = N / c``.
 * ``output.log_probs`` (TRL ``SFTTrainer``'s fused head): the loss is
@@ -28,6 +29,17 @@ def _field(output: Any, name: str) -> Tensor | None:
     return value if isinstance(value, Tensor) and value.requires_grad else None
 
 
+def loss_tokens(labels: Any, shift_labels: Any) -> Tensor:
+    """``(B,)`` tokens each example's causal-LM loss sums over, counted as transformers'
+    loss takes them: ``shift_labels`` (already shifted) where the model call has them, else
+    ``labels[..., 1:]``; ``-100`` is ignored."""
+    if isinstance(shift_labels, Tensor):
+        return (shift_labels != -100).sum(dim=-1)
+    if not isinstance(labels, Tensor):
+        raise ValueError("cannot count the loss's tokens: no labels in the model call")
+    return (labels[..., 1:] != -100).sum(dim=-1)
+
+
 class CausalLMNormalization:
     """Loss normalization of HF ``Trainer`` and TRL ``SFTTrainer`` causal-LM training."""
 
@@ -48,9 +60,6 @@ class CausalLMNormalization:
         at_loss = GradientAt(loss)
         count = kwargs.get("num_items_in_batch")
         if count is None:
-            labels = kwargs.get("labels")
-            if not isinstance(labels, Tensor):
-                raise ValueError("cannot count the loss's tokens: no labels in the model call")
-            count = (labels[..., 1:] != -100).sum()
+            count = loss_tokens(kwargs.get("labels"), kwargs.get("shift_labels")).sum()
         items = torch.as_tensor(count, dtype=torch.float64)
         return lambda: items.to(at_loss.value().device) / at_loss.value().double()

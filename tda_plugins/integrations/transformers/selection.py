@@ -31,7 +31,10 @@ from tda_plugins.data_selection.resume import (
 )
 from tda_plugins.data_selection.session import DEFAULT_FIX
 from tda_plugins.integrations.transformers.data import ExamplePool, Examples, LossTokens
-from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
+from tda_plugins.integrations.transformers.normalization import (
+    CausalLMNormalization,
+    loss_tokens,
+)
 from tda_plugins.integrations.transformers.setup import (
     MetricsCallback,
     TrainStart,
@@ -40,27 +43,42 @@ from tda_plugins.integrations.transformers.setup import (
     process_index,
     resumed_checkpoint,
 )
-from tda_plugins.session.batch import causal_lm_example_losses, causal_lm_losses
+from tda_plugins.session.batch import (
+    causal_lm_example_losses,
+    causal_lm_losses,
+    next_token_example_losses,
+)
 from tda_plugins.session.settings import LayerOptions, LayerSettings
+
+#: The way out when a step's loss is not the token mean over its global batch.
+TOKEN_MEAN_FIX = (
+    "a compute_loss override must pass num_items_in_batch on to super().compute_loss() "
+    "(or to the model call), and several processes need average_tokens_across_devices=True "
+    "(the default); else train with gradient_accumulation_steps=1 in one process"
+)
 
 #: The ``LayerOptions`` fields that select layers (the keyword options this callback takes).
 LAYER_OPTIONS = ("layers", "include", "exclude", "last_n_blocks")
 
 
 def causal_lm_token_counts(record: MicroBatchRecord) -> Tensor:
-    """``(B,)`` tokens each example's causal-LM loss sums over: shifted labels != -100."""
-    if record.labels is None:
+    """``(B,)`` tokens each example's causal-LM loss sums over (:func:`loss_tokens`)."""
+    if record.labels is None and record.shift_labels is None:
         raise ValueError("data selection needs labels in the model call to count loss tokens")
-    return (record.labels[..., 1:] != -100).sum(dim=-1)
+    return loss_tokens(record.labels, record.shift_labels)
 
 
 def causal_lm_output_losses(output: Any, kwargs: Mapping[str, Any]) -> Tensor:
     """``(B,)`` each example's summed next-token loss from a causal LM's output
     (``score="loss"``): TRL's fused LM head returns each label's log-probability (zero where
-    ignored), a plain forward its logits, scored against the labels it was called with."""
+    ignored), a plain forward its logits, scored against the ``shift_labels`` or else the
+    labels it was called with (as transformers' loss reads them)."""
     log_probs = getattr(output, "log_probs", None)
     if isinstance(log_probs, Tensor):
         return -log_probs.sum(dim=-1)
+    shift_labels = kwargs.get("shift_labels")
+    if isinstance(shift_labels, Tensor):
+        return next_token_example_losses(output.logits, shift_labels)
     return causal_lm_example_losses(output.logits, kwargs["labels"])
 
 
@@ -132,6 +150,11 @@ class DataSelectionCallback(MetricsCallback):
     fine-tuning in one process, autograd skips the captured layers' weight gradients and
     the selection builds their ``.grad`` from the kept examples' gradients; under DDP, and
     for LoRA adapters, autograd computes them and the selection corrects them.
+
+    Every step checks that the trainer's loss is the token mean over the step's global
+    batch (a ``compute_loss`` override that drops ``num_items_in_batch`` divides each
+    micro-batch by its own tokens) and raises ``UnsupportedTrainingSetup`` before the
+    optimizer steps otherwise; a collator's ``shift_labels`` are the tokens counted.
 
     An example with a non-finite gradient is dropped and named in the log; a step with no
     finite example is skipped (every ``.grad`` dropped, so the optimizer changes neither
@@ -248,6 +271,7 @@ class DataSelectionCallback(MetricsCallback):
             start_step=start.state.global_step,
             fix=fix,
             output_losses=causal_lm_output_losses,
+            token_mean_fix=TOKEN_MEAN_FIX,
         )
         self._clipping = ClippingTakeover(args)
         self.session.engine.add_consumer(self._clipping)
