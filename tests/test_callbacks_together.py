@@ -6,8 +6,10 @@ target's label-free call, or store the pool as training examples)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
 import torch
 from datasets import Dataset
 from transformers import Trainer
@@ -25,6 +27,7 @@ from tests.trainers import (
     WeightSnapshots,
     assert_steps_hold_their_micro_batches,
     assert_store_matches_oracle,
+    pad_rows,
     token_rows,
     training_args,
 )
@@ -70,3 +73,46 @@ def test_capture_selection_and_influence_share_a_trainer(tmp_path: Path) -> None
     assert [h.step for h in selection.history] == list(range(STEPS))
     assert all(int(h.dropped.sum()) == 2 for h in selection.history)
     assert len(influence.influence_log.history) == STEPS
+
+
+@pytest.mark.parametrize(
+    "influence_first", [True, False], ids=["influence-first", "selection-first"]
+)
+def test_influence_leaves_out_the_examples_the_selection_dropped(
+    tmp_path: Path, influence_first: bool
+) -> None:
+    """An example the selection dropped did not train at that step: whichever callback
+    comes first, the step's influence (its rows, mean and max) covers exactly the kept
+    examples, and the cumulative scores only examples kept at some step. Every example
+    occurs in one step (one epoch), so the dropped ones are absent from the report."""
+    selection = DataSelectionCallback(
+        target=[{"input_ids": r} for r in token_rows(2, seed=7)],
+        fraction=0.5,
+        layers="all",
+        **PINNED,
+    )
+    influence = InfluenceLoggingCallback(
+        queries=[{"input_ids": r} for r in token_rows(2, seed=9)],
+        method="graddot",
+        layers="all",
+        report_dir=str(tmp_path / "report"),
+    )
+    trainer = Trainer(
+        model=tiny_causal_lm("llama", torch.float32),
+        args=training_args(tmp_path / "out", max_steps=STEPS, per_device_train_batch_size=4),
+        train_dataset=Dataset.from_list([{"input_ids": r} for r in token_rows(4 * STEPS)]),
+        data_collator=pad_rows,
+        callbacks=[influence, selection] if influence_first else [selection, influence],
+    )
+    trainer.train()
+
+    kept = {h.step: set(h.example_ids[~h.dropped].tolist()) for h in selection.history}
+    dropped = {i for h in selection.history for i in h.summary()["dropped_ids"]}
+    assert len(dropped) == 2 * STEPS
+    history = influence.influence_log.history
+    assert {h.step: set(h.example_ids.tolist()) for h in history} == kept
+    for h in history:
+        torch.testing.assert_close(h.mean, h.scores.mean(0))
+        torch.testing.assert_close(h.max, h.scores.amax(0))
+    report = json.loads((tmp_path / "report" / "influence.json").read_text())
+    assert {e["id"] for e in report["cumulative"]} == set().union(*kept.values())

@@ -22,6 +22,7 @@ from tda_plugins.methods import method_by_name
 from tda_plugins.session.batch import capture_batch
 from tda_plugins.store import StoreReader
 from tests.models import tiny_causal_lm
+from tests.oracle import loop_oracle
 from tests.stores import capture_store
 from tests.trainers import RESTORE_BEST, pad_rows, token_rows, training_args
 
@@ -134,6 +135,36 @@ def test_a_rank_without_examples_joins_the_step_with_an_empty_share() -> None:
         "influence/q2_mean": 1.0,
         "influence/q2_max": 3.0,
     }
+
+
+def test_gradcos_leaves_out_an_example_without_a_loss_token() -> None:
+    """An example whose labels are all ignored has a zero gradient and no cosine: it did
+    not train, so the step's rows, mean and max are those of the others, whose cosines
+    are the loop oracle's (fp64, one backward per example, every linear weight)."""
+    model = tiny_causal_lm("llama", torch.float64)
+    train = pad_rows([{"input_ids": r} for r in token_rows(4, seed=3)])
+    train["labels"][1] = -100
+    queries = pad_rows([{"input_ids": r} for r in token_rows(2, seed=9)])
+    record = capture_batch(model, train)
+    logger = InfluenceLogger("gradcos")
+    logger.set_queries(capture_batch(model, queries))
+    logger.on_optimizer_step(0, [record])
+
+    names = [f"{n}.weight" for n in LayerSelection("linear").resolve(model)]
+
+    def flat(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        grads = loop_oracle(model, batch, names)
+        return torch.cat([g.flatten(1) for g in grads.values()], dim=1)
+
+    g_train, g_query = flat(train), flat(queries)
+    assert float(g_train[1].abs().max()) == 0.0
+    trained = g_train[[0, 2, 3]]
+    cosines = (trained @ g_query.T) / torch.outer(trained.norm(dim=1), g_query.norm(dim=1))
+    (step,) = logger.history
+    assert step.example_ids.tolist() == record.example_ids[[0, 2, 3]].tolist()
+    torch.testing.assert_close(step.scores.double(), cosines, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(step.mean.double(), cosines.mean(0), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(step.max.double(), cosines.amax(0), rtol=1e-5, atol=1e-7)
 
 
 class _LogRecorder(TrainerCallback):

@@ -268,6 +268,26 @@ def test_a_trajectory_recorded_beside_selection_is_refused_before_any_step(
     assert selection.selector is None and not (tmp_path / "store").exists()
 
 
+def test_influence_leaves_out_the_instances_the_selection_dropped(tmp_path: Path) -> None:
+    """The influence callback runs before the selection; still, each step's influence
+    covers exactly the instances the selection kept (dropped ones did not train), and
+    its logged metrics are theirs."""
+    from tda_plugins.integrations.olmo_core import InfluenceLoggingCallback
+
+    influence = InfluenceLoggingCallback(
+        TARGET_LISTS[:2], method="graddot", layers="all", report_dir=str(tmp_path / "report")
+    )
+    selection = DataSelectionCallback(TARGET_LISTS, fraction=FRACTION, layers="all", **PINNED)
+    train(tmp_path, selection, BATCH, {"influence": influence})
+    kept = {h.step: set(h.example_ids[~h.dropped].tolist()) for h in selection.history}
+    assert len(kept) == STEPS and all(len(ids) == BATCH // 2 for ids in kept.values())
+    history = influence.influence_log.history
+    assert {h.step: set(h.example_ids.tolist()) for h in history} == kept
+    report = json.loads((tmp_path / "report" / "influence.json").read_text())
+    for h, logged in zip(history, report["history"], strict=True):
+        assert logged["mean"] == pytest.approx(h.scores.mean(0).tolist())
+
+
 def test_target_pool_labels_are_shifted_and_padding_is_ignored() -> None:
     batch = pool_batch([[5, 6, 7], [8, 9]])
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 9, 0]]

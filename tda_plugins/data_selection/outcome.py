@@ -57,6 +57,12 @@ class StepSelection:
     nonfinite: Tensor
     skipped: bool = False
 
+    def untrained_ids(self) -> set[int]:
+        """Ids of the examples whose gradient did not reach the optimizer: the dropped
+        ones, and every one of a skipped step."""
+        untrained = self.example_ids if self.skipped else self.example_ids[self.dropped]
+        return set(untrained.tolist())
+
     def summary(self) -> dict[str, Any]:
         """The JSON line of :attr:`step`, numbered as the trainers log it (``step + 1``:
         1 is the first optimizer step); valid JSON: non-finite scores are left out of the

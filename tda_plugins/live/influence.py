@@ -13,11 +13,19 @@ parameter groups of :mod:`~tda_plugins.methods.groups`, as offline). Per step it
 the per-query mean and max; over the run it keeps each training example's cumulative,
 learning-rate-weighted influence (TracIn over the steps it was trained in), whose
 extremes are the running top-k helpful and harmful examples.
+
+Only examples the step trained on count. A step's scores are credited when its results
+are first read (:attr:`InfluenceLogger.history`, :meth:`~InfluenceLogger.metrics`,
+:meth:`~InfluenceLogger.state`, the report) or the next step is scored, so that in
+between the integration can leave out what a data selection dropped from ``.grad``
+(:meth:`~InfluenceLogger.leave_out`), whichever callback ran first. Under ``gradcos`` an
+example whose gradient is zero (no loss token: masked by its labels or an instance
+filter) has no cosine and is left out too; under ``graddot`` it scores 0, its influence.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -30,7 +38,12 @@ from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.records import MicroBatchRecord
 from tda_plugins.grads.base import PerExampleGrad
 from tda_plugins.grads.ops import QueryGradients
-from tda_plugins.live.queries import query_gradients, refuse_tied_cosine, score_record, summed_uses
+from tda_plugins.live.queries import (
+    query_gradients,
+    refuse_tied_cosine,
+    scores_and_norms,
+    summed_uses,
+)
 from tda_plugins.methods.groups import ParameterGroups, ScoringSpace
 from tda_plugins.methods.scores import Scores
 from tda_plugins.parallel.gather import OneProcess, RankGather
@@ -56,6 +69,21 @@ class StepInfluence:
     max: Tensor
     example_ids: Tensor
     scores: Tensor
+
+
+@dataclass
+class _Scored:
+    """A scored step awaiting credit: ``(N,)`` ids, ``(N, M)`` scores, its learning rate."""
+
+    step: int
+    example_ids: Tensor
+    scores: Tensor
+    learning_rate: float
+
+    def without(self, leave: Tensor) -> _Scored:
+        """These scores less the ``(N,)`` rows true in ``leave``."""
+        keep = ~leave
+        return _Scored(self.step, self.example_ids[keep], self.scores[keep], self.learning_rate)
 
 
 class InfluenceLogger(CaptureConsumer):
@@ -99,7 +127,8 @@ class InfluenceLogger(CaptureConsumer):
         self.ties: tuple[tuple[str, ...], ...] = ()
         self.queries: QueryGradients | None = None
         self.learning_rate = 1.0
-        self.history: list[StepInfluence] = []
+        self._history: list[StepInfluence] = []
+        self._scored: _Scored | None = None
         self._cumulative: dict[int, Tensor] = {}
         self._tokens: dict[int, list[int]] = {}
 
@@ -113,6 +142,39 @@ class InfluenceLogger(CaptureConsumer):
             exclude_params=groups.exclude,
             normalize_layers=groups.normalize_layers,
         )
+
+    @property
+    def history(self) -> list[StepInfluence]:
+        """Every scored step with an example that trained, oldest first (the latest scored
+        step is credited first)."""
+        self.credit()
+        return self._history
+
+    def leave_out(self, step: int, example_ids: Collection[int]) -> None:
+        """Examples of step ``step`` (0-based) that did not train, such as those a data
+        selection dropped from ``.grad``: left out of the step's mean and max and of
+        their cumulative scores. Nothing happens unless ``step`` is the latest scored step
+        and still awaits its credit (call it before reading the step's results)."""
+        scored = self._scored
+        if scored is None or scored.step != step or not example_ids:
+            return
+        dropped = torch.tensor(sorted(example_ids), dtype=torch.long)
+        self._scored = scored.without(torch.isin(scored.example_ids, dropped))
+
+    def credit(self) -> StepInfluence | None:
+        """Credit the scored step awaiting it: its history entry (returned; ``None`` if no
+        step awaited, or none of its examples trained) and its cumulative scores."""
+        scored, self._scored = self._scored, None
+        if scored is None or not scored.example_ids.numel():
+            return None
+        scores, ids = scored.scores, scored.example_ids
+        entry = StepInfluence(scored.step, scores.mean(0), scores.amax(0), ids, scores)
+        self._history.append(entry)
+        for row, example in zip(scores, ids.tolist(), strict=True):
+            previous = self._cumulative.get(example)
+            weighted = scored.learning_rate * row
+            self._cumulative[example] = weighted if previous is None else previous + weighted
+        return entry
 
     def on_attach(self, config: CaptureConfig) -> None:
         self.space = self.groups.resolve(config)
@@ -152,24 +214,21 @@ class InfluenceLogger(CaptureConsumer):
         if self.queries is None:  # not a scored step, on every rank alike
             return
         cosine = self.method == "gradcos"
+        self.credit()
         if records:
-            local = torch.cat(
-                [score_record(r, self.queries, cosine, self.space.apply) for r in records]
-            ).float()
+            parts = [scores_and_norms(r, self.queries, cosine, self.space.apply) for r in records]
+            local = torch.cat([scores for scores, _ in parts]).float()
             local_ids = torch.cat([r.example_ids for r in records]).to(local.device)
+            if cosine:  # no gradient, no cosine: such an example did not train
+                sq = torch.cat([n for _, n in parts if n is not None]).to(local.device)
+                local, local_ids = local[sq > 0], local_ids[sq > 0]
         else:  # this rank had no example in the step: an empty share, (0, M)
             norms = self.queries.sq_norms()
             local = torch.zeros(0, norms.shape[0], device=norms.device)
             local_ids = torch.zeros(0, dtype=torch.long, device=norms.device)
         scores = self.gather.rows(local).cpu()
         ids = self.gather.rows(local_ids.long()).cpu()
-        if not ids.numel():
-            return
-        self.history.append(StepInfluence(step, scores.mean(0), scores.amax(0), ids, scores))
-        for row, example in zip(scores, ids.tolist(), strict=True):
-            previous = self._cumulative.get(example)
-            weighted = self.learning_rate * row
-            self._cumulative[example] = weighted if previous is None else previous + weighted
+        self._scored = _Scored(step, ids, scores, self.learning_rate)
         for r in records:
             if r.input_ids is not None:
                 mask = r.token_mask if r.token_mask is not None else torch.ones_like(r.input_ids)
@@ -180,6 +239,7 @@ class InfluenceLogger(CaptureConsumer):
 
     def on_end(self) -> None:
         """Every rank's token ids, for the report's texts (a collective in a distributed run)."""
+        self.credit()
         merged: dict[int, list[int]] = {}
         for tokens in self.gather.objects(self._tokens):
             merged.update(tokens)
@@ -211,7 +271,8 @@ class InfluenceLogger(CaptureConsumer):
         """Go on from ``state`` (:meth:`state` of the run this one resumes), before the
         first step."""
         rows = state["rows"].tolist()
-        self.history = [
+        self._scored = None
+        self._history = [
             StepInfluence(int(step), mean, peak, ids, scores)
             for step, mean, peak, ids, scores in zip(
                 state["steps"].tolist(),
@@ -236,6 +297,7 @@ class InfluenceLogger(CaptureConsumer):
 
     def cumulative_scores(self, query_ids: Tensor) -> Scores:
         """Every example seen so far, with its cumulative influence, as :class:`Scores`."""
+        self.credit()
         ids = sorted(self._cumulative)
         values = torch.stack([self._cumulative[i] for i in ids]) if ids else torch.empty(0, 0)
         return Scores(torch.tensor(ids, dtype=torch.long), query_ids, values, self.method)
@@ -265,6 +327,7 @@ class InfluenceLogger(CaptureConsumer):
             ids = [int(t) for t in tokens]
             return decode(ids) if decode is not None else " ".join(map(str, ids))
 
+        self.credit()
         train = {i: text(t) for i in sorted(self._cumulative) if (t := self._tokens.get(i))}
         queries = {int(q): text(t) for q, t in zip(query_ids.tolist(), query_tokens, strict=True)}
         return train, queries

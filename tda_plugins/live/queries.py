@@ -36,7 +36,7 @@ from tda_plugins.capture.consumer import CaptureConsumer
 from tda_plugins.capture.records import MicroBatchRecord
 from tda_plugins.grads.base import PerExampleGrad, empty_values
 from tda_plugins.grads.dense import DenseGrad, stack_examples, sum_of_uses
-from tda_plugins.grads.ops import QueryGradients, example_norms
+from tda_plugins.grads.ops import QueryGradients, example_sq_norms, safe_norms
 from tda_plugins.grads.routing import Route, choose_route
 
 #: What is scored of a record's layers (parameter groups: ``ScoringSpace.apply``).
@@ -208,8 +208,21 @@ def score_record(
     """``(B, M)`` scores of a training micro-batch against query gradients prepared once
     (:class:`QueryCollector`, :func:`query_gradients`) for all the micro-batches scored
     against them, ``transform`` applied to the record's layers as to the queries'."""
+    return scores_and_norms(record, queries, cosine, transform)[0]
+
+
+def scores_and_norms(
+    record: MicroBatchRecord,
+    queries: QueryGradients,
+    cosine: bool,
+    transform: LayerTransform = _as_captured,
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`score_record`'s ``(B, M)`` scores, and for a cosine the ``(B,)`` training
+    gradients' squared norms (``None`` for dot products, which need none): where one is
+    0 the cosine is undefined, and given as 0."""
     train = transform(record.example_grads())
     scores = queries.scores(train)
-    if cosine:
-        scores = scores / torch.outer(example_norms(train), queries.norms()).to(scores.dtype)
-    return scores
+    if not cosine:
+        return scores, None
+    sq = example_sq_norms(train)
+    return scores / torch.outer(safe_norms(sq), queries.norms()).to(scores.dtype), sq

@@ -48,6 +48,7 @@ from tda_plugins.integrations.olmo_core.pool import (
     pool_rows,
     summed_token_losses,
 )
+from tda_plugins.integrations.olmo_core.selection import DataSelectionCallback
 from tda_plugins.live.influence import InfluenceLogger
 from tda_plugins.parallel.gather import OneProcess, rank_gather, without_gradient_sync
 from tda_plugins.session.batch import capture_batch, evaluating
@@ -172,11 +173,20 @@ class InfluenceLoggingCallback(Callback, LayerOptions, ProjectionOptions):
         self.influence_log.set_queries(self._query_gradients(), self._learning_rate())
 
     def pre_optim_step(self) -> None:
+        if self._engine is not None:
+            self._engine.optimizer_step()
+
+    def post_step(self) -> None:
+        """Every callback has edited ``.grad`` by now: leave out of the step's influence the
+        instances a ``DataSelectionCallback`` dropped (they did not train), then credit the
+        step and record its metrics."""
         if self._engine is None:
             return
-        scored = len(self.influence_log.history)
-        self._engine.optimizer_step()
-        if len(self.influence_log.history) == scored:
+        for callback in self.trainer.callbacks.values():
+            if isinstance(callback, DataSelectionCallback) and callback.history:
+                outcome = callback.history[-1]
+                self.influence_log.leave_out(outcome.step, outcome.untrained_ids())
+        if self.influence_log.credit() is None:
             return
         for name, value in self.influence_log.metrics().items():
             # gathered over the ranks already: the same value on every rank

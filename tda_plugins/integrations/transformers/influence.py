@@ -16,6 +16,7 @@ from tda_plugins.integrations.transformers.best_model import (
     restored_checkpoint,
 )
 from tda_plugins.integrations.transformers.data import Examples
+from tda_plugins.integrations.transformers.meeting import latest_selection
 from tda_plugins.integrations.transformers.pool import PoolCallback
 from tda_plugins.integrations.transformers.setup import (
     TrainStart,
@@ -129,6 +130,16 @@ class InfluenceLoggingCallback(PoolCallback):
     def use_pool(self, pooled: MicroBatchRecord | None, lr_scheduler: Any) -> None:
         rate = float(lr_scheduler.get_last_lr()[0]) if lr_scheduler is not None else 1.0
         self.influence_log.set_queries(pooled, rate)
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """Every callback has edited ``.grad`` by now: leave out of the step's influence
+        the examples a ``DataSelectionCallback`` on the model dropped (they did not train)."""
+        model = kwargs.get("model")
+        outcome = None if model is None else latest_selection(model)
+        if outcome is not None:
+            self.influence_log.leave_out(outcome.step, outcome.untrained_ids())
 
     def step_metrics(self) -> dict[str, float]:
         return self.influence_log.metrics()

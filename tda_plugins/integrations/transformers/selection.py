@@ -31,6 +31,7 @@ from tda_plugins.data_selection.resume import (
 )
 from tda_plugins.data_selection.session import DEFAULT_FIX
 from tda_plugins.integrations.transformers.data import ExamplePool, Examples, LossTokens
+from tda_plugins.integrations.transformers.meeting import post_selection, withdraw_selection
 from tda_plugins.integrations.transformers.normalization import (
     CausalLMNormalization,
     loss_tokens,
@@ -276,6 +277,7 @@ class DataSelectionCallback(MetricsCallback):
         self._clipping = ClippingTakeover(args)
         self.session.engine.add_consumer(self._clipping)
         self._hooks.append(model.register_forward_pre_hook(self._clipping.restore))
+        post_selection(model, self.session.history)
         checkpoint = resumed_checkpoint(args, start.state)
         if checkpoint is not None:
             restore_schedule(self.session, checkpoint, start.state.global_step, args)
@@ -354,4 +356,5 @@ class DataSelectionCallback(MetricsCallback):
             hook.remove()
         self._hooks.clear()
         if self.session is not None:
+            withdraw_selection(self.session.model, self.session.history)
             self.session.end()
