@@ -106,6 +106,27 @@ def _refuse_dora(model: nn.Module, chosen: Mapping[str, tuple[nn.Module, LayerAd
             )
 
 
+def _refuse_parameter_lora(
+    model: nn.Module, chosen: Mapping[str, tuple[nn.Module, LayerAdapter]]
+) -> None:
+    """Refuse a PEFT LoRA on a parameter (``LoraConfig(target_parameters=[...])``, PEFT's
+    ``ParamWrapper``): PEFT adds ``lora_B.weight @ lora_A.weight`` to the wrapped weight
+    without calling ``lora_A``/``lora_B``, so no hook sees a per-example input there."""
+    named = modules_by_name(model)
+    for name, (module, _) in chosen.items():
+        if not is_lora_adapter(name, module):
+            continue
+        owner = name.rpartition(".lora_")[0]
+        if type(named.get(owner)).__name__ == "ParamWrapper":
+            raise LayerSelectionError(
+                f"{owner} is a LoRA on a parameter (LoraConfig(target_parameters=...)): PEFT "
+                "adds lora_B @ lora_A to its weight without calling lora_A/lora_B on the "
+                "batch, so their per-example gradients cannot be captured; target the module "
+                f"instead (target_modules=[{owner.rpartition('.')[2]!r}]), which trains the "
+                "same low-rank update of a linear layer"
+            )
+
+
 def has_lora(model: nn.Module) -> bool:
     """Whether ``model`` carries PEFT LoRA adapters."""
     return any(is_lora_adapter(n, m) for n, m in named_modules(model))
@@ -154,6 +175,7 @@ class LayerSelection:
         chosen = self._by_blocks(model, chosen)
         chosen = self._drop_partially_tied(model, chosen)
         _refuse_dora(model, chosen)
+        _refuse_parameter_lora(model, chosen)
         if not chosen:
             raise LayerSelectionError(
                 f"{self!r} matched no layer of {type(model).__name__}; supported layers there: "

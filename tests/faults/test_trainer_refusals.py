@@ -355,23 +355,39 @@ def test_fp16_loss_scaling_on_an_accelerator_is_refused(
     assert_refused(tmp_path, llama(), *named, training=args)
 
 
-# -- PEFT DoRA --------------------------------------------------------------------------
+# -- PEFT LoRA variants without a per-example call ---------------------------------------
+
+#: LoRA variants whose ``lora_A``/``lora_B`` do not see each example's input once, each
+#: with the refusal's pattern (cause and way out); ``None``: the plain-LoRA control.
+LORA_VARIANTS = {
+    "dora": ({"target_modules": "all-linear", "use_dora": True}, r"DoRA adapter .*use_dora=False"),
+    "target_parameters": (
+        {"target_modules": ["q_proj"], "target_parameters": ["mlp.down_proj.weight"]},
+        r"LoRA on a parameter .*target_modules=\['down_proj'\]",
+    ),
+    "plain": ({"target_modules": "all-linear"}, None),
+}
 
 
-@pytest.mark.parametrize("use_dora", [True, False])
-def test_a_dora_adapter_is_refused_before_any_step(tmp_path: Path, use_dora: bool) -> None:
+@pytest.mark.parametrize("variant", LORA_VARIANTS)
+def test_lora_without_a_per_example_call_is_refused_before_any_step(
+    tmp_path: Path, variant: str
+) -> None:
     """``LoraConfig(use_dora=True)``: PEFT calls ``lora_A``/``lora_B`` on an identity matrix
-    besides the batch, and its magnitude vector has no per-example capture. Every
-    callback, through the real ``Trainer``, and ``capture_examples`` refuse it before any
-    step, with the way out; the same adapter without DoRA trains (the control)."""
+    besides the batch, and its magnitude vector has no per-example capture;
+    ``target_parameters`` (PEFT's ``ParamWrapper``) adds ``lora_B @ lora_A`` to a weight
+    without calling them. Every callback, through the real ``Trainer``, and
+    ``capture_examples`` refuse both before any step, with the way out; plain LoRA
+    trains (the control)."""
     from peft import LoraConfig, get_peft_model
 
     from tda_plugins import capture_examples
     from tda_plugins.capture.layers import LayerSelectionError
 
+    options, refusal = LORA_VARIANTS[variant]
+
     def model() -> nn.Module:
-        config = LoraConfig(r=4, target_modules="all-linear", use_dora=use_dora)
-        return get_peft_model(llama(), config)
+        return get_peft_model(llama(), LoraConfig(r=4, **options))
 
     rows = [{"input_ids": r} for r in token_rows(4)]
     for name, callback in (
@@ -387,15 +403,15 @@ def test_a_dora_adapter_is_refused_before_any_step(tmp_path: Path, use_dora: boo
             data_collator=pad_examples,
             callbacks=[steps, callback],
         )
-        if not use_dora:
+        if refusal is None:
             trainer.train()
             assert steps.begun == 1
             continue
-        with pytest.raises(LayerSelectionError, match=r"DoRA adapter .*use_dora=False"):
+        with pytest.raises(LayerSelectionError, match=refusal):
             trainer.train()
         assert steps.begun == 0, name
         assert not (tmp_path / "store").exists()
-    if use_dora:
-        with pytest.raises(LayerSelectionError, match="use_dora=False"):
+    if refusal is not None:
+        with pytest.raises(LayerSelectionError, match=refusal):
             capture_examples(model(), rows, tmp_path / "queries")
         assert not (tmp_path / "queries").exists()
