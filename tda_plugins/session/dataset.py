@@ -189,18 +189,28 @@ def capture_examples(
         store.check_new_ids(all_ids)  # against the examples an appended store holds
         # appending continues the numbering after every rank's last step
         engine.resume_at_step(max(ranks.objects(store.next_step)))
+        texts_due = ranks.rank == 0
         for batch in mine:
             backward_each_example(model, engine, batch)
             engine.optimizer_step()  # one committed store step per batch (per round)
+            if texts_due:  # once the capture has begun: a killed one keeps every text
+                _write_texts(store, planned, tokenizer, settings.store.keep_tokens)
+                texts_due = False
             bar.update(len(batch.examples) * ranks.size)
         engine.end()
     ranks.barrier()  # every rank's steps are committed
-    if ranks.rank == 0:
-        store.write_examples(
-            example_texts(planned),
-            _tokens(planned, tokenizer) if settings.store.keep_tokens else None,
-        )
+    if texts_due:
+        _write_texts(store, planned, tokenizer, settings.store.keep_tokens)
     return StoreReader(out)
+
+
+def _write_texts(
+    store: GradientStore, planned: list[PlannedBatch], tokenizer: Any, keep_tokens: bool
+) -> None:
+    """Every planned example's text (and tokens, ``keep_tokens``) into the store."""
+    store.write_examples(
+        example_texts(planned), _tokens(planned, tokenizer) if keep_tokens else None
+    )
 
 
 @dataclass

@@ -579,3 +579,42 @@ def test_a_one_pass_capture_killed_before_its_end_is_named_and_not_appended_to_w
     assert StoreReader(store).steps == [0, 1]
     capture_examples(model, rows[4:], store, append=True, curvature=False, **options)
     assert StoreReader(store).steps == [0, 1, 2, 3]
+
+
+def test_a_one_pass_capture_stopped_after_its_first_step_keeps_every_text(
+    tmp_path: Path,
+) -> None:
+    """The texts are written once the first batch is committed, not at the end: a capture
+    stopped at its second batch (here by an error in the model's forward) holds the text
+    of every example, and after appending the rows it did not reach every stored
+    example has its text, as an uninterrupted capture's does."""
+    from tda_plugins import capture_examples
+    from tests.trainers import token_rows, word_tokenizer
+
+    model = tiny_causal_lm("llama")
+    rows = [{"text": " ".join(map(str, r)), "id": 50 + i} for i, r in enumerate(token_rows(6))]
+    store = tmp_path / "store"
+    options = {"layers": "linear", "batch_size": 2, "progress": False, "curvature": False}
+
+    class Stop(RuntimeError):
+        pass
+
+    calls = {"n": 0}
+
+    def stop_at_the_second_batch(module: Any, args: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise Stop
+
+    hook = model.register_forward_pre_hook(stop_at_the_second_batch)
+    with pytest.raises(Stop):
+        capture_examples(model, rows, store, tokenizer=word_tokenizer(), **options)
+    hook.remove()
+    assert StoreReader(store).steps == [0]
+    done = set(StoreReader(store).load_all().example_ids.tolist())
+    assert done == {50, 51}
+    capture_examples(model, rows[2:], store, append=True, tokenizer=word_tokenizer(), **options)
+    reader = StoreReader(store)
+    texts = reader.texts()
+    assert set(reader.load_all().example_ids.tolist()) == set(range(50, 56))
+    assert {i: texts[i] for i in range(50, 56)} == {50 + i: r["text"] for i, r in enumerate(rows)}
