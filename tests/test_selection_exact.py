@@ -734,6 +734,19 @@ def test_trainer_grad_is_the_clipped_fresh_backward_over_kept(
     )
 
 
+def assert_unclipped_llama_run_exact(run: SelectionRun) -> None:
+    """Every step's ``.grad`` of an unclipped ``llama-full`` run is the fp64 fresh
+    backward over its kept examples."""
+    check = assert_trainer_grads_match_fresh(
+        run.audit.steps,
+        dropped_per_step(run.selection),
+        fp64_twin("llama-full"),
+        0.0,
+        FP32_TOL,
+    )
+    assert check.steps == STEPS
+
+
 def prompt_masked_shift_labels(features: list[Any]) -> dict[str, Tensor]:
     """:func:`pad_rows` plus ``shift_labels`` (next-token targets, as context-parallel and
     padding-free collators add them) that leave out each row's first 3 predictions, while
@@ -766,14 +779,7 @@ def test_a_collators_shift_labels_are_the_loss_tokens_the_selection_normalizes_b
     for audit in run.audit.steps.values():
         assert all("shift_labels" in b for b in audit.micro_batches)
     assert_window_token_counts(run.audit.steps)  # the trainer counted shift_labels too
-    check = assert_trainer_grads_match_fresh(
-        run.audit.steps,
-        dropped_per_step(run.selection),
-        fp64_twin("llama-full"),
-        0.0,
-        FP32_TOL,
-    )
-    assert check.steps == STEPS
+    assert_unclipped_llama_run_exact(run)
 
 
 class MicroBatchMeanTrainer(Trainer):
@@ -838,14 +844,7 @@ def test_a_loss_divided_per_micro_batch_is_exact_without_accumulation(tmp_path: 
         max_grad_norm=0.0,
         layers="all",
     )
-    check = assert_trainer_grads_match_fresh(
-        run.audit.steps,
-        dropped_per_step(run.selection),
-        fp64_twin("llama-full"),
-        0.0,
-        FP32_TOL,
-    )
-    assert check.steps == STEPS
+    assert_unclipped_llama_run_exact(run)
 
 
 def _param_grad(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
