@@ -41,7 +41,12 @@ from tda_plugins.capture.layers import (
     shared_parameter_ids,
     tied_units,
 )
-from tda_plugins.capture.normalization import LossNormalization, LossScale, SummedLoss
+from tda_plugins.capture.normalization import (
+    LossNormalization,
+    LossScale,
+    SummedLoss,
+    scale_rounding,
+)
 from tda_plugins.capture.packing import PACKED_ROWS_FIX, packed_rows
 from tda_plugins.capture.records import LayerRecord, MicroBatchRecord
 from tda_plugins.grads.base import PerExampleGrad, unique_nbytes
@@ -484,6 +489,7 @@ class CaptureEngine:
             },
             projected=self.projector is not None,
             loss_scale=batch.loss_scale(),
+            loss_scale_rounding=scale_rounding(batch.loss_scale),
             input_ids=batch.input_ids,
             labels=batch.labels,
             shift_labels=batch.shift_labels,

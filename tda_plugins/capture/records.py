@@ -63,6 +63,8 @@ class MicroBatchRecord:
         loss_scale: multiply the gradients by this to get each example's own gradient
             under the store's loss convention (e.g. the token count a mean loss divided
             by); 1 when the backpropagated loss already was the per-example summed loss.
+        loss_scale_rounding: the relative rounding ``loss_scale`` carries (0: exact; a
+            scale read off a 16-bit gradient, TRL's fused head on a bfloat16 model, 2^-8).
     """
 
     index: int
@@ -72,6 +74,7 @@ class MicroBatchRecord:
     layers: dict[str, LayerRecord] = field(default_factory=dict)
     projected: bool = False
     loss_scale: float | Tensor = 1.0
+    loss_scale_rounding: float = 0.0
     input_ids: Tensor | None = None
     labels: Tensor | None = None
     shift_labels: Tensor | None = None
@@ -100,6 +103,7 @@ class MicroBatchRecord:
             loss_scale=move(self.loss_scale)
             if isinstance(self.loss_scale, Tensor)
             else self.loss_scale,
+            loss_scale_rounding=self.loss_scale_rounding,
             input_ids=None if self.input_ids is None else move(self.input_ids),
             labels=None if self.labels is None else move(self.labels),
             shift_labels=None if self.shift_labels is None else move(self.shift_labels),

@@ -2,12 +2,12 @@
 drop the non-finite ones, apply the rule, and log the outcome.
 
 Every rank gathers the same few numbers per example (its id, loss tokens, loss scale and
-per-unit scores: ``3 + U`` floats, ``3 + 2U`` for cosine) in rank order, the order of the
-examples in one process's global batch (each rank's micro-batches in turn), and applies
-the rule to all of them on the host: every rank computes the same kept sets from the same
-numbers, and a run on ``W`` ranks drops exactly what one process drops on the same global
-batch (ties are broken by that order). This gather is the step's one host read of
-device values.
+its rounding, and per-unit scores: ``4 + U`` floats, ``4 + 2U`` for cosine) in rank
+order, the order of the examples in one process's global batch (each rank's micro-batches
+in turn), and applies the rule to all of them on the host: every rank computes the same
+kept sets from the same numbers, and a run on ``W`` ranks drops exactly what one process
+drops on the same global batch (ties are broken by that order). This gather is the step's
+one host read of device values.
 
 An example whose score is not finite (a non-finite gradient, from a poisoned input or an
 overflow) is dropped whatever the rule says, and named in the log; the rule then applies
@@ -88,6 +88,7 @@ class Decision:
             one mask for every unit).
         counts: ``(N,)`` fp64 loss tokens of every example.
         scales: ``(N,)`` fp64 every example's ``loss_scale`` (what its loss was divided by).
+        roundings: ``(N,)`` fp64 the relative rounding each scale carries.
         sizes: each rank's number of examples.
         offset: where this rank's examples start in the global order.
         size: this rank's number of examples.
@@ -97,6 +98,7 @@ class Decision:
     keep: list[Tensor]
     counts: Tensor
     scales: Tensor
+    roundings: Tensor
     sizes: list[int]
     offset: int
     size: int
@@ -133,6 +135,7 @@ def decide(
     ids: Tensor,
     counts: Tensor,
     scales: Tensor,
+    roundings: Tensor,
     scores: UnitScores,
     rule: DropRule,
     per_layer: bool,
@@ -140,16 +143,17 @@ def decide(
     count: int | None = None,
     gram: Tensor | None = None,
 ) -> Decision:
-    """Gather this rank's ``(B,)`` ids, loss tokens and loss scales and its per-unit scores
-    with every other rank's, and apply ``rule`` once to the global batch (``count``: the number a
-    ranked rule drops, per unit, instead of its own; ``gram``: the ``(N, N)`` Gram matrix
-    a set rule reads: the global batch's, in rank order)."""
+    """Gather this rank's ``(B,)`` ids, loss tokens, loss scales and their roundings and its
+    per-unit scores with every other rank's, and apply ``rule`` once to the global batch
+    (``count``: the number a ranked rule drops, per unit, instead of its own; ``gram``: the
+    ``(N, N)`` Gram matrix a set rule reads: the global batch's, in rank order)."""
     if isinstance(rule, SetRule) and gram is None:
         raise ValueError(f"rule {rule.name!r} needs the step's Gram matrix")
     parts = [
         ids.view(torch.float64)[:, None],
         counts.double()[:, None],
         scales.double()[:, None],
+        roundings.double()[:, None],
         scores.dots,
     ]
     if scores.squares is not None:
@@ -161,10 +165,11 @@ def decide(
     global_ids = rows[:, 0].contiguous().view(torch.int64)
     global_counts = rows[:, 1].contiguous()
     global_scales = rows[:, 2].contiguous()
-    dots = rows[:, 3 : 3 + units]
+    global_roundings = rows[:, 3].contiguous()
+    dots = rows[:, 4 : 4 + units]
     finite = torch.isfinite(dots).all(dim=1)
     if scores.squares is not None and scores.target_squares is not None:
-        squares = rows[:, 3 + units :]
+        squares = rows[:, 4 + units :]
         finite &= torch.isfinite(squares).all(dim=1)
         target_sq = scores.target_squares.cpu()
         if not per_layer:
@@ -198,6 +203,7 @@ def decide(
         keep,
         global_counts,
         global_scales,
+        global_roundings,
         sizes,
         sum(sizes[: ranks.rank]),
         sizes[ranks.rank],

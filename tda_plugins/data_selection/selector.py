@@ -310,6 +310,9 @@ class DataSelector(CaptureConsumer):
             ids=ids,
             counts=counts,
             scales=_example_scales(records, counts.device),
+            roundings=torch.cat(
+                [torch.full((r.batch_size,), r.loss_scale_rounding) for r in records]
+            ),
             scores=scores,
             rule=self.rule,
             per_layer=per_layer,
@@ -323,6 +326,7 @@ class DataSelector(CaptureConsumer):
             outcome.example_ids,
             decision.counts,
             decision.scales,
+            decision.roundings,
             self.surgery.divide,
             self.token_mean_fix,
         )
@@ -372,5 +376,7 @@ class DataSelector(CaptureConsumer):
         empty = torch.zeros(size, dtype=torch.bool)
         ids = torch.zeros(size, dtype=torch.int64)
         outcome = StepSelection(-1, ids, empty.float(), empty, empty)
-        decision = Decision([keep], counts, counts.sum().expand(size), [size], 0, size, outcome)
+        decision = Decision(
+            [keep], counts, counts.sum().expand(size), empty.double(), [size], 0, size, outcome
+        )
         self.surgery.apply(records, dict.fromkeys(self.layers, keep), decision, missing, True)

@@ -21,17 +21,24 @@ from torch import Tensor
 
 from tda_plugins.session.capture import UnsupportedTrainingSetup
 
-#: Relative difference between ``loss_scale * F`` and the step's token count that is taken
-#: for rounding: a bfloat16 gradient of TRL's per-token log-probabilities (``-c / N``)
-#: carries up to 2^-8 of it; a loss's own scale is exact.
-TOLERANCE = 5e-3
+#: Relative difference between ``loss_scale * F`` and the step's token count taken for
+#: rounding, plus twice the rounding a scale says it carries (a record's
+#: ``loss_scale_rounding``: 2^-8 read off a bfloat16 gradient, as TRL's fused head on a
+#: bfloat16 model gives it); a loss's own scale is exact.
+TOLERANCE = 1e-6
 
 #: The way out when no integration names its own.
 GENERIC_FIX = "normalize the loss by the token count of the step's whole global batch"
 
 
 def check_token_mean(
-    step: int, ids: Tensor, counts: Tensor, scales: Tensor, divide: float, fix: str
+    step: int,
+    ids: Tensor,
+    counts: Tensor,
+    scales: Tensor,
+    roundings: Tensor,
+    divide: float,
+    fix: str,
 ) -> None:
     """Refuse step ``step`` unless every example's loss was divided by the step's tokens.
 
@@ -40,8 +47,10 @@ def check_token_mean(
         ids: ``(N,)`` the examples' ids.
         counts: ``(N,)`` loss tokens of every example of the global batch.
         scales: ``(N,)`` fp64 each example's ``loss_scale`` (what its loss was divided by).
+        roundings: ``(N,)`` the relative rounding each scale carries.
         divide: ``F``, the trainer's gradient divisor over ranks.
         fix: the integration's way out.
+        tolerance: the relative difference taken for the scales' rounding.
 
     Raises:
         UnsupportedTrainingSetup: some example's loss was divided by another count.
@@ -50,14 +59,17 @@ def check_token_mean(
     if total <= 0:
         return  # no loss token in the step: nothing to normalize, nothing kept to rescale
     divided = scales.double() * divide
-    off = ((divided - total).abs() > TOLERANCE * total).nonzero().flatten()
+    tolerance = TOLERANCE + 2 * roundings.double()
+    off = ((divided - total).abs() > tolerance * total).nonzero().flatten()
     if off.numel() == 0:
         return
     first = int(off[0])
+    ranks = f" (times {divide:g}, the ranks' gradient divisor: {float(divided[first]):.6g})"
     raise UnsupportedTrainingSetup(
         f"step {step + 1}: the trainer divided the loss of example {int(ids[first])} by "
-        f"{float(divided[first]):.6g} tokens, but the step's global batch has {total:.6g} "
-        f"loss tokens ({off.numel()} of {scales.numel()} examples differ). The selection "
-        "rebuilds .grad as the token mean over the kept examples of the whole step, so it "
-        f"would differ from the trainer's own normalization; {fix}"
+        f"{float(scales[first]):.6g} tokens{ranks if divide != 1 else ''}, but the step's "
+        f"global batch has {total:.6g} loss tokens ({off.numel()} of {scales.numel()} "
+        "examples differ). The selection rebuilds .grad as the token mean over the kept "
+        "examples of the whole step, so it would differ from the trainer's own "
+        f"normalization; {fix}"
     )

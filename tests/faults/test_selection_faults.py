@@ -177,6 +177,7 @@ def test_a_non_finite_score_drops_its_example_and_the_rule_takes_the_finite_ones
         ids=torch.arange(10, 15),
         counts=torch.ones(5, dtype=torch.long),
         scales=torch.full((5,), 5.0, dtype=torch.float64),
+        roundings=torch.zeros(5, dtype=torch.float64),
         scores=UnitScores(dots),
         rule=rule_by_name("bottom_fraction", fraction=0.5),
         per_layer=False,

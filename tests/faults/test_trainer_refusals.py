@@ -336,6 +336,12 @@ def test_an_moe_router_load_balancing_loss_is_refused(tmp_path: Path, coefficien
     if coefficient:
         named = ("output_router_logits=True", "router_aux_loss_coef=0.02", "no one example's")
         assert_refused(tmp_path, mixtral(router_logits=True), *named)
+        # TRL's SFTTrainer turns the router logits back on from its own coefficient
+        from trl import SFTConfig
+
+        sft = training_args(tmp_path / "out", SFTConfig)
+        fix = "set SFTConfig(router_aux_loss_coef=0.0)"
+        assert_refused(tmp_path, mixtral(router_logits=True), *named, fix, training=sft)
     else:
         assert check_trainer_setup(args, mixtral(router_logits=True)) is not None
 

@@ -277,6 +277,7 @@ class DataSelectionCallback(Callback, LayerOptions):
             log_path=log_path,
             start_step=self.trainer.global_step - 1,
             fix=_FIX,
+            token_mean_fix=_TOKEN_MEAN_FIX,
         )
         self._ids_hook = before_each_forward(model, self._observe_call)
         if self.trainer.global_step > 1:  # resumed from a checkpoint
@@ -335,3 +336,11 @@ class DataSelectionCallback(Callback, LayerOptions):
 
 
 _FIX = "use layers='all' (the default) without include/exclude/last_n_blocks, or freeze them"
+
+#: The way out when a step's loss is not the token mean over its global batch: OLMo-core's
+#: train module divides each rank's loss by that rank's own label tokens.
+_TOKEN_MEAN_FIX = (
+    "OLMo-core divides each rank's loss by that rank's own label tokens, so ranks with "
+    "unequal label tokens weigh their instances unequally; select in one process, or give "
+    "every rank as many label tokens (no label mask or instance filter)"
+)

@@ -10,7 +10,8 @@ Two output forms are handled, both without a host sync:
   arriving at ``output.loss`` *is* ``c``, so ``loss_scale = N / c``.
 * ``output.log_probs`` (TRL ``SFTTrainer``'s fused head): the loss is
   ``-c * sum(log_probs) / N``, so every entry of the gradient at ``log_probs`` is ``-c/N``
-  and ``loss_scale = -1 / mean(gradient)``.
+  and ``loss_scale = -1 / mean(gradient)``, rounded as the gradient's dtype rounds
+  (:class:`~tda_plugins.capture.normalization.ReadOffGradient`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tda_plugins.capture.normalization import GradientAt
+from tda_plugins.capture.normalization import GradientAt, ReadOffGradient
 
 
 def _field(output: Any, name: str) -> Tensor | None:
@@ -47,7 +48,9 @@ class CausalLMNormalization:
         log_probs = _field(output, "log_probs")
         if log_probs is not None:
             at_log_probs = GradientAt(log_probs)
-            return lambda: -1.0 / at_log_probs.value().double().mean()
+            return ReadOffGradient.of(
+                lambda: -1.0 / at_log_probs.value().double().mean(), log_probs.dtype
+            )
         loss = _field(output, "loss")
         if loss is None:
             raise ValueError(

@@ -144,11 +144,16 @@ def _router_aux_loss(args: TrainingArguments, model: nn.Module) -> Refusal:
     config = getattr(model, "config", None)
     coefficient = getattr(config, "router_aux_loss_coef", 0)
     if getattr(config, "output_router_logits", False) and coefficient:
+        # TRL's SFTTrainer turns output_router_logits back on from its own coefficient
+        fix = (
+            "set SFTConfig(router_aux_loss_coef=0.0)"
+            if type(args).__name__ == "SFTConfig"
+            else "set model.config.output_router_logits=False (or router_aux_loss_coef=0)"
+        )
         return (
             f"the model adds its MoE router's load-balancing loss (output_router_logits=True, "
             f"router_aux_loss_coef={coefficient}), a term of the whole batch whose gradient is "
-            "no one example's, so each stored gradient would carry a share of it; set "
-            "model.config.output_router_logits=False (or router_aux_loss_coef=0)"
+            f"no one example's, so each stored gradient would carry a share of it; {fix}"
         )
     return None
 

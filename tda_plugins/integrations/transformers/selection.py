@@ -54,9 +54,24 @@ from tda_plugins.session.settings import LayerOptions, LayerSettings
 #: The way out when a step's loss is not the token mean over its global batch.
 TOKEN_MEAN_FIX = (
     "a compute_loss override must pass num_items_in_batch on to super().compute_loss() "
-    "(or to the model call), and several processes need average_tokens_across_devices=True "
-    "(the default); else train with gradient_accumulation_steps=1 in one process"
+    "(or to the model call) and return its loss unweighted, and several processes need "
+    "average_tokens_across_devices=True (the default); an override that divides by each "
+    "micro-batch's own tokens is exact only at gradient_accumulation_steps=1 in one process"
 )
+
+#: The way out when each rank divides its loss by its own tokens.
+PER_RANK_FIX = (
+    "average_tokens_across_devices=False makes each rank divide its loss by its own "
+    "tokens: set it to True (the default)"
+)
+
+
+def token_mean_fix(args: TrainingArguments) -> str:
+    """The way out of the selection's token-mean check
+    (:mod:`~tda_plugins.data_selection.token_mean`) for this trainer's arguments."""
+    per_rank = args.world_size > 1 and not getattr(args, "average_tokens_across_devices", True)
+    return PER_RANK_FIX if per_rank else TOKEN_MEAN_FIX
+
 
 #: The ``LayerOptions`` fields that select layers (the keyword options this callback takes).
 LAYER_OPTIONS = ("layers", "include", "exclude", "last_n_blocks")
@@ -272,7 +287,7 @@ class DataSelectionCallback(MetricsCallback):
             start_step=start.state.global_step,
             fix=fix,
             output_losses=causal_lm_output_losses,
-            token_mean_fix=TOKEN_MEAN_FIX,
+            token_mean_fix=token_mean_fix(args),
         )
         self._clipping = ClippingTakeover(args)
         self.session.engine.add_consumer(self._clipping)
