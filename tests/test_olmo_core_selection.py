@@ -22,7 +22,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -268,24 +268,48 @@ def test_a_trajectory_recorded_beside_selection_is_refused_before_any_step(
     assert selection.selector is None and not (tmp_path / "store").exists()
 
 
+@dataclass
+class CheckpointLike(Callback):
+    """Reads the influence callback's state at ``post_train_batch`` of every step, before
+    any ``post_step``, as OLMo-core's checkpointer (priority 1) saves it; and keeps the
+    metrics the trainer logs."""
+
+    priority: ClassVar[int] = 1
+    states: list[dict[str, Any]] = field(default_factory=list)
+    logged: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    def post_train_batch(self) -> None:
+        self.states.append(self.trainer.callbacks["influence"].state_dict())
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        self.logged.setdefault(step, {}).update(metrics)
+
+
 def test_influence_leaves_out_the_instances_the_selection_dropped(tmp_path: Path) -> None:
     """The influence callback runs before the selection; still, each step's influence
-    covers exactly the instances the selection kept (dropped ones did not train), and
-    its logged metrics are theirs."""
+    covers exactly the instances the selection kept (dropped ones did not train), in the
+    live log, in the state a checkpoint saves before ``post_step``, and in the metrics
+    logged at every step."""
     from tda_plugins.integrations.olmo_core import InfluenceLoggingCallback
 
     influence = InfluenceLoggingCallback(
         TARGET_LISTS[:2], method="graddot", layers="all", report_dir=str(tmp_path / "report")
     )
+    checkpoints = CheckpointLike()
     selection = DataSelectionCallback(TARGET_LISTS, fraction=FRACTION, layers="all", **PINNED)
-    train(tmp_path, selection, BATCH, {"influence": influence})
+    train(tmp_path, selection, BATCH, {"influence": influence, "checkpoints": checkpoints})
     kept = {h.step: set(h.example_ids[~h.dropped].tolist()) for h in selection.history}
     assert len(kept) == STEPS and all(len(ids) == BATCH // 2 for ids in kept.values())
     history = influence.influence_log.history
     assert {h.step: set(h.example_ids.tolist()) for h in history} == kept
+    ever_kept = set().union(*kept.values())
+    for state in checkpoints.states:
+        assert set(state["influence_log"]["cumulative_ids"].tolist()) <= ever_kept
     report = json.loads((tmp_path / "report" / "influence.json").read_text())
     for h, logged in zip(history, report["history"], strict=True):
         assert logged["mean"] == pytest.approx(h.scores.mean(0).tolist())
+        metrics = checkpoints.logged[h.step + 1]
+        assert metrics["influence/q0_mean"] == pytest.approx(float(h.scores[:, 0].mean()))
 
 
 def test_target_pool_labels_are_shifted_and_padding_is_ignored() -> None:

@@ -147,7 +147,7 @@ class InfluenceLogger(CaptureConsumer):
     def history(self) -> list[StepInfluence]:
         """Every scored step with an example that trained, oldest first (the latest scored
         step is credited first)."""
-        self.credit()
+        self._credit()
         return self._history
 
     def leave_out(self, step: int, example_ids: Collection[int]) -> None:
@@ -161,20 +161,20 @@ class InfluenceLogger(CaptureConsumer):
         dropped = torch.tensor(sorted(example_ids), dtype=torch.long)
         self._scored = scored.without(torch.isin(scored.example_ids, dropped))
 
-    def credit(self) -> StepInfluence | None:
-        """Credit the scored step awaiting it: its history entry (returned; ``None`` if no
-        step awaited, or none of its examples trained) and its cumulative scores."""
+    def _credit(self) -> None:
+        """Credit the scored step awaiting it (if any of its examples trained): its history
+        entry and its cumulative scores."""
         scored, self._scored = self._scored, None
         if scored is None or not scored.example_ids.numel():
-            return None
+            return
         scores, ids = scored.scores, scored.example_ids
-        entry = StepInfluence(scored.step, scores.mean(0), scores.amax(0), ids, scores)
-        self._history.append(entry)
+        self._history.append(
+            StepInfluence(scored.step, scores.mean(0), scores.amax(0), ids, scores)
+        )
         for row, example in zip(scores, ids.tolist(), strict=True):
             previous = self._cumulative.get(example)
             weighted = scored.learning_rate * row
             self._cumulative[example] = weighted if previous is None else previous + weighted
-        return entry
 
     def on_attach(self, config: CaptureConfig) -> None:
         self.space = self.groups.resolve(config)
@@ -214,7 +214,7 @@ class InfluenceLogger(CaptureConsumer):
         if self.queries is None:  # not a scored step, on every rank alike
             return
         cosine = self.method == "gradcos"
-        self.credit()
+        self._credit()
         if records:
             parts = [scores_and_norms(r, self.queries, cosine, self.space.apply) for r in records]
             local = torch.cat([scores for scores, _ in parts]).float()
@@ -239,7 +239,7 @@ class InfluenceLogger(CaptureConsumer):
 
     def on_end(self) -> None:
         """Every rank's token ids, for the report's texts (a collective in a distributed run)."""
-        self.credit()
+        self._credit()
         merged: dict[int, list[int]] = {}
         for tokens in self.gather.objects(self._tokens):
             merged.update(tokens)
@@ -297,7 +297,7 @@ class InfluenceLogger(CaptureConsumer):
 
     def cumulative_scores(self, query_ids: Tensor) -> Scores:
         """Every example seen so far, with its cumulative influence, as :class:`Scores`."""
-        self.credit()
+        self._credit()
         ids = sorted(self._cumulative)
         values = torch.stack([self._cumulative[i] for i in ids]) if ids else torch.empty(0, 0)
         return Scores(torch.tensor(ids, dtype=torch.long), query_ids, values, self.method)
@@ -327,7 +327,7 @@ class InfluenceLogger(CaptureConsumer):
             ids = [int(t) for t in tokens]
             return decode(ids) if decode is not None else " ".join(map(str, ids))
 
-        self.credit()
+        self._credit()
         train = {i: text(t) for i in sorted(self._cumulative) if (t := self._tokens.get(i))}
         queries = {int(q): text(t) for q, t in zip(query_ids.tolist(), query_tokens, strict=True)}
         return train, queries

@@ -182,12 +182,10 @@ class InfluenceLoggingCallback(Callback, LayerOptions, ProjectionOptions):
         step and record its metrics."""
         if self._engine is None:
             return
-        for callback in self.trainer.callbacks.values():
-            if isinstance(callback, DataSelectionCallback) and callback.history:
-                outcome = callback.history[-1]
-                self.influence_log.leave_out(outcome.step, outcome.untrained_ids())
-        if self.influence_log.credit() is None:
-            return
+        self._leave_out_dropped()
+        history = self.influence_log.history  # credits the step, unless a checkpoint did
+        if not history or history[-1].step != self.trainer.global_step - 1:
+            return  # not scored, or none of its instances trained
         for name, value in self.influence_log.metrics().items():
             # gathered over the ranks already: the same value on every rank
             self.trainer.record_metric(name, value, reduce_type=None)
@@ -206,6 +204,7 @@ class InfluenceLoggingCallback(Callback, LayerOptions, ProjectionOptions):
         so that a run resumed from it reports every step; empty before the first step."""
         if self._engine is None:
             return {}
+        self._leave_out_dropped()  # OLMo-core checkpoints before post_step
         return {"influence_log": self.influence_log.state()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -217,6 +216,14 @@ class InfluenceLoggingCallback(Callback, LayerOptions, ProjectionOptions):
         self._release()
 
     # -- helpers -----------------------------------------------------------------------
+
+    def _leave_out_dropped(self) -> None:
+        """Leave out of the latest scored step the instances a ``DataSelectionCallback``
+        in this trainer dropped from ``.grad`` (decided at its ``pre_optim_step``)."""
+        for callback in self.trainer.callbacks.values():
+            if isinstance(callback, DataSelectionCallback) and callback.history:
+                outcome = callback.history[-1]
+                self.influence_log.leave_out(outcome.step, outcome.untrained_ids())
 
     def _check_setup(self) -> nn.Module:
         train_module = self.trainer.train_module
