@@ -41,6 +41,7 @@ from tda_plugins.session.settings import (
     settings_from,
 )
 from tda_plugins.store import GradientStore, StoreReader
+from tda_plugins.store.layout import LOSS_TOKENS
 from tda_plugins.store.texts import TokenTexts, token_texts
 
 if TYPE_CHECKING:
@@ -267,11 +268,6 @@ def plan_batches(
             "'id' (without ids, duplicated examples get the same content hash)"
         )
     return planned
-
-
-#: The store metadata entry naming which tokens of its rows carry their loss
-#: (:class:`~tda_plugins.integrations.transformers.data.LossTokens`).
-LOSS_TOKENS = "loss_tokens"
 
 
 def loss_tokens(

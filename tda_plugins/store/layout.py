@@ -35,6 +35,9 @@ INDEX_FILE = "index.json"
 EXAMPLES_FILE = "examples.jsonl"
 CURVATURE_FILE = "curvature.safetensors"
 END_FILE = "end.json"
+#: The ``store.json`` metadata entry naming which tokens of the stored rows carry their loss
+#: (:class:`~tda_plugins.integrations.transformers.data.LossTokens`); an append must agree.
+LOSS_TOKENS = "loss_tokens"
 #: The only names a shard file may have (``shard_name``).
 SHARD_PATTERN = re.compile(r"s\d{8}-m\d{6}\.safetensors")
 
@@ -45,6 +48,16 @@ class StoreError(ValueError):
 
 def rank_dir(root: Path, rank: int) -> Path:
     return root / f"rank-{rank}"
+
+
+#: The shard header's metadata entry naming where it was written (:func:`shard_place`).
+SHARD_PLACE = "place"
+
+
+def shard_place(rank: int, step: int, micro_batch: int) -> str:
+    """Where a shard belongs, as its header records it: a shard copied to another rank
+    folder or listed as another step does not match its index entry."""
+    return f"rank {rank} step {step} micro-batch {micro_batch}"
 
 
 def shard_name(step: int, micro_batch: int) -> str:

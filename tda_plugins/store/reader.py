@@ -30,8 +30,11 @@ from tda_plugins.store.io import read_json
 from tda_plugins.store.layout import (
     END_FILE,
     INDEX_FILE,
+    SHARD_PLACE,
     StoreError,
+    rank_dir,
     read_store_header,
+    shard_place,
 )
 from tda_plugins.store.memory import IN_MEMORY, medium_for, not_in_this_process
 from tda_plugins.store.texts import TokenTexts, read_texts, read_token_texts
@@ -73,6 +76,48 @@ class _Shard:
         return len(self.example_ids)
 
 
+def _rank_of(folder: Path) -> int | None:
+    """The rank of a ``rank-<r>`` folder (``None``: not a folder of ranks). A name the
+    writer never gives (``rank-00``, ``rank-²``) that holds an index is refused: read as a
+    rank, a copied folder would count its examples twice."""
+    suffix = folder.name.split("-", 1)[1]
+    if not folder.is_dir():
+        return None
+    if (
+        suffix.isascii()
+        and suffix.isdigit()
+        and folder.name == rank_dir(folder.parent, int(suffix)).name
+    ):
+        return int(suffix)
+    if (folder / INDEX_FILE).exists():
+        raise StoreError(
+            f"{folder} holds an index but is not a rank folder the store writes "
+            "(rank-0, rank-1, ...): a copied or renamed folder; remove it"
+        )
+    return None
+
+
+def _check_end(folder: Path, steps: list[int]) -> None:
+    """Refuse a rank whose index is not the one its capture ended with (``end.json``:
+    its last step and, since it was recorded, its number of shards): an index cut short
+    or edited after the capture would be scored as a smaller store."""
+    path = folder / END_FILE
+    if not path.exists():
+        return
+    try:
+        end = read_json(path)
+        last, count = end.get("last_step"), end.get("shards")
+    except (ValueError, AttributeError) as error:
+        raise StoreError(f"{path} is damaged ({error!r}); recapture") from error
+    found_last = max(steps, default=None)
+    if (last is not None and last != found_last) or (count is not None and count != len(steps)):
+        raise StoreError(
+            f"{folder / INDEX_FILE} lists {len(steps)} shards up to step {found_last}, but the "
+            f"capture ended with {count if count is not None else 'its'} shards up to step "
+            f"{last} ({path}): the index was edited or cut short; recapture"
+        )
+
+
 class StoreReader:
     """Read-only, merged view of a store written by one or more ranks.
 
@@ -109,12 +154,14 @@ class StoreReader:
     def _list_shards(self) -> list[_Shard]:
         shards = []
         for folder in sorted(self.root.glob("rank-*")):
-            suffix = folder.name.split("-", 1)[1]
-            if not folder.is_dir() or not suffix.isdigit():
+            rank = _rank_of(folder)
+            if rank is None:
                 continue
+            entries = read_index(folder / INDEX_FILE)
+            _check_end(folder, [e.step for e in entries])
             shards += [
-                _Shard(e.path(folder), e.step, int(suffix), e.micro_batch, e.example_ids, e.xxh3)
-                for e in read_index(folder / INDEX_FILE)
+                _Shard(e.path(folder), e.step, rank, e.micro_batch, e.example_ids, e.xxh3)
+                for e in entries
             ]
         return sorted(shards, key=lambda s: (s.step, s.rank, s.micro_batch))
 
@@ -194,10 +241,11 @@ class StoreReader:
                 ", ".join(extra[:3]) + (", ..." if len(extra) > 3 else ""),
                 len(self.config.layers),
             )
+        self._committed()
+        ours, theirs = self.end_weights(), other.end_weights()  # each store's ranks agree
         if allow_mismatch or self.fingerprint is None or other.fingerprint is None:
             return  # a store written without its model (GradientStore(model=None)) says nothing
         differences = fingerprint_differences(self.fingerprint, other.fingerprint)
-        ours, theirs = self.end_weights(), other.end_weights()
         if ours is None or theirs is None:
             unfinished = self.root if ours is None else other.root
             differences.append(
@@ -255,10 +303,19 @@ class StoreReader:
         return chunk
 
     def _verify(self, shard: _Shard) -> None:
-        """Check a shard against its checksum, once per reader."""
+        """Check a shard against its checksum and the place it was written at (its rank,
+        step and micro-batch, in its header since they were recorded), once per reader."""
         if shard.path in self._verified:
             return
         self._medium.verify(shard.path, shard.xxh3, damaged="the store is damaged: recapture")
+        with self._medium.open(shard.path) as f:
+            written = f.metadata.get(SHARD_PLACE)
+        listed = shard_place(shard.rank, shard.step, shard.micro_batch)
+        if written is not None and written != listed:
+            raise StoreError(
+                f"{shard.path} was written as {written}, but its index lists it as {listed}: "
+                "a shard or rank folder copied into the store; remove the copy or recapture"
+            )
         self._verified.add(shard.path)
 
     def load_all(self, layers: list[str] | None = None) -> StoreChunk:

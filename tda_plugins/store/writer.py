@@ -90,11 +90,14 @@ from tda_plugins.store.layout import (
     EXAMPLES_FILE,
     FORMAT_VERSION,
     INDEX_FILE,
+    LOSS_TOKENS,
+    SHARD_PLACE,
     STORE_FILE,
     StoreError,
     rank_dir,
     read_store_header,
     shard_name,
+    shard_place,
 )
 from tda_plugins.store.lock import WriterLock
 from tda_plugins.store.memory import IN_MEMORY, medium_for, not_in_this_process
@@ -229,6 +232,9 @@ class GradientStore(CaptureConsumer):
             differences = header.config.differences(config)
             if self.fingerprint is not None and header.fingerprint is not None:
                 differences += fingerprint_differences(header.fingerprint, self.fingerprint)
+            stored, ours = header.metadata.get(LOSS_TOKENS), self.metadata.get(LOSS_TOKENS)
+            if stored is not None and ours is not None and stored != ours:
+                differences.append(f"its rows carry their loss on {stored}, these on {ours}")
             if differences:
                 raise StoreError(
                     f"{self.root} holds a store captured with another config or model: "
@@ -243,6 +249,11 @@ class GradientStore(CaptureConsumer):
 
     def on_attach(self, config: CaptureConfig) -> None:
         self.check_compatible(config)
+        end = self._dir / END_FILE
+        if end.exists():  # an append: unfinished until its own end marker
+            end.unlink()
+            if self.durability.per_step:
+                fsync_path(self._dir)
         if not (self.root / STORE_FILE).exists():
             header = {
                 "format_version": FORMAT_VERSION,
@@ -301,7 +312,11 @@ class GradientStore(CaptureConsumer):
             layers[name] = {"kind": kind, "attrs": attrs, "fields": list(parts)}
         _require_finite(tensors, record.step)
         name = shard_name(record.step, record.index)
-        metadata = {"layers": json.dumps(layers), "aliases": json.dumps(aliases)}
+        metadata = {
+            "layers": json.dumps(layers),
+            "aliases": json.dumps(aliases),
+            SHARD_PLACE: shard_place(self.rank, record.step, record.index),
+        }
         # The shard is unlisted until its step's index write, which runs after its fsync
         # and checksum; the closure holds the tensors until then.
         path = self._dir / name
@@ -346,7 +361,13 @@ class GradientStore(CaptureConsumer):
                 "last_step": max(self._steps, default=None),
             }
             durable = self.durability.per_step
-            self._sync.submit(lambda: atomic_write_json(self._dir / END_FILE, end, durable=durable))
+
+            def write_end() -> None:  # after every commit queued before it
+                with self._shards_lock:
+                    end["shards"] = len(self._shards)  # what the index holds at the end
+                atomic_write_json(self._dir / END_FILE, end, durable=durable)
+
+            self._sync.submit(write_end)
         self._sync.close()  # every shard, the index and the end marker are written
         if self.durability.deferred:
             written, self._unsynced = self._unsynced, []

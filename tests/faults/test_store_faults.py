@@ -618,3 +618,109 @@ def test_a_one_pass_capture_stopped_after_its_first_step_keeps_every_text(
     texts = reader.texts()
     assert set(reader.load_all().example_ids.tolist()) == set(range(50, 56))
     assert {i: texts[i] for i in range(50, 56)} == {50 + i: r["text"] for i, r in enumerate(rows)}
+
+
+# -- an index, a rank folder or a shard that is not the capture's own ---------------------
+
+
+@pytest.mark.parametrize("cut", ["last", "middle"])
+def test_an_index_cut_short_after_the_capture_is_refused(tmp_path: Path, cut: str) -> None:
+    """Entries removed from a finished rank's index (each left valid): the store would be
+    scored as a smaller one; its end marker's last step and shard count refuse it."""
+    store = store_of(tmp_path / "store", steps=4)
+    edit_index(store, lambda shards: shards.pop(-1 if cut == "last" else 1))
+    with pytest.raises(StoreError, match=r"lists 3 shards .* ended with 4 shards .*cut short"):
+        StoreReader(store)
+
+
+def test_a_shard_listed_again_as_another_step_is_refused(tmp_path: Path) -> None:
+    """A shard's file copied in as a new step, its checksum with it: refused by the shard
+    count at the end (finished store) and, without the end marker, by the place the
+    shard's header says it was written at."""
+    store = store_of(tmp_path / "store", steps=2)
+    folder = rank_dir(store, 0)
+    copy = "s00000002-m000000.safetensors"
+    (folder / copy).write_bytes((folder / "s00000000-m000000.safetensors").read_bytes())
+
+    def add_copy(shards: list[dict[str, Any]]) -> None:
+        shards.append({**shards[0], "file": copy, "step": 2})
+
+    edit_index(store, add_copy)
+    with pytest.raises(StoreError, match="cut short"):
+        StoreReader(store)
+    (folder / "end.json").unlink()
+    with pytest.raises(StoreError, match=r"written as rank 0 step 0 .* lists it as rank 0 step 2"):
+        StoreReader(store).load_all()
+
+
+@pytest.mark.parametrize("name", ["rank-1", "rank-00"])
+def test_a_rank_folder_copied_beside_itself_is_refused(tmp_path: Path, name: str) -> None:
+    """``cp -r rank-0 <name>``: its examples would count twice (every score doubled).
+    ``rank-00`` is no name the writer gives; ``rank-1``'s shards say they are rank 0's."""
+    import shutil
+
+    store = store_of(tmp_path / "store")
+    shutil.copytree(rank_dir(store, 0), store / name)
+    with pytest.raises(StoreError, match="copied"):
+        StoreReader(store).load_all()
+
+
+def test_an_append_stopped_before_its_end_leaves_the_store_unfinished(tmp_path: Path) -> None:
+    """The end marker of the capture appended to goes when the append starts: stopped
+    midway, the store reads as unfinished (queries refused unless allowed), not as the
+    finished capture it was."""
+    store = store_of(tmp_path / "store", steps=2)
+    net = model()
+    writer = GradientStore(store, model=net, append=True)
+    with CaptureEngine(net, layers=ALL, consumers=[writer]) as engine:
+        engine.resume_at_step(writer.next_step)
+        summed_loss(net, batches(1, seed=5)[0]).backward()
+        engine.optimizer_step()
+        writer.flush()  # stopped here: no end
+    queries = store_of(tmp_path / "queries", steps=1)
+    reader = StoreReader(store)
+    assert reader.steps == [0, 1, 2]
+    with pytest.raises(StoreError, match="its capture did not finish"):
+        reader.require_compatible(StoreReader(queries))
+
+
+def test_appending_rows_with_other_loss_tokens_is_refused(tmp_path: Path) -> None:
+    """A store of prompt/completion rows trained on their completions: appending rows that
+    carry their loss on every token would mix two conventions under one label."""
+    from tda_plugins import capture_examples
+    from tests.trainers import prompt_completion_pairs, word_tokenizer
+
+    net = model()
+    rows = [pair.row() for pair in prompt_completion_pairs(6)]
+    options = {"layers": "linear", "batch_size": 2, "progress": False, "curvature": False}
+    store = tmp_path / "store"
+    capture_examples(net, rows[:4], store, tokenizer=word_tokenizer(), **options)
+    before = snapshot(store)
+    with pytest.raises(StoreError, match="carry their loss on"):
+        capture_examples(
+            net,
+            rows[4:],
+            store,
+            tokenizer=word_tokenizer(),
+            append=True,
+            completion_only_loss=False,
+            **options,
+        )
+    assert snapshot(store) == before
+
+
+def test_allowing_other_queries_still_refuses_ranks_that_ended_at_different_weights(
+    tmp_path: Path,
+) -> None:
+    """``allow_mismatch`` is for queries of another model, not for a store whose own
+    ranks disagree (rank 1 captured at other weights of the same config)."""
+    store = store_of(tmp_path / "store")
+    other = model(seed=1)
+    writer = GradientStore(store, rank=1, model=other)
+    with CaptureEngine(other, layers=ALL, consumers=[writer]) as engine:
+        summed_loss(other, batches(1, seed=7)[0]).backward()
+        engine.optimizer_step()
+        engine.end()
+    queries = store_of(tmp_path / "queries", steps=1)
+    with pytest.raises(StoreError, match="ended at different weights"):
+        StoreReader(store).require_compatible(StoreReader(queries), allow_mismatch=True)

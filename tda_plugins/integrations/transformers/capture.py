@@ -37,8 +37,8 @@ from tda_plugins.integrations.transformers.setup import (
 )
 from tda_plugins.precondition.adam import AdamMoments
 from tda_plugins.session.capture import CaptureSession, UnsupportedTrainingSetup
-from tda_plugins.session.dataset import LOSS_TOKENS
 from tda_plugins.session.settings import CaptureSettings, settings_from
+from tda_plugins.store.layout import LOSS_TOKENS
 
 
 class GradientCaptureCallback(CheckedCallback):
