@@ -273,13 +273,22 @@ def test_report_rerenders_the_attribute_report(
     capsys: pytest.CaptureFixture[str], runs: dict[str, CliRun], tmp_path: Path
 ) -> None:
     """``tda report`` from the saved scores and stores writes the same page ``tda attribute``
-    wrote (same top-k)."""
+    wrote, at the top-k it was saved with unless given; it replaces that page only with
+    ``--force``."""
     run = runs["llama"]
     page = tmp_path / "page.html"
     argv = ["report", "--scores", run.out, "--store", run.store, "--queries", run.query_store]
-    code, _, err = run_main(capsys, *argv, "--top-k", 3, "--out", page)
+    code, _, err = run_main(capsys, *argv, "--out", page)
     assert code == 0, err
     assert page.read_text() == (run.out / "report.html").read_text()
+    wider = tmp_path / "wider.html"
+    code, _, err = run_main(capsys, *argv, "--top-k", 4, "--out", wider)
+    assert code == 0, err
+    assert wider.read_text() != page.read_text()
+    before = (run.out / "report.html").read_text()
+    code, _, err = run_main(capsys, *argv, "--top-k", 4)
+    assert_one_line_error(code, err, "report", "exists", "--force")
+    assert (run.out / "report.html").read_text() == before
 
 
 # -- 8: help and bad input -----------------------------------------------------------------
@@ -588,15 +597,16 @@ def test_an_output_that_holds_an_input_is_refused_even_with_force(
 def test_loss_switches_reach_the_store_and_like_captures_inherit_them(
     runs: dict[str, CliRun], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``--no-completion-only-loss`` / ``--assistant-only-loss`` are the rows' loss tokens,
-    recorded in the store; ``--like`` of it takes them when not given; ``tda score``
-    passes them on."""
+    """``--no-completion-only-loss`` / ``--assistant-only-loss`` / ``--eos`` are the rows'
+    loss tokens, recorded in the store; ``--like`` of it takes them when not given;
+    ``tda score`` passes them on."""
     from tda_plugins.cli import runs as cli_runs
 
     run = runs["llama"]
     first = tmp_path / "full"
-    run_tda(*capture_args(run.model_dir, run.train_file, first, "--no-completion-only-loss"))
-    full = {"completion_only_loss": False, "assistant_only_loss": False}
+    switches = ("--no-completion-only-loss", "--eos")
+    run_tda(*capture_args(run.model_dir, run.train_file, first, *switches))
+    full = {"completion_only_loss": False, "assistant_only_loss": False, "eos": True}
     assert StoreReader(first).metadata["loss_tokens"] == full
     run_tda(*capture_args(run.model_dir, run.train_file, tmp_path / "like", "--like", first))
     assert StoreReader(tmp_path / "like").metadata["loss_tokens"] == full
@@ -612,6 +622,7 @@ def test_loss_switches_reach_the_store_and_like_captures_inherit_them(
               "--queries", str(run.train_file), "--out", str(tmp_path / "s"),
               "--assistant-only-loss"])  # fmt: skip
     assert given["assistant_only_loss"] is True and given["completion_only_loss"] is None
+    assert given["eos"] is None  # off: tda score has no store to take it from
 
 
 # -- 10: model placement ---------------------------------------------------------------------

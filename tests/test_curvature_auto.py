@@ -52,6 +52,13 @@ def test_auto_keeps_statistics_up_to_the_threshold(
     monkeypatch.setattr(session, "AUTO_CURVATURE_BYTES", need + threshold_offset)
     with caplog.at_level(logging.INFO, logger="tda_plugins.session.capture"):
         assert _capture(tmp_path, curvature=curvature) is expected
-    if curvature == "auto":
-        said = "turns them on" if expected else "turns them off"
-        assert said in caplog.text and "curvature=True" in caplog.text
+    said = {"auto": "turns them on" if expected else "turns them off", True: "keeps them"}
+    logged = [r for r in caplog.records if "K-FAC statistics take" in r.getMessage()]
+    if curvature is False:
+        assert not logged
+        return
+    (record,) = logged
+    assert said[curvature] in record.getMessage()  # type: ignore[index]
+    # over the threshold it is a warning, whether the statistics are dropped or kept
+    over = threshold_offset < 0
+    assert record.levelno == (logging.WARNING if over else logging.INFO)

@@ -89,7 +89,7 @@ def test_rows_are_tokenized_as_trl_trains_them(tmp_path: Path, form: str, loss: 
     )
     trained = list(trainer.train_dataset)
     switches = LossTokens.of_trainer(trainer.args)
-    ours = tokenize_rows(list(enumerate(given, 1)), tokenizer, 64, eos=True, loss=switches)
+    ours = tokenize_rows(list(enumerate(given, 1)), tokenizer, 64, loss=switches)
     for example, row in zip(ours, trained, strict=True):
         assert example.input_ids == row["input_ids"]
         assert example.labels == row.get("labels", row["input_ids"])
@@ -192,7 +192,8 @@ def test_rows_captured_like_a_store_carry_the_loss_its_run_trained(
         ],
     ).train()
     trained = StoreReader(tmp_path / "run")
-    assert trained.metadata["loss_tokens"] == {**LossTokens().as_json(), **switches}
+    recorded = {**LossTokens().as_json(), **switches, "eos": True}  # SFTTrainer appends it
+    assert trained.metadata["loss_tokens"] == recorded
 
     def gradients(store: StoreReader) -> dict[int, torch.Tensor]:
         chunk = store.load_all()
@@ -207,7 +208,6 @@ def test_rows_captured_like_a_store_carry_the_loss_its_run_trained(
                 tmp_path / out,
                 tokenizer=tokenizer,
                 like=trained,
-                eos=True,
                 progress=False,
                 **options,
             )

@@ -28,6 +28,7 @@ from tda_plugins.grads.dense import DenseGrad
 from tda_plugins.grads.tokens import TokenFactors
 from tda_plugins.methods import Checkpoint, Scores, method_by_name
 from tda_plugins.methods.base import SCORE_GROUP_BYTES, default_chunk, layer_groups
+from tda_plugins.methods.scores import saved_top_k
 from tda_plugins.precondition.adam import OPTIMIZER_FILE, save_adam_state
 from tda_plugins.store import StoreError, StoreReader
 from tests.models import VOCAB, lm_batch, tiny_causal_lm
@@ -505,7 +506,7 @@ def test_top_k_returns_highest_as_helpful_and_lowest_as_harmful() -> None:
 
 def test_scores_save_load_round_trip(tmp_path: Path) -> None:
     """``save`` then ``load`` gives back ids, values and method bit for bit, and
-    ``topk.json`` holds the top-k of the saved scores."""
+    ``topk.json`` holds the top-k of the saved scores and its ``k``."""
     scores = random_scores()
     scores.save(tmp_path, k=4)
     loaded = Scores.load(tmp_path)
@@ -514,6 +515,7 @@ def test_scores_save_load_round_trip(tmp_path: Path) -> None:
     assert torch.equal(loaded.values, scores.values)
     assert loaded.method == scores.method
     topk = json.loads((tmp_path / "topk.json").read_text())
-    assert topk == {"method": "graddot", "queries": scores.top_k(4)}
+    assert topk == {"method": "graddot", "k": 4, "queries": scores.top_k(4)}
+    assert saved_top_k(tmp_path) == 4
     with pytest.raises(FileNotFoundError, match="tda attribute"):
         Scores.load(tmp_path / "nothing")

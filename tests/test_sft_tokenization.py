@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from trl import SFTConfig, SFTTrainer
 
-from tda_plugins.integrations.transformers.data import numbered_rows, tokenize_rows
+from tda_plugins.integrations.transformers.data import LossTokens, numbered_rows, tokenize_rows
 from tests.trainers import training_args
 
 TEXTS = [
@@ -67,7 +67,7 @@ def test_eos_rows_tokenize_as_sft_trainer_trains_them(
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
     )
-    ours = tokenize_rows(numbered_rows(rows), tokenizer, 512, eos=True)
+    ours = tokenize_rows(numbered_rows(rows), tokenizer, 512, loss=LossTokens(eos=True))
     for trained, example in zip(trainer.train_dataset, ours, strict=True):
         assert example.input_ids == trained["input_ids"]
         assert example.labels == trained.get("labels", trained["input_ids"])

@@ -21,3 +21,6 @@ LIVE_METHODS = ("gradcos", "graddot")
 DURABILITY = ("end", "none", "step")
 #: ``tda capture --dtype``: names of torch dtypes.
 DTYPES = ("bfloat16", "float32", "float64")
+#: ``--top-k``: examples per query in a top-k (``tda report``: the k its scores were saved
+#: with, where recorded).
+DEFAULT_TOP_K = 10

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from tda_plugins.cli.choices import DTYPES, DURABILITY, LIVE_METHODS, METHODS
+from tda_plugins.cli.choices import DEFAULT_TOP_K, DTYPES, DURABILITY, LIVE_METHODS, METHODS
 from tda_plugins.cli.option_types import (
     device,
     finite_float,
@@ -122,9 +122,10 @@ def _add_row_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--eos",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         help="end text and completion rows in the tokenizer's end-of-sequence token, as "
-        "TRL's SFTTrainer trains them",
+        "TRL's SFTTrainer trains them (default off; with --like, as the store's run "
+        "trained: on for an SFTTrainer run)",
     )
     p.add_argument(
         "--completion-only-loss",
@@ -230,7 +231,10 @@ def _add_attribute(sub: Any) -> None:
         choices=METHODS,
         help="graddot/gradcos: plain/cosine dot; tracin: learning-rate weighted "
         "sum over checkpoints; kfac/ekfac: curvature-preconditioned; logra: "
-        "K-FAC on factor-projected gradients; less: Adam-preconditioned cosine",
+        "K-FAC on factor-projected gradients; less: Adam-preconditioned cosine; "
+        "adamw_influence / adamw_own_step / adamw_unrolled: each example's effect through "
+        "the recorded AdamW steps that followed it / its own step alone / with each later "
+        "step's empirical Fisher (a store captured with record_trajectory=True)",
     )
     p.add_argument(
         "--damping",
@@ -267,7 +271,9 @@ def _add_attribute(sub: Any) -> None:
         help="graddot/gradcos/tracin/less: unit-normalize each layer's gradient per example "
         "before the dot, so that every layer weighs alike",
     )
-    p.add_argument("--top-k", type=positive_int, default=10, help="examples per query in the top-k")
+    p.add_argument(
+        "--top-k", type=positive_int, default=DEFAULT_TOP_K, help="examples per query in the top-k"
+    )
     p.add_argument(
         "--tokens",
         action="store_true",
@@ -303,9 +309,17 @@ def _add_report(sub: Any) -> None:
     p.add_argument("--scores", required=True, help="directory written by `tda attribute`")
     p.add_argument("--store", required=True, help="training store (for texts)")
     p.add_argument("--queries", required=True, help="query store (for texts)")
-    p.add_argument("--top-k", type=positive_int, default=10, help="examples per query")
-    p.add_argument("--out", type=Path, help="HTML file (default: SCORES/report.html)")
-    p.add_argument("--force", action="store_true", help="replace an existing --out")
+    p.add_argument(
+        "--top-k",
+        type=positive_int,
+        help=f"examples per query (default: the k `tda attribute` saved, else {DEFAULT_TOP_K})",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="HTML file (default: SCORES/report.html, which `tda attribute` wrote: pass --force)",
+    )
+    p.add_argument("--force", action="store_true", help="replace an existing report file")
 
 
 def _add_score(sub: Any) -> None:
@@ -327,7 +341,9 @@ def _add_score(sub: Any) -> None:
     _add_row_options(p)
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="model dtype")
     p.add_argument("--device", type=device, default="cpu", help="torch device")
-    p.add_argument("--top-k", type=positive_int, default=10, help="examples per query in the top-k")
+    p.add_argument(
+        "--top-k", type=positive_int, default=DEFAULT_TOP_K, help="examples per query in the top-k"
+    )
     p.add_argument(
         "--out", required=True, type=Path, help="output directory (scores, top-k, report)"
     )

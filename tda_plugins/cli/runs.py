@@ -15,9 +15,11 @@ from safetensors import SafetensorError
 
 from tda_plugins.capture import LayerSelectionError
 from tda_plugins.capture.layers import lora_adapter_names
+from tda_plugins.cli.choices import DEFAULT_TOP_K
 from tda_plugins.cli.models import ModelSource
 from tda_plugins.cli.option_types import finite_float
 from tda_plugins.methods import Checkpoint, Scores, attribute, method_by_name
+from tda_plugins.methods.scores import saved_top_k
 from tda_plugins.parallel.ranks import Ranks, launch_size, launched_ranks
 from tda_plugins.report import render_html, write_html
 from tda_plugins.report.tokens import TOKENS_FILE, require_token_scores, token_report
@@ -198,15 +200,15 @@ def _score(args: argparse.Namespace) -> None:
 
 def _report(args: argparse.Namespace) -> None:
     path = args.out if args.out is not None else Path(args.scores) / "report.html"
-    if args.out is not None:
-        if path.is_dir():
-            raise IsADirectoryError(f"--out {path} is a folder; give the report's file path")
-        refuse_existing(path, args.force, [args.scores, args.store, args.queries])
     scores = Scores.load(args.scores)
+    if path.is_dir():
+        raise IsADirectoryError(f"--out {path} is a folder; give the report's file path")
+    refuse_existing(path, args.force, [args.scores, args.store, args.queries])
+    top_k = args.top_k or saved_top_k(args.scores) or DEFAULT_TOP_K
     store, queries = StoreReader(args.store), StoreReader(args.queries)
     saved = Path(args.scores) / TOKENS_FILE  # from `tda attribute --tokens`
     tokens = json.loads(saved.read_text()) if saved.is_file() else None
-    page = render_html(scores, store.texts(), queries.texts(), k=args.top_k, tokens=tokens)
+    page = render_html(scores, store.texts(), queries.texts(), k=top_k, tokens=tokens)
     write_html(path, page)
     print(f"wrote {path}")
 

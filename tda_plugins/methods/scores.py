@@ -136,7 +136,8 @@ class Scores:
             "values": self.values.contiguous(),
         }
         atomic_write_bytes(out / SCORES_FILE, save(tensors, metadata={"method": self.method}))
-        atomic_write_json(out / TOPK_FILE, {"method": self.method, "queries": self.top_k(k)})
+        top = {"method": self.method, "k": k, "queries": self.top_k(k)}
+        atomic_write_json(out / TOPK_FILE, top)
 
     @classmethod
     def load(cls, directory: str | Path) -> Scores:
@@ -146,6 +147,13 @@ class Scores:
         tensors = load_file(path)
         method = json.loads((Path(directory) / TOPK_FILE).read_text())["method"]
         return cls(tensors["train_ids"], tensors["query_ids"], tensors["values"], method)
+
+
+def saved_top_k(directory: str | Path) -> int | None:
+    """The ``k`` a :meth:`Scores.save` in ``directory`` wrote its top-k with (``None``:
+    saved before it was recorded)."""
+    k = json.loads((Path(directory) / TOPK_FILE).read_text()).get("k")
+    return k if isinstance(k, int) and not isinstance(k, bool) and k > 0 else None
 
 
 def _pairs(ids: Tensor, values: Tensor) -> list[dict[str, float | int]]:

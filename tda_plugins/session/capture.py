@@ -82,22 +82,29 @@ def resolve_curvature(
     settings: CaptureSettings, model: nn.Module, rank: int = 0
 ) -> tuple[CaptureSettings, CapturePlan]:
     """``settings`` with ``curvature`` decided (``"auto"``: on up to
-    :data:`AUTO_CURVATURE_BYTES` per rank, logged either way), and their plan; statistics
-    over ``curvature_budget_gb`` are refused here, before anything is read or written."""
+    :data:`AUTO_CURVATURE_BYTES` per rank), and their plan; their size is logged, as a
+    warning where it is over that (``"auto"`` turns them off; ``True`` keeps them, and
+    the store grows by twice that); statistics over ``curvature_budget_gb`` are refused
+    here, before anything is read or written."""
     plan = capture_plan(settings, model, rank)
     wanted = settings.curvature
+    need = plan.statistics_bytes() if wanted else 0
+    large = need > AUTO_CURVATURE_BYTES
     if wanted == "auto":
-        need = plan.statistics_bytes()
-        wanted = need <= AUTO_CURVATURE_BYTES
+        wanted = not large
+        decision = f"curvature='auto' turns them {'off' if large else 'on'}"
+    else:
+        decision = "curvature=True keeps them"
+    if need:
         logger.log(
-            logging.INFO if wanted else logging.WARNING,
+            logging.WARNING if large else logging.INFO,
             "tda-plugins: K-FAC statistics take %.1f MiB per rank in memory (%.1f MiB on "
-            "disk): curvature='auto' turns them %s (on up to %d MiB). K-FAC, EK-FAC and "
-            "LoGra need them: set curvature=True (tda capture --curvature), or "
-            "projection='factor' to make them small",
+            "disk): %s (curvature='auto' keeps them up to %d MiB). K-FAC, EK-FAC and LoGra "
+            "need them: curvature=True (tda capture --curvature) keeps them, "
+            "projection='factor' makes them small",
             need / 2**20,
             2 * need / 2**20 * 4 / plan.itemsize,
-            "on" if wanted else "off",
+            decision,
             AUTO_CURVATURE_BYTES // 2**20,
         )
     if wanted:

@@ -66,7 +66,7 @@ def capture_examples(
     metadata: dict[str, Any] | None = None,
     ranks: Ranks | None = None,
     progress: bool = True,
-    eos: bool = False,
+    eos: bool | None = None,
     durability: str = "end",
     like: str | Path | StoreReader | None = None,
     completion_only_loss: bool | None = None,
@@ -94,7 +94,8 @@ def capture_examples(
         progress: show a progress bar (rank 0).
         eos: end text and completion rows in the tokenizer's end-of-sequence token, as
             TRL's ``SFTTrainer`` does: a row copied from an SFT training set then gets the
-            tokens (and the content-hash id) it was trained with.
+            tokens (and the content-hash id) it was trained with (default: as the store
+            ``like`` records its run, an ``SFTTrainer``'s on; else off).
         durability: when the store reaches the disk (:class:`GradientStore`'s modes).
             ``"end"`` (default): no fsync while capturing; when the capture returns, one
             pass on a thread of its own makes every file durable while the caller goes on
@@ -130,9 +131,9 @@ def capture_examples(
         settings = dataclasses.replace(settings, store=written)
     if like is not None:
         settings = settings_like(settings, options, like, model)
-    loss = loss_tokens(completion_only_loss, assistant_only_loss, like)
+    loss = loss_tokens(completion_only_loss, assistant_only_loss, like, eos)
     # every batch and its ids first: bad rows and ids are refused before any write
-    planned = plan_batches(model, examples, tokenizer, batch_size, max_length, eos, loss)
+    planned = plan_batches(model, examples, tokenizer, batch_size, max_length, loss)
     all_ids = [i for batch in planned for i in batch.ids.tolist()]
     settings, plan = resolve_curvature(settings, model, ranks.rank)
     if settings.curvature and ranks.size > 1 and plan.schedule != "local":
@@ -235,7 +236,6 @@ def plan_batches(
     tokenizer: Any,
     batch_size: int,
     max_length: int | None,
-    eos: bool = False,
     loss: LossTokens | None = None,
 ) -> list[PlannedBatch]:
     """Every row of ``examples`` tokenized and batched, with its id, its loss on the tokens
@@ -251,7 +251,6 @@ def plan_batches(
         truncation_length(model, max_length),
         vocab,
         source,
-        eos,
         loss or loss_tokens(None, None),
     )
     pad_id = getattr(tokenizer, "pad_token_id", None) or 0
@@ -274,9 +273,10 @@ def loss_tokens(
     completion_only_loss: bool | None,
     assistant_only_loss: bool | None,
     like: str | Path | StoreReader | None = None,
+    eos: bool | None = None,
 ) -> LossTokens:
-    """Which tokens of a row carry its loss: the switches given, the others as the store
-    ``like`` records them (its run's), else TRL's defaults."""
+    """Which tokens a row has and which carry its loss: the switches given, the others as
+    the store ``like`` records them (its run's), else TRL's defaults (``eos`` off)."""
     from tda_plugins.integrations.transformers.data import LossTokens
 
     base = LossTokens()
@@ -290,6 +290,7 @@ def loss_tokens(
         assistant_only_loss=(
             base.assistant_only_loss if assistant_only_loss is None else assistant_only_loss
         ),
+        eos=base.eos if eos is None else eos,
     )
 
 

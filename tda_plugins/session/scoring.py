@@ -69,7 +69,7 @@ def score_examples(
     method: str = "graddot",
     batch_size: int = 8,
     max_length: int | None = None,
-    eos: bool = False,
+    eos: bool | None = None,
     progress: bool = True,
     completion_only_loss: bool | None = None,
     assistant_only_loss: bool | None = None,
@@ -90,7 +90,7 @@ def score_examples(
         max_length: truncate examples to this many tokens (default: the model's
             positions).
         eos: end text and completion rows in the end-of-sequence token, as TRL's
-            ``SFTTrainer`` trains them.
+            ``SFTTrainer`` trains them (default off).
         progress: show a progress bar.
         completion_only_loss: a prompt-completion row's loss on its completion alone
             (default, as TRL's ``SFTConfig``); ``False``: on every token.
@@ -114,8 +114,8 @@ def score_examples(
             "capture a store (capture_examples) and call attribute"
         )
     settings = layer_settings(**options)
-    loss = loss_tokens(completion_only_loss, assistant_only_loss)
-    plan = (batch_size, truncation_length(model, max_length), eos, loss)  # warned once
+    loss = loss_tokens(completion_only_loss, assistant_only_loss, eos=eos)
+    plan = (batch_size, truncation_length(model, max_length), loss)  # warned once
     query_batches = plan_batches(model, queries, tokenizer, *plan)
     train_batches = plan_batches(model, train, tokenizer, *plan)
     total = sum(len(b.examples) for b in query_batches + train_batches)

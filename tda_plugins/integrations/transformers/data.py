@@ -84,9 +84,10 @@ def _conversation(row: dict[str, Any], key: str, line: int) -> list[dict[str, st
 
 @dataclass(frozen=True)
 class LossTokens:
-    """Which tokens of a text row carry its loss: TRL ``SFTConfig``'s two switches, by
-    their names, so that a query or a training row captured again is scored on the tokens
-    the run trained it on.
+    """Which tokens a text row has and which of them carry its loss: TRL ``SFTConfig``'s
+    two switches, by their names, and the end-of-sequence token ``SFTTrainer`` appends, so
+    that a query or a training row captured again is scored on the tokens the run trained
+    it on.
 
     Attributes:
         completion_only_loss: a prompt-completion row's loss on its completion alone (TRL's
@@ -94,20 +95,26 @@ class LossTokens:
         assistant_only_loss: a conversation's loss on the assistant's tokens alone (the
             chat template's ``{% generation %}`` markers, or TRL's training template where
             the template has none, as TRL does); text rows keep every token.
+        eos: text and completion rows end in the tokenizer's end-of-sequence token, as
+            ``SFTTrainer`` appends it (a conversation ends as its chat template ends it).
     """
 
     completion_only_loss: bool = True
     assistant_only_loss: bool = False
+    eos: bool = False
 
     @classmethod
     def of_trainer(cls, args: Any) -> LossTokens:
         """What a trainer trains on: an ``SFTConfig``'s switches (``completion_only_loss``
-        unset: on, for prompt-completion rows, as TRL decides); the defaults otherwise."""
+        unset: on, for prompt-completion rows, as TRL decides) and the end-of-sequence
+        token ``SFTTrainer`` appends; the defaults otherwise (transformers' ``Trainer``
+        trains the rows its collator is given)."""
         if type(args).__name__ != "SFTConfig":
             return cls()
         return cls(
             completion_only_loss=getattr(args, "completion_only_loss", None) is not False,
             assistant_only_loss=bool(getattr(args, "assistant_only_loss", False)),
+            eos=True,
         )
 
     def as_json(self) -> dict[str, bool]:
@@ -116,7 +123,8 @@ class LossTokens:
 
     @classmethod
     def from_json(cls, value: Any) -> LossTokens:
-        """From :meth:`as_json` (the defaults for ``None``: a store written before it)."""
+        """From :meth:`as_json` (the defaults for ``None``, and for ``eos`` where a store
+        written before it was recorded lacks it)."""
         return cls() if value is None else cls(**value)
 
 
@@ -151,7 +159,8 @@ def _assistant_template(tokenizer: Any) -> str | None:
         raise ValueError(
             f"assistant_only_loss needs a chat template that marks the assistant's tokens "
             f"({{% generation %}}), and TRL has none for this tokenizer's ({error}); add the "
-            "markers to its template, or capture with assistant_only_loss=False"
+            "markers to its template, or capture with assistant_only_loss=False "
+            "(tda: --no-assistant-only-loss)"
         ) from error
 
 
@@ -192,7 +201,6 @@ def _tokenize(
     max_length: int,
     line: int,
     vocab: int | None,
-    eos: bool,
     loss: LossTokens,
     assistant_template: Callable[[], str | None],
 ) -> Example:
@@ -229,13 +237,13 @@ def _tokenize(
         )
     if "text" in row:
         text = _text(row, "text", line)
-        text = _with_eos(text, tokenizer, line) if eos else text
+        text = _with_eos(text, tokenizer, line) if loss.eos else text
         ids = tokenizer(text, truncation=True, max_length=max_length)["input_ids"]
         return Example(ids, list(ids), text, example_id)
     conversation = "messages" in row or isinstance(row.get("prompt"), list)
     assistant = assistant_template() if loss.assistant_only_loss and conversation else None
     if "prompt" in row and "completion" in row:
-        prompt, ids, text, keep = _prompt_completion(row, tokenizer, line, eos, loss, assistant)
+        prompt, ids, text, keep = _prompt_completion(row, tokenizer, line, loss, assistant)
         # As TRL does: prompt and completion tokenized together (tokens may merge across
         # the boundary); the loss starts where the prompt's own tokens stop matching.
         start = _common_prefix(prompt, ids) if loss.completion_only_loss else 0
@@ -257,12 +265,11 @@ def _prompt_completion(
     row: dict[str, Any],
     tokenizer: Any,
     line: int,
-    eos: bool,
     loss: LossTokens,
     assistant: str | None,
 ) -> tuple[list[int], list[int], str, list[int] | None]:
     """``(prompt ids, prompt + completion ids, text, assistant mask)`` of a
-    prompt-completion row: two strings (``eos``: the completion ends in the
+    prompt-completion row: two strings (``loss.eos``: the completion ends in the
     end-of-sequence token; no mask), or a conversation through the chat template (the
     prompt's with the generation prompt; ``assistant``, the template marking the
     assistant's tokens, and their mask under ``assistant_only_loss``)."""
@@ -278,7 +285,7 @@ def _prompt_completion(
         out = _chat(tokenizer, prompt + completion, assistant, return_assistant_tokens_mask=True)
         return prompt_ids, out["input_ids"], text, out["assistant_masks"]
     prompt_text, completion_text = _text(row, "prompt", line), _text(row, "completion", line)
-    completion_text = _with_eos(completion_text, tokenizer, line) if eos else completion_text
+    completion_text = _with_eos(completion_text, tokenizer, line) if loss.eos else completion_text
     ids = tokenizer(prompt_text + completion_text)["input_ids"]
     return tokenizer(prompt_text)["input_ids"], ids, prompt_text + completion_text, None
 
@@ -325,13 +332,12 @@ def tokenize_rows(
     max_length: int,
     vocab_size: int | None = None,
     source: str = "examples",
-    eos: bool = False,
     loss: LossTokens = LossTokens(),
 ) -> list[Example]:
     """Tokenize numbered rows (token ids checked against ``vocab_size`` when given);
-    errors name ``source`` and the row. ``eos``: text and completion rows end in the
-    tokenizer's end-of-sequence token, as TRL's ``SFTTrainer`` trains them; ``loss``:
-    which of their tokens carry the loss.
+    errors name ``source`` and the row. ``loss``: whether text and completion rows end in
+    the tokenizer's end-of-sequence token (as TRL's ``SFTTrainer`` trains them) and which
+    of their tokens carry the loss.
 
     Refused, naming the row: a row without a loss token (fewer than 2 tokens, or every
     label after the first -100: an empty completion, or one cut off by ``max_length``),
@@ -342,7 +348,7 @@ def tokenize_rows(
     template = functools.cache(lambda: _assistant_template(tokenizer))
     for number, row in rows:
         try:
-            example = _tokenize(row, tokenizer, max_length, number, vocab_size, eos, loss, template)
+            example = _tokenize(row, tokenizer, max_length, number, vocab_size, loss, template)
         except ValueError as exc:
             raise ValueError(f"{source}: {exc}") from exc
         if len(example.input_ids) < 2:
