@@ -30,6 +30,7 @@ from tda_plugins.store.io import read_json
 from tda_plugins.store.layout import (
     END_FILE,
     INDEX_FILE,
+    LOSS_TOKENS,
     SHARD_PLACE,
     StoreError,
     rank_dir,
@@ -97,18 +98,26 @@ def _rank_of(folder: Path) -> int | None:
     return None
 
 
-def _check_end(folder: Path, steps: list[int]) -> None:
+def _check_end(folder: Path, steps: list[int], loss_tokens: object) -> None:
     """Refuse a rank whose index is not the one its capture ended with (``end.json``:
     its last step and, since it was recorded, its number of shards): an index cut short
-    or edited after the capture would be scored as a smaller store."""
+    or edited after the capture would be scored as a smaller store. Refuse one whose
+    capture carried its rows' loss on other tokens than the store records (a rank folder
+    of another capture)."""
     path = folder / END_FILE
     if not path.exists():
         return
     try:
         end = read_json(path)
         last, count = end.get("last_step"), end.get("shards")
+        ended_with = end.get(LOSS_TOKENS)
     except (ValueError, AttributeError) as error:
         raise StoreError(f"{path} is damaged ({error!r}); recapture") from error
+    if ended_with is not None and loss_tokens is not None and ended_with != loss_tokens:
+        raise StoreError(
+            f"{folder} was captured with its rows' loss on {ended_with}, but the store "
+            f"records {loss_tokens}: a rank folder of another capture; recapture"
+        )
     found_last = max(steps, default=None)
     if (last is not None and last != found_last) or (count is not None and count != len(steps)):
         raise StoreError(
@@ -158,7 +167,7 @@ class StoreReader:
             if rank is None:
                 continue
             entries = read_index(folder / INDEX_FILE)
-            _check_end(folder, [e.step for e in entries])
+            _check_end(folder, [e.step for e in entries], self.metadata.get(LOSS_TOKENS))
             shards += [
                 _Shard(e.path(folder), e.step, rank, e.micro_batch, e.example_ids, e.xxh3)
                 for e in entries

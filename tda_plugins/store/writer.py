@@ -359,6 +359,7 @@ class GradientStore(CaptureConsumer):
                 "base_weights_xxh3": digest.base,
                 "weights_dtypes": list(digest.dtypes),
                 "last_step": max(self._steps, default=None),
+                LOSS_TOKENS: self.metadata.get(LOSS_TOKENS),
             }
             durable = self.durability.per_step
 

@@ -724,3 +724,29 @@ def test_allowing_other_queries_still_refuses_ranks_that_ended_at_different_weig
     queries = store_of(tmp_path / "queries", steps=1)
     with pytest.raises(StoreError, match="ended at different weights"):
         StoreReader(store).require_compatible(StoreReader(queries), allow_mismatch=True)
+
+
+def test_a_rank_folder_of_a_capture_with_other_loss_tokens_is_refused(tmp_path: Path) -> None:
+    """Rank 1 of another two-rank capture, whose rows carried their loss on every token,
+    copied beside a completion-only capture's rank 0: its end marker names its loss
+    tokens, which are not the store's."""
+    import shutil
+
+    from tda_plugins.store.layout import LOSS_TOKENS
+
+    def capture(root: Path, rank: int, completion_only: bool) -> None:
+        net = model()
+        tokens = {"completion_only_loss": completion_only, "assistant_only_loss": False}
+        store = GradientStore(root, rank=rank, model=net, metadata={LOSS_TOKENS: tokens})
+        with CaptureEngine(net, layers=ALL, consumers=[store]) as engine:
+            summed_loss(net, batches(1, seed=rank)[0]).backward()
+            engine.optimizer_step()
+            engine.end()
+
+    capture(tmp_path / "store", 0, completion_only=True)
+    for rank in (0, 1):
+        capture(tmp_path / "other", rank, completion_only=False)
+    shutil.copytree(rank_dir(tmp_path / "other", 1), rank_dir(tmp_path / "store", 1))
+    with pytest.raises(StoreError, match=r"rank-1 was captured with its rows' loss on"):
+        StoreReader(tmp_path / "store")
+    StoreReader(tmp_path / "other").load_all()  # the rank folder itself is sound
