@@ -519,3 +519,17 @@ def test_scores_save_load_round_trip(tmp_path: Path) -> None:
     assert saved_top_k(tmp_path) == 4
     with pytest.raises(FileNotFoundError, match="tda attribute"):
         Scores.load(tmp_path / "nothing")
+
+
+def test_a_report_side_without_examples_says_so() -> None:
+    """A query that no training example raises (every score positive) gets a line saying
+    so where its harmful table would be, not an empty table."""
+    from tda_plugins.report.html import render_html
+
+    scores = Scores(
+        torch.tensor([1, 2]), torch.tensor([9]), torch.tensor([[0.5], [0.25]]), "graddot"
+    )
+    page = render_html(scores, {1: "one", 2: "two"}, {9: "query"}, k=2)
+    assert "No training example scores negative." in page
+    assert "No training example scores positive." not in page
+    assert page.count("<table") == 1

@@ -60,6 +60,9 @@ def _table(
             return _text(texts, r["id"])
         return _highlighted(entry)
 
+    if not rows:
+        sign = "positive" if kind == "helpful" else "negative"
+        return f"<h3>Most {kind}</h3><p class='none'>No training example scores {sign}.</p>"
     body = "".join(
         f"<tr><td class='id'>{r['id']}</td><td class='score'>{r['score']:+.4g}</td>"
         f"<td>{cell(r)}</td></tr>"
