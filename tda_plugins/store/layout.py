@@ -38,6 +38,16 @@ END_FILE = "end.json"
 #: The ``store.json`` metadata entry naming which tokens of the stored rows carry their loss
 #: (:class:`~tda_plugins.integrations.transformers.data.LossTokens`); an append must agree.
 LOSS_TOKENS = "loss_tokens"
+
+
+def loss_tokens_differ(stored: object, ours: object) -> bool:
+    """Whether two ``loss_tokens`` entries disagree on a switch both record (a store
+    written before a switch was recorded compares without it)."""
+    if not isinstance(stored, dict) or not isinstance(ours, dict):
+        return False
+    return any(stored[key] != ours[key] for key in stored.keys() & ours.keys())
+
+
 #: The only names a shard file may have (``shard_name``).
 SHARD_PATTERN = re.compile(r"s\d{8}-m\d{6}\.safetensors")
 

@@ -33,6 +33,7 @@ from tda_plugins.store.layout import (
     LOSS_TOKENS,
     SHARD_PLACE,
     StoreError,
+    loss_tokens_differ,
     rank_dir,
     read_store_header,
     shard_place,
@@ -113,7 +114,7 @@ def _check_end(folder: Path, steps: list[int], loss_tokens: object) -> None:
         ended_with = end.get(LOSS_TOKENS)
     except (ValueError, AttributeError) as error:
         raise StoreError(f"{path} is damaged ({error!r}); recapture") from error
-    if ended_with is not None and loss_tokens is not None and ended_with != loss_tokens:
+    if loss_tokens_differ(ended_with, loss_tokens):
         raise StoreError(
             f"{folder} was captured with its rows' loss on {ended_with}, but the store "
             f"records {loss_tokens}: a rank folder of another capture; recapture"

@@ -94,6 +94,7 @@ from tda_plugins.store.layout import (
     SHARD_PLACE,
     STORE_FILE,
     StoreError,
+    loss_tokens_differ,
     rank_dir,
     read_store_header,
     shard_name,
@@ -233,7 +234,7 @@ class GradientStore(CaptureConsumer):
             if self.fingerprint is not None and header.fingerprint is not None:
                 differences += fingerprint_differences(header.fingerprint, self.fingerprint)
             stored, ours = header.metadata.get(LOSS_TOKENS), self.metadata.get(LOSS_TOKENS)
-            if stored is not None and ours is not None and stored != ours:
+            if loss_tokens_differ(stored, ours):
                 differences.append(f"its rows carry their loss on {stored}, these on {ours}")
             if differences:
                 raise StoreError(

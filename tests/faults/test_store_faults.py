@@ -750,3 +750,24 @@ def test_a_rank_folder_of_a_capture_with_other_loss_tokens_is_refused(tmp_path: 
     with pytest.raises(StoreError, match=r"rank-1 was captured with its rows' loss on"):
         StoreReader(tmp_path / "store")
     StoreReader(tmp_path / "other").load_all()  # the rank folder itself is sound
+
+
+def test_a_store_written_before_eos_was_recorded_is_appended_to(tmp_path: Path) -> None:
+    """A store whose ``loss_tokens`` lacks ``eos`` (written before it was recorded) takes
+    an append that agrees on the switches it does record; the ones it lacks are not
+    compared."""
+    from tda_plugins import capture_examples
+    from tests.trainers import prompt_completion_pairs, word_tokenizer
+
+    net = model()
+    rows = [pair.row() for pair in prompt_completion_pairs(6)]
+    options = {"layers": "linear", "batch_size": 2, "progress": False, "curvature": False}
+    store = tmp_path / "store"
+    capture_examples(net, rows[:4], store, tokenizer=word_tokenizer(), **options)
+    for path in (store / "store.json", rank_dir(store, 0) / "end.json"):
+        data = json.loads(path.read_text())
+        entry = data["metadata"] if path.name == "store.json" else data
+        del entry["loss_tokens"]["eos"]
+        path.write_text(json.dumps(data))
+    capture_examples(net, rows[4:], store, tokenizer=word_tokenizer(), append=True, **options)
+    assert StoreReader(store).num_examples == 6

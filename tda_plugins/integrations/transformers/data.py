@@ -391,8 +391,9 @@ class ExamplePool:
 
     Args:
         examples: a JSONL path, a ``datasets.Dataset`` or a list of dicts; each row in any
-            form above (texts are tokenized with the trainer's tokenizer when training
-            starts, as ``tda capture`` does: no EOS is appended).
+            form above (texts are tokenized with the trainer's tokenizer and
+            :class:`LossTokens` when training starts: under ``SFTTrainer`` text and
+            completion rows end in its EOS, as it trains them).
         owner: the callback's name, for errors.
         max_length: truncate longer examples to this many tokens.
     """
