@@ -832,6 +832,18 @@ def test_a_loss_divided_per_micro_batch_is_refused_before_the_optimizer_steps(
         assert torch.equal(value, snapshot.weights[name]), f"{name} changed"
 
 
+def test_a_model_given_no_num_items_in_batch_is_refused_under_accumulation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model that takes no loss keywords (``accepts_loss_kwargs=False``) gets no
+    ``num_items_in_batch`` from the Trainer, which then averages each micro-batch and
+    divides by the accumulation steps: refused at step 1, naming that cause."""
+    model = build_model("llama-full", torch.float32)
+    monkeypatch.setattr(type(model), "accepts_loss_kwargs", False, raising=False)
+    with pytest.raises(UnsupportedTrainingSetup, match=r"step 1: .*accepts_loss_kwargs=False"):
+        train_with_selection(tmp_path, "llama-full", 2, layers="all")
+
+
 def test_a_loss_divided_per_micro_batch_is_exact_without_accumulation(tmp_path: Path) -> None:
     """At accumulation 1 in one process each micro-batch is the whole step, so
     ``MicroBatchMeanTrainer``'s loss is the step's token mean: the check lets it train,

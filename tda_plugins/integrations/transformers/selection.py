@@ -54,9 +54,11 @@ from tda_plugins.session.settings import LayerOptions, LayerSettings
 #: The way out when a step's loss is not the token mean over its global batch.
 TOKEN_MEAN_FIX = (
     "a compute_loss override must pass num_items_in_batch on to super().compute_loss() "
-    "(or to the model call) and return its loss unweighted, and several processes need "
-    "average_tokens_across_devices=True (the default); an override that divides by each "
-    "micro-batch's own tokens is exact only at gradient_accumulation_steps=1 in one process"
+    "(or to the model call) and return its loss unweighted; a model the Trainer passes no "
+    "num_items_in_batch (accepts_loss_kwargs=False, or a custom forward without **kwargs) "
+    "averages each micro-batch; several processes need average_tokens_across_devices=True "
+    "(the default). A loss divided by each micro-batch's own tokens is exact only at "
+    "gradient_accumulation_steps=1 in one process"
 )
 
 #: The way out when each rank divides its loss by its own tokens.
