@@ -8,11 +8,13 @@ nothing raises an error that names the filter and what was available.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal, TypeGuard
+from typing import Any, Concatenate, Literal, ParamSpec, TypeGuard, TypeVar
 
 from torch import nn
 
@@ -22,6 +24,9 @@ from tda_plugins.capture.names import canonical_name, modules_by_name, named_mod
 SelectionKind = Literal["auto", "linear", "lora", "all"]
 
 logger = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 _LORA_NAME = re.compile(r"(^|\.)lora_[AB](\.|$)")
 _LORA_ADAPTER = re.compile(r"(?:^|\.)lora_[AB]\.([^.]+)$")
@@ -125,6 +130,48 @@ def _refuse_parameter_lora(
                 f"instead (target_modules=[{owner.rpartition('.')[2]!r}]), which trains the "
                 "same low-rank update of a linear layer"
             )
+
+
+@contextmanager
+def adapters_trainable(model: nn.Module) -> Iterator[None]:
+    """Inside the block, the active LoRA adapters of a PEFT model loaded for inference
+    (every adapter frozen: ``PeftModel.from_pretrained`` without ``is_trainable=True``)
+    require grad, so that a capture outside training can take their gradients; they are
+    frozen again afterwards. A model with a trainable adapter parameter is left as it is,
+    and so is one without adapters."""
+    active = getattr(model, "active_adapters", None)
+    names = set(active) if isinstance(active, list | tuple) else None
+    params = [
+        p
+        for name, module in named_modules(model)
+        if is_lora_adapter(name, module) and (names is None or lora_adapter_names([name]) <= names)
+        for p in module.parameters()
+    ]
+    if not params or any(p.requires_grad for p in params):
+        yield
+        return
+    logger.info("tda-plugins: the model's LoRA adapters are frozen; trainable for the capture")
+    for p in params:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(False)
+
+
+def with_adapters_trainable(
+    capture: Callable[Concatenate[Any, P], R],
+) -> Callable[Concatenate[Any, P], R]:
+    """``capture(model, ...)`` run inside :func:`adapters_trainable` of its model (a
+    capture outside training: a PEFT model loaded for inference works as it is)."""
+
+    @functools.wraps(capture)
+    def run(model: Any, *args: P.args, **kwargs: P.kwargs) -> R:
+        with adapters_trainable(model):
+            return capture(model, *args, **kwargs)
+
+    return run
 
 
 def has_lora(model: nn.Module) -> bool:

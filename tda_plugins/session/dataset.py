@@ -26,7 +26,11 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from tda_plugins.capture import CaptureEngine, content_hash
-from tda_plugins.capture.layers import LayerSelectionError, lora_adapter_names
+from tda_plugins.capture.layers import (
+    LayerSelectionError,
+    lora_adapter_names,
+    with_adapters_trainable,
+)
 from tda_plugins.capture.names import named_modules
 from tda_plugins.parallel.ranks import Ranks
 from tda_plugins.precondition import CurvatureAccumulator
@@ -53,6 +57,7 @@ logger = logging.getLogger(__name__)
 IN_FLIGHT_BYTES = 256 * 2**20
 
 
+@with_adapters_trainable
 def capture_examples(
     model: Any,
     examples: Any,

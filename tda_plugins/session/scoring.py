@@ -27,6 +27,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from tda_plugins.capture import CaptureConsumer, CaptureEngine, MicroBatchRecord
+from tda_plugins.capture.layers import with_adapters_trainable
 from tda_plugins.live.queries import (
     QueryCollector,
     QueryGradients,
@@ -60,6 +61,7 @@ class _Scored(CaptureConsumer):
         self.blocks.append(score_record(record, self.queries, self.cosine).cpu())
 
 
+@with_adapters_trainable
 def score_examples(
     model: Any,
     train: Any,
