@@ -67,17 +67,18 @@ DENSE_EXAMPLE_BYTES = 1 << 20
 DENSE_STEP_BYTES = 1 << 27
 
 
-def _example_scales(records: list[MicroBatchRecord], device: torch.device) -> Tensor:
-    """``(B,)`` fp64 each example's ``loss_scale`` over ``records``, on ``device``."""
-    return torch.cat(
-        [
-            torch.as_tensor(r.loss_scale, dtype=torch.float64)
-            .detach()
-            .to(device)
-            .reshape(-1)
-            .expand(r.batch_size)
-            for r in records
-        ]
+def _example_scales(records: list[MicroBatchRecord], device: torch.device) -> tuple[Tensor, Tensor]:
+    """``(B,)`` fp64 each example's ``loss_scale`` over ``records``, on ``device``, and the
+    ``(B,)`` relative rounding each carries (its record's ``loss_scale_rounding``)."""
+    scales = [
+        torch.as_tensor(r.loss_scale, dtype=torch.float64).detach().to(device).reshape(-1)
+        for r in records
+    ]
+    sizes = [r.batch_size for r in records]
+    roundings = torch.tensor([r.loss_scale_rounding for r in records], dtype=torch.float64)
+    return (
+        torch.cat([scale.expand(n) for scale, n in zip(scales, sizes, strict=True)]),
+        roundings.repeat_interleave(torch.tensor(sizes)),
     )
 
 
@@ -305,14 +306,13 @@ class DataSelector(CaptureConsumer):
         scores = self._scores(records, counts)
         ids = torch.cat([r.example_ids for r in records])
         per_layer = self.granularity == "per_layer"
+        scales, roundings = _example_scales(records, counts.device)
         decision = decide(
             step,
             ids=ids,
             counts=counts,
-            scales=_example_scales(records, counts.device),
-            roundings=torch.cat(
-                [torch.full((r.batch_size,), r.loss_scale_rounding) for r in records]
-            ),
+            scales=scales,
+            roundings=roundings,
             scores=scores,
             rule=self.rule,
             per_layer=per_layer,
