@@ -63,10 +63,16 @@ LEARNING_RATE = 1e-2
 MODEL = TransformerConfig.olmo2_1M(vocab_size=VOCAB, n_layers=2)
 
 
+#: The label mask of a folder's tokens, where :func:`write_label_mask` wrote one.
+LABEL_MASK = "label_mask.npy"
+
+
 def dataset_config(folder: Path, mode: Mode) -> NumpyFSLDatasetConfig:
     tokenizer = TokenizerConfig(vocab_size=VOCAB, eos_token_id=0, pad_token_id=0)
+    mask = folder / LABEL_MASK
     return NumpyFSLDatasetConfig(
         paths=[str(folder / "tokens.npy")],
+        label_mask_paths=[str(mask)] if mask.exists() else None,
         sequence_length=SEQ,
         tokenizer=tokenizer,
         work_dir=str(folder / mode / "data"),
@@ -78,6 +84,13 @@ def write_tokens(folder: Path) -> None:
     dtype = dataset_config(folder, "single").get_dtype()
     tokens = np.random.default_rng(0).integers(1, VOCAB, size=INSTANCES * SEQ).astype(dtype)
     tokens.tofile(folder / "tokens.npy")  # no .npy header: OLMo-core reads raw arrays
+
+
+def write_label_mask(folder: Path) -> None:
+    """A label mask over :func:`write_tokens`' tokens that leaves out about a third of
+    them at random, so that instances, and ranks, hold unequal counts of label tokens."""
+    mask = np.random.default_rng(1).random(INSTANCES * SEQ) > 0.35
+    mask.tofile(folder / LABEL_MASK)
 
 
 def _full(t: Tensor) -> Tensor:

@@ -13,7 +13,9 @@ the global batch). Each rank saves ``FOLDER/<run>/rank<r>.pt``: its
 instance indices and tokens per step, the full parameters each step started from, the full
 ``.grad`` after selection, and the global selection outcome per step. :func:`train` with
 ``"single"`` (``"single-defaults"``) is the one-process run on the same data and global
-batch size.
+batch size. Last, :func:`refusal` runs ``ddp`` selection on the label-masked tokens in
+``FOLDER/masked``, whose ranks hold unequal label tokens, and saves the refusal's message
+as ``FOLDER/masked/refusal<r>.pt``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from olmo_core.train import Duration, TrainerConfig
 from olmo_core.train.callbacks import Callback
 from olmo_core.train.train_module import (
@@ -33,6 +36,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from tda_plugins.integrations.olmo_core import DataSelectionCallback
+from tda_plugins.session.capture import UnsupportedTrainingSetup
 from tests.olmo_core_dist_worker import (
     SEQ,
     STEPS,
@@ -43,6 +47,8 @@ from tests.olmo_core_dist_worker import (
 from tests.selection_helpers import PINNED
 
 MODES = ("ddp", "fsdp", "hsdp")
+#: The folder of the label-masked tokens :func:`refusal` trains on.
+MASKED = "masked"
 #: The runs with the callback's default settings (``<mode>-defaults``).
 DEFAULTS = ("ddp-defaults", "fsdp-defaults")
 FRACTION = 0.5
@@ -111,5 +117,17 @@ def train(folder: Path, run: str) -> dict[str, Any]:
     }
 
 
+def refusal(folder: Path) -> str:
+    """``ddp`` selection on ``folder/masked``'s label-masked tokens: the message of its
+    refusal ('' where it trained)."""
+    try:
+        train(folder / MASKED, "ddp")
+    except UnsupportedTrainingSetup as error:
+        return str(error)
+    return ""
+
+
 def main(folder: Path) -> None:
     save_each_mode(folder, MODES + DEFAULTS, train)
+    message = refusal(folder)
+    torch.save({"message": message}, folder / MASKED / f"refusal{dist.get_rank()}.pt")

@@ -51,6 +51,7 @@ from tests.olmo_core_dist_worker import (
     WORLD,
     StepLog,
     train,
+    write_label_mask,
     write_tokens,
 )
 from tests.oracle import max_rel_error
@@ -90,6 +91,10 @@ def launched(tmp_path_factory: pytest.TempPathFactory, zygote: Zygote) -> Path:
     for worker in JOBS:
         (root / worker).mkdir()
         write_tokens(root / worker)
+    masked = root / "olmo_core_selection_worker" / selection.MASKED
+    masked.mkdir()
+    write_tokens(masked)
+    write_label_mask(masked)
     jobs = [f"{worker}:{args}" for worker, args in JOBS.items()]
     forked_ranks(zygote, root, *jobs, timeout=600)
     return root
@@ -267,3 +272,19 @@ def test_olmo_core_ddp_and_fsdp_with_the_default_rule_select_what_one_process_se
             for rank in ranks:
                 error = max_rel_error(rank["grads"][step], fresh)
                 assert error <= FP32_TOL, f"{run} step {step}: .grad {error:.2e} off"
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_olmo_core_ddp_selection_refuses_ranks_with_unequal_label_tokens(launched: Path) -> None:
+    """OLMo-core divides each rank's loss by that rank's own label tokens; with a label mask
+    that leaves the ranks unequal counts, the rebuilt ``.grad`` would not be the token mean
+    over the kept instances, so every rank refuses the step with the same message, which
+    names OLMo-core's per-rank division and the ways out. (Without the mask the same run
+    selects exactly: the tests above.)"""
+    folder = launched / "olmo_core_selection_worker" / selection.MASKED
+    messages = [torch.load(folder / f"refusal{r}.pt")["message"] for r in range(WORLD)]
+    assert messages[0] == messages[1]
+    assert "step 1:" in messages[0]
+    assert "that rank's own label tokens" in messages[0]
+    assert "select in one process" in messages[0]

@@ -50,7 +50,6 @@ def check_token_mean(
         roundings: ``(N,)`` the relative rounding each scale carries.
         divide: ``F``, the trainer's gradient divisor over ranks.
         fix: the integration's way out.
-        tolerance: the relative difference taken for the scales' rounding.
 
     Raises:
         UnsupportedTrainingSetup: some example's loss was divided by another count.
