@@ -21,6 +21,11 @@ LIVE_METHODS = ("gradcos", "graddot")
 DURABILITY = ("end", "none", "step")
 #: ``tda capture --dtype``: names of torch dtypes.
 DTYPES = ("bfloat16", "float32", "float64")
+#: ``--dtype``'s help: what a bfloat16 model's gradients are.
+DTYPE_HELP = (
+    "the model's dtype; bfloat16 halves its memory, but its gradients, like those of bf16 "
+    "training, carry bf16 rounding (scores of the order of 1e-3 to 1e-2 off float32's)"
+)
 #: ``--top-k``: examples per query in a top-k (``tda report``: the k its scores were saved
 #: with, where recorded).
 DEFAULT_TOP_K = 10

@@ -24,7 +24,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from tda_plugins.cli.choices import DEFAULT_TOP_K, DTYPES, DURABILITY, LIVE_METHODS, METHODS
+from tda_plugins.cli.choices import (
+    DEFAULT_TOP_K,
+    DTYPE_HELP,
+    DTYPES,
+    DURABILITY,
+    LIVE_METHODS,
+    METHODS,
+)
 from tda_plugins.cli.option_types import (
     device,
     finite_float,
@@ -173,7 +180,7 @@ def _add_capture(sub: Any) -> None:
         "before the next (a long capture to resume with --append after a machine crash); "
         "none: never fsynced (a scratch store)",
     )
-    p.add_argument("--dtype", default="float32", choices=DTYPES, help="model dtype")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help=DTYPE_HELP)
     p.add_argument(
         "--device",
         type=device,
@@ -339,7 +346,7 @@ def _add_score(sub: Any) -> None:
     )
     _add_layer_options(p)
     _add_row_options(p)
-    p.add_argument("--dtype", default="float32", choices=DTYPES, help="model dtype")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help=DTYPE_HELP)
     p.add_argument("--device", type=device, default="cpu", help="torch device")
     p.add_argument(
         "--top-k", type=positive_int, default=DEFAULT_TOP_K, help="examples per query in the top-k"
