@@ -116,3 +116,47 @@ def test_influence_leaves_out_the_examples_the_selection_dropped(
         torch.testing.assert_close(h.max, h.scores.amax(0))
     report = json.loads((tmp_path / "report" / "influence.json").read_text())
     assert {e["id"] for e in report["cumulative"]} == set().union(*kept.values())
+
+
+def test_influence_credits_the_copy_of_a_duplicated_row_that_trained(tmp_path: Path) -> None:
+    """Two copies of one row in a step share its content-hash id; when the selection drops
+    one copy (a tie broken by order) and keeps the other, the kept copy trained: the step's
+    influence covers exactly the kept rows, copies included, not the kept ids less every
+    id dropped once."""
+    rows = [row for row in token_rows(2 * STEPS) for _ in range(2)]  # [a, a, b, b, ...]
+    selection = DataSelectionCallback(
+        target=[{"input_ids": r} for r in token_rows(2, seed=7)],
+        rule="bottom_fraction",
+        score="dot",
+        fraction=0.25,
+        layers="all",
+        refresh_every=1,
+    )
+    influence = InfluenceLoggingCallback(
+        queries=[{"input_ids": r} for r in token_rows(2, seed=9)],
+        method="graddot",
+        layers="all",
+    )
+    trainer = Trainer(
+        model=tiny_causal_lm("llama", torch.float32),
+        args=training_args(
+            tmp_path / "out",
+            max_steps=STEPS,
+            per_device_train_batch_size=4,
+            train_sampling_strategy="sequential",
+        ),
+        train_dataset=Dataset.from_list([{"input_ids": r} for r in rows]),
+        data_collator=pad_rows,
+        callbacks=[selection, influence],
+    )
+    trainer.train()
+
+    kept = {h.step: sorted(h.example_ids[~h.dropped].tolist()) for h in selection.history}
+    split = [
+        h.step
+        for h in selection.history
+        if set(h.example_ids[h.dropped].tolist()) & set(h.example_ids[~h.dropped].tolist())
+    ]
+    assert split, "vacuous: no step dropped one copy of a row and kept the other"
+    credited = {h.step: sorted(h.example_ids.tolist()) for h in influence.influence_log.history}
+    assert credited == kept

@@ -57,11 +57,11 @@ class StepSelection:
     nonfinite: Tensor
     skipped: bool = False
 
-    def untrained_ids(self) -> set[int]:
-        """Ids of the examples whose gradient did not reach the optimizer: the dropped
-        ones, and every one of a skipped step."""
-        untrained = self.example_ids if self.skipped else self.example_ids[self.dropped]
-        return set(untrained.tolist())
+    def untrained(self) -> Tensor:
+        """``(N,)`` bool: the examples whose gradient did not reach the optimizer, the
+        dropped ones, and every one of a skipped step (per row: of two copies of one
+        content hash in the step, one may be dropped and the other trained)."""
+        return torch.ones_like(self.dropped) if self.skipped else self.dropped.clone()
 
     def summary(self) -> dict[str, Any]:
         """The JSON line of :attr:`step`, numbered as the trainers log it (``step + 1``:

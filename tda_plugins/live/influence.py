@@ -25,7 +25,8 @@ filter) has no cosine and is left out too; under ``graddot`` it scores 0, its in
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -84,6 +85,16 @@ class _Scored:
         """These scores less the ``(N,)`` rows true in ``leave``."""
         keep = ~leave
         return _Scored(self.step, self.example_ids[keep], self.scores[keep], self.learning_rate)
+
+
+def _occurrences(example_ids: Tensor) -> list[tuple[int, int]]:
+    """Each row's ``(id, k)``: its id, and how many earlier rows hold that id."""
+    seen: Counter[int] = Counter()
+    rows = []
+    for example in example_ids.tolist():
+        rows.append((example, seen[example]))
+        seen[example] += 1
+    return rows
 
 
 class InfluenceLogger(CaptureConsumer):
@@ -150,16 +161,29 @@ class InfluenceLogger(CaptureConsumer):
         self._credit()
         return self._history
 
-    def leave_out(self, step: int, example_ids: Collection[int]) -> None:
+    def leave_out(self, step: int, example_ids: Tensor, untrained: Tensor) -> None:
         """Examples of step ``step`` (0-based) that did not train, such as those a data
         selection dropped from ``.grad``: left out of the step's mean and max and of
         their cumulative scores. Nothing happens unless ``step`` is the latest scored step
-        and still awaits its credit (call it before reading the step's results)."""
+        and still awaits its credit (call it before reading the step's results).
+
+        Args:
+            step: the optimizer step, 0-based.
+            example_ids: ``(N,)`` the step's examples in the global order (every rank's
+                micro-batches in turn, in rank order), the order this logger scored them in.
+            untrained: ``(N,)`` bool, the rows that did not train.
+
+        A scored row is matched by its id and its occurrence of that id in the step, so
+        that of two copies of one content hash (duplicated rows), the one that trained
+        keeps its credit.
+        """
         scored = self._scored
-        if scored is None or scored.step != step or not example_ids:
+        if scored is None or scored.step != step or not bool(untrained.any()):
             return
-        dropped = torch.tensor(sorted(example_ids), dtype=torch.long)
-        self._scored = scored.without(torch.isin(scored.example_ids, dropped))
+        rows = zip(_occurrences(example_ids), untrained.tolist(), strict=True)
+        untrained_rows = {row for row, out in rows if out}
+        leave = [row in untrained_rows for row in _occurrences(scored.example_ids)]
+        self._scored = scored.without(torch.tensor(leave, dtype=torch.bool))
 
     def _credit(self) -> None:
         """Credit the scored step awaiting it (if any of its examples trained): its history

@@ -223,7 +223,7 @@ class InfluenceLoggingCallback(Callback, LayerOptions, ProjectionOptions):
         for callback in self.trainer.callbacks.values():
             if isinstance(callback, DataSelectionCallback) and callback.history:
                 outcome = callback.history[-1]
-                self.influence_log.leave_out(outcome.step, outcome.untrained_ids())
+                self.influence_log.leave_out(outcome.step, outcome.example_ids, outcome.untrained())
 
     def _check_setup(self) -> nn.Module:
         train_module = self.trainer.train_module

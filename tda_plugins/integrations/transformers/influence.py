@@ -139,7 +139,7 @@ class InfluenceLoggingCallback(PoolCallback):
         model = kwargs.get("model")
         outcome = None if model is None else latest_selection(model)
         if outcome is not None:
-            self.influence_log.leave_out(outcome.step, outcome.untrained_ids())
+            self.influence_log.leave_out(outcome.step, outcome.example_ids, outcome.untrained())
 
     def step_metrics(self) -> dict[str, float]:
         return self.influence_log.metrics()
