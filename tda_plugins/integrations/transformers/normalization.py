@@ -23,6 +23,11 @@ import torch
 from torch import Tensor
 
 from tda_plugins.capture.normalization import GradientAt, ReadOffGradient
+from tda_plugins.integrations.transformers.logits_check import (
+    LogitsCheck,
+    due,
+    predicted_labels,
+)
 
 
 def _field(output: Any, name: str) -> Tensor | None:
@@ -42,7 +47,16 @@ def loss_tokens(labels: Any, shift_labels: Any) -> Tensor:
 
 
 class CausalLMNormalization:
-    """Loss normalization of HF ``Trainer`` and TRL ``SFTTrainer`` causal-LM training."""
+    """Loss normalization of HF ``Trainer`` and TRL ``SFTTrainer`` causal-LM training.
+
+    Where the output has logits, some micro-batches also check that the trainer
+    backpropagated the model's own loss and nothing else (:mod:`~tda_plugins.integrations.
+    transformers.logits_check`): a term a ``compute_loss`` override adds is refused.
+    """
+
+    def __init__(self) -> None:
+        #: Micro-batches observed so far (which of them the logits check runs on).
+        self._micro_batches = 0
 
     def observe(self, kwargs: dict[str, Any], output: Any) -> Callable[[], float | Tensor]:
         log_probs = _field(output, "log_probs")
@@ -65,4 +79,22 @@ class CausalLMNormalization:
         if count is None:
             count = loss_tokens(kwargs.get("labels"), kwargs.get("shift_labels")).sum()
         items = torch.as_tensor(count, dtype=torch.float64)
-        return lambda: items.to(at_loss.value().device) / at_loss.value().double()
+
+        def loss_scale() -> Tensor:
+            return items.to(at_loss.value().device) / at_loss.value().double()
+
+        self._micro_batches += 1
+        logits = _field(output, "logits")
+        targets = predicted_labels(kwargs.get("labels"), kwargs.get("shift_labels"))
+        if logits is None or targets is None or not due(self._micro_batches):
+            return loss_scale
+        if not LogitsCheck.applies(logits, targets):
+            return loss_scale
+        check = LogitsCheck(logits, targets)
+
+        def checked_loss_scale() -> Tensor:
+            scale = loss_scale()
+            check.verify(scale)
+            return scale
+
+        return checked_loss_scale

@@ -1,0 +1,113 @@
+"""The check that the trainer backpropagates the model's own loss, read at its logits.
+
+The loss normalization reads the trainer's factor ``c`` at ``output.loss``
+(:mod:`~tda_plugins.integrations.transformers.normalization`). A ``compute_loss``
+override that adds a term computed from the same forward (a KL to a reference model, an
+entropy bonus, a loss of its own over the logits) leaves that factor as it was, yet every
+layer's captured gradient then carries the added term: the store would hold something
+other than each example's own summed token loss, and the selection would rebuild
+``.grad`` from it, both without a word.
+
+The model's own causal-LM loss gives its logits an exactly known gradient. With
+``s = loss_scale`` (``N / c``), at the position predicting label ``y``
+
+    dL/dz = (softmax(z) - onehot(y)) / s,
+
+and zero where no token is predicted (a ``-100`` label, padding, the last position).
+:class:`LogitsCheck` keeps a few rows of the logits (evenly spaced over the micro-batch's
+positions, label and non-label alike), the gradient that arrives at them, and compares
+after the backward: each row's ``||s * dL/dz - (softmax(z) - onehot(y))||`` must stay
+within the rounding of the logits' dtype. The rows are copied (``P x V`` values); the
+comparison reads one number back to the host, so the normalization runs it on the first
+micro-batches of a run and on every :data:`EVERY`-th after (a regularizer that starts at
+zero, such as a KL to the model a LoRA starts from, shows within a few steps).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tda_plugins.session.capture import UnsupportedTrainingSetup
+
+#: Logit rows checked per micro-batch.
+ROWS = 32
+#: Micro-batches checked at the start of a run, then one in every ``EVERY``.
+FIRST = 4
+EVERY = 16
+#: The largest row difference, in units of ``1 / loss_scale``, taken for the recomputed
+#: softmax's rounding; twice the logits dtype's unit roundoff is added.
+TOLERANCE = 1e-4
+
+
+def due(micro_batch: int) -> bool:
+    """Whether the ``micro_batch``-th (1-based) micro-batch of a run is checked."""
+    return micro_batch <= FIRST or micro_batch % EVERY == 0
+
+
+def predicted_labels(labels: Tensor | None, shift_labels: Tensor | None) -> Tensor | None:
+    """``(B, T)`` the label each logit position predicts (``-100``: none), as transformers'
+    loss pairs them: ``shift_labels`` where given, else ``labels`` shifted left."""
+    if isinstance(shift_labels, Tensor):
+        return shift_labels
+    if not isinstance(labels, Tensor):
+        return None
+    return torch.cat([labels[..., 1:], torch.full_like(labels[..., :1], -100)], dim=-1)
+
+
+class LogitsCheck:
+    """Sampled rows of one micro-batch's logits, their labels and the gradient they get.
+
+    Args:
+        logits: ``(B, T, V)`` the model output's logits (any floating dtype).
+        targets: ``(B, T)`` the label each position predicts, ``-100`` where none.
+    """
+
+    def __init__(self, logits: Tensor, targets: Tensor):
+        flat = logits.detach().flatten(0, -2)
+        self.rows = torch.linspace(0, flat.shape[0] - 1, min(ROWS, flat.shape[0]))
+        self.rows = self.rows.round().long().to(flat.device)
+        self.logits = flat[self.rows].float()
+        self.targets = targets.flatten()[self.rows.to(targets.device)].to(flat.device)
+        self.rounding = float(torch.finfo(logits.dtype).eps) / 2
+        self.grad: Tensor | None = None
+        logits.register_hook(self._keep)
+
+    @staticmethod
+    def applies(logits: Tensor, targets: Tensor) -> bool:
+        """Whether the logits line up with the labels (one row per labelled position)."""
+        return logits.dim() == targets.dim() + 1 and logits.shape[:-1] == targets.shape
+
+    def _keep(self, grad: Tensor) -> None:
+        self.grad = grad.detach().flatten(0, -2)[self.rows].float()
+
+    def deviation(self, loss_scale: Tensor) -> float:
+        """The largest row difference between ``loss_scale`` times the gradient that
+        arrived and the model's own loss's, in units of ``1 / loss_scale`` (over the
+        finite rows)."""
+        if self.grad is None:
+            return 0.0  # the backward did not reach the logits: nothing to compare
+        labelled = self.targets != -100
+        own = torch.softmax(self.logits, dim=-1)
+        predicting = labelled.nonzero().flatten()
+        own[predicting, self.targets[predicting]] -= 1
+        own[~labelled] = 0
+        own -= self.grad * loss_scale.to(self.grad.device).float()
+        rows = own.norm(dim=-1)
+        rows = rows[rows.isfinite()]  # a non-finite example is the finite checks' to name
+        return float(rows.max()) if rows.numel() else 0.0
+
+    def verify(self, loss_scale: Tensor) -> None:
+        """Refuse the micro-batch unless its logits got the model's own loss's gradient."""
+        off = self.deviation(loss_scale)
+        if off <= TOLERANCE + 2 * self.rounding:
+            return
+        raise UnsupportedTrainingSetup(
+            "the gradient at the model's logits is not the one its own loss gives them "
+            f"({off:.3g} off, in units of one token's loss): the trainer backpropagates "
+            "more than the model's cross-entropy (a compute_loss override that adds a KL, "
+            "an entropy or another term computed from the logits), so each example's "
+            "captured gradient would not be its own summed token loss's; return "
+            "super().compute_loss(...)'s loss unchanged, or capture with the engine and "
+            "a LossNormalization of your own"
+        )

@@ -1,0 +1,197 @@
+"""The check that a transformers trainer backpropagates the model's own loss.
+
+Oracle: the model's causal-LM loss gives its logits the gradient ``(softmax - onehot) / s``
+at labelled positions and zero elsewhere; a loss with an added term computed from the
+logits does not. Through a ``Trainer``: a ``compute_loss`` override that adds such a term
+is refused before the optimizer changes a weight, by every callback that captures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from datasets import Dataset
+from torch import Tensor, nn
+from transformers import Trainer, TrainerCallback
+
+from tda_plugins.integrations.transformers import DataSelectionCallback, GradientCaptureCallback
+from tda_plugins.integrations.transformers.logits_check import (
+    EVERY,
+    FIRST,
+    LogitsCheck,
+    predicted_labels,
+)
+from tda_plugins.session.capture import UnsupportedTrainingSetup
+from tests.models import tiny_causal_lm
+from tests.selection_helpers import PINNED
+from tests.trainers import pad_rows, token_rows, training_args
+
+VOCAB = 11
+
+
+def causal_lm_loss(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """transformers' loss: summed token cross-entropy of ``labels`` shifted left, over the
+    labelled tokens, and that count."""
+    targets = labels[:, 1:]
+    loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), targets.flatten(), reduction="sum")
+    tokens = (targets != -100).sum()
+    return loss / tokens, tokens.double()
+
+
+def labelled_logits(dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """``(2, 6, V)`` logits that require grad, and labels with unlabelled positions."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 6, VOCAB, generator=generator).to(dtype).requires_grad_()
+    labels = torch.randint(0, VOCAB, (2, 6), generator=generator)
+    labels[0, :3] = -100  # a prompt
+    labels[1, 4:] = -100  # padding
+    return logits, labels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_models_own_loss_passes(dtype: torch.dtype) -> None:
+    logits, labels = labelled_logits(dtype)
+    check = LogitsCheck(logits, predicted_labels(labels, None))
+    loss, tokens = causal_lm_loss(logits, labels)
+    (3.0 * loss).backward()  # a trainer's factor c = 3
+    check.verify(tokens / 3.0)
+    assert check.deviation(tokens / 3.0) < (1e-5 if dtype == torch.float32 else 2**-8)
+
+
+def test_shift_labels_are_the_predicted_ones() -> None:
+    logits, labels = labelled_logits()
+    shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+    check = LogitsCheck(logits, predicted_labels(None, shifted))
+    loss, tokens = causal_lm_loss(logits, labels)
+    loss.backward()
+    check.verify(tokens)
+
+
+@pytest.mark.parametrize("weight", [1.0, 0.01])
+def test_an_added_term_is_refused(weight: float) -> None:
+    """A z-loss-like term over the labelled positions, at any weight the fp32 rounding
+    cannot hide."""
+    logits, labels = labelled_logits()
+    check = LogitsCheck(logits, predicted_labels(labels, None))
+    loss, tokens = causal_lm_loss(logits, labels)
+    extra = logits[:, :-1].logsumexp(-1).pow(2)[labels[:, 1:] != -100].sum() / tokens
+    (loss + weight * extra).backward()
+    with pytest.raises(UnsupportedTrainingSetup, match="compute_loss override"):
+        check.verify(tokens)
+
+
+def test_a_term_on_unlabelled_positions_is_refused() -> None:
+    logits, labels = labelled_logits()
+    check = LogitsCheck(logits, predicted_labels(labels, None))
+    loss, tokens = causal_lm_loss(logits, labels)
+    (loss + 0.01 * logits[0, :2].logsumexp(-1).sum()).backward()
+    with pytest.raises(UnsupportedTrainingSetup):
+        check.verify(tokens)
+
+
+def test_a_non_finite_row_is_left_to_the_finite_checks() -> None:
+    logits, labels = labelled_logits()
+    check = LogitsCheck(logits, predicted_labels(labels, None))
+    loss, tokens = causal_lm_loss(logits, labels)
+    (loss + logits[1, 0, 0] * float("nan")).backward()
+    assert check.deviation(tokens) < 1e-5
+
+
+class RegularizedTrainer(Trainer):
+    """KL-style regularized SFT: the model's loss plus ``WEIGHT`` times each labelled
+    token's squared log-partition (a term of the same forward's logits), from compute
+    call ``START`` on."""
+
+    WEIGHT = 0.1
+    START = 1
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.calls = 0
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: Tensor | None = None,
+    ) -> Any:
+        self.calls += 1
+        loss, outputs = super().compute_loss(
+            model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch
+        )
+        if self.calls >= self.START:
+            labelled = inputs["labels"][:, 1:] != -100
+            lse = outputs.logits[:, :-1].logsumexp(-1).pow(2)[labelled]
+            loss = loss + self.WEIGHT * lse.sum() / num_items_in_batch
+        return (loss, outputs) if return_outputs else loss
+
+
+class LateRegularizedTrainer(RegularizedTrainer):
+    """The term starts after the micro-batches checked at the start of a run."""
+
+    START = FIRST + 1
+
+
+class FirstWeights(TrainerCallback):
+    """The model's weights at ``on_train_begin``."""
+
+    def __init__(self) -> None:
+        self.model: nn.Module | None = None
+        self.weights: dict[str, Tensor] = {}
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.model = kwargs["model"]
+        self.weights = {k: v.clone() for k, v in self.model.state_dict().items()}
+
+
+def regularized_run(
+    tmp_path: Path, callback: TrainerCallback, trainer_class: type[Trainer], steps: int
+) -> Trainer:
+    return trainer_class(
+        model=tiny_causal_lm("llama", torch.float32),
+        args=training_args(tmp_path / "out", max_steps=steps, per_device_train_batch_size=2),
+        train_dataset=Dataset.from_list([{"input_ids": r} for r in token_rows(2 * steps)]),
+        data_collator=pad_rows,
+        callbacks=[callback],
+    )
+
+
+@pytest.mark.parametrize("kind", ["capture", "selection"])
+def test_a_compute_loss_override_adding_a_term_is_refused_before_the_first_update(
+    tmp_path: Path, kind: str
+) -> None:
+    """The store would hold each example's regularized gradient, and the selection would
+    rebuild ``.grad`` from it (an audit measured 1.7-4.7e-2 off the fresh backward over
+    the kept examples): refused at the first micro-batch, no weight changed."""
+    callback: TrainerCallback = (
+        GradientCaptureCallback(store_dir=str(tmp_path / "store"), layers="all")
+        if kind == "capture"
+        else DataSelectionCallback(
+            target=[{"input_ids": r} for r in token_rows(2, seed=7)],
+            fraction=0.5,
+            layers="all",
+            **PINNED,
+        )
+    )
+    first = FirstWeights()
+    trainer = regularized_run(tmp_path, callback, RegularizedTrainer, steps=2)
+    trainer.add_callback(first)
+    with pytest.raises(UnsupportedTrainingSetup, match="logits is not the one its own loss"):
+        trainer.train()
+    assert first.model is not None
+    for name, value in first.model.state_dict().items():
+        assert torch.equal(value, first.weights[name]), f"{name} changed"
+
+
+def test_a_term_added_later_is_refused_at_the_next_checked_micro_batch(tmp_path: Path) -> None:
+    """A term that starts after the first checked micro-batches (a KL to the weights a
+    LoRA starts from is zero at first) is caught at micro-batch ``EVERY``."""
+    capture = GradientCaptureCallback(store_dir=str(tmp_path / "store"), layers="all")
+    trainer = regularized_run(tmp_path, capture, LateRegularizedTrainer, steps=EVERY + 2)
+    with pytest.raises(UnsupportedTrainingSetup, match="logits is not the one its own loss"):
+        trainer.train()
+    assert trainer.state.global_step == EVERY - 1
