@@ -519,7 +519,7 @@ def test_resuming_with_a_trajectory_a_store_captured_without_is_refused(tmp_path
 
 def test_recording_changes_nothing_of_the_run_or_of_other_methods(tmp_path: Path) -> None:
     """With and without ``record_trajectory``: bitwise the same final weights, the same
-    stored gradients, and the same GradDot, TracIn and LESS scores."""
+    stored gradients, and the same GradDot and LESS scores."""
     runs = [
         train(tmp_path / name, "lora", capture={"record_trajectory": on})
         for name, on in (("on", True), ("off", False))
@@ -527,9 +527,20 @@ def test_recording_changes_nothing_of_the_run_or_of_other_methods(tmp_path: Path
     weights = [dict(r.trainer.model.named_parameters()) for r in runs]
     assert all(torch.equal(weights[0][n], weights[1][n]) for n in weights[1])
     queries = capture_queries(runs[0], tmp_path / "queries")
-    for method in ("graddot", "tracin", "less"):
+    for method in ("graddot", "less"):
         got, expected = (method_by_name(method).score(r.store, queries) for r in runs)
         assert torch.equal(got.values, expected.values), method
+
+
+def test_tracin_refuses_a_store_a_training_run_wrote(tmp_path: Path) -> None:
+    """Each step's rows are at that step's weights and the queries at the end weights: no
+    TracIn checkpoint, and TracIn over it used to return GradDot's scores without a word.
+    Refused, naming the live TracIn and the checkpoints; GradDot still scores it."""
+    run = train(tmp_path, "lora")
+    queries = capture_queries(run, tmp_path / "queries")
+    with pytest.raises(StoreError, match=r"written by a training run.*InfluenceLoggingCallback"):
+        method_by_name("tracin").score(run.store, queries)
+    assert method_by_name("graddot").score(run.store, queries).values.numel()
 
 
 def test_tda_attribute_scores_with_the_trajectory_methods(

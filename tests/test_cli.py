@@ -269,6 +269,34 @@ def test_tda_score_under_torchrun_names_capture_and_attribute(
     assert not out.exists()
 
 
+def test_tda_capture_refuses_projection_sizes_without_a_projection(
+    capsys: pytest.CaptureFixture[str], runs: dict[str, CliRun], tmp_path: Path
+) -> None:
+    """``--k`` without ``--projection`` used to write an exact store, and ``--k`` with a
+    factor projection one of the default sizes, each exiting 0: refused, nothing written."""
+    run = runs["llama"]
+    out = tmp_path / "projected"
+    capture = ["capture", "--model", run.model_dir, "--data", run.train_file, "--out", out]
+    code, _, err = run_main(capsys, *capture, "--k", 4)
+    assert_one_line_error(code, err, "capture", "k (--k) given", "projection='none'")
+    code, _, err = run_main(capsys, *capture, "--projection", "factor", "--k", 4)
+    assert_one_line_error(code, err, "capture", "k (--k) given", "k_a (--k-a), k_g (--k-g)")
+    assert not out.exists()
+
+
+def test_tda_attribute_refuses_a_learning_rate_its_method_ignores(
+    capsys: pytest.CaptureFixture[str], runs: dict[str, CliRun], tmp_path: Path
+) -> None:
+    """Only TracIn weighs by a learning rate; any other method used to accept and ignore
+    it."""
+    run = runs["llama"]
+    out = tmp_path / "scores"
+    argv = [*attribute_args(run.store, run.query_store, out), "--learning-rate", "0.001"]
+    code, _, err = run_main(capsys, *argv)
+    assert_one_line_error(code, err, "attribute", "--learning-rate applies to --method tracin")
+    assert not out.exists()
+
+
 def test_report_rerenders_the_attribute_report(
     capsys: pytest.CaptureFixture[str], runs: dict[str, CliRun], tmp_path: Path
 ) -> None:

@@ -53,6 +53,34 @@ def test_flat_options_mean_the_composed_settings() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"k": 4}, r"k \(--k\) given, but projection='none' keeps exact gradients"),
+        ({"k_a": 4, "k_g": 4}, r"k_a \(--k-a\), k_g \(--k-g\) given, but projection='none'"),
+        ({"projection_map": "sparse_jl"}, r"projection_map \(--map\) given"),
+        ({"seed": 7}, r"seed \(--seed\) given"),
+        ({"projection": "factor", "k": 4}, r"k \(--k\) given, but projection='factor' takes"),
+        ({"projection": "dense", "k_a": 4}, r"k_a \(--k-a\) given, but projection='dense'"),
+    ],
+)
+def test_a_projection_option_its_kind_does_not_use_is_refused(
+    options: dict[str, object], named: str
+) -> None:
+    """Such an option would be dropped without a word (a store with exact gradients, or
+    another projection size, than the one asked for): refused, naming keyword and flag."""
+    with pytest.raises(ValueError, match=named):
+        layer_settings(**options)
+
+
+def test_projection_options_left_out_take_the_configs_defaults() -> None:
+    assert layer_settings(projection="factor") == LayerSettings(projection=ProjectionConfig())
+    assert layer_settings(projection="dense", seed=2) == LayerSettings(
+        projection=ProjectionConfig("dense", seed=2)
+    )
+    assert layer_settings().projection is None
+
+
 def test_layers_takes_a_whole_layer_selection_but_not_beside_its_filters() -> None:
     """``layers=LayerSelection(...)`` (the object the errors and docs name) means that
     selection; a filter given beside it would be dropped silently, so it is refused."""

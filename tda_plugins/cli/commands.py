@@ -103,17 +103,18 @@ def _add_layer_options(p: argparse.ArgumentParser) -> None:
         choices=["none", "factor", "dense"],
         help="project gradients in the hook (factor = LoGra)",
     )
-    p.add_argument("--k-a", type=positive_int, default=16, help="factor projection: rows of P_a")
-    p.add_argument("--k-g", type=positive_int, default=16, help="factor projection: rows of P_g")
-    p.add_argument("--k", type=positive_int, default=256, help="dense projection: output dimension")
+    p.add_argument("--k-a", type=positive_int, help="factor projection: rows of P_a (default 16)")
+    p.add_argument("--k-g", type=positive_int, help="factor projection: rows of P_g (default 16)")
+    p.add_argument(
+        "--k", type=positive_int, help="dense projection: output dimension (default 256)"
+    )
     p.add_argument(
         "--map",
         dest="projection_map",
-        default="gaussian",
         choices=["gaussian", "rademacher", "sparse_jl"],
-        help="random map of the projection",
+        help="random map of the projection (default gaussian)",
     )
-    p.add_argument("--seed", type=int, default=0, help="projection seed")
+    p.add_argument("--seed", type=int, help="projection seed (default 0)")
 
 
 def _add_row_options(p: argparse.ArgumentParser) -> None:
@@ -252,8 +253,7 @@ def _add_attribute(sub: Any) -> None:
     p.add_argument(
         "--learning-rate",
         type=finite_float,
-        default=1.0,
-        help="tracin: weight of --store/--queries",
+        help="tracin: weight of --store/--queries (default 1)",
     )
     p.add_argument(
         "--checkpoint",

@@ -116,13 +116,14 @@ def _attribute_on(args: argparse.Namespace, ranks: Ranks) -> None:
     store, queries = StoreReader(args.store), StoreReader(args.queries)
     options: dict[str, Any] = {} if args.damping is None else {"damping": args.damping}
     if args.method == "tracin":
-        options["learning_rate"] = args.learning_rate
+        options["learning_rate"] = 1.0 if args.learning_rate is None else args.learning_rate
         options["extra"] = tuple(
             Checkpoint(StoreReader(s), StoreReader(q), finite_float(lr))
             for s, q, lr in args.checkpoint
         )
-    elif args.checkpoint:
-        raise ValueError("--checkpoint applies to --method tracin only")
+    elif args.checkpoint or args.learning_rate is not None:
+        flag = "--checkpoint" if args.checkpoint else "--learning-rate"
+        raise ValueError(f"{flag} applies to --method tracin only")
     if args.exclude_params:
         options["exclude_params"] = tuple(args.exclude_params)
     if args.layer_norm:

@@ -9,7 +9,7 @@ import torch
 
 from tda_plugins.methods.base import AttributionMethod, ScoreRun, register_method
 from tda_plugins.methods.scores import Scores
-from tda_plugins.store.layout import StoreError
+from tda_plugins.store.layout import TRAINED, StoreError
 from tda_plugins.store.reader import StoreReader
 
 
@@ -60,6 +60,8 @@ class TracIn(AttributionMethod):
 
     def scores(self, store: StoreReader, queries: StoreReader, run: ScoreRun) -> Scores:
         checkpoints = (Checkpoint(store, queries, self.learning_rate), *self.extra)
+        for checkpoint in checkpoints:
+            _refuse_training_run(checkpoint.store)
         groups = self.groups
         per_checkpoint = [
             GradDot(exclude_params=groups.exclude, normalize_layers=groups.normalize_layers).scores(
@@ -80,3 +82,19 @@ class TracIn(AttributionMethod):
             rows = torch.tensor([row[i] for i in scores.train_ids.tolist()])
             total.index_add_(0, rows, c.learning_rate * scores.values)
         return Scores(torch.tensor(ids), first.query_ids, total, self.name)
+
+
+def _refuse_training_run(store: StoreReader) -> None:
+    """A store a training run wrote holds each step's gradients at that step's weights, and
+    its queries are taken at the weights the run ended with: no TracIn checkpoint (training
+    and query gradients at the same weights), and TracIn over it would be GradDot."""
+    if store.metadata.get(TRAINED):
+        raise StoreError(
+            f"{store.root} was written by a training run: each step's rows are gradients at "
+            "that step's weights, not at the weights its queries were taken at, so it is no "
+            "TracIn checkpoint (training and query gradients at the same weights). For TracIn "
+            "over the run's steps, log it while training (InfluenceLoggingCallback: the "
+            "learning-rate-weighted sum over the steps each example trained in); for TracIn "
+            "over checkpoints, capture both sides at each one (tda capture --model "
+            "<checkpoint>, then --checkpoint); graddot scores this store as it is"
+        )

@@ -32,7 +32,7 @@ from tda_plugins.precondition.snapshots import discard_after, drop_checkpoints, 
 from tda_plugins.precondition.statistics import CurvatureAccumulator
 from tda_plugins.session.settings import CaptureSettings
 from tda_plugins.store import GradientStore, StoreError
-from tda_plugins.store.layout import rank_dir
+from tda_plugins.store.layout import TRAINED, rank_dir
 from tda_plugins.store.texts import TextRecorder
 from tda_plugins.trajectory.layout import read_step_index, trajectory_dir
 from tda_plugins.trajectory.optimizer import optimizer_refusal
@@ -178,7 +178,7 @@ class CaptureSession:
             append=start_step > 0,
             model=model,
             tokenizer=tokenizer,
-            metadata=metadata,
+            metadata={**(metadata or {}), TRAINED: True},
         )
         try:
             self._check_resume(CaptureConfig(layers, settings.layers.projection), start_step)

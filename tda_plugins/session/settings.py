@@ -88,30 +88,70 @@ class LayerOptions:
 @dataclass(kw_only=True)
 class ProjectionOptions:
     """The projection options as flat keywords (:class:`ProjectionConfig`'s, for the
-    callbacks and ``tda capture``).
+    callbacks and ``tda capture``). An option left ``None`` takes
+    :class:`ProjectionConfig`'s default; one that the projection kind does not use is
+    refused rather than ignored.
 
     Attributes:
         projection: ``"none"`` (exact gradients), ``"factor"`` (LoGra, ``k_g x k_a`` per
             layer) or ``"dense"`` (``k`` per layer).
-        k_a: factor projection rows for layer inputs.
-        k_g: factor projection rows for output gradients.
-        k: dense projection dimension.
-        projection_map: ``"gaussian"``, ``"rademacher"`` or ``"sparse_jl"``.
-        seed: projection seed (maps are deterministic from seed and layer name).
+        k_a: factor projection rows for layer inputs (default 16).
+        k_g: factor projection rows for output gradients (default 16).
+        k: dense projection dimension (default 256).
+        projection_map: ``"gaussian"`` (default), ``"rademacher"`` or ``"sparse_jl"``.
+        seed: projection seed (maps are deterministic from seed and layer name; default 0).
     """
 
     projection: Literal["none", "factor", "dense"] = "none"
-    k_a: int = 16
-    k_g: int = 16
-    k: int = 256
-    projection_map: MapKind = "gaussian"
-    seed: int = 0
+    k_a: int | None = None
+    k_g: int | None = None
+    k: int | None = None
+    projection_map: MapKind | None = None
+    seed: int | None = None
 
     def projection_config(self) -> ProjectionConfig | None:
+        """The :class:`ProjectionConfig` of these options (``None``: exact gradients).
+
+        Raises:
+            ValueError: an option the projection kind does not use is given (with
+                ``projection="none"``, any of them: the gradients would stay exact).
+        """
+        given = {name: getattr(self, name) for name in _SIZES if getattr(self, name) is not None}
+        unused = sorted(set(given) - _USES[self.projection])
+        if unused:
+            takes = _USES[self.projection]
+            kind = (
+                "keeps exact gradients, which takes none of them: set projection='factor' "
+                "(k_a, k_g) or 'dense' (k) to project"
+                if not takes
+                else f"takes {_option_names(sorted(takes))}"
+            )
+            raise ValueError(
+                f"{_option_names(unused)} given, but projection={self.projection!r} {kind}; "
+                "leave the others out"
+            )
         if self.projection == "none":
             return None
-        sizes = {name: getattr(self, name) for name in ("k_a", "k_g", "k", "seed")}
-        return ProjectionConfig(kind=self.projection, map=self.projection_map, **sizes)
+        fields = {_CONFIG_FIELDS.get(name, name): value for name, value in given.items()}
+        return ProjectionConfig(kind=self.projection, **fields)
+
+
+#: The projection options beside ``projection``, and those each kind uses.
+_SIZES = ("k_a", "k_g", "k", "projection_map", "seed")
+_USES: dict[str, frozenset[str]] = {
+    "none": frozenset(),
+    "factor": frozenset({"k_a", "k_g", "projection_map", "seed"}),
+    "dense": frozenset({"k", "projection_map", "seed"}),
+}
+#: :class:`ProjectionConfig`'s field of an option where it is not the option's own name.
+_CONFIG_FIELDS = {"projection_map": "map"}
+#: ``tda``'s flag of an option where it is not the option's own name.
+_FLAGS = {"projection_map": "--map"}
+
+
+def _option_names(names: list[str]) -> str:
+    """``k_a (--k-a), k (--k)``: the keyword and ``tda``'s flag of each option."""
+    return ", ".join(f"{n} ({_FLAGS.get(n, '--' + n.replace('_', '-'))})" for n in names)
 
 
 #: The flat option names of :class:`LayerOptions` and :class:`ProjectionOptions`.

@@ -38,6 +38,9 @@ END_FILE = "end.json"
 #: The ``store.json`` metadata entry naming which tokens of the stored rows carry their loss
 #: (:class:`~tda_plugins.integrations.transformers.data.LossTokens`); an append must agree.
 LOSS_TOKENS = "loss_tokens"
+#: The ``store.json`` metadata entry of a store a training run wrote (true): each step's
+#: rows are gradients at that step's weights, not at the weights the run ended with.
+TRAINED = "trained"
 
 
 def loss_tokens_differ(stored: object, ours: object) -> bool:
