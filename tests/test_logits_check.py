@@ -1,9 +1,10 @@
 """The check that a transformers trainer backpropagates the model's own loss.
 
 Oracle: the model's causal-LM loss gives its logits the gradient ``(softmax - onehot) / s``
-at labelled positions and zero elsewhere; a loss with an added term computed from the
-logits does not. Through a ``Trainer``: a ``compute_loss`` override that adds such a term
-is refused before the optimizer changes a weight, by every callback that captures."""
+at labelled positions and zero elsewhere, and TRL's fused head's loss ``-c sum(log_probs)
+/ N`` the same ``-c / N`` at every log-prob; a loss with an added term computed from them
+does not. Through a ``Trainer`` and an ``SFTTrainer``: a ``compute_loss`` override that
+adds such a term is refused before the optimizer changes a weight."""
 
 from __future__ import annotations
 
@@ -23,11 +24,18 @@ from tda_plugins.integrations.transformers.logits_check import (
     FIRST,
     LogitsCheck,
     predicted_labels,
+    verify_uniform,
 )
 from tda_plugins.session.capture import UnsupportedTrainingSetup
 from tests.models import tiny_causal_lm
 from tests.selection_helpers import PINNED
-from tests.trainers import pad_rows, token_rows, training_args
+from tests.trainers import (
+    pad_rows,
+    prompt_completion_pairs,
+    token_rows,
+    training_args,
+    word_tokenizer,
+)
 
 VOCAB = 11
 
@@ -98,6 +106,24 @@ def test_a_non_finite_row_is_left_to_the_finite_checks() -> None:
     loss, tokens = causal_lm_loss(logits, labels)
     (loss + logits[1, 0, 0] * float("nan")).backward()
     assert check.deviation(tokens) < 1e-5
+
+
+def log_probs_gradient(weight: float) -> Tensor:
+    """The gradient at ``(2, 6)`` log-probs of the fused head's loss ``-3 sum / 10``, plus
+    ``weight`` times a squared-log-prob term's."""
+    log_probs = (-torch.rand(2, 6, generator=torch.Generator().manual_seed(1))).requires_grad_()
+    loss = -3.0 * log_probs.sum() / 10 + weight * log_probs.pow(2).sum() / 10
+    loss.backward()
+    assert log_probs.grad is not None
+    return log_probs.grad
+
+
+def test_the_fused_heads_own_loss_passes_and_an_added_term_is_refused() -> None:
+    verify_uniform(log_probs_gradient(0.0), rounding=2**-24)
+    rounded = log_probs_gradient(0.0).to(torch.bfloat16).double()
+    verify_uniform(rounded, rounding=2**-8)
+    with pytest.raises(UnsupportedTrainingSetup, match="model's log-probs"):
+        verify_uniform(log_probs_gradient(0.01), rounding=2**-24)
 
 
 class RegularizedTrainer(Trainer):
@@ -195,3 +221,41 @@ def test_a_term_added_later_is_refused_at_the_next_checked_micro_batch(tmp_path:
     with pytest.raises(UnsupportedTrainingSetup, match="logits is not the one its own loss"):
         trainer.train()
     assert trainer.state.global_step == EVERY - 1
+
+
+def test_sft_trainer_override_adding_a_term_to_the_fused_heads_loss_is_refused(
+    tmp_path: Path,
+) -> None:
+    """``SFTTrainer``'s fused head returns log-probs, not logits (its ``compute_loss``
+    hands an override logits recomputed without grad): an override that computes TRL's
+    fused loss itself plus a squared-log-prob term makes the gradient at the log-probs
+    non-uniform, refused at the first micro-batch before any update."""
+    from trl import SFTConfig, SFTTrainer
+
+    class RegularizedSFTTrainer(SFTTrainer):
+        def compute_loss(
+            self,
+            model: nn.Module,
+            inputs: dict[str, Any],
+            return_outputs: bool = False,
+            num_items_in_batch: Tensor | None = None,
+        ) -> Any:
+            outputs = model(**inputs, use_cache=False, fused_lm_head=True)
+            log_probs = outputs.log_probs  # zero where no label is predicted
+            loss = (-log_probs.sum() + 0.1 * log_probs.pow(2).sum()) / num_items_in_batch
+            return (loss, outputs) if return_outputs else loss
+
+    pairs = prompt_completion_pairs(8)
+    first = FirstWeights()
+    trainer = RegularizedSFTTrainer(
+        model=tiny_causal_lm("llama", torch.float32),
+        args=training_args(tmp_path / "out", config_cls=SFTConfig, packing=False),
+        train_dataset=Dataset.from_list([p.row() for p in pairs]),
+        processing_class=word_tokenizer(),
+        callbacks=[first, GradientCaptureCallback(store_dir=str(tmp_path / "store"))],
+    )
+    with pytest.raises(UnsupportedTrainingSetup, match="model's log-probs"):
+        trainer.train()
+    assert first.model is not None
+    for name, value in first.model.state_dict().items():
+        assert torch.equal(value, first.weights[name]), f"{name} changed"

@@ -1,4 +1,5 @@
-"""The check that the trainer backpropagates the model's own loss, read at its logits.
+"""The check that the trainer backpropagates the model's own loss, read at its logits
+(or at the log-probs of TRL's fused head).
 
 The loss normalization reads the trainer's factor ``c`` at ``output.loss``
 (:mod:`~tda_plugins.integrations.transformers.normalization`). A ``compute_loss``
@@ -21,6 +22,12 @@ within the rounding of the logits' dtype. The rows are copied (``P x V`` values)
 comparison reads one number back to the host, so the normalization runs it on the first
 micro-batches of a run and on every :data:`EVERY`-th after (a regularizer that starts at
 zero, such as a KL to the model a LoRA starts from, shows within a few steps).
+
+TRL's fused head returns each position's log-probability of its label, not the logits,
+and its loss is ``-c * sum(log_probs) / N``: every entry of the gradient at ``log_probs``
+is the same ``-c / N`` (:func:`verify_uniform`). A term the override adds from the
+log-probs (other than a multiple of their sum, which keeps them uniform and is read as
+part of ``c``) makes them differ.
 """
 
 from __future__ import annotations
@@ -99,15 +106,30 @@ class LogitsCheck:
 
     def verify(self, loss_scale: Tensor) -> None:
         """Refuse the micro-batch unless its logits got the model's own loss's gradient."""
-        off = self.deviation(loss_scale)
-        if off <= TOLERANCE + 2 * self.rounding:
-            return
-        raise UnsupportedTrainingSetup(
-            "the gradient at the model's logits is not the one its own loss gives them "
-            f"({off:.3g} off, in units of one token's loss): the trainer backpropagates "
-            "more than the model's cross-entropy (a compute_loss override that adds a KL, "
-            "an entropy or another term computed from the logits), so each example's "
-            "captured gradient would not be its own summed token loss's; return "
-            "super().compute_loss(...)'s loss unchanged, or capture with the engine and "
-            "a LossNormalization of your own"
-        )
+        _refuse_beyond(self.deviation(loss_scale), self.rounding, "logits")
+
+
+def verify_uniform(gradient: Tensor, rounding: float) -> None:
+    """Refuse the micro-batch unless every finite entry of the gradient at the fused head's
+    ``(B, T)`` log-probs is the same, within ``rounding`` (the log-probs dtype's)."""
+    values = gradient[gradient.isfinite()].double()
+    if not values.numel():
+        return
+    mean = values.mean()
+    off = float((values - mean).abs().max() / mean.abs()) if bool(mean != 0) else 0.0
+    _refuse_beyond(off, rounding, "log-probs")
+
+
+def _refuse_beyond(off: float, rounding: float, where: str) -> None:
+    """Refuse a difference ``off`` (in units of one token's loss) beyond the tolerance."""
+    if off <= TOLERANCE + 2 * rounding:
+        return
+    raise UnsupportedTrainingSetup(
+        f"the gradient at the model's {where} is not the one its own loss gives them "
+        f"({off:.3g} off, in units of one token's loss): the trainer backpropagates more "
+        "than the model's cross-entropy (a compute_loss override that adds a KL, an "
+        f"entropy or another term computed from the {where}), so each example's captured "
+        "gradient would not be its own summed token loss's; return "
+        "super().compute_loss(...)'s loss unchanged, or capture with the engine and a "
+        "LossNormalization of your own"
+    )

@@ -27,6 +27,7 @@ from tda_plugins.integrations.transformers.logits_check import (
     LogitsCheck,
     due,
     predicted_labels,
+    verify_uniform,
 )
 
 
@@ -49,22 +50,31 @@ def loss_tokens(labels: Any, shift_labels: Any) -> Tensor:
 class CausalLMNormalization:
     """Loss normalization of HF ``Trainer`` and TRL ``SFTTrainer`` causal-LM training.
 
-    Where the output has logits, some micro-batches also check that the trainer
-    backpropagated the model's own loss and nothing else (:mod:`~tda_plugins.integrations.
-    transformers.logits_check`): a term a ``compute_loss`` override adds is refused.
+    Some micro-batches also check that the trainer backpropagated the model's own loss and
+    nothing else, at its logits or the fused head's log-probs
+    (:mod:`~tda_plugins.integrations.transformers.logits_check`): a term a ``compute_loss``
+    override adds is refused.
     """
 
     def __init__(self) -> None:
-        #: Micro-batches observed so far (which of them the logits check runs on).
+        #: Micro-batches observed so far (which of them the own-loss check runs on).
         self._micro_batches = 0
 
     def observe(self, kwargs: dict[str, Any], output: Any) -> Callable[[], float | Tensor]:
+        self._micro_batches += 1
+        checked = due(self._micro_batches)
         log_probs = _field(output, "log_probs")
         if log_probs is not None:
             at_log_probs = GradientAt(log_probs)
-            return ReadOffGradient.of(
-                lambda: -1.0 / at_log_probs.value().double().mean(), log_probs.dtype
-            )
+            rounding = float(torch.finfo(log_probs.dtype).eps) / 2
+
+            def log_probs_scale() -> Tensor:
+                gradient = at_log_probs.value().double()
+                if checked:
+                    verify_uniform(gradient, rounding)
+                return -1.0 / gradient.mean()
+
+            return ReadOffGradient.of(log_probs_scale, log_probs.dtype)
         loss = _field(output, "loss")
         if loss is None:
             raise ValueError(
@@ -83,10 +93,9 @@ class CausalLMNormalization:
         def loss_scale() -> Tensor:
             return items.to(at_loss.value().device) / at_loss.value().double()
 
-        self._micro_batches += 1
         logits = _field(output, "logits")
         targets = predicted_labels(kwargs.get("labels"), kwargs.get("shift_labels"))
-        if logits is None or targets is None or not due(self._micro_batches):
+        if logits is None or targets is None or not checked:
             return loss_scale
         if not LogitsCheck.applies(logits, targets):
             return loss_scale
