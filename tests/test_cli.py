@@ -634,7 +634,13 @@ def test_loss_switches_reach_the_store_and_like_captures_inherit_them(
     first = tmp_path / "full"
     switches = ("--no-completion-only-loss", "--eos")
     run_tda(*capture_args(run.model_dir, run.train_file, first, *switches))
-    full = {"completion_only_loss": False, "assistant_only_loss": False, "eos": True}
+    full = {
+        "completion_only_loss": False,
+        "assistant_only_loss": False,
+        "eos": True,
+        "max_length": None,  # a capture cuts no rows of its own; a training run records its
+        "keep_end": False,
+    }
     assert StoreReader(first).metadata["loss_tokens"] == full
     run_tda(*capture_args(run.model_dir, run.train_file, tmp_path / "like", "--like", first))
     assert StoreReader(tmp_path / "like").metadata["loss_tokens"] == full

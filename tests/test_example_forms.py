@@ -6,6 +6,7 @@ assistant's turn."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -151,19 +152,21 @@ def test_ids_given_to_some_rows_only_are_refused_whatever_the_batching(
 
 
 @pytest.mark.parametrize(
-    ("form", "switches"),
+    ("form", "switches", "without"),
     [
-        ("messages", {"assistant_only_loss": True}),
-        ("prompt-completion", {"completion_only_loss": False}),
+        ("messages", {"assistant_only_loss": True}, {"assistant_only_loss": False}),
+        ("prompt-completion", {"completion_only_loss": False}, {"completion_only_loss": True}),
+        ("text", {"max_length": 5}, {"max_length": 64}),
     ],
 )
 def test_rows_captured_like_a_store_carry_the_loss_its_run_trained(
-    tmp_path: Path, form: str, switches: dict[str, bool]
+    tmp_path: Path, form: str, switches: dict[str, Any], without: dict[str, Any]
 ) -> None:
-    """An SFT run under a loss switch (weights fixed: learning rate 0) records it in its
-    store; its rows captured again like that store (``like=``, as ``tda capture --like``)
-    are scored on the tokens the run trained: the same gradient, example by example.
-    Without the store's switch the copy's gradients differ."""
+    """An SFT run under a loss switch or a ``max_length`` that cuts its rows (weights
+    fixed: learning rate 0) records it in its store; its rows captured again like that
+    store (``like=``, as ``tda capture --like``) are scored on the tokens the run trained:
+    the same ids (content hashes of the tokens) and gradients, example by example.
+    ``without`` the store's setting the copy's gradients differ."""
     from tda_plugins import GradientCaptureCallback, capture_examples
     from tda_plugins.store import StoreReader
 
@@ -192,7 +195,9 @@ def test_rows_captured_like_a_store_carry_the_loss_its_run_trained(
         ],
     ).train()
     trained = StoreReader(tmp_path / "run")
-    recorded = {**LossTokens().as_json(), **switches, "eos": True}  # SFTTrainer appends it
+    length = next(f.default for f in dataclasses.fields(SFTConfig) if f.name == "max_length")
+    run = {"eos": True, "max_length": length}  # SFTTrainer's defaults
+    recorded = {**LossTokens().as_json(), **run, **switches}
     assert trained.metadata["loss_tokens"] == recorded
 
     def gradients(store: StoreReader) -> dict[int, torch.Tensor]:
@@ -200,7 +205,7 @@ def test_rows_captured_like_a_store_carry_the_loss_its_run_trained(
         flat = torch.cat([chunk.layers[n].materialize() for n in store.layer_names], dim=1)
         return dict(zip(chunk.example_ids.tolist(), flat, strict=True))
 
-    def copy(out: str, **options: bool) -> dict[int, torch.Tensor]:
+    def copy(out: str, **options: Any) -> dict[int, torch.Tensor]:
         return gradients(
             capture_examples(
                 model,
@@ -218,7 +223,8 @@ def test_rows_captured_like_a_store_carry_the_loss_its_run_trained(
     assert like.keys() == expected.keys()
     for example_id, grad in expected.items():
         torch.testing.assert_close(like[example_id], grad, rtol=1e-4, atol=1e-6)
-    defaults = copy("defaults", **{k: not v for k, v in switches.items()})
+    defaults = copy("defaults", **without)
     assert any(
-        not torch.allclose(defaults[i], grad, rtol=1e-4, atol=1e-6) for i, grad in expected.items()
+        i not in defaults or not torch.allclose(defaults[i], grad, rtol=1e-4, atol=1e-6)
+        for i, grad in expected.items()
     )

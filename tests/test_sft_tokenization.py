@@ -71,3 +71,17 @@ def test_eos_rows_tokenize_as_sft_trainer_trains_them(
     for trained, example in zip(trainer.train_dataset, ours, strict=True):
         assert example.input_ids == trained["input_ids"]
         assert example.labels == trained.get("labels", trained["input_ids"])
+
+
+def test_the_runs_cut_is_taken_unless_a_length_is_given() -> None:
+    """``SFTConfig(max_length=...)`` cuts rows to their first tokens, which a capture like
+    the run reproduces; a run that kept their last tokens cannot be, so it is refused
+    unless the caller gives the length (and rows within it)."""
+    cut = LossTokens(eos=True, max_length=6)
+    assert cut.truncation(None) == 6
+    assert cut.truncation(32) == 32
+    assert LossTokens().truncation(None) is None
+    kept_end = LossTokens(eos=True, max_length=6, keep_end=True)
+    with pytest.raises(ValueError, match=r"keep_end.*max_length \(--max-length\)"):
+        kept_end.truncation(None)
+    assert kept_end.truncation(6) == 6

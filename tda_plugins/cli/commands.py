@@ -125,8 +125,9 @@ def _add_row_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-length",
         type=positive_int,
-        help="truncate examples to this many tokens (default and most: the model's positions; "
-        "512 for a model without a positions limit)",
+        help="truncate examples to this many tokens (default: with --like, the run's "
+        "max_length where it cut rows; the model's positions, and at most those; 512 for a "
+        "model without a positions limit)",
     )
     p.add_argument(
         "--eos",

@@ -91,8 +91,9 @@ def capture_examples(
         settings: what to record (its store's directory is replaced by ``out``); or give its flat
             options as ``options`` (``layers``, ``projection``, ``curvature``, ...).
         batch_size: examples per forward/backward.
-        max_length: truncate examples to this many tokens (default and most: the model's
-            positions; 512 for a model without a positions limit).
+        max_length: truncate examples to this many tokens (default: with ``like``, the
+            run's ``max_length`` where it cut rows; the model's positions, and at most
+            those; 512 for a model without a positions limit).
         append: add to an existing store of the same model and options.
         metadata: free-form entries for ``store.json``.
         ranks: the ranks of a ``torchrun`` launch (``None``: this process alone).
@@ -136,7 +137,7 @@ def capture_examples(
         settings = dataclasses.replace(settings, store=written)
     if like is not None:
         settings = settings_like(settings, options, like, model)
-    loss = loss_tokens(completion_only_loss, assistant_only_loss, like, eos)
+    loss = loss_tokens(completion_only_loss, assistant_only_loss, like, eos, max_length)
     # every batch and its ids first: bad rows and ids are refused before any write
     planned = plan_batches(model, examples, tokenizer, batch_size, max_length, loss)
     all_ids = [i for batch in planned for i in batch.ids.tolist()]
@@ -250,13 +251,14 @@ def plan_batches(
 
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     source = str(examples) if isinstance(examples, str | Path) else "examples"
+    loss = loss or loss_tokens(None, None)
     rows = tokenize_rows(
         numbered_rows(examples),
         tokenizer,
-        truncation_length(model, max_length),
+        truncation_length(model, loss.truncation(max_length)),
         vocab,
         source,
-        loss or loss_tokens(None, None),
+        loss,
     )
     pad_id = getattr(tokenizer, "pad_token_id", None) or 0
     planned = []
@@ -279,9 +281,11 @@ def loss_tokens(
     assistant_only_loss: bool | None,
     like: str | Path | StoreReader | None = None,
     eos: bool | None = None,
+    max_length: int | None = None,
 ) -> LossTokens:
-    """Which tokens a row has and which carry its loss: the switches given, the others as
-    the store ``like`` records them (its run's), else TRL's defaults (``eos`` off)."""
+    """Which tokens a row has and which carry its loss: the switches (and the cut) given,
+    the others as the store ``like`` records them (its run's), else TRL's defaults
+    (``eos`` off, no cut)."""
     from tda_plugins.integrations.transformers.data import LossTokens
 
     base = LossTokens()
@@ -296,6 +300,8 @@ def loss_tokens(
             base.assistant_only_loss if assistant_only_loss is None else assistant_only_loss
         ),
         eos=base.eos if eos is None else eos,
+        max_length=base.max_length if max_length is None else max_length,
+        keep_end=base.keep_end if max_length is None else False,
     )
 
 

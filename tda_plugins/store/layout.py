@@ -43,12 +43,17 @@ LOSS_TOKENS = "loss_tokens"
 TRAINED = "trained"
 
 
+#: ``loss_tokens`` entries that say how long rows were cut, not which tokens carry the
+#: loss: rows cut at other lengths may share a store (each keeps its own tokens).
+CUT_ENTRIES = frozenset({"max_length", "keep_end"})
+
+
 def loss_tokens_differ(stored: object, ours: object) -> bool:
     """Whether two ``loss_tokens`` entries disagree on a switch both record (a store
-    written before a switch was recorded compares without it)."""
+    written before a switch was recorded compares without it; the cut is no switch)."""
     if not isinstance(stored, dict) or not isinstance(ours, dict):
         return False
-    return any(stored[key] != ours[key] for key in stored.keys() & ours.keys())
+    return any(stored[key] != ours[key] for key in (stored.keys() & ours.keys()) - CUT_ENTRIES)
 
 
 #: The only names a shard file may have (``shard_name``).

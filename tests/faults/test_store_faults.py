@@ -709,6 +709,22 @@ def test_appending_rows_with_other_loss_tokens_is_refused(tmp_path: Path) -> Non
     assert snapshot(store) == before
 
 
+def test_appending_rows_cut_at_another_length_is_accepted(tmp_path: Path) -> None:
+    """The cut (``max_length``) is recorded but is no loss switch: each row keeps the
+    tokens it was captured on, so rows cut at another length may join the store."""
+    from tda_plugins import capture_examples
+    from tests.trainers import prompt_completion_pairs, word_tokenizer
+
+    net = model()
+    rows = [pair.row() for pair in prompt_completion_pairs(6)]
+    options = {"layers": "linear", "batch_size": 2, "progress": False, "curvature": False}
+    store = tmp_path / "store"
+    capture_examples(net, rows[:4], store, tokenizer=word_tokenizer(), max_length=32, **options)
+    assert StoreReader(store).metadata["loss_tokens"]["max_length"] == 32
+    capture_examples(net, rows[4:], store, tokenizer=word_tokenizer(), append=True, **options)
+    assert StoreReader(store).num_examples == 6
+
+
 def test_allowing_other_queries_still_refuses_ranks_that_ended_at_different_weights(
     tmp_path: Path,
 ) -> None:

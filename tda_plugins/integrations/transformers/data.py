@@ -97,11 +97,17 @@ class LossTokens:
             the template has none, as TRL does); text rows keep every token.
         eos: text and completion rows end in the tokenizer's end-of-sequence token, as
             ``SFTTrainer`` appends it (a conversation ends as its chat template ends it).
+        max_length: the run cut longer rows to their first ``max_length`` tokens, as
+            ``SFTConfig(max_length=...)`` does (``None``: no cut recorded).
+        keep_end: the run cut them to their last ``max_length`` tokens instead (TRL's
+            deprecated ``truncation_mode="keep_end"``), which a capture does not reproduce.
     """
 
     completion_only_loss: bool = True
     assistant_only_loss: bool = False
     eos: bool = False
+    max_length: int | None = None
+    keep_end: bool = False
 
     @classmethod
     def of_trainer(cls, args: Any) -> LossTokens:
@@ -115,9 +121,28 @@ class LossTokens:
             completion_only_loss=getattr(args, "completion_only_loss", None) is not False,
             assistant_only_loss=bool(getattr(args, "assistant_only_loss", False)),
             eos=True,
+            max_length=getattr(args, "max_length", None),
+            keep_end=getattr(args, "truncation_mode", "keep_start") == "keep_end",
         )
 
-    def as_json(self) -> dict[str, bool]:
+    def truncation(self, max_length: int | None) -> int | None:
+        """The length to cut rows to: ``max_length`` where given, else the run's.
+
+        Raises:
+            ValueError: the run cut rows to their last tokens and no length is given.
+        """
+        if max_length is not None or self.max_length is None:
+            return max_length
+        if self.keep_end:
+            raise ValueError(
+                f"the run cut rows longer than {self.max_length} tokens to their last "
+                f"{self.max_length} (truncation_mode='keep_end'), which a capture does not "
+                "reproduce: give rows within that length and max_length (--max-length) "
+                "explicitly"
+            )
+        return self.max_length
+
+    def as_json(self) -> dict[str, bool | int | None]:
         """The form a store's metadata keeps (``loss_tokens``)."""
         return dataclasses.asdict(self)
 
