@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Sequence
 from functools import partial
 from types import SimpleNamespace
@@ -494,6 +495,37 @@ def test_scores_are_the_rise_of_the_query_loss_when_an_example_is_removed() -> N
         rise = (example_losses(removed, TOY_QUERIES).detach() - before) / delta
         assert_close(scores.values[z].double(), rise, 1e-4)
         assert_close(scores.values[z].double(), -derivatives.values[z], 1e-7)
+
+
+def test_a_max_grad_norm_of_zero_means_no_clipping_as_the_trainer_takes_it() -> None:
+    """transformers' ``Trainer`` clips only for ``max_grad_norm > 0``; the replay used to
+    clip every update to zero at 0 (every score 0, without a word)."""
+    model = ToyLM()
+    zero = dataclasses.replace(toy_settings(model), max_grad_norm=0.0)
+    assert zero.max_grad_norm is None
+    scores = metagradient(model, TOY_RUN, TOY_QUERIES, optimizer=zero, loss_convention="sum")
+    unclipped = metagradient(
+        model, TOY_RUN, TOY_QUERIES, optimizer=toy_settings(model), loss_convention="sum"
+    )
+    assert bool(scores.values.abs().max() > 0)
+    assert torch.equal(scores.values, unclipped.values)
+
+
+def test_optimizer_groups_at_different_learning_rates_are_refused() -> None:
+    """The replay takes one learning rate per step; groups at other rates (compared by a
+    scheduler's ``initial_lr``, which stays apart when the schedule ends every rate at 0)
+    would be replayed at one of them, without a word."""
+    model = ToyLM()
+    parameters = list(model.parameters())
+    optimizer = torch.optim.AdamW(
+        [{"params": parameters[:1], "lr": 1e-3}, {"params": parameters[1:], "lr": 1e-4}]
+    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1 - step))
+    optimizer.step()
+    schedule.step()
+    assert {group["lr"] for group in optimizer.param_groups} == {0.0}
+    with pytest.raises(ValueError, match="different learning rates"):
+        AdamWSettings.from_optimizer(optimizer, model, max_grad_norm=None)
 
 
 def test_initial_state_replaces_the_module_weights_and_leaves_them() -> None:

@@ -91,7 +91,8 @@ class AdamWSettings:
             per parameter name (``model.named_parameters()``; names not listed get 0, as
             the biases and norms of transformers' ``Trainer``).
         max_grad_norm: the trainer's gradient clipping (``clip_grad_norm_`` of the
-            accumulated gradient over all trainable parameters), ``None`` for none.
+            accumulated gradient over all trainable parameters), ``None`` for none; 0 or
+            less is none too, as transformers' ``Trainer`` takes it (kept as ``None``).
             transformers' ``TrainingArguments`` clips at 1.0 by default.
         betas, eps: as ``torch.optim.AdamW``.
     """
@@ -100,6 +101,10 @@ class AdamWSettings:
     max_grad_norm: float | None
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            object.__setattr__(self, "max_grad_norm", None)
 
     def decay_of(self, name: str) -> float:
         if isinstance(self.weight_decay, Mapping):
@@ -123,8 +128,10 @@ class AdamWSettings:
         cls, optimizer: torch.optim.Optimizer, model: nn.Module, *, max_grad_norm: float | None
     ) -> AdamWSettings:
         """The settings of a ``torch.optim.AdamW`` over ``model``'s parameters (its param
-        groups' decays by parameter name); every group must share betas and eps.
-        accelerate's wrapper (a ``Trainer``'s ``trainer.optimizer``) is unwrapped."""
+        groups' decays by parameter name); every group must share betas, eps and its
+        learning rate (the replay takes one per step; a scheduler's groups are compared by
+        their ``initial_lr``). accelerate's wrapper (a ``Trainer``'s
+        ``trainer.optimizer``) is unwrapped."""
         optimizer = getattr(optimizer, "optimizer", optimizer)
         if type(optimizer) is not torch.optim.AdamW:
             raise ValueError(
@@ -138,6 +145,13 @@ class AdamWSettings:
             raise ValueError(
                 "the optimizer's groups must share betas and eps, without amsgrad or maximize; "
                 f"got {sorted(shared, key=str)}"
+            )
+        rates = sorted({float(g.get("initial_lr", g["lr"])) for g in groups})
+        if len(rates) != 1:
+            raise ValueError(
+                f"the optimizer's groups train at different learning rates {rates}, but the "
+                "replay takes one per step (TrainingStep.learning_rate): give every group "
+                "the same rate"
             )
         decay = {names[id(p)]: float(g["weight_decay"]) for g in groups for p in g["params"]}
         betas = tuple(groups[0]["betas"])
