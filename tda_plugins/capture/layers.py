@@ -136,9 +136,10 @@ def _refuse_parameter_lora(
 def adapters_trainable(model: nn.Module) -> Iterator[None]:
     """Inside the block, the active LoRA adapters of a PEFT model loaded for inference
     (every adapter frozen: ``PeftModel.from_pretrained`` without ``is_trainable=True``)
-    require grad, so that a capture outside training can take their gradients; they are
-    frozen again afterwards. A model with a trainable adapter parameter is left as it is,
-    and so is one without adapters."""
+    require grad, and so do their ``modules_to_save`` copies, which trained beside them,
+    so that a capture outside training can take their gradients; they are frozen again
+    afterwards. A model with a trainable adapter parameter is left as it is, and so is one
+    without adapters."""
     active = getattr(model, "active_adapters", None)
     names = set(active) if isinstance(active, list | tuple) else None
     params = [
@@ -147,6 +148,8 @@ def adapters_trainable(model: nn.Module) -> Iterator[None]:
         if is_lora_adapter(name, module) and (names is None or lora_adapter_names([name]) <= names)
         for p in module.parameters()
     ]
+    if params:
+        params += saved_copies(model, names)
     if not params or any(p.requires_grad for p in params):
         yield
         return
@@ -158,6 +161,17 @@ def adapters_trainable(model: nn.Module) -> Iterator[None]:
     finally:
         for p in params:
             p.requires_grad_(False)
+
+
+def saved_copies(model: nn.Module, adapters: set[str] | None) -> list[nn.Parameter]:
+    """The parameters of the PEFT ``modules_to_save`` copies of ``adapters`` (``None``:
+    every adapter's)."""
+    return [
+        p
+        for name, p in model.named_parameters()
+        if ".modules_to_save." in name
+        and (adapters is None or name.split(".modules_to_save.")[1].split(".")[0] in adapters)
+    ]
 
 
 def with_adapters_trainable(
@@ -224,10 +238,16 @@ class LayerSelection:
         _refuse_dora(model, chosen)
         _refuse_parameter_lora(model, chosen)
         if not chosen:
+            trainable = (n for n, p in model.named_parameters() if p.requires_grad)
+            kinds = other_peft_tuners(trainable)
+            fix = (
+                _other_tuners_fix(kinds)
+                if kinds
+                else "widen include/types/last_n_blocks or pick another kind"
+            )
             raise LayerSelectionError(
                 f"{self!r} matched no layer of {type(model).__name__}; supported layers there: "
-                f"{_preview(supported)}. Fix: widen include/types/last_n_blocks or pick "
-                "another kind"
+                f"{_preview(supported)}. Fix: {fix}"
             )
         return chosen
 
@@ -360,11 +380,43 @@ def uncovered_trainable(
     ]
 
 
+#: Parameter names of the PEFT adapter types other than LoRA, which no layer adapter
+#: captures: a fragment of the name, and the type.
+OTHER_PEFT_TUNERS = {
+    ".ia3_l": "IA3",
+    ".hada_w": "LoHa",
+    ".lokr_w": "LoKr",
+    ".lora_E": "AdaLoRA",
+    ".vera_lambda_": "VeRA",
+}
+
+
+def other_peft_tuners(names: Iterable[str]) -> list[str]:
+    """The PEFT adapter types other than LoRA that parameter ``names`` belong to."""
+    names = list(names)
+    return sorted(
+        {kind for fragment, kind in OTHER_PEFT_TUNERS.items() if any(fragment in n for n in names)}
+    )
+
+
+def _other_tuners_fix(kinds: list[str]) -> str:
+    return (
+        f"PEFT {' and '.join(kinds)} adapters have no per-example capture (tda-plugins "
+        "captures LoRA adapters, LoraConfig, and the layers of full fine-tuning): train "
+        "with LoraConfig, or freeze them"
+    )
+
+
 def uncovered_fix(missing: Iterable[str], fallback: str) -> str:
     """How to cover the trainable parameters ``missing`` names: ``fallback``, unless some
-    are PEFT parameters an embedding uses raw, which no per-example hook sees: LoRA on an
-    embedding (``lora_embedding_A``/``_B``) or trainable tokens (``trainable_token_indices``,
-    which TRL's ``SFTTrainer`` sets itself when a cloned chat template adds tokens)."""
+    are PEFT parameters no per-example hook sees: LoRA on an embedding
+    (``lora_embedding_A``/``_B``, used raw), trainable tokens (``trainable_token_indices``,
+    which TRL's ``SFTTrainer`` sets itself when a cloned chat template adds tokens), or an
+    adapter type other than LoRA (:data:`OTHER_PEFT_TUNERS`)."""
+    missing = list(missing)
+    kinds = other_peft_tuners(missing)
+    if kinds:
+        return _other_tuners_fix(kinds)
     if any(".lora_embedding_" in name for name in missing):
         return (
             "PEFT LoRA on an embedding (lora_embedding_A/B) has no per-example capture: leave "

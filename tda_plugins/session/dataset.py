@@ -29,6 +29,7 @@ from tda_plugins.capture import CaptureEngine, content_hash
 from tda_plugins.capture.layers import (
     LayerSelectionError,
     lora_adapter_names,
+    warn_uncaptured,
     with_adapters_trainable,
 )
 from tda_plugins.capture.names import named_modules
@@ -194,6 +195,13 @@ def capture_examples(
     ):
         if ranks.rank == 0:
             ranks.barrier()
+            if like is None:  # like= captures the store's layers, whatever else trains
+                warn_uncaptured(
+                    model,
+                    engine.captured_layers,
+                    "the store's rows",
+                    settings.layers.uncaptured_fix,
+                )
         store.check_new_ids(all_ids)  # against the examples an appended store holds
         # appending continues the numbering after every rank's last step
         engine.resume_at_step(max(ranks.objects(store.next_step)))

@@ -27,7 +27,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from tda_plugins.capture import CaptureConsumer, CaptureEngine, MicroBatchRecord
-from tda_plugins.capture.layers import with_adapters_trainable
+from tda_plugins.capture.layers import warn_uncaptured, with_adapters_trainable
 from tda_plugins.live.queries import (
     QueryCollector,
     QueryGradients,
@@ -116,6 +116,7 @@ def score_examples(
             "capture a store (capture_examples) and call attribute"
         )
     settings = layer_settings(**options)
+    warn_uncaptured(model, settings.selection.resolve(model), "the scores", settings.uncaptured_fix)
     loss = loss_tokens(completion_only_loss, assistant_only_loss, eos=eos)
     plan = (batch_size, truncation_length(model, max_length), loss)  # warned once
     query_batches = plan_batches(model, queries, tokenizer, *plan)

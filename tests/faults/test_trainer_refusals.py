@@ -421,3 +421,39 @@ def test_lora_without_a_per_example_call_is_refused_before_any_step(
         with pytest.raises(LayerSelectionError, match=refusal):
             capture_examples(model(), rows, tmp_path / "queries")
         assert not (tmp_path / "queries").exists()
+
+
+def _other_tuner(kind: str) -> nn.Module:
+    from peft import IA3Config, LoHaConfig, LoKrConfig, get_peft_model
+
+    configs = {
+        "IA3": IA3Config(target_modules=["v_proj", "down_proj"], feedforward_modules=["down_proj"]),
+        "LoHa": LoHaConfig(r=4, target_modules=["q_proj", "v_proj"]),
+        "LoKr": LoKrConfig(r=4, target_modules=["q_proj", "v_proj"]),
+    }
+    return get_peft_model(llama(), configs[kind])
+
+
+@pytest.mark.parametrize("kind", ["IA3", "LoHa", "LoKr"])
+def test_peft_adapters_other_than_lora_are_refused_by_name(tmp_path: Path, kind: str) -> None:
+    """No layer adapter captures IA3, LoHa or LoKr parameters: refused before any step, by
+    the trainer's callback and ``capture_examples``, naming the adapter type and the way
+    out (the refusal used to say only that no layer matched, and to widen the layers)."""
+    from tda_plugins import capture_examples
+    from tda_plugins.capture.layers import LayerSelectionError
+
+    refusal = rf"PEFT {kind} adapters have no per-example capture.*LoraConfig"
+    steps = StepCounter()
+    trainer = Trainer(
+        model=_other_tuner(kind),
+        args=training_args(tmp_path / "out", max_steps=1),
+        train_dataset=Dataset.from_list([{"input_ids": r} for r in token_rows(4)]),
+        data_collator=pad_examples,
+        callbacks=[steps, GradientCaptureCallback(store_dir=str(tmp_path / "store"))],
+    )
+    with pytest.raises(LayerSelectionError, match=refusal):
+        trainer.train()
+    assert steps.begun == 0
+    rows = [{"input_ids": r} for r in token_rows(4)]
+    with pytest.raises(LayerSelectionError, match=refusal):
+        capture_examples(_other_tuner(kind), rows, tmp_path / "queries")
