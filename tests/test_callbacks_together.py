@@ -160,3 +160,64 @@ def test_influence_credits_the_copy_of_a_duplicated_row_that_trained(tmp_path: P
     assert split, "vacuous: no step dropped one copy of a row and kept the other"
     credited = {h.step: sorted(h.example_ids.tolist()) for h in influence.influence_log.history}
     assert credited == kept
+
+
+def test_gradcos_influence_numbers_copies_as_the_selection_does(tmp_path: Path) -> None:
+    """Two rows of one content hash in a step, the first with no loss token (every label
+    -100: no gradient, no cosine) and the second trained. Under gradcos the scoreless copy
+    used to leave the step's rows before they were matched to the selection's, which
+    numbers every row: dropping the trained copy left it credited, and dropping the
+    scoreless one took the trained copy's credit away. The step's influence covers
+    exactly the kept rows that have a gradient."""
+    rows = []
+    for row in token_rows(4 * STEPS, seed=3)[: 2 * STEPS]:
+        rows.append({"input_ids": row, "labels": [-100] * len(row)})  # no loss token
+        rows.append({"input_ids": row, "labels": list(row)})
+    for row in token_rows(2 * STEPS, seed=5):
+        rows.append({"input_ids": row, "labels": list(row)})
+    order = [
+        rows[2 * s : 2 * s + 2] + rows[4 * STEPS + 2 * s : 4 * STEPS + 2 * s + 2]
+        for s in range(STEPS)
+    ]
+    selection = DataSelectionCallback(
+        target=[{"input_ids": r} for r in token_rows(2, seed=7)],
+        score="loss",
+        rule="random",
+        fraction=0.5,
+        seed=1,
+        layers="all",
+    )
+    influence = InfluenceLoggingCallback(
+        queries=[{"input_ids": r} for r in token_rows(2, seed=9)],
+        method="gradcos",
+        layers="all",
+    )
+    trainer = Trainer(
+        model=tiny_causal_lm("llama", torch.float32),
+        args=training_args(
+            tmp_path / "out",
+            max_steps=STEPS,
+            per_device_train_batch_size=4,
+            train_sampling_strategy="sequential",
+        ),
+        train_dataset=Dataset.from_list([row for step in order for row in step]),
+        data_collator=pad_rows,
+        callbacks=[selection, influence],
+    )
+    trainer.train()
+
+    trained = [[row["labels"][1] != -100 for row in step] for step in order]
+    expected = {
+        h.step: sorted(
+            i
+            for i, dropped, has_loss in zip(
+                h.example_ids.tolist(), h.dropped.tolist(), trained[h.step], strict=True
+            )
+            if not dropped and has_loss
+        )
+        for h in selection.history
+    }
+    split = [h.step for h in selection.history if int(h.dropped[:2].sum()) == 1]
+    assert split, "vacuous: no step dropped one copy and kept the other"
+    credited = {h.step: sorted(h.example_ids.tolist()) for h in influence.influence_log.history}
+    assert credited == {step: ids for step, ids in expected.items() if ids}

@@ -101,12 +101,13 @@ def test_report_files_exist_and_name_stored_example_ids(run: dict) -> None:
 
 class _OtherRankScored:
     """The exchange as rank 0 sees it when only rank 1 had examples in the step: rank 1's
-    rows (ids, then scores) follow this rank's."""
+    rows (ids, then scores with the scoreless flag as a last column, here 0: every row
+    scored) follow this rank's."""
 
     rank = 0
 
     def __init__(self, ids: torch.Tensor, scores: torch.Tensor):
-        self.theirs = [ids, scores]
+        self.theirs = [ids, torch.cat([scores, torch.zeros(len(scores), 1)], dim=1)]
 
     def rows(self, values: torch.Tensor) -> torch.Tensor:
         other = self.theirs[0] if values.dtype == torch.long else self.theirs[1]

@@ -74,17 +74,27 @@ class StepInfluence:
 
 @dataclass
 class _Scored:
-    """A scored step awaiting credit: ``(N,)`` ids, ``(N, M)`` scores, its learning rate."""
+    """A scored step awaiting credit: ``(N,)`` ids, ``(N, M)`` scores, its learning rate,
+    and ``(N,)`` ``scoreless``: rows with no score to credit (a cosine against a zero
+    gradient), kept until the credit so that rows are numbered as the selection numbers
+    them (:meth:`InfluenceLogger.leave_out`)."""
 
     step: int
     example_ids: Tensor
     scores: Tensor
     learning_rate: float
+    scoreless: Tensor
 
     def without(self, leave: Tensor) -> _Scored:
         """These scores less the ``(N,)`` rows true in ``leave``."""
         keep = ~leave
-        return _Scored(self.step, self.example_ids[keep], self.scores[keep], self.learning_rate)
+        return _Scored(
+            self.step,
+            self.example_ids[keep],
+            self.scores[keep],
+            self.learning_rate,
+            self.scoreless[keep],
+        )
 
 
 def _occurrences(example_ids: Tensor) -> list[tuple[int, int]]:
@@ -189,6 +199,8 @@ class InfluenceLogger(CaptureConsumer):
         """Credit the scored step awaiting it (if any of its examples trained): its history
         entry and its cumulative scores."""
         scored, self._scored = self._scored, None
+        if scored is not None:
+            scored = scored.without(scored.scoreless)
         if scored is None or not scored.example_ids.numel():
             return
         scores, ids = scored.scores, scored.example_ids
@@ -243,16 +255,20 @@ class InfluenceLogger(CaptureConsumer):
             parts = [scores_and_norms(r, self.queries, cosine, self.space.apply) for r in records]
             local = torch.cat([scores for scores, _ in parts]).float()
             local_ids = torch.cat([r.example_ids for r in records]).to(local.device)
+            scoreless = torch.zeros(local.shape[0], 1, device=local.device)
             if cosine:  # no gradient, no cosine: such an example did not train
                 sq = torch.cat([n for _, n in parts if n is not None]).to(local.device)
-                local, local_ids = local[sq > 0], local_ids[sq > 0]
+                scoreless[:, 0] = (sq <= 0).float()
         else:  # this rank had no example in the step: an empty share, (0, M)
             norms = self.queries.sq_norms()
             local = torch.zeros(0, norms.shape[0], device=norms.device)
             local_ids = torch.zeros(0, dtype=torch.long, device=norms.device)
-        scores = self.gather.rows(local).cpu()
+            scoreless = torch.zeros(0, 1, device=norms.device)
+        # the flag travels as one more score column: one gather for both
+        gathered = self.gather.rows(torch.cat([local, scoreless], dim=1)).cpu()
         ids = self.gather.rows(local_ids.long()).cpu()
-        self._scored = _Scored(step, ids, scores, self.learning_rate)
+        scores, flags = gathered[:, :-1], gathered[:, -1] > 0
+        self._scored = _Scored(step, ids, scores, self.learning_rate, flags)
         for r in records:
             if r.input_ids is not None:
                 mask = r.token_mask if r.token_mask is not None else torch.ones_like(r.input_ids)
