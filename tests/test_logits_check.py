@@ -100,6 +100,48 @@ def test_a_term_on_unlabelled_positions_is_refused() -> None:
         check.verify(tokens)
 
 
+def long_logits() -> tuple[Tensor, Tensor]:
+    """``(2, 40, V)`` logits and labels: 80 positions, more than one check's draw."""
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 40, VOCAB, generator=generator).requires_grad_()
+    labels = torch.randint(0, VOCAB, (2, 40), generator=generator)
+    labels[1, 30:] = -100  # padding
+    return logits, labels
+
+
+def test_a_term_on_each_sequences_last_token_is_refused_at_once() -> None:
+    """A score of one token per sequence (at its last label) sits where few random draws
+    land: each sequence's last labelled position is always checked."""
+    logits, labels = long_logits()
+    targets = predicted_labels(labels, None)
+    assert targets is not None
+    check = LogitsCheck(logits, targets, seed=1)
+    loss, tokens = causal_lm_loss(logits, labels)
+    last = [int((targets[b] != -100).nonzero().max()) for b in range(2)]
+    term = sum(logits[b, t].logsumexp(-1) for b, t in enumerate(last))
+    (loss + 0.01 * term).backward()
+    with pytest.raises(UnsupportedTrainingSetup):
+        check.verify(tokens)
+
+
+def test_a_term_on_one_inner_position_is_met_over_the_checks() -> None:
+    """A term on position 2 of every sequence: each check draws other positions, so the
+    checks of a run meet it (here within its first 4, the ones at the start of a run)."""
+    refused = []
+    for seed in range(1, FIRST + 1):
+        logits, labels = long_logits()
+        targets = predicted_labels(labels, None)
+        assert targets is not None
+        check = LogitsCheck(logits, targets, seed=seed)
+        loss, tokens = causal_lm_loss(logits, labels)
+        (loss + 0.01 * logits[:, 2].logsumexp(-1).sum()).backward()
+        try:
+            check.verify(tokens)
+        except UnsupportedTrainingSetup:
+            refused.append(seed)
+    assert refused
+
+
 def test_a_non_finite_row_is_left_to_the_finite_checks() -> None:
     logits, labels = labelled_logits()
     check = LogitsCheck(logits, predicted_labels(labels, None))

@@ -15,8 +15,9 @@ The model's own causal-LM loss gives its logits an exactly known gradient. With
     dL/dz = (softmax(z) - onehot(y)) / s,
 
 and zero where no token is predicted (a ``-100`` label, padding, the last position).
-:class:`LogitsCheck` keeps a few rows of the logits (evenly spaced over the micro-batch's
-positions, label and non-label alike), the gradient that arrives at them, and compares
+:class:`LogitsCheck` keeps a few rows of the logits (drawn at random over the
+micro-batch's positions, a new draw at each check, and each sequence's last labelled and
+last position: :func:`sampled_rows`), the gradient that arrives at them, and compares
 after the backward: each row's ``||s * dL/dz - (softmax(z) - onehot(y))||`` must stay
 within the rounding of the logits' dtype. The rows are copied (``P x V`` values); the
 comparison reads one number back to the host, so the normalization runs it on the first
@@ -62,18 +63,33 @@ def predicted_labels(labels: Tensor | None, shift_labels: Tensor | None) -> Tens
     return torch.cat([labels[..., 1:], torch.full_like(labels[..., :1], -100)], dim=-1)
 
 
+def sampled_rows(targets: Tensor, seed: int) -> Tensor:
+    """Flat ``(B*T)`` positions to check: :data:`ROWS` drawn at random (a new draw per
+    ``seed``, so that a term on a few positions is met over the checks), and, for up to
+    :data:`ROWS` sequences, the position predicting their last label and their last
+    position (where a term on one token of a sequence, such as a score at its end, sits)."""
+    sequences, length = targets.shape[0], targets.shape[-1]
+    total = targets.numel()
+    generator = torch.Generator().manual_seed(seed)
+    drawn = torch.randperm(total, generator=generator)[:ROWS].to(targets.device)
+    labelled = (targets.reshape(sequences, length)[:ROWS] != -100).int()
+    last_label = length - 1 - labelled.flip(-1).argmax(-1)
+    starts = torch.arange(labelled.shape[0], device=targets.device) * length
+    return torch.unique(torch.cat([drawn, starts + last_label, starts + length - 1]))
+
+
 class LogitsCheck:
     """Sampled rows of one micro-batch's logits, their labels and the gradient they get.
 
     Args:
         logits: ``(B, T, V)`` the model output's logits (any floating dtype).
         targets: ``(B, T)`` the label each position predicts, ``-100`` where none.
+        seed: which positions to draw (:func:`sampled_rows`).
     """
 
-    def __init__(self, logits: Tensor, targets: Tensor):
+    def __init__(self, logits: Tensor, targets: Tensor, seed: int = 0):
         flat = logits.detach().flatten(0, -2)
-        self.rows = torch.linspace(0, flat.shape[0] - 1, min(ROWS, flat.shape[0]))
-        self.rows = self.rows.round().long().to(flat.device)
+        self.rows = sampled_rows(targets, seed).to(flat.device)
         self.logits = flat[self.rows].float()
         self.targets = targets.flatten()[self.rows.to(targets.device)].to(flat.device)
         self.rounding = float(torch.finfo(logits.dtype).eps) / 2

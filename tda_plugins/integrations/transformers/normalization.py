@@ -99,7 +99,7 @@ class CausalLMNormalization:
             return loss_scale
         if not LogitsCheck.applies(logits, targets):
             return loss_scale
-        check = LogitsCheck(logits, targets)
+        check = LogitsCheck(logits, targets, seed=self._micro_batches)
 
         def checked_loss_scale() -> Tensor:
             scale = loss_scale()
