@@ -132,6 +132,27 @@ def _refuse_parameter_lora(
             )
 
 
+def _refuse_inactive_adapters(
+    model: nn.Module, chosen: Mapping[str, tuple[nn.Module, LayerAdapter]]
+) -> None:
+    """Refuse a trainable LoRA adapter that is not active: PEFT never calls it, so it gets
+    no gradient and does not train, and its layer's capture would wait for one."""
+    named = modules_by_name(model)
+    for name, (module, _) in chosen.items():
+        if not is_lora_adapter(name, module):
+            continue
+        owner, _, rest = name.rpartition(".lora_")
+        adapter = rest.partition(".")[2]
+        active = getattr(named.get(owner), "active_adapters", None)
+        if isinstance(active, list | tuple) and adapter not in active:
+            raise LayerSelectionError(
+                f"the PEFT adapter {adapter!r} is not active (active: {list(active)}), but its "
+                f"parameters require grad ({name}): PEFT does not call it, so it gets no "
+                f"gradient and does not train; freeze it (its parameters' "
+                f"requires_grad_(False)), or activate it (set_adapter({adapter!r}))"
+            )
+
+
 @contextmanager
 def adapters_trainable(model: nn.Module) -> Iterator[None]:
     """Inside the block, the active LoRA adapters of a PEFT model loaded for inference
@@ -237,6 +258,7 @@ class LayerSelection:
         chosen = self._drop_partially_tied(model, chosen)
         _refuse_dora(model, chosen)
         _refuse_parameter_lora(model, chosen)
+        _refuse_inactive_adapters(model, chosen)
         if not chosen:
             trainable = (n for n, p in model.named_parameters() if p.requires_grad)
             kinds = other_peft_tuners(trainable)

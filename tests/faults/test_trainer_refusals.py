@@ -457,3 +457,30 @@ def test_peft_adapters_other_than_lora_are_refused_by_name(tmp_path: Path, kind:
     rows = [{"input_ids": r} for r in token_rows(4)]
     with pytest.raises(LayerSelectionError, match=refusal):
         capture_examples(_other_tuner(kind), rows, tmp_path / "queries")
+
+
+def test_a_trainable_adapter_that_is_not_active_is_refused_before_any_step(
+    tmp_path: Path,
+) -> None:
+    """A second LoRA adapter left trainable but not active gets no gradient (PEFT does
+    not call it): it used to stop the first step with 'received no gradient', blaming a
+    fused head; it is refused at the start, naming the adapter and both ways out."""
+    from peft import LoraConfig, get_peft_model
+
+    from tda_plugins.capture.layers import LayerSelectionError
+
+    model = get_peft_model(llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    model.add_adapter("second", LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    steps = StepCounter()
+    trainer = Trainer(
+        model=model,
+        args=training_args(tmp_path / "out", max_steps=1),
+        train_dataset=Dataset.from_list([{"input_ids": r} for r in token_rows(4)]),
+        data_collator=pad_examples,
+        callbacks=[steps, GradientCaptureCallback(store_dir=str(tmp_path / "store"))],
+    )
+    with pytest.raises(LayerSelectionError, match=r"'second' is not active.*set_adapter"):
+        trainer.train()
+    assert steps.begun == 0
