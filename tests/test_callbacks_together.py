@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from tda_plugins.integrations.transformers import (
     DataSelectionCallback,
@@ -118,6 +118,22 @@ def test_influence_leaves_out_the_examples_the_selection_dropped(
     assert {e["id"] for e in report["cumulative"]} == set().union(*kept.values())
 
 
+def in_order(rows: list[dict[str, list[int]]], tmp_path: Path, *callbacks: TrainerCallback) -> None:
+    """Train :data:`STEPS` steps of 4 rows on ``rows`` in their order (no shuffle)."""
+    Trainer(
+        model=tiny_causal_lm("llama", torch.float32),
+        args=training_args(
+            tmp_path / "out",
+            max_steps=STEPS,
+            per_device_train_batch_size=4,
+            train_sampling_strategy="sequential",
+        ),
+        train_dataset=Dataset.from_list(rows),
+        data_collator=pad_rows,
+        callbacks=list(callbacks),
+    ).train()
+
+
 def test_influence_credits_the_copy_of_a_duplicated_row_that_trained(tmp_path: Path) -> None:
     """Two copies of one row in a step share its content-hash id; when the selection drops
     one copy (a tie broken by order) and keeps the other, the kept copy trained: the step's
@@ -137,19 +153,7 @@ def test_influence_credits_the_copy_of_a_duplicated_row_that_trained(tmp_path: P
         method="graddot",
         layers="all",
     )
-    trainer = Trainer(
-        model=tiny_causal_lm("llama", torch.float32),
-        args=training_args(
-            tmp_path / "out",
-            max_steps=STEPS,
-            per_device_train_batch_size=4,
-            train_sampling_strategy="sequential",
-        ),
-        train_dataset=Dataset.from_list([{"input_ids": r} for r in rows]),
-        data_collator=pad_rows,
-        callbacks=[selection, influence],
-    )
-    trainer.train()
+    in_order([{"input_ids": r} for r in rows], tmp_path, selection, influence)
 
     kept = {h.step: sorted(h.example_ids[~h.dropped].tolist()) for h in selection.history}
     split = [
@@ -192,19 +196,7 @@ def test_gradcos_influence_numbers_copies_as_the_selection_does(tmp_path: Path) 
         method="gradcos",
         layers="all",
     )
-    trainer = Trainer(
-        model=tiny_causal_lm("llama", torch.float32),
-        args=training_args(
-            tmp_path / "out",
-            max_steps=STEPS,
-            per_device_train_batch_size=4,
-            train_sampling_strategy="sequential",
-        ),
-        train_dataset=Dataset.from_list([row for step in order for row in step]),
-        data_collator=pad_rows,
-        callbacks=[selection, influence],
-    )
-    trainer.train()
+    in_order([row for step in order for row in step], tmp_path, selection, influence)
 
     trained = [[row["labels"][1] != -100 for row in step] for step in order]
     expected = {

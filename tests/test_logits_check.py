@@ -30,6 +30,7 @@ from tda_plugins.session.capture import UnsupportedTrainingSetup
 from tests.models import tiny_causal_lm
 from tests.selection_helpers import PINNED
 from tests.trainers import (
+    FirstWeights,
     pad_rows,
     prompt_completion_pairs,
     token_rows,
@@ -204,18 +205,6 @@ class LateRegularizedTrainer(RegularizedTrainer):
     START = FIRST + 1
 
 
-class FirstWeights(TrainerCallback):
-    """The model's weights at ``on_train_begin``."""
-
-    def __init__(self) -> None:
-        self.model: nn.Module | None = None
-        self.weights: dict[str, Tensor] = {}
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.model = kwargs["model"]
-        self.weights = {k: v.clone() for k, v in self.model.state_dict().items()}
-
-
 def regularized_run(
     tmp_path: Path, callback: TrainerCallback, trainer_class: type[Trainer], steps: int
 ) -> Trainer:
@@ -250,9 +239,7 @@ def test_a_compute_loss_override_adding_a_term_is_refused_before_the_first_updat
     trainer.add_callback(first)
     with pytest.raises(UnsupportedTrainingSetup, match="logits is not the one its own loss"):
         trainer.train()
-    assert first.model is not None
-    for name, value in first.model.state_dict().items():
-        assert torch.equal(value, first.weights[name]), f"{name} changed"
+    first.assert_unchanged()
 
 
 def test_a_term_added_later_is_refused_at_the_next_checked_micro_batch(tmp_path: Path) -> None:
@@ -298,6 +285,4 @@ def test_sft_trainer_override_adding_a_term_to_the_fused_heads_loss_is_refused(
     )
     with pytest.raises(UnsupportedTrainingSetup, match="model's log-probs"):
         trainer.train()
-    assert first.model is not None
-    for name, value in first.model.state_dict().items():
-        assert torch.equal(value, first.weights[name]), f"{name} changed"
+    first.assert_unchanged()

@@ -67,6 +67,7 @@ from tests.selection_helpers import (
 from tests.stores import ManualScale
 from tests.trainers import (
     FP32_TOL,
+    FirstWeights,
     pad_rows,
     prompt_completion_pairs,
     token_rows,
@@ -797,18 +798,6 @@ class MicroBatchMeanTrainer(Trainer):
         return super().compute_loss(model, inputs, return_outputs=return_outputs)
 
 
-class WeightSnapshot(TrainerCallback):
-    """Keeps the model and a copy of its weights at ``on_train_begin``."""
-
-    def __init__(self) -> None:
-        self.model: nn.Module | None = None
-        self.weights: dict[str, Tensor] = {}
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.model = kwargs["model"]
-        self.weights = {k: v.clone() for k, v in self.model.state_dict().items()}
-
-
 def test_a_loss_divided_per_micro_batch_is_refused_before_the_optimizer_steps(
     tmp_path: Path,
 ) -> None:
@@ -816,7 +805,7 @@ def test_a_loss_divided_per_micro_batch_is_refused_before_the_optimizer_steps(
     step: the selection's rebuilt ``.grad`` (the token mean over the kept examples) would
     be 16-111 % off the trainer's normalization of them. The first step is refused before
     the optimizer changes a weight, naming the override's fix."""
-    snapshot = WeightSnapshot()
+    snapshot = FirstWeights()
     with pytest.raises(UnsupportedTrainingSetup, match=r"step 1: .*num_items_in_batch") as info:
         train_with_selection(
             tmp_path,
@@ -827,9 +816,7 @@ def test_a_loss_divided_per_micro_batch_is_refused_before_the_optimizer_steps(
             layers="all",
         )
     assert "super().compute_loss()" in str(info.value)
-    assert snapshot.model is not None and snapshot.weights
-    for name, value in snapshot.model.state_dict().items():
-        assert torch.equal(value, snapshot.weights[name]), f"{name} changed"
+    snapshot.assert_unchanged()
 
 
 def test_a_model_given_no_num_items_in_batch_is_refused_under_accumulation(

@@ -202,6 +202,24 @@ class WeightSnapshots(TrainerCallback):
         }
 
 
+class FirstWeights(TrainerCallback):
+    """Keeps the model and a copy of its weights at ``on_train_begin``: a run refused
+    before its first update must leave them as they were (:meth:`assert_unchanged`)."""
+
+    def __init__(self) -> None:
+        self.model: nn.Module | None = None
+        self.weights: dict[str, Tensor] = {}
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.model = kwargs["model"]
+        self.weights = {k: v.clone() for k, v in self.model.state_dict().items()}
+
+    def assert_unchanged(self) -> None:
+        assert self.model is not None and self.weights, "the run never began"
+        for name, value in self.model.state_dict().items():
+            assert torch.equal(value, self.weights[name]), f"{name} changed"
+
+
 # -- what a store holds --------------------------------------------------------------------
 
 

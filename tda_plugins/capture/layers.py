@@ -90,6 +90,19 @@ def _output_width(module: nn.Module) -> int | None:
     return getattr(module, "nf", None) if type(module).__name__ == "Conv1D" else None
 
 
+def _lora_layers(
+    model: nn.Module, chosen: Mapping[str, tuple[nn.Module, LayerAdapter]]
+) -> Iterator[tuple[str, str, nn.Module | None, str]]:
+    """The PEFT LoRA sub-layers among ``chosen``: each one's name, the name of the LoRA
+    layer that owns it (``...q_proj`` of ``...q_proj.lora_A.default``), that layer, and
+    the adapter's name."""
+    named = modules_by_name(model)
+    for name, (module, _) in chosen.items():
+        if is_lora_adapter(name, module):
+            owner, _, rest = name.rpartition(".lora_")
+            yield name, owner, named.get(owner), rest.partition(".")[2]
+
+
 def _refuse_dora(model: nn.Module, chosen: Mapping[str, tuple[nn.Module, LayerAdapter]]) -> None:
     """Refuse a PEFT DoRA adapter (``LoraConfig(use_dora=True)``) among the chosen layers.
 
@@ -97,13 +110,8 @@ def _refuse_dora(model: nn.Module, chosen: Mapping[str, tuple[nn.Module, LayerAd
     (to measure the adapted weight's column norms), which a per-example hook cannot tell
     from a batch; and its trainable magnitude vector scales the whole layer's output, a
     parameter no adapter captures per example."""
-    named = modules_by_name(model)
-    for name, (module, _) in chosen.items():
-        if not is_lora_adapter(name, module):
-            continue
-        owner, _, rest = name.rpartition(".lora_")
-        adapter = rest.partition(".")[2]
-        if getattr(named.get(owner), "use_dora", {}).get(adapter, False):
+    for _, owner, layer, adapter in _lora_layers(model, chosen):
+        if getattr(layer, "use_dora", {}).get(adapter, False):
             raise LayerSelectionError(
                 f"{owner} is a DoRA adapter (LoraConfig(use_dora=True)): PEFT calls its "
                 "lora_A/lora_B on an identity matrix besides the batch, and its magnitude "
@@ -117,12 +125,8 @@ def _refuse_parameter_lora(
     """Refuse a PEFT LoRA on a parameter (``LoraConfig(target_parameters=[...])``, PEFT's
     ``ParamWrapper``): PEFT adds ``lora_B.weight @ lora_A.weight`` to the wrapped weight
     without calling ``lora_A``/``lora_B``, so no hook sees a per-example input there."""
-    named = modules_by_name(model)
-    for name, (module, _) in chosen.items():
-        if not is_lora_adapter(name, module):
-            continue
-        owner = name.rpartition(".lora_")[0]
-        if type(named.get(owner)).__name__ == "ParamWrapper":
+    for _, owner, layer, _ in _lora_layers(model, chosen):
+        if type(layer).__name__ == "ParamWrapper":
             raise LayerSelectionError(
                 f"{owner} is a LoRA on a parameter (LoraConfig(target_parameters=...)): PEFT "
                 "adds lora_B @ lora_A to its weight without calling lora_A/lora_B on the "
@@ -137,13 +141,8 @@ def _refuse_inactive_adapters(
 ) -> None:
     """Refuse a trainable LoRA adapter that is not active: PEFT never calls it, so it gets
     no gradient and does not train, and its layer's capture would wait for one."""
-    named = modules_by_name(model)
-    for name, (module, _) in chosen.items():
-        if not is_lora_adapter(name, module):
-            continue
-        owner, _, rest = name.rpartition(".lora_")
-        adapter = rest.partition(".")[2]
-        active = getattr(named.get(owner), "active_adapters", None)
+    for name, _, layer, adapter in _lora_layers(model, chosen):
+        active = getattr(layer, "active_adapters", None)
         if isinstance(active, list | tuple) and adapter not in active:
             raise LayerSelectionError(
                 f"the PEFT adapter {adapter!r} is not active (active: {list(active)}), but its "
