@@ -244,12 +244,16 @@ def test_a_compute_loss_override_adding_a_term_is_refused_before_the_first_updat
 
 def test_a_term_added_later_is_refused_at_the_next_checked_micro_batch(tmp_path: Path) -> None:
     """A term that starts after the first checked micro-batches (a KL to the weights a
-    LoRA starts from is zero at first) is caught at micro-batch ``EVERY``."""
+    LoRA starts from is zero at first) is caught at micro-batch ``EVERY``; the refusal
+    says which steps of the store may carry it (those after the check that passed)."""
     capture = GradientCaptureCallback(store_dir=str(tmp_path / "store"), layers="all")
     trainer = regularized_run(tmp_path, capture, LateRegularizedTrainer, steps=EVERY + 2)
-    with pytest.raises(UnsupportedTrainingSetup, match="logits is not the one its own loss"):
+    with pytest.raises(UnsupportedTrainingSetup, match="logits is not the one") as info:
         trainer.train()
     assert trainer.state.global_step == EVERY - 1
+    message = str(info.value)
+    assert f"micro-batch {EVERY}, where the check before passed at micro-batch {FIRST}" in message
+    assert "may carry the term in the steps after that one" in message
 
 
 def test_sft_trainer_override_adding_a_term_to_the_fused_heads_loss_is_refused(

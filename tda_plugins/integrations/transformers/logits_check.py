@@ -120,12 +120,13 @@ class LogitsCheck:
         rows = rows[rows.isfinite()]  # a non-finite example is the finite checks' to name
         return float(rows.max()) if rows.numel() else 0.0
 
-    def verify(self, loss_scale: Tensor) -> None:
-        """Refuse the micro-batch unless its logits got the model's own loss's gradient."""
-        _refuse_beyond(self.deviation(loss_scale), self.rounding, "logits")
+    def verify(self, loss_scale: Tensor, when: str = "") -> None:
+        """Refuse the micro-batch unless its logits got the model's own loss's gradient
+        (``when``: which micro-batch, for the message)."""
+        _refuse_beyond(self.deviation(loss_scale), self.rounding, "logits", when)
 
 
-def verify_uniform(gradient: Tensor, rounding: float) -> None:
+def verify_uniform(gradient: Tensor, rounding: float, when: str = "") -> None:
     """Refuse the micro-batch unless every finite entry of the gradient at the fused head's
     ``(B, T)`` log-probs is the same, within ``rounding`` (the log-probs dtype's)."""
     values = gradient[gradient.isfinite()].double()
@@ -133,16 +134,28 @@ def verify_uniform(gradient: Tensor, rounding: float) -> None:
         return
     mean = values.mean()
     off = float((values - mean).abs().max() / mean.abs()) if bool(mean != 0) else 0.0
-    _refuse_beyond(off, rounding, "log-probs")
+    _refuse_beyond(off, rounding, "log-probs", when)
 
 
-def _refuse_beyond(off: float, rounding: float, where: str) -> None:
+def checked_when(micro_batch: int, passed: int) -> str:
+    """Which micro-batch a refusal comes at, and what a store of the run then holds: the
+    steps after the last check that passed (``passed``, 0: none) may carry the term."""
+    if passed == 0 or passed == micro_batch - 1:
+        return f" at the run's micro-batch {micro_batch}"
+    return (
+        f" at the run's micro-batch {micro_batch}, where the check before passed at "
+        f"micro-batch {passed}: a store this run wrote may carry the term in the steps "
+        "after that one, so capture again once the loss is the model's own"
+    )
+
+
+def _refuse_beyond(off: float, rounding: float, where: str, when: str) -> None:
     """Refuse a difference ``off`` (in units of one token's loss) beyond the tolerance."""
     if off <= TOLERANCE + 2 * rounding:
         return
     raise UnsupportedTrainingSetup(
         f"the gradient at the model's {where} is not the one its own loss gives them "
-        f"({off:.3g} off, in units of one token's loss): the trainer backpropagates more "
+        f"({off:.3g} off, in units of one token's loss{when}): the trainer backpropagates more "
         "than the model's cross-entropy (a compute_loss override that adds a KL, an "
         f"entropy or another term computed from the {where}), so each example's captured "
         "gradient would not be its own summed token loss's; return "

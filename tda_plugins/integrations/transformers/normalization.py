@@ -17,6 +17,7 @@ Two output forms are handled, both without a host sync:
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from torch import Tensor
 from tda_plugins.capture.normalization import GradientAt, ReadOffGradient
 from tda_plugins.integrations.transformers.logits_check import (
     LogitsCheck,
+    checked_when,
     due,
     predicted_labels,
     verify_uniform,
@@ -59,10 +61,18 @@ class CausalLMNormalization:
     def __init__(self) -> None:
         #: Micro-batches observed so far (which of them the own-loss check runs on).
         self._micro_batches = 0
+        #: The last micro-batch whose own-loss check passed (0: none yet).
+        self._passed = 0
+
+    def _checked(self, number: int, verify: Callable[[str], None]) -> None:
+        """Run micro-batch ``number``'s own-loss check; remember it passed."""
+        verify(checked_when(number, self._passed))
+        self._passed = number
 
     def observe(self, kwargs: dict[str, Any], output: Any) -> Callable[[], float | Tensor]:
         self._micro_batches += 1
-        checked = due(self._micro_batches)
+        number = self._micro_batches
+        checked = due(number)
         log_probs = _field(output, "log_probs")
         if log_probs is not None:
             at_log_probs = GradientAt(log_probs)
@@ -71,7 +81,7 @@ class CausalLMNormalization:
             def log_probs_scale() -> Tensor:
                 gradient = at_log_probs.value().double()
                 if checked:
-                    verify_uniform(gradient, rounding)
+                    self._checked(number, partial(verify_uniform, gradient, rounding))
                 return -1.0 / gradient.mean()
 
             return ReadOffGradient.of(log_probs_scale, log_probs.dtype)
@@ -99,11 +109,11 @@ class CausalLMNormalization:
             return loss_scale
         if not LogitsCheck.applies(logits, targets):
             return loss_scale
-        check = LogitsCheck(logits, targets, seed=self._micro_batches)
+        check = LogitsCheck(logits, targets, seed=number)
 
         def checked_loss_scale() -> Tensor:
             scale = loss_scale()
-            check.verify(scale)
+            self._checked(number, partial(check.verify, scale))
             return scale
 
         return checked_loss_scale
