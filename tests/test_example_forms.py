@@ -228,3 +228,61 @@ def test_rows_captured_like_a_store_carry_the_loss_its_run_trained(
         i not in defaults or not torch.allclose(defaults[i], grad, rtol=1e-4, atol=1e-6)
         for i, grad in expected.items()
     )
+
+
+@pytest.mark.parametrize("beside", ["prompt-completion", "messages"])
+def test_a_row_holding_two_forms_is_read_as_trl_reads_it(tmp_path: Path, beside: str) -> None:
+    """A row with a ``text`` beside its ``prompt``/``completion`` or ``messages`` (a
+    dataset that kept both columns): TRL trains the other form, and so the row is scored
+    (it used to be scored as its text). Oracle: the trainer's processed dataset."""
+    tokenizer = word_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    given = [{**row, "text": words([3, 4, 5, 6])} for row in rows(beside)]
+    trainer = SFTTrainer(
+        model=tiny_causal_lm("llama", torch.float32),
+        args=training_args(tmp_path / "out", config_cls=SFTConfig, max_length=64),
+        train_dataset=Dataset.from_list(given),
+        processing_class=tokenizer,
+    )
+    switches = LossTokens.of_trainer(trainer.args)
+    ours = tokenize_rows(list(enumerate(given, 1)), tokenizer, 64, loss=switches)
+    for example, row in zip(ours, trainer.train_dataset, strict=True):
+        assert example.input_ids == row["input_ids"]
+        assert example.labels == row.get("labels", row["input_ids"])
+
+
+def test_a_cut_rows_text_is_the_text_of_its_kept_tokens() -> None:
+    """A row cut at ``max_length`` is scored on its first tokens; its stored text (what the
+    report shows) is theirs, not the whole row's."""
+    tokenizer = word_tokenizer()
+    whole = words(list(range(3, 15)))
+    (cut,) = tokenize_rows([(1, {"text": whole})], tokenizer, 5)
+    assert len(cut.input_ids) == 5
+    assert cut.text == tokenizer.decode(cut.input_ids) != whole
+    (kept,) = tokenize_rows([(1, {"text": whole})], tokenizer, 64)
+    assert kept.text == whole
+
+
+def test_row_keys_and_ids_as_datasets_and_numpy_give_them() -> None:
+    """``Dataset.from_list`` fills a key a row lacks with None (mixed forms), and numpy or
+    tensor columns give numpy / 0-d tensor ids: read as the rows and ids they are. An id
+    outside int64 and a padded ``attention_mask`` are refused naming the row."""
+    import numpy as np
+
+    tokenizer = word_tokenizer()
+    pair = rows("prompt-completion")[0]
+    mixed = Dataset.from_dict(
+        {"text": [words([3, 4, 5]), None], **{k: [None, v] for k, v in pair.items()}}
+    )
+    ours = tokenize_rows(list(enumerate(mixed, 1)), tokenizer, 64, loss=LossTokens())
+    alone = tokenize_rows([(1, pair)], tokenizer, 64, loss=LossTokens())
+    assert ours[1] == alone[0]
+    ids = [{"input_ids": [3, 4], "id": np.int64(7)}, {"input_ids": [5, 6], "id": torch.tensor(9)}]
+    assert [e.example_id for e in tokenize_rows(list(enumerate(ids, 1)), tokenizer, 64)] == [7, 9]
+    with pytest.raises(ValueError, match="line 1: 'id' 18446744073709551617 is outside"):
+        tokenize_rows([(1, {"input_ids": [3, 4], "id": 2**64 + 1})], tokenizer, 64)
+    padded = {"input_ids": [3, 4, 0, 0], "attention_mask": [1, 1, 0, 0]}
+    with pytest.raises(ValueError, match="line 1: 'attention_mask' masks 2 of its 4 tokens"):
+        tokenize_rows([(1, padded)], tokenizer, 64)
+    unpadded = {"input_ids": [3, 4], "attention_mask": [1, 1]}
+    assert tokenize_rows([(1, unpadded)], tokenizer, 64)[0].input_ids == [3, 4]

@@ -26,6 +26,7 @@ import json
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from numbers import Integral
 from pathlib import Path
 from typing import Any
 
@@ -229,14 +230,51 @@ def _tokenize(
     loss: LossTokens,
     assistant_template: Callable[[], str | None],
 ) -> Example:
-    """One row as an :class:`Example`; ``assistant_template()`` gives the chat template
-    that marks the assistant's tokens (asked for only where ``assistant_only_loss`` needs
-    it, and the same for every row: :func:`tokenize_rows` resolves it once)."""
+    """One row as an :class:`Example`, cut to ``max_length`` tokens (the text of a cut
+    row is then its kept tokens, decoded: what the scores are of); ``assistant_template()``
+    gives the chat template that marks the assistant's tokens (asked for only where
+    ``assistant_only_loss`` needs it, and the same for every row: :func:`tokenize_rows`
+    resolves it once).
+
+    A row holding several forms is read as TRL's ``SFTTrainer`` reads it: ``input_ids``
+    first, then ``prompt`` + ``completion``, then ``messages``, then ``text``; keys a
+    ``datasets.Dataset`` fills with ``None`` for rows that lack them count as absent."""
     if not isinstance(row, dict):
         raise ValueError(f"line {line}: an example must be a JSON object")
-    example_id = row.get("id")
-    if example_id is not None and type(example_id) is not int:
-        raise ValueError(f"line {line}: 'id' must be an integer, got {example_id!r}")
+    row = {key: value for key, value in row.items() if value is not None}
+    example_id = _example_id(row.get("id"), line)
+    full = _whole_example(row, tokenizer, line, vocab, loss, assistant_template)
+    if len(full.input_ids) <= max_length:
+        return dataclasses.replace(full, example_id=example_id)
+    ids, labels = full.input_ids[:max_length], full.labels[:max_length]
+    text = tokenizer.decode(ids) if tokenizer is not None else " ".join(map(str, ids))
+    return Example(ids, labels, text, example_id)
+
+
+def _example_id(value: Any, line: int) -> int | None:
+    """A row's ``id``: an integer (a numpy or 0-d torch integer too) within int64."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise ValueError(f"line {line}: 'id' must be an integer, got {value!r}")
+    if not -(2**63) <= int(value) < 2**63:
+        raise ValueError(
+            f"line {line}: 'id' {value} is outside the 64-bit integers the store keeps ids in"
+        )
+    return int(value)
+
+
+def _whole_example(
+    row: dict[str, Any],
+    tokenizer: Any,
+    line: int,
+    vocab: int | None,
+    loss: LossTokens,
+    assistant_template: Callable[[], str | None],
+) -> Example:
+    """One row's tokens, labels and text, whole (no id: :func:`_tokenize` adds it)."""
     if "input_ids" in row:
         ids = _token_list(row["input_ids"], "input_ids", line, vocab, ignore=False)
         labels = _token_list(row.get("labels", ids), "labels", line, vocab, ignore=True)
@@ -245,9 +283,9 @@ def _tokenize(
                 f"line {line}: 'labels' has {len(labels)} entries for {len(ids)} input_ids; "
                 "give one label per token (-100 for no loss)"
             )
-        ids, labels = ids[:max_length], labels[:max_length]
+        _refuse_masked_tokens(row.get("attention_mask"), len(ids), line)
         text = tokenizer.decode(ids) if tokenizer is not None else " ".join(map(str, ids))
-        return Example(ids, labels, text, example_id)
+        return Example(ids, labels, text, None)
     if not ({"text", "messages"} & set(row) or {"prompt", "completion"} <= set(row)):
         raise ValueError(
             f"line {line}: an example needs 'text', 'prompt'+'completion', 'messages' or "
@@ -260,30 +298,46 @@ def _tokenize(
             f"line {line}: text examples need a tokenizer; save one in the model directory "
             "or give pre-tokenized input_ids"
         )
-    if "text" in row:
-        text = _text(row, "text", line)
-        text = _with_eos(text, tokenizer, line) if loss.eos else text
-        ids = tokenizer(text, truncation=True, max_length=max_length)["input_ids"]
-        return Example(ids, list(ids), text, example_id)
     conversation = "messages" in row or isinstance(row.get("prompt"), list)
     assistant = assistant_template() if loss.assistant_only_loss and conversation else None
     if "prompt" in row and "completion" in row:
-        prompt, ids, text, keep = _prompt_completion(row, tokenizer, line, loss, assistant)
+        # TRL appends its end-of-sequence token to a row's text where it has one, which
+        # this form then leaves unused: the completion goes without
+        pair_loss = dataclasses.replace(loss, eos=False) if "text" in row else loss
+        prompt, ids, text, keep = _prompt_completion(row, tokenizer, line, pair_loss, assistant)
         # As TRL does: prompt and completion tokenized together (tokens may merge across
         # the boundary); the loss starts where the prompt's own tokens stop matching.
         start = _common_prefix(prompt, ids) if loss.completion_only_loss else 0
         labels = [-100] * start + ids[start:]
         labels = labels if keep is None else _masked(labels, keep, line)
-        return Example(ids[:max_length], labels[:max_length], text, example_id)
-    messages = _conversation(row, "messages", line)
-    if not loss.assistant_only_loss:
-        ids = _chat_ids(tokenizer, messages, None)[:max_length]
-        return Example(ids, list(ids), _chat_text(messages), example_id)
-    out = _chat(tokenizer, messages, assistant, return_assistant_tokens_mask=True)
-    labels = _masked(out["input_ids"], out["assistant_masks"], line)
-    return Example(
-        out["input_ids"][:max_length], labels[:max_length], _chat_text(messages), example_id
-    )
+        return Example(ids, labels, text, None)
+    if "messages" in row:
+        messages = _conversation(row, "messages", line)
+        if not loss.assistant_only_loss:
+            ids = _chat_ids(tokenizer, messages, None)
+            return Example(ids, list(ids), _chat_text(messages), None)
+        out = _chat(tokenizer, messages, assistant, return_assistant_tokens_mask=True)
+        labels = _masked(out["input_ids"], out["assistant_masks"], line)
+        return Example(out["input_ids"], labels, _chat_text(messages), None)
+    text = _text(row, "text", line)
+    text = _with_eos(text, tokenizer, line) if loss.eos else text
+    ids = tokenizer(text)["input_ids"]
+    return Example(ids, list(ids), text, None)
+
+
+def _refuse_masked_tokens(mask: Any, length: int, line: int) -> None:
+    """An ``input_ids`` row's ``attention_mask`` may only keep every token: the capture
+    pads its batches itself, and a masked token would be scored as a real one."""
+    if mask is None:
+        return
+    if not isinstance(mask, list) or len(mask) != length or any(m not in (0, 1) for m in mask):
+        raise ValueError(f"line {line}: 'attention_mask' must be a list of 0/1, one per input_id")
+    if 0 in mask:
+        raise ValueError(
+            f"line {line}: 'attention_mask' masks {mask.count(0)} of its {length} tokens, "
+            "which would be scored as real ones: give the row's tokens without padding "
+            "(the capture pads its batches itself)"
+        )
 
 
 def _prompt_completion(
