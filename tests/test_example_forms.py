@@ -286,3 +286,27 @@ def test_row_keys_and_ids_as_datasets_and_numpy_give_them() -> None:
         tokenize_rows([(1, padded)], tokenizer, 64)
     unpadded = {"input_ids": [3, 4], "attention_mask": [1, 1]}
     assert tokenize_rows([(1, unpadded)], tokenizer, 64)[0].input_ids == [3, 4]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"batch_size": -1}, "batch_size must be an integer of 1 or more, got -1"),
+        ({"batch_size": 0}, "batch_size must be an integer of 1 or more, got 0"),
+        ({"max_length": 0}, "max_length must be None or an integer of 1 or more, got 0"),
+        ({"max_length": -5}, "max_length must be None or an integer of 1 or more, got -5"),
+    ],
+)
+def test_batch_size_and_max_length_are_checked_in_python_too(
+    tmp_path: Path, options: dict[str, int], message: str
+) -> None:
+    """The CLI refuses these; through Python a negative batch size wrote an empty store
+    and ``max_length=0`` was taken as the default, without a word."""
+    from tda_plugins import capture_examples, score_examples
+
+    model, given = tiny_causal_lm("llama", torch.float32), rows("text")[:2]
+    with pytest.raises(ValueError, match=message):
+        capture_examples(model, given, tmp_path / "store", tokenizer=word_tokenizer(), **options)
+    assert not (tmp_path / "store").exists()
+    with pytest.raises(ValueError, match=message):
+        score_examples(model, given, given, tokenizer=word_tokenizer(), **options)

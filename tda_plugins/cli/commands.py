@@ -34,8 +34,8 @@ from tda_plugins.cli.choices import (
 )
 from tda_plugins.cli.option_types import (
     device,
-    finite_float,
     non_negative_float,
+    positive_float,
     positive_int,
     regex,
 )
@@ -220,8 +220,8 @@ def _add_capture(sub: Any) -> None:
     p.add_argument(
         "--curvature-budget-gb",
         type=non_negative_float,
-        default=8.0,
-        help="most GiB of K-FAC statistics per process; more is refused before any work",
+        help="most GiB of K-FAC statistics per process (default 8); more is refused before "
+        "any work",
     )
     p.add_argument(
         "--keep-tokens",
@@ -253,7 +253,7 @@ def _add_attribute(sub: Any) -> None:
     )
     p.add_argument(
         "--learning-rate",
-        type=finite_float,
+        type=positive_float,
         help="tracin: weight of --store/--queries (default 1)",
     )
     p.add_argument(

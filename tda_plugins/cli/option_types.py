@@ -31,6 +31,14 @@ def finite_float(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    """A finite float > 0."""
+    value = finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {value}")
+    return value
+
+
 def non_negative_float(text: str) -> float:
     """A finite float >= 0."""
     value = finite_float(text)

@@ -17,7 +17,7 @@ from tda_plugins.capture import LayerSelectionError
 from tda_plugins.capture.layers import lora_adapter_names
 from tda_plugins.cli.choices import DEFAULT_TOP_K
 from tda_plugins.cli.models import ModelSource
-from tda_plugins.cli.option_types import finite_float
+from tda_plugins.cli.option_types import positive_float
 from tda_plugins.methods import Checkpoint, Scores, attribute, method_by_name
 from tda_plugins.methods.scores import saved_top_k
 from tda_plugins.parallel.ranks import Ranks, launch_size, launched_ranks
@@ -51,12 +51,19 @@ def _settings(args: argparse.Namespace) -> CaptureSettings:
                 f"--like takes the layers and projection of {args.like}; leave out {flags}"
             )
         options = {}
+    sizing: dict[str, Any] = {
+        "curvature_head": args.curvature_head or None,
+        "curvature_budget_gb": args.curvature_budget_gb,
+    }
+    sized = {name: value for name, value in sizing.items() if value is not None}
+    if sized and args.curvature is False:
+        flags = ", ".join("--" + name.replace("_", "-") for name in sized)
+        raise ValueError(f"{flags} size the K-FAC statistics --no-curvature turns off; leave out")
     return CaptureSettings(
         StoreSettings(str(args.out), keep_tokens=args.keep_tokens),
         layers=layer_settings(**options),
         curvature=args.curvature,
-        curvature_head=args.curvature_head,
-        curvature_budget_gb=args.curvature_budget_gb,
+        **sized,
     )
 
 
@@ -105,6 +112,11 @@ def _capture_on(args: argparse.Namespace, ranks: Ranks) -> None:
 
 
 def _attribute(args: argparse.Namespace) -> None:
+    for store, queries, rate in args.checkpoint or ():
+        try:
+            positive_float(rate)
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"--checkpoint {store} {queries} {rate}: its LR {exc}") from None
     checkpoints = [path for s, q, _ in args.checkpoint or () for path in (s, q)]
     refuse_existing(args.out, args.force, [args.store, args.queries, *checkpoints])
     _attribute_on(args, launched_ranks(args.device))
@@ -118,7 +130,7 @@ def _attribute_on(args: argparse.Namespace, ranks: Ranks) -> None:
     if args.method == "tracin":
         options["learning_rate"] = 1.0 if args.learning_rate is None else args.learning_rate
         options["extra"] = tuple(
-            Checkpoint(StoreReader(s), StoreReader(q), finite_float(lr))
+            Checkpoint(StoreReader(s), StoreReader(q), positive_float(lr))
             for s, q, lr in args.checkpoint
         )
     elif args.checkpoint or args.learning_rate is not None:

@@ -257,6 +257,8 @@ def plan_batches(
     twice is refused before any forward runs."""
     from tda_plugins.integrations.transformers.data import batches, numbered_rows, tokenize_rows
 
+    if type(batch_size) is not int or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer of 1 or more, got {batch_size!r}")
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     source = str(examples) if isinstance(examples, str | Path) else "examples"
     loss = loss or loss_tokens(None, None)
@@ -410,6 +412,8 @@ def settings_like(
 
 def truncation_length(model: Any, max_length: int | None) -> int:
     """The truncation length: ``max_length``, at most the model's positions (warned)."""
+    if max_length is not None and (type(max_length) is not int or max_length < 1):
+        raise ValueError(f"max_length must be None or an integer of 1 or more, got {max_length!r}")
     positions = model_positions(model)
     length = max_length or positions or 512
     if positions is not None and length > positions:

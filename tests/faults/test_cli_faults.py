@@ -179,6 +179,26 @@ BAD_INPUT: dict[str, tuple[Case, tuple[str, ...]]] = {
         attribute("--checkpoint", "a", "b", "1.0"),
         ("--checkpoint applies to --method tracin only",),
     ),
+    "--checkpoint learning rate not a number": (
+        attribute("--checkpoint", "a", "b", "abc", method="tracin"),
+        ("--checkpoint a b abc", "'abc' is not a number"),
+    ),
+    "--checkpoint learning rate not positive": (
+        attribute("--checkpoint", "a", "b", "-1", method="tracin"),
+        ("--checkpoint a b -1", "more than 0"),
+    ),
+    "--learning-rate without tracin": (
+        attribute("--learning-rate", "0.5"),
+        ("--learning-rate applies to --method tracin only",),
+    ),
+    "--curvature-head without curvature": (
+        capture(extra=("--no-curvature", "--curvature-head")),
+        ("--curvature-head", "--no-curvature turns off"),
+    ),
+    "--curvature-budget-gb without curvature": (
+        capture(extra=("--no-curvature", "--curvature-budget-gb", "1")),
+        ("--curvature-budget-gb", "--no-curvature turns off"),
+    ),
     "missing store": (
         lambda s, tmp: [
             "attribute",
@@ -239,6 +259,7 @@ USAGE_ERRORS: dict[str, tuple[Case, str]] = {
     "--top-k -1": (attribute("--top-k", "-1"), "--top-k"),
     "--chunk 0": (attribute("--chunk", "0"), "--chunk"),
     "--learning-rate nan": (attribute("--learning-rate", "nan"), "--learning-rate"),
+    "--learning-rate -2": (attribute("--learning-rate", "-2", method="tracin"), "more than 0"),
     "--k-g 0": (capture(extra=("--projection", "factor", "--k-g", "0")), "--k-g"),
     "--k 0": (capture(extra=("--projection", "dense", "--k", "0")), "--k"),
     "--last-n-blocks 0": (capture(extra=("--last-n-blocks", "0")), "--last-n-blocks"),
