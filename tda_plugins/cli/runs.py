@@ -219,11 +219,26 @@ def _report(args: argparse.Namespace) -> None:
     refuse_existing(path, args.force, [args.scores, args.store, args.queries])
     top_k = args.top_k or saved_top_k(args.scores) or DEFAULT_TOP_K
     store, queries = StoreReader(args.store), StoreReader(args.queries)
+    _require_scored(store, scores.train_ids, "--store", args.scores)
+    _require_scored(queries, scores.query_ids, "--queries", args.scores)
     saved = Path(args.scores) / TOKENS_FILE  # from `tda attribute --tokens`
     tokens = json.loads(saved.read_text()) if saved.is_file() else None
     page = render_html(scores, store.texts(), queries.texts(), k=top_k, tokens=tokens)
     write_html(path, page)
     print(f"wrote {path}")
+
+
+def _require_scored(store: StoreReader, ids: torch.Tensor, flag: str, scores: Path) -> None:
+    """Refuse a store that does not hold every example of ``ids`` (the side of the scores
+    it is given for): a report from another store would show other examples' texts."""
+    held = {i for step in store.step_example_ids().values() for i in step}
+    missing = [i for i in ids.tolist() if i not in held]
+    if missing:
+        raise ValueError(
+            f"{flag} {store.root} holds no example {missing[0]} of the scores in {scores} "
+            f"({len(missing)} of their {len(ids)} ids missing): give the store they were "
+            "scored from (tda attribute's --store and --queries)"
+        )
 
 
 #: What a user's input can cause; each ends the command with exit code 2 and one line.

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save
 from torch import Tensor
 
@@ -141,18 +142,41 @@ class Scores:
 
     @classmethod
     def load(cls, directory: str | Path) -> Scores:
+        """The scores :meth:`save` wrote in ``directory``.
+
+        Raises:
+            FileNotFoundError: no scores there.
+            ValueError: a file that :meth:`save` did not write whole (a missing entry, or
+                a matrix that does not fit its ids), naming the file.
+        """
         path = Path(directory) / SCORES_FILE
         if not path.exists():
             raise FileNotFoundError(f"no {SCORES_FILE} in {directory}; run `tda attribute` first")
         tensors = load_file(path)
-        method = json.loads((Path(directory) / TOPK_FILE).read_text())["method"]
-        return cls(tensors["train_ids"], tensors["query_ids"], tensors["values"], method)
+        missing = sorted({"train_ids", "query_ids", "values"} - set(tensors))
+        if missing:
+            raise ValueError(f"{path} lacks {missing}: not scores tda attribute wrote")
+        with safe_open(path, "pt") as f:
+            method = (f.metadata() or {}).get("method")
+        if method is None:
+            raise ValueError(f"{path} names no method: not scores tda attribute wrote")
+        train_ids, query_ids, values = (tensors[k] for k in ("train_ids", "query_ids", "values"))
+        if tuple(values.shape) != (len(train_ids), len(query_ids)):
+            raise ValueError(
+                f"{path}: its values are {tuple(values.shape)} for {len(train_ids)} training "
+                f"and {len(query_ids)} query ids; the file is damaged: run tda attribute again"
+            )
+        return cls(train_ids, query_ids, values, method)
 
 
 def saved_top_k(directory: str | Path) -> int | None:
     """The ``k`` a :meth:`Scores.save` in ``directory`` wrote its top-k with (``None``:
     saved before it was recorded)."""
-    k = json.loads((Path(directory) / TOPK_FILE).read_text()).get("k")
+    path = Path(directory) / TOPK_FILE
+    try:
+        k = json.loads(path.read_text()).get("k")
+    except (json.JSONDecodeError, AttributeError) as exc:
+        raise ValueError(f"{path} is not the top-k tda attribute wrote ({exc})") from None
     return k if isinstance(k, int) and not isinstance(k, bool) and k > 0 else None
 
 

@@ -226,6 +226,18 @@ BAD_INPUT: dict[str, tuple[Case, tuple[str, ...]]] = {
         ("--device-map places the model itself",),
     ),
     "unknown --device-map": (capture(extra=("--device-map", "bogus")), ("bogus",)),
+    "report from the stores swapped": (
+        lambda s, tmp: report(s.scores, s.queries, s.store, tmp),
+        ("--store", "holds no example 0 of the scores", "scored from"),
+    ),
+    "report of scores without their ids": (
+        lambda s, tmp: report(damaged_scores(s, tmp, "ids"), s.store, s.queries, tmp),
+        ("lacks ['train_ids']", "not scores tda attribute wrote"),
+    ),
+    "report of scores whose matrix does not fit its ids": (
+        lambda s, tmp: report(damaged_scores(s, tmp, "shape"), s.store, s.queries, tmp),
+        ("values are (5, 1) for 6 training and 1 query ids", "damaged"),
+    ),
     "report over an existing page without --force": (
         lambda s, tmp: [
             "report",
@@ -276,6 +288,29 @@ def capture_queries(s: Setup, tmp: Path, arch: str) -> Path:
     argv = ["capture", "--model", getattr(s, arch), "--data", s.root / "queries.jsonl"]
     assert main([str(a) for a in [*argv, "--out", out]]) == 0
     return out
+
+
+def report(scores: Path, store: Path, queries: Path, tmp: Path) -> list[object]:
+    """``tda report`` of ``scores`` from ``store`` and ``queries``, written into ``tmp``."""
+    options = ["--store", store, "--queries", queries, "--out", tmp / "page.html"]
+    return ["report", "--scores", scores, *options]
+
+
+def damaged_scores(s: Setup, tmp: Path, what: str) -> Path:
+    """A copy of the setup's scores folder whose ``scores.safetensors`` lacks its training
+    ids (``"ids"``) or holds one row too few (``"shape"``); outside ``tmp``."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp.parent / f"{tmp.name}-scores"
+    shutil.copytree(s.scores, folder)
+    path = folder / "scores.safetensors"
+    tensors = load_file(path)
+    if what == "ids":
+        del tensors["train_ids"]
+    else:
+        tensors["values"] = tensors["values"][:-1].contiguous()
+    save_file(tensors, path, metadata={"method": "graddot"})
+    return folder
 
 
 def damaged(s: Setup, tmp: Path, what: str) -> Setup:
