@@ -19,7 +19,7 @@ from tda_plugins.cli.choices import DEFAULT_TOP_K
 from tda_plugins.cli.models import ModelSource
 from tda_plugins.cli.option_types import positive_float
 from tda_plugins.methods import Checkpoint, Scores, attribute, method_by_name
-from tda_plugins.methods.scores import saved_top_k
+from tda_plugins.methods.scores import saved_sources, saved_top_k
 from tda_plugins.parallel.ranks import Ranks, launch_size, launched_ranks
 from tda_plugins.report import render_html, write_html
 from tda_plugins.report.tokens import TOKENS_FILE, require_token_scores, token_report
@@ -161,7 +161,8 @@ def _attribute_on(args: argparse.Namespace, ranks: Ranks) -> None:
         if args.tokens
         else None
     )
-    _write_scores(args.out, scores, args.top_k, tokens)
+    sources = {"store": store.rows_digest(), "queries": queries.rows_digest()}
+    _write_scores(args.out, scores, args.top_k, tokens, sources)
     n, m = scores.values.shape
     print(
         f"scored {n} x {m} with {args.method} in {seconds:.2f} s on {ranks.size} rank(s) "
@@ -169,11 +170,18 @@ def _attribute_on(args: argparse.Namespace, ranks: Ranks) -> None:
     )
 
 
-def _write_scores(out: Path, scores: Scores, top_k: int, tokens: Any = None) -> None:
-    """``out`` made whole at once: the scores, their top-k, ``tokens.json`` (token scores,
-    where asked) and ``report.html``."""
+def _write_scores(
+    out: Path,
+    scores: Scores,
+    top_k: int,
+    tokens: Any = None,
+    sources: dict[str, str] | None = None,
+) -> None:
+    """``out`` made whole at once: the scores, their top-k (with the scored stores' row
+    digests, ``sources``), ``tokens.json`` (token scores, where asked) and
+    ``report.html``."""
     with staged_directory(out) as stage:
-        scores.save(stage, k=top_k)
+        scores.save(stage, k=top_k, sources=sources)
         if tokens is not None:
             atomic_write_json(stage / TOKENS_FILE, tokens)
         page = render_html(scores, scores.train_texts, scores.query_texts, k=top_k, tokens=tokens)
@@ -219,8 +227,9 @@ def _report(args: argparse.Namespace) -> None:
     refuse_existing(path, args.force, [args.scores, args.store, args.queries])
     top_k = args.top_k or saved_top_k(args.scores) or DEFAULT_TOP_K
     store, queries = StoreReader(args.store), StoreReader(args.queries)
-    _require_scored(store, scores.train_ids, "--store", args.scores)
-    _require_scored(queries, scores.query_ids, "--queries", args.scores)
+    recorded = saved_sources(args.scores)
+    _require_scored(store, scores.train_ids, "--store", args.scores, recorded.get("store"))
+    _require_scored(queries, scores.query_ids, "--queries", args.scores, recorded.get("queries"))
     saved = Path(args.scores) / TOKENS_FILE  # from `tda attribute --tokens`
     tokens = json.loads(saved.read_text()) if saved.is_file() else None
     page = render_html(scores, store.texts(), queries.texts(), k=top_k, tokens=tokens)
@@ -228,9 +237,17 @@ def _report(args: argparse.Namespace) -> None:
     print(f"wrote {path}")
 
 
-def _require_scored(store: StoreReader, ids: torch.Tensor, flag: str, scores: Path) -> None:
-    """Refuse a store that does not hold every example of ``ids`` (the side of the scores
-    it is given for): a report from another store would show other examples' texts."""
+def _require_scored(
+    store: StoreReader, ids: torch.Tensor, flag: str, scores: Path, digest: str | None
+) -> None:
+    """Refuse a store that is not the one the scores' side ``ids`` came from: its rows'
+    ``digest`` where ``tda attribute`` recorded it, else every id held. A report from
+    another store would show other examples' texts."""
+    if digest is not None and store.rows_digest() != digest:
+        raise ValueError(
+            f"{flag} {store.root} is not the store the scores in {scores} were computed "
+            "from (its rows differ): give that store (tda attribute's --store and --queries)"
+        )
     held = {i for step in store.step_example_ids().values() for i in step}
     missing = [i for i in ids.tolist() if i not in held]
     if missing:

@@ -125,9 +125,12 @@ class Scores:
             raise ImportError("Scores.to_dataset needs datasets: pip install datasets") from error
         return Dataset.from_dict(self.rows())
 
-    def save(self, directory: str | Path, k: int = 10) -> None:
+    def save(
+        self, directory: str | Path, k: int = 10, sources: dict[str, str] | None = None
+    ) -> None:
         """Write ``scores.safetensors`` (ids and matrix) and ``topk.json`` (refusing
-        non-finite scores)."""
+        non-finite scores); ``sources``: the scored stores' row digests by side
+        (``store``, ``queries``), recorded so that a report checks it is given them."""
         self.require_finite()
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
@@ -138,6 +141,8 @@ class Scores:
         }
         atomic_write_bytes(out / SCORES_FILE, save(tensors, metadata={"method": self.method}))
         top = {"method": self.method, "k": k, "queries": self.top_k(k)}
+        if sources is not None:
+            top["sources"] = sources
         atomic_write_json(out / TOPK_FILE, top)
 
     @classmethod
@@ -167,6 +172,13 @@ class Scores:
                 f"and {len(query_ids)} query ids; the file is damaged: run tda attribute again"
             )
         return cls(train_ids, query_ids, values, method)
+
+
+def saved_sources(directory: str | Path) -> dict[str, str]:
+    """The row digests :meth:`Scores.save` recorded of the scored stores, by side (empty
+    where it recorded none)."""
+    sources = json.loads((Path(directory) / TOPK_FILE).read_text()).get("sources")
+    return sources if isinstance(sources, dict) else {}
 
 
 def saved_top_k(directory: str | Path) -> int | None:

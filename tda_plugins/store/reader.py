@@ -9,6 +9,7 @@ id). A damaged or crafted store is a :class:`StoreError`, never a wrong score.
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -174,6 +175,12 @@ class StoreReader:
                 for e in entries
             ]
         return sorted(shards, key=lambda s: (s.step, s.rank, s.micro_batch))
+
+    def rows_digest(self) -> str:
+        """A digest of the committed rows (their shards' checksums, in store order): two
+        readers with equal digests hold the same rows."""
+        checksums = "".join(f"{s.path.name}:{s.xxh3};" for s in self._committed())
+        return hashlib.sha256(checksums.encode()).hexdigest()[:32]
 
     def end_weights(self) -> WeightsDigest | None:
         """The digest of the captured weights when the capture ended (every rank's must

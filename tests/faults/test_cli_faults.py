@@ -228,6 +228,14 @@ BAD_INPUT: dict[str, tuple[Case, tuple[str, ...]]] = {
     "unknown --device-map": (capture(extra=("--device-map", "bogus")), ("bogus",)),
     "report from the stores swapped": (
         lambda s, tmp: report(s.scores, s.queries, s.store, tmp),
+        ("--store", "is not the store the scores", "were computed from"),
+    ),
+    "report from another store of the same ids": (
+        lambda s, tmp: report(s.scores, other_store(s, tmp), s.queries, tmp),
+        ("--store", "is not the store the scores", "its rows differ"),
+    ),
+    "report of scores that record no stores, from the stores swapped": (
+        lambda s, tmp: report(damaged_scores(s, tmp, "sources"), s.queries, s.store, tmp),
         ("--store", "holds no example 0 of the scores", "scored from"),
     ),
     "report of scores without their ids": (
@@ -298,11 +306,17 @@ def report(scores: Path, store: Path, queries: Path, tmp: Path) -> list[object]:
 
 def damaged_scores(s: Setup, tmp: Path, what: str) -> Path:
     """A copy of the setup's scores folder whose ``scores.safetensors`` lacks its training
-    ids (``"ids"``) or holds one row too few (``"shape"``); outside ``tmp``."""
+    ids (``"ids"``) or holds one row too few (``"shape"``), or whose ``topk.json`` records
+    no stores (``"sources"``, as scores saved from Python); outside ``tmp``."""
     from safetensors.torch import load_file, save_file
 
     folder = tmp.parent / f"{tmp.name}-scores"
     shutil.copytree(s.scores, folder)
+    if what == "sources":
+        top = json.loads((folder / "topk.json").read_text())
+        del top["sources"]
+        (folder / "topk.json").write_text(json.dumps(top))
+        return folder
     path = folder / "scores.safetensors"
     tensors = load_file(path)
     if what == "ids":
@@ -311,6 +325,15 @@ def damaged_scores(s: Setup, tmp: Path, what: str) -> Path:
         tensors["values"] = tensors["values"][:-1].contiguous()
     save_file(tensors, path, metadata={"method": "graddot"})
     return folder
+
+
+def other_store(s: Setup, tmp: Path) -> Path:
+    """The setup's training rows (the same ids) captured with the other model; outside
+    ``tmp``."""
+    out = tmp.parent / f"{tmp.name}-gpt2-store"
+    argv = ["capture", "--model", s.gpt2, "--data", s.data, "--out", out]
+    assert main([str(a) for a in argv]) == 0
+    return out
 
 
 def damaged(s: Setup, tmp: Path, what: str) -> Setup:
