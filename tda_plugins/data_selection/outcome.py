@@ -181,7 +181,7 @@ def decide(
         unit_scores = dots.sum(1, keepdim=True) if not per_layer else dots
     if per_layer:
         keep = [_kept(rule, unit_scores[:, u], finite, count) for u in range(units)]
-        summed = dots.sum(1)
+        summed = unit_scores.sum(1)  # each layer's score as its rule used it, summed
     elif isinstance(rule, SetRule) and gram is not None:
         keep = [_kept_set(rule, dots.sum(1), gram, finite)]
         summed = unit_scores[:, 0]

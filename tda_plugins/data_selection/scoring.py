@@ -141,7 +141,8 @@ class Scorer:
         the metric of the step Adam is about to take. Its second moment has this step's
         ``.grad`` folded in, ``v = beta2 v_prev + (1 - beta2) grad^2`` bias-corrected for
         step ``t + 1``, as the optimizer computes it before updating (from the whole
-        batch's gradient: the kept set is what the scores choose). At the first step that
+        batch's gradient before the trainer's clipping, which waits for the edit: the kept
+        set is what the scores choose). At the first step that
         is ``1 / (|grad| + eps)``, Adam's sign-like first update. Without a ``.grad``
         (``parameter_grads=False``): the state alone, the identity before any step."""
         module, adapter = self.layers[name]
