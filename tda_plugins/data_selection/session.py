@@ -141,7 +141,12 @@ class SelectionSession:
                 "this integration does not provide; use a gradient score"
             )
         self.settings = settings
-        self.pool = TargetPool(target, settings.target_examples) if target is not None else None
+        # score="loss" reads no target: a pool given anyway is never run
+        self.pool = (
+            TargetPool(target, settings.target_examples)
+            if target is not None and settings.needs_target
+            else None
+        )
         self.losses = losses
         self.target_tokens = target_tokens
         self.chunk_size = chunk_size

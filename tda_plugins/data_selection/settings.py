@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 from dataclasses import dataclass, field
@@ -18,6 +19,15 @@ GRADIENT_SCORES = ("dot", "cosine", "adam")
 #: of the step's own (its forward and backward cost about as much per example).
 TARGET_SHARE = 1 / 8
 Granularity = Literal["global", "per_layer"]
+
+
+#: The rule options of :class:`SelectionSettings`, by the rule constructor's parameter.
+_RULE_PARAMETERS = {
+    "fraction": "fraction",
+    "seed": "seed",
+    "threshold": "value",
+    "margin": "margin",
+}
 
 
 @dataclass(frozen=True)
@@ -74,6 +84,7 @@ class SelectionSettings:
 
     def __post_init__(self) -> None:
         self.drop_rule()  # unknown rule, fraction outside [0, 1): refused with the known ones
+        self._refuse_unread()
         if self.score not in (*GRADIENT_SCORES, "loss"):
             raise ValueError(f"score must be 'dot', 'cosine', 'adam' or 'loss', got {self.score!r}")
         if self.granularity not in ("global", "per_layer"):
@@ -128,6 +139,26 @@ class SelectionSettings:
         if self.refresh_every is not None:
             return self.refresh_every
         return max(1, math.ceil(target_examples / (TARGET_SHARE * max(step_examples, 1))))
+
+    def _refuse_unread(self) -> None:
+        """Refuse an option set away from its default that the rule or the score never
+        reads (it would be dropped without a word)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        taken = set(inspect.signature(RULES[self.rule]).parameters) if self.rule in RULES else set()
+        unread = [
+            name
+            for name, parameter in _RULE_PARAMETERS.items()
+            if getattr(self, name) != defaults[name] and parameter not in taken
+        ]
+        if self.score == "loss":
+            unread += [n for n in ("refresh_every", "target_examples") if getattr(self, n)]
+        if unread:
+            reads = sorted(n for n, p in _RULE_PARAMETERS.items() if p in taken)
+            raise ValueError(
+                f"{unread} set, but rule {self.rule!r} with score {self.score!r} never reads "
+                f"them (the rule reads {reads or 'none of the rule options'}; score='loss' "
+                "no target); leave them out"
+            )
 
     def drop_rule(self) -> DropRule:
         """The rule instance, given the settings its constructor takes (``fraction``,
