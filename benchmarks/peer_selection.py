@@ -4,7 +4,8 @@ The same HF ``Trainer`` loop, model and batches as ``benchmarks/selection_overhe
 (Llama-architecture, batch 8 x 128 tokens, AdamW, ``max_grad_norm=1.0``), in three ways:
 
 * ``plain``: the ``Trainer`` alone;
-* ``ours``: ``DataSelectionCallback(pool, target_examples=1, fraction=0.25, score="dot")``;
+* ``ours``: ``DataSelectionCallback(pool, rule="bottom_fraction", fraction=0.25,
+  score="dot", target_examples=1)``;
 * ``dattri-llm``: its ``HookManager`` around ``trainer.train()`` with its
   ``DataSelectionCallback(target="val_loader")``, one pool example per step as the target
   (its paper's protocol), ``threshold_mode="bottom_fraction"`` 0.25, ghost scores,
@@ -79,7 +80,8 @@ class Ours(training.TrainingWay):
     name = training.OURS
     ours = True
     note = (
-        f'`DataSelectionCallback(pool, target_examples=1, fraction={FRACTION}, score="dot")`'
+        f'`DataSelectionCallback(pool, rule="bottom_fraction", fraction={FRACTION}, '
+        'score="dot", target_examples=1)`'
         ' (full fine-tuning: `layers="all"`)'
     )
 
@@ -89,7 +91,9 @@ class Ours(training.TrainingWay):
     def train(self, model: nn.Module, args: Any, timer: common.StepTimer) -> None:
         selection = DataSelectionCallback(
             [{"input_ids": ids} for ids in self.data.pool],
+            rule="bottom_fraction",  # pinned: the library's defaults are step_cosine, adam
             fraction=FRACTION,
+            score="dot",
             target_examples=1,
             **self.mode.layers,
         )
