@@ -97,7 +97,8 @@ def test_bad_methods_and_repeated_ids_are_refused_before_any_forward() -> None:
     model.register_forward_hook(lambda *args: calls.append(1))
     with pytest.raises(ValueError, match=r"not 'ekfac'; for the others capture a store"):
         score_examples(model, TRAIN, QUERIES, method="ekfac", progress=False)
-    with pytest.raises(ValueError, match="example id 10 occurs twice"):
+    repeated = rf"rows 1 and {len(TRAIN) + 1} have the same example id 10"
+    with pytest.raises(ValueError, match=repeated):
         score_examples(model, TRAIN + TRAIN[:1], QUERIES, progress=False)
     assert calls == []
 

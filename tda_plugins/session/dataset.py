@@ -262,8 +262,9 @@ def plan_batches(
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     source = str(examples) if isinstance(examples, str | Path) else "examples"
     loss = loss or loss_tokens(None, None)
+    numbered = list(numbered_rows(examples))
     rows = tokenize_rows(
-        numbered_rows(examples),
+        numbered,
         tokenizer,
         truncation_length(model, loss.truncation(max_length)),
         vocab,
@@ -279,9 +280,11 @@ def plan_batches(
     all_ids = [i for batch in planned for i in batch.ids.tolist()]
     repeated = next((i for i, n in Counter(all_ids).items() if n > 1), None)
     if repeated is not None:
+        lines = [numbered[k][0] for k, i in enumerate(all_ids) if i == repeated]
         raise ValueError(
-            f"example id {repeated} occurs twice in {source}: give each example its own "
-            "'id' (without ids, duplicated examples get the same content hash)"
+            f"{source}: rows {lines[0]} and {lines[1]} have the same example id {repeated}: give "
+            "each example its own 'id' (without ids, rows whose tokens are the same get the "
+            "same content hash)"
         )
     return planned
 

@@ -131,7 +131,11 @@ BAD_INPUT: dict[str, tuple[Case, tuple[str, ...]]] = {
     ),
     "duplicated explicit ids": (
         capture(data=[{"input_ids": [1, 2, 3], "id": 1}, {"input_ids": [4, 5, 6], "id": 1}]),
-        ("example id 1 occurs twice",),
+        ("d.jsonl: rows 1 and 2 have the same example id 1", "its own 'id'"),
+    ),
+    "rows of the same tokens without ids": (
+        capture(data=[{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}, {"input_ids": [1, 2, 3]}]),
+        ("d.jsonl: rows 1 and 3 have the same example id", "same content hash"),
     ),
     "directory as --data": (
         lambda s, tmp: ["capture", "--model", s.llama, "--data", tmp, "--out", tmp / "out"],
