@@ -144,7 +144,7 @@ class SelectionSettings:
         """Refuse an option set away from its default that the rule or the score never
         reads (it would be dropped without a word)."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        taken = set(inspect.signature(RULES[self.rule]).parameters) if self.rule in RULES else set()
+        taken = self._rule_parameters()
         unread = [
             name
             for name, parameter in _RULE_PARAMETERS.items()
@@ -165,14 +165,13 @@ class SelectionSettings:
         ``seed``, ``margin``, and ``threshold`` as the threshold rule's ``value``)."""
         if self.rule not in RULES:
             return rule_by_name(self.rule)  # refused, naming the known rules
-        given = {
-            "fraction": self.fraction,
-            "seed": self.seed,
-            "value": self.threshold,
-            "margin": self.margin,
-        }
-        taken = inspect.signature(RULES[self.rule]).parameters
+        given = {parameter: getattr(self, name) for name, parameter in _RULE_PARAMETERS.items()}
+        taken = self._rule_parameters()
         return rule_by_name(self.rule, **{k: v for k, v in given.items() if k in taken})
+
+    def _rule_parameters(self) -> set[str]:
+        """The parameters the rule's constructor takes (none for an unknown rule)."""
+        return set(inspect.signature(RULES[self.rule]).parameters) if self.rule in RULES else set()
 
     def projection(self) -> ProjectionConfig | None:
         """The factor projection scores are taken in (``None``: exact scores)."""

@@ -26,9 +26,13 @@ def causal_lm_example_losses(logits: Tensor, labels: Tensor) -> Tensor:
     Labels are shifted inside (as transformers' causal LMs do); ``-100`` is ignored.
     Each example's loss is the *sum* over its predicted tokens, not the mean.
     """
-    # Each position predicts the next label; the last one predicts nothing (-100).
-    shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
-    return next_token_example_losses(logits, shifted)
+    return next_token_example_losses(logits, next_token_targets(labels))
+
+
+def next_token_targets(labels: Tensor) -> Tensor:
+    """``(B, T)`` labels -> ``(B, T)`` the label each position predicts: the next one, and
+    ``-100`` (nothing) at the last position (transformers' ``shift_labels``)."""
+    return torch.cat([labels[..., 1:], torch.full_like(labels[..., :1], -100)], dim=-1)
 
 
 def next_token_example_losses(logits: Tensor, targets: Tensor) -> Tensor:

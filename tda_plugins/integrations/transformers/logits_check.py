@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from tda_plugins.session.batch import next_token_targets
 from tda_plugins.session.capture import UnsupportedTrainingSetup
 
 #: Logit rows checked per micro-batch.
@@ -58,9 +59,7 @@ def predicted_labels(labels: Tensor | None, shift_labels: Tensor | None) -> Tens
     loss pairs them: ``shift_labels`` where given, else ``labels`` shifted left."""
     if isinstance(shift_labels, Tensor):
         return shift_labels
-    if not isinstance(labels, Tensor):
-        return None
-    return torch.cat([labels[..., 1:], torch.full_like(labels[..., :1], -100)], dim=-1)
+    return next_token_targets(labels) if isinstance(labels, Tensor) else None
 
 
 def sampled_rows(targets: Tensor, seed: int) -> Tensor:

@@ -1,6 +1,8 @@
 """How transformers' and TRL's trainers normalize the causal-LM loss, read off each step.
 
-Two output forms are handled, both without a host sync:
+Two output forms are handled, both without a host sync (but on the micro-batches the
+own-loss check of :mod:`~tda_plugins.integrations.transformers.logits_check` runs on,
+which reads one number):
 
 * ``output.loss`` (``Trainer``): the model's loss is ``sum of token losses / N`` with ``N``
   the ``num_items_in_batch`` keyword (the accumulation window's token count, across
@@ -42,11 +44,10 @@ def loss_tokens(labels: Any, shift_labels: Any) -> Tensor:
     """``(B,)`` tokens each example's causal-LM loss sums over, counted as transformers'
     loss takes them: ``shift_labels`` (already shifted) where the model call has them, else
     ``labels[..., 1:]``; ``-100`` is ignored."""
-    if isinstance(shift_labels, Tensor):
-        return (shift_labels != -100).sum(dim=-1)
-    if not isinstance(labels, Tensor):
+    targets = predicted_labels(labels, shift_labels)
+    if targets is None:
         raise ValueError("cannot count the loss's tokens: no labels in the model call")
-    return (labels[..., 1:] != -100).sum(dim=-1)
+    return (targets != -100).sum(dim=-1)
 
 
 class CausalLMNormalization:
@@ -104,10 +105,10 @@ class CausalLMNormalization:
             return items.to(at_loss.value().device) / at_loss.value().double()
 
         logits = _field(output, "logits")
-        targets = predicted_labels(kwargs.get("labels"), kwargs.get("shift_labels"))
-        if logits is None or targets is None or not checked:
+        if logits is None or not checked:
             return loss_scale
-        if not LogitsCheck.applies(logits, targets):
+        targets = predicted_labels(kwargs.get("labels"), kwargs.get("shift_labels"))
+        if targets is None or not LogitsCheck.applies(logits, targets):
             return loss_scale
         check = LogitsCheck(logits, targets, seed=number)
 
