@@ -85,3 +85,16 @@ def test_the_runs_cut_is_taken_unless_a_length_is_given() -> None:
     with pytest.raises(ValueError, match=r"keep_end.*max_length \(--max-length\)"):
         kept_end.truncation(None)
     assert kept_end.truncation(6) == 6
+
+
+def test_an_sft_config_records_its_cut(tmp_path: Path) -> None:
+    """``SFTConfig``'s ``max_length`` and ``truncation_mode`` reach the recorded loss
+    tokens; a run that kept the last tokens is refused by a capture like it."""
+    kept_start = LossTokens.of_trainer(training_args(tmp_path, config_cls=SFTConfig, max_length=6))
+    assert (kept_start.max_length, kept_start.keep_end) == (6, False)
+    kept_end = LossTokens.of_trainer(
+        training_args(tmp_path, config_cls=SFTConfig, max_length=6, truncation_mode="keep_end")
+    )
+    assert (kept_end.max_length, kept_end.keep_end) == (6, True)
+    with pytest.raises(ValueError, match="keep_end"):
+        kept_end.truncation(None)
