@@ -15,7 +15,8 @@ the labels the trainer actually used (``tests.trainers.RecordingCollator``). Cov
 3. Resuming from a checkpoint (after a crash, or after a finished run, and from a
    checkpoint outside the new run's output_dir): the store and the K-FAC statistics
    equal those of an uninterrupted run.
-4. Evaluation and generation during and after training record nothing.
+4. Evaluation and generation during and after training record nothing; under NEFTune the
+   store holds the gradients of the noisy forward each step ran.
 5. Bad configurations (packing, padding-free, a selection matching nothing, another run's
    store, a compiled model) fail at ``on_train_begin``, before any step.
 6. LESS: the trainer's Adam moments are saved and ``less`` scores the store.
@@ -34,7 +35,7 @@ import pytest
 import torch
 from datasets import Dataset
 from safetensors.torch import load_file
-from torch import nn
+from torch import Tensor, nn
 from transformers import DataCollatorWithFlattening, Trainer, TrainerCallback
 from trl import SFTConfig, SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
@@ -177,6 +178,57 @@ def test_trainer_stores_each_examples_exact_gradient(tmp_path: Path, case: str) 
         run.store_dir, run.snapshots, run.collator.examples(), fp64_llama
     )
     assert report.compared == run.store.num_examples * len(run.store.layer_names)
+
+
+class NoisyEmbeddings(TrainerCallback):
+    """Keeps the embedding output each training forward ran on, after NEFTune's noise
+    (its hook is registered before ``on_train_begin``, so it runs before this one), by
+    the example's unpadded token ids (pad id 0 never occurs inside a row)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[tuple[int, ...], Tensor] = {}
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        kwargs["model"].get_input_embeddings().register_forward_hook(self._keep)
+
+    def _keep(self, module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        for ids, row in zip(inputs[0], output, strict=True):
+            length = int((ids != PAD_ID).sum())
+            self.rows[tuple(ids[:length].tolist())] = row[:length].detach().clone()
+
+    def oracle_model(self, build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+        """``build`` with its embedding output replaced by the recorded noisy values (still
+        the embedding's output, so its weight's gradient is the one the step took)."""
+
+        def noisy(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> Tensor:
+            recorded = self.rows[tuple(inputs[0][0].tolist())][None].to(output)
+            return output + (recorded - output).detach()
+
+        def model() -> nn.Module:
+            built = build()
+            built.get_input_embeddings().register_forward_hook(noisy)
+            return built
+
+        return model
+
+
+def test_under_neftune_the_store_holds_the_gradients_of_the_noisy_forward(
+    tmp_path: Path,
+) -> None:
+    """With ``neftune_noise_alpha`` (the README's claim), every stored gradient is that of
+    the noisy forward the step trained on: the oracle replays the recorded noisy
+    embeddings; the same oracle without the noise is far off, so the noise mattered."""
+    noisy = NoisyEmbeddings()
+    run = train(tmp_path, neftune_noise_alpha=5.0, extra_callbacks=[noisy])
+    examples = run.collator.examples()
+    assert len(noisy.rows) == run.store.num_examples == 6
+    assert_store_matches_oracle(
+        run.store_dir, run.snapshots, examples, noisy.oracle_model(fp64_llama)
+    )
+    with pytest.raises(AssertionError, match="relative error"):
+        assert_store_matches_oracle(run.store_dir, run.snapshots, examples, fp64_llama)
 
 
 def training_output_fields(model: nn.Module) -> list[set[str]]:
