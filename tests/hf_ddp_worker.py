@@ -25,6 +25,9 @@ under ``FOLDER/<world size>/``:
 AdamW with a non-zero learning rate: the ranks' averaged gradient equals the one-process
 gradient, so both runs pass through the same weights at every step (to fp32 rounding).
 
+Two ranks also resume a copy of the sharded store that lost rank 1's folder
+(``without-rank-1/``, :func:`resume_without_a_rank`).
+
 Last, ``gathered-<rank>.json``: what :func:`~tda_plugins.parallel.gather.rank_gather`
 returns on each rank for rows of unequal counts (none on rank 0) and for one object per
 rank.
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +54,7 @@ from tda_plugins.integrations.transformers import (
     pad_examples,
 )
 from tda_plugins.parallel.gather import rank_gather
+from tda_plugins.store import StoreError, StoreReader
 from tests.models import lm_batch, tiny_causal_lm
 
 EXAMPLES = 16
@@ -179,6 +184,32 @@ def sharded_run(folder: Path, world: int, rank: int) -> None:
     save_logs(folder, rank, logs, hooks[1])
 
 
+def resume_without_a_rank(sharded: Path, folder: Path, rank: int) -> None:
+    """Both ranks resume, at step :data:`SAVE_AT`, a copy of the sharded run's store from
+    which rank 1's folder was removed (a store as one process writes it): rank 1 finds no
+    step of its own, rank 0 finds its steps whole. ``refused-<rank>.json``: each rank's
+    refusal (``null``: none) and the steps rank 0's folder holds after."""
+    store = folder / "store"
+    if rank == 0:
+        shutil.copytree(sharded / "store", store)
+        shutil.rmtree(store / "rank-1")
+    dist.barrier()
+    model = shard(tiny_causal_lm("llama", torch.float32).train())
+    args = TrainingArguments(output_dir=str(folder / "out"), use_cpu=True, report_to=[])
+    state = TrainerState(global_step=SAVE_AT)
+    # without statistics, whose set at SAVE_AT lost rank 1's part: rank 0 then passes
+    capture = GradientCaptureCallback(store_dir=str(store), layers="all", curvature=False)
+    try:
+        capture.on_train_begin(args, state, TrainerControl(), model=model)
+        refusal = None
+    except StoreError as error:
+        refusal = str(error)
+    dist.barrier()
+    steps = StoreReader(store).step_example_ids()
+    outcome = {"refusal": refusal, "steps": {str(k): len(v) for k, v in steps.items()}}
+    (folder / f"refused-{rank}.json").write_text(json.dumps(outcome))
+
+
 def unequal_gather(folder: Path, rank: int) -> None:
     """Rank ``r`` gathers ``r * 3`` rows of ``(r, row)`` pairs (rank 0: none) and the token
     lists of ``r + 1`` examples: ``gathered-<rank>.json``."""
@@ -197,4 +228,6 @@ def main(folder: Path) -> None:
     trainer_run(out / "trainer", world)
     rank = dist.get_rank() if world > 1 else 0
     sharded_run(out / "sharded", world, rank)
+    if world > 1:
+        resume_without_a_rank(out / "sharded", out / "without-rank-1", rank)
     unequal_gather(out, rank)

@@ -41,24 +41,27 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from tda_plugins import CaptureEngine, LayerSelection
 from tda_plugins.data_selection import DataSelector, rule_by_name
 from tda_plugins.data_selection.target import target_gradient
-from tda_plugins.integrations.transformers import pad_examples
+from tda_plugins.integrations.transformers import GradientCaptureCallback, pad_examples
 from tda_plugins.integrations.transformers.selection import causal_lm_token_counts
 from tda_plugins.precondition import load_curvature
 from tda_plugins.precondition.adam import OPTIMIZER_FILE
 from tda_plugins.session.batch import causal_lm_losses
-from tda_plugins.store import StoreReader
+from tda_plugins.store import StoreError, StoreReader
+from tda_plugins.store.fingerprint import fingerprint_differences
 from tests import hf_ddp_worker
-from tests.hf_ddp_worker import EXAMPLES, SAVE_AT, STEPS, rows
+from tests.hf_ddp_worker import EXAMPLES, GLOBAL_BATCH, SAVE_AT, STEPS, rows
 from tests.launch import forked_ranks
 from tests.models import tiny_causal_lm
 from tests.selection_ddp_worker import FORCED, FRACTION, target_rows
@@ -197,6 +200,46 @@ def test_fsdp2_checkpoint_statistics_equal_the_one_process_runs(runs: Path) -> N
     merged = {**parts[0], **parts[1]}
     for key, value in expected.items():
         assert rel_error(merged[key], value) <= TOL, key
+
+
+def test_a_sharded_store_records_the_models_own_class(runs: Path) -> None:
+    """``fully_shard`` swaps in an ``FSDP<Class>`` subclass; the store's fingerprint names
+    the model's own class, so the sharded run's store and the one-process run's agree (and
+    queries captured from the saved unsharded model are not refused as another model)."""
+    sharded = StoreReader(runs / str(WORLD) / "sharded" / "store").fingerprint
+    single = StoreReader(runs / "1" / "sharded" / "store").fingerprint
+    assert sharded is not None and single is not None
+    assert sharded["model"]["class"] == "LlamaForCausalLM"
+    assert fingerprint_differences(sharded, single) == []
+
+
+def test_a_rank_that_refuses_a_resume_stops_every_rank_before_any_step_is_removed(
+    runs: Path,
+) -> None:
+    """Two ranks resume a store whose rank-1 folder is gone: rank 1 refuses (no step of its
+    own), and so does rank 0, which found its own steps whole, before it truncated them."""
+    folder = runs / str(WORLD) / "without-rank-1"
+    outcomes = [json.loads((folder / f"refused-{r}.json").read_text()) for r in range(WORLD)]
+    assert "written by other processes than this run's 2" in outcomes[1]["refusal"]
+    assert outcomes[0]["refusal"].startswith("rank 1 refused this start: ")
+    whole = {str(step): GLOBAL_BATCH // WORLD for step in range(STEPS)}
+    assert [o["steps"] for o in outcomes] == [whole, whole]  # rank 0's steps all kept
+
+
+def test_a_store_of_two_ranks_is_not_resumed_by_one_process(runs: Path, tmp_path: Path) -> None:
+    """One process resuming the two-rank store would keep rank 1's later steps beside its
+    own new ones (each of those examples counted twice): refused, nothing removed."""
+    store = tmp_path / "store"
+    shutil.copytree(runs / str(WORLD) / "sharded" / "store", store)
+    before = StoreReader(store).step_example_ids()
+    capture = GradientCaptureCallback(store_dir=str(store), layers="all")
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[])
+    model = tiny_causal_lm("llama", torch.float32).train()
+    with pytest.raises(StoreError, match=r"rank-1 steps 0\.\.3\): resumed by another number"):
+        capture.on_train_begin(
+            args, TrainerState(global_step=SAVE_AT), TrainerControl(), model=model
+        )
+    assert StoreReader(store).step_example_ids() == before
 
 
 def test_ranks_exchange_unequal_rows_and_objects_in_rank_order(runs: Path) -> None:

@@ -21,6 +21,7 @@ from tda_plugins.capture.config import CaptureConfig
 from tda_plugins.capture.layers import warn_uncaptured
 from tda_plugins.capture.normalization import LossNormalization
 from tda_plugins.parallel.dtensor import is_dtensor
+from tda_plugins.parallel.gather import rank_gather
 from tda_plugins.precondition.adam import AdamMoments, adam_state_refusal, save_adam_state
 from tda_plugins.precondition.plan import (
     CapturePlan,
@@ -33,6 +34,7 @@ from tda_plugins.precondition.statistics import CurvatureAccumulator
 from tda_plugins.session.settings import CaptureSettings
 from tda_plugins.store import GradientStore, StoreError
 from tda_plugins.store.layout import TRAINED, rank_dir
+from tda_plugins.store.reader import committed_steps
 from tda_plugins.store.texts import TextRecorder
 from tda_plugins.trajectory.layout import read_step_index, trajectory_dir
 from tda_plugins.trajectory.optimizer import optimizer_refusal
@@ -181,7 +183,7 @@ class CaptureSession:
             metadata={**(metadata or {}), TRAINED: True},
         )
         try:
-            self._check_resume(CaptureConfig(layers, settings.layers.projection), start_step)
+            self._agree_on_resume(CaptureConfig(layers, settings.layers.projection), start_step)
         except BaseException:
             self.store.close()
             raise
@@ -258,9 +260,36 @@ class CaptureSession:
         writer.close()
         return None
 
+    def _agree_on_resume(self, config: CaptureConfig, start_step: int) -> None:
+        """:meth:`_check_resume` on every rank, and its refusal on all of them if any rank
+        refuses, before any rank removes a step (a rank that went on alone would truncate
+        its folder, then wait for the others in the first collective)."""
+        try:
+            self._check_resume(config, start_step)
+            refusal = None
+        except StoreError as error:
+            refusal = error
+        refusals = rank_gather().objects(None if refusal is None else str(refusal))
+        if refusal is not None:
+            raise refusal
+        for rank, message in enumerate(refusals):
+            if message is not None:
+                raise StoreError(f"rank {rank} refused this start: {message}")
+
     def _check_resume(self, config: CaptureConfig, start_step: int) -> None:
         """Every check a start or resume needs, before anything is removed."""
         settings, committed = self.settings, self.store.committed_steps
+        world = self.plan.inputs.world_size
+        writers = committed_steps(self.store.root)
+        if writers and (max(writers) >= world or (start_step > 0 and self.rank not in writers)):
+            held = ", ".join(f"rank-{r} steps {s[0]}..{s[-1]}" for r, s in sorted(writers.items()))
+            raise StoreError(
+                f"{settings.store.directory} was written by other processes than this run's "
+                f"{world} ({held}): resumed by another number of processes, the store would "
+                "keep steps a rank outside this run wrote beside the new ones, or miss a "
+                "rank's; resume with as many processes as the run that wrote it, or write to a "
+                "new store_dir. Nothing in the store was changed"
+            )
         if start_step == 0 and committed:
             raise StoreError(
                 f"{settings.store.directory} already holds steps {committed[0]}..{committed[-1]} "

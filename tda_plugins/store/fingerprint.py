@@ -81,6 +81,14 @@ def _base(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
+def _class_name(model: nn.Module) -> str:
+    """The model's own class name, past the subclass that ``torch.distributed``'s
+    composable APIs swap in (``fully_shard`` makes ``FSDP<Class>``, ``replicate``
+    ``DDP<Class>``), so that a sharded run and an unsharded one of a model agree."""
+    own = (c for c in type(model).__mro__ if not c.__module__.startswith("torch.distributed."))
+    return next(own).__name__
+
+
 def model_fingerprint(model: nn.Module, tokenizer: Any = None) -> dict[str, Any]:
     """The model's class and configuration, and the tokenizer's class and vocabulary
     digest (``None`` without a tokenizer), as JSON values."""
@@ -91,7 +99,7 @@ def model_fingerprint(model: nn.Module, tokenizer: Any = None) -> dict[str, Any]
         vocab = json.dumps(sorted(get_vocab().items())).encode()
         token_digest = f"{type(tokenizer).__name__}:{hashlib.sha256(vocab).hexdigest()[:32]}"
     return {
-        "model": {"class": type(base).__name__, "config": _config_of(base)},
+        "model": {"class": _class_name(base), "config": _config_of(base)},
         "tokenizer": token_digest,
     }
 

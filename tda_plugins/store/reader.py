@@ -100,6 +100,19 @@ def _rank_of(folder: Path) -> int | None:
     return None
 
 
+def rank_folders(root: Path) -> list[tuple[int, Path]]:
+    """Every ``rank-<r>`` folder of the store ``root``, as ``(r, folder)`` in name order."""
+    folders = ((_rank_of(folder), folder) for folder in sorted(root.glob("rank-*")))
+    return [(rank, folder) for rank, folder in folders if rank is not None]
+
+
+def committed_steps(root: Path) -> dict[int, list[int]]:
+    """Rank -> the optimizer steps its folder of the store ``root`` has committed (sorted,
+    distinct; ranks without a committed step left out)."""
+    steps = {r: sorted({e.step for e in read_index(f / INDEX_FILE)}) for r, f in rank_folders(root)}
+    return {rank: held for rank, held in steps.items() if held}
+
+
 def _check_end(folder: Path, steps: list[int], loss_tokens: object) -> None:
     """Refuse a rank whose index is not the one its capture ended with (``end.json``:
     its last step and, since it was recorded, its number of shards): an index cut short
@@ -164,10 +177,7 @@ class StoreReader:
 
     def _list_shards(self) -> list[_Shard]:
         shards = []
-        for folder in sorted(self.root.glob("rank-*")):
-            rank = _rank_of(folder)
-            if rank is None:
-                continue
+        for rank, folder in rank_folders(self.root):
             entries = read_index(folder / INDEX_FILE)
             _check_end(folder, [e.step for e in entries], self.metadata.get(LOSS_TOKENS))
             shards += [
