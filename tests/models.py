@@ -99,6 +99,20 @@ _ARCHS = {
             max_position_embeddings=64,
         ),
     ),
+    # Gemma's word embedding is scaled (nn.Embedding times sqrt(hidden)), its head tied
+    "gemma": (
+        "GemmaConfig",
+        "GemmaForCausalLM",
+        dict(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=64,
+        ),
+    ),
 }
 ARCHS = tuple(_ARCHS)
 

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import pytest
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
-from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm, GemmaTextScaledWordEmbedding
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+from transformers.models.xglm.modeling_xglm import XGLMScaledWordEmbedding
 from transformers.pytorch_utils import Conv1D
 
 from tda_plugins import LayerSelection, per_example_gradients
+from tda_plugins.capture.adapters import DEFAULT_REGISTRY
+from tda_plugins.capture.layers import warn_uncaptured
 from tests.oracle import max_rel_error
 
 B, T, D = 4, 5, 6
@@ -80,6 +84,17 @@ def _layers() -> dict[str, tuple[Callable[[], nn.Module], Callable[[], Tensor], 
         "olmo2-rmsnorm": (lambda: Olmo2RMSNorm(D), dense, D),
         # y = (1 + w) xhat: not zero at zero parameters, so xhat needs both calls
         "gemma-rmsnorm-one-plus-w": (lambda: GemmaRMSNorm(D), dense, D),
+        # nn.Embedding times sqrt(hidden): a 0-d buffer (Gemma), a plain number (XGLM)
+        "gemma-scaled-embedding": (
+            lambda: GemmaTextScaledWordEmbedding(9, D, padding_idx=2, embed_scale=D**0.5),
+            ids,
+            D,
+        ),
+        "xglm-scaled-embedding": (
+            lambda: XGLMScaledWordEmbedding(9, D, padding_idx=2, embed_scale=D**0.5),
+            ids,
+            D,
+        ),
     }
 
 
@@ -104,3 +119,33 @@ def test_unsupported_type_by_name_is_an_error() -> None:
     model = Probe(nn.Conv2d(3, 3, 1), 3)
     with pytest.raises(ValueError, match=r"no adapter for module type\(s\) \['Conv2d'\].*register"):
         LayerSelection(kind="all", types=("Conv2d",)).resolve(model)
+
+
+class Positions(nn.Embedding):
+    """An embedding of each token's position, not of its input (as OPT's positional
+    embedding): ``nn.Embedding``'s adapter would put its gradient on the wrong rows."""
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return super().forward(torch.arange(ids.shape[-1]).expand_as(ids))
+
+
+class Renamed(nn.Embedding):
+    """A subclass that keeps ``nn.Embedding``'s forward."""
+
+
+def test_a_subclass_with_a_forward_of_its_own_is_not_captured_as_its_base(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A subclass inherits its base's adapter only with its base's forward; one whose
+    trainable weight no adapter captures is named, with the ways out that exist (not
+    "layers='all'", which it already is)."""
+    assert DEFAULT_REGISTRY.lookup(Renamed(9, D)) is DEFAULT_REGISTRY.lookup(nn.Embedding(9, D))
+    assert DEFAULT_REGISTRY.lookup(Positions(9, D)) is None
+    model = nn.Sequential(Positions(9, D), nn.Linear(D, 3))
+    layers = LayerSelection(kind="all").resolve(model)
+    assert list(layers) == ["1"]
+    with caplog.at_level(logging.WARNING, logger="tda_plugins"):
+        warn_uncaptured(model, layers, "the scores")
+    assert "0.weight" in caplog.text
+    assert "no layer type captures Positions" in caplog.text and "register_adapter" in caplog.text
+    assert "layers='all'" not in caplog.text

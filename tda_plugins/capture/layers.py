@@ -428,12 +428,29 @@ def _other_tuners_fix(kinds: list[str]) -> str:
     )
 
 
-def uncovered_fix(missing: Iterable[str], fallback: str) -> str:
+def unadapted_owners(model: nn.Module, missing: Iterable[str]) -> dict[str, list[str]]:
+    """Class name -> the parameters ``missing`` names that modules of that class own, for
+    the classes no layer adapter captures (a type without one, or a subclass whose
+    ``forward`` is its own)."""
+    wanted = set(missing)
+    owners: dict[str, list[str]] = {}
+    for prefix, module in named_modules(model):
+        if DEFAULT_REGISTRY.lookup(module) is not None:
+            continue
+        for local, _ in module.named_parameters(recurse=False):
+            name = canonical_name(f"{prefix}.{local}" if prefix else local)
+            if name in wanted:
+                owners.setdefault(type(module).__name__, []).append(name)
+    return owners
+
+
+def uncovered_fix(model: nn.Module, missing: Iterable[str], fallback: str) -> str:
     """How to cover the trainable parameters ``missing`` names: ``fallback``, unless some
     are PEFT parameters no per-example hook sees: LoRA on an embedding
     (``lora_embedding_A``/``_B``, used raw), trainable tokens (``trainable_token_indices``,
     which TRL's ``SFTTrainer`` sets itself when a cloned chat template adds tokens), or an
-    adapter type other than LoRA (:data:`OTHER_PEFT_TUNERS`)."""
+    adapter type other than LoRA (:data:`OTHER_PEFT_TUNERS`); or some belong to modules
+    that no layer selection can capture (:func:`unadapted_owners`)."""
     missing = list(missing)
     kinds = other_peft_tuners(missing)
     if kinds:
@@ -449,7 +466,16 @@ def uncovered_fix(missing: Iterable[str], fallback: str) -> str:
             "train the embedding whole instead (modules_to_save=['embed_tokens'], captured "
             "with layers='all'), or leave its tokens frozen"
         )
-    return fallback
+    unadapted = unadapted_owners(model, missing)
+    if not unadapted:
+        return fallback
+    fix = (
+        f"no layer type captures {_preview(unadapted, 4)} (no adapter, or a forward of its "
+        "own over a supported base class): freeze their parameters, or register an adapter "
+        "for the class (tda_plugins.capture.adapters.register_adapter)"
+    )
+    owned = sum(len(names) for names in unadapted.values())
+    return fix if owned == len(set(missing)) else f"{fix}; for the others, {fallback}"
 
 
 def warn_uncaptured(
@@ -469,7 +495,7 @@ def warn_uncaptured(
             len(missing),
             _preview(missing, 3),
             what,
-            fix or uncovered_fix(missing, "capture them with layers='all', or freeze them"),
+            fix or uncovered_fix(model, missing, "capture them with layers='all', or freeze them"),
         )
 
 

@@ -77,7 +77,7 @@ def check_coverage(
     if missing:
         raise UnsupportedTrainingSetup(
             f"{len(missing)} trainable parameters are not captured ({missing[:3]}), so "
-            f"their .grad could not be corrected; {uncovered_fix(missing, fix)}"
+            f"their .grad could not be corrected; {uncovered_fix(model, missing, fix)}"
         )
 
 

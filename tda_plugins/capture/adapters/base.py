@@ -73,7 +73,11 @@ class AdapterRegistry:
     """Maps module classes to adapters: by type, by qualified class name, or by name suffix.
 
     Matching walks the module's MRO; the first class that matches (type, then qualified
-    name, then suffix) wins, so a subclass can have its own adapter.
+    name, then suffix) wins, so a subclass can have its own adapter. A subclass that
+    defines its own ``forward`` does not inherit its base's adapter: the adapter's math is
+    its base's call (Gemma's scaled embedding multiplies the rows it looks up, OPT's
+    positional embedding looks up positions, not its input), so such a class is captured
+    only through an adapter registered for it.
     """
 
     def __init__(self) -> None:
@@ -99,7 +103,8 @@ class AdapterRegistry:
         return decorate
 
     def lookup(self, module: nn.Module) -> LayerAdapter | None:
-        """The adapter for ``module``, or ``None`` when its type is not supported."""
+        """The adapter for ``module``, or ``None`` when its type is not supported (no class
+        of its MRO registered, or a ``forward`` of its own above the registered one)."""
         for cls in type(module).__mro__:
             found = self._by_type.get(cls) or self._by_name.get(qualified_name(cls))
             if found is None:
@@ -108,6 +113,8 @@ class AdapterRegistry:
                 )
             if found is not None:
                 return found
+            if "forward" in vars(cls):  # the bases' adapters do not compute this call
+                return None
         return None
 
     def supported(self) -> list[str]:

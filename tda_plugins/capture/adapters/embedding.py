@@ -1,6 +1,9 @@
-"""``nn.Embedding``: row ``ids_it`` of the per-example gradient receives ``g_it``."""
+"""``nn.Embedding``: row ``ids_it`` of the per-example gradient receives ``g_it``; a scaled
+word embedding (``nn.Embedding`` times ``embed_scale``) receives ``embed_scale * g_it``."""
 
 from __future__ import annotations
+
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -42,3 +45,33 @@ class EmbeddingAdapter(LayerAdapter):
 
     def flatten(self, module: nn.Module, values: dict[str, Tensor]) -> Tensor:
         return values["weight"].flatten()
+
+
+#: transformers' word embeddings whose ``forward`` is ``nn.Embedding``'s times
+#: ``embed_scale`` (a number, or a 0-d tensor cast to the weight's dtype), and nothing
+#: else (T5Gemma2's also replaces one token's rows, so it is not among them).
+SCALED_WORD_EMBEDDINGS = tuple(
+    f"transformers.models.{model}.modeling_{model}.{cls}"
+    for model, cls in (
+        ("biogpt", "BioGptScaledWordEmbedding"),
+        ("gemma", "GemmaTextScaledWordEmbedding"),
+        ("gemma2", "Gemma2TextScaledWordEmbedding"),
+        ("gemma3", "Gemma3TextScaledWordEmbedding"),
+        ("gemma3n", "Gemma3nTextScaledWordEmbedding"),
+        ("minicpm3", "MiniCPM3ScaledWordEmbedding"),
+        ("vaultgemma", "VaultGemmaTextScaledWordEmbedding"),
+        ("xglm", "XGLMScaledWordEmbedding"),
+    )
+)
+
+
+@register_adapter(names=SCALED_WORD_EMBEDDINGS)
+class ScaledEmbeddingAdapter(EmbeddingAdapter):
+    """``nn.Embedding(ids) * embed_scale``: the looked-up rows' gradient is the output's
+    times the scale, in the dtype the forward multiplied in."""
+
+    def capture(self, module: nn.Module, x: Tensor, grad_output: Tensor) -> PerExampleGrad:
+        scale = cast(Tensor | float, module.embed_scale)  # a buffer, or a plain number
+        if isinstance(scale, Tensor):
+            scale = scale.to(self._weight(module).dtype)
+        return super().capture(module, x, grad_output * scale)
