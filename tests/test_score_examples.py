@@ -41,6 +41,23 @@ def test_graddot_is_each_pairs_gradient_dot_product() -> None:
     assert (scores.values.double() - expected).abs().max() <= 1e-6 * expected.abs().max()
 
 
+def test_a_score_that_is_not_finite_is_refused_naming_its_pair() -> None:
+    """A NaN in the model's forward for one training example (its only token with a NaN
+    embedding row) is refused, naming that example, not returned as a NaN score."""
+    model = tiny_causal_lm("llama", torch.float64)
+    row, token = next(
+        (i, t)
+        for i, r in enumerate(TRAIN)
+        for t in r["input_ids"]
+        if all(t not in other["input_ids"] for other in TRAIN[:i] + TRAIN[i + 1 :] + QUERIES)
+    )
+    with torch.no_grad():
+        model.get_input_embeddings().weight[token] = float("nan")
+    example = TRAIN[row]["id"]
+    with pytest.raises(ValueError, match=rf"training example {example} on query 90 is nan"):
+        score_examples(model, TRAIN, QUERIES, batch_size=3, progress=False)
+
+
 def test_a_tied_weight_counts_once_in_graddot_and_refuses_gradcos() -> None:
     """GPT-2's head shares the input embedding's weight: with every layer captured, each
     pair's score is the dot of the whole gradients, the shared weight's counted once

@@ -108,7 +108,8 @@ def score_examples(
         ValueError: an unknown method, a bad row (named by its line), a repeated id, or
             ``gradcos`` over layers that share a weight (a head tied to the input
             embedding with ``layers="all"``; ``graddot`` counts it once), before any
-            forward runs.
+            forward runs; a score that is not finite (a NaN or inf in the model's forward
+            or gradients), naming its pair.
     """
     if method not in LIVE_METHODS:
         raise ValueError(
@@ -129,7 +130,7 @@ def score_examples(
         scored = _Scored(collector.gradients(), cosine)
         del collector
         _captured(model, settings, train_batches, scored, bar, cosine)
-    return Scores(
+    scores = Scores(
         torch.cat([b.ids for b in train_batches]),
         torch.cat([b.ids for b in query_batches]),
         torch.cat(scored.blocks).float(),  # fp32, as attribute's
@@ -137,6 +138,8 @@ def score_examples(
         train_texts=example_texts(train_batches),
         query_texts=example_texts(query_batches),
     )
+    scores.require_finite()
+    return scores
 
 
 def _captured(
