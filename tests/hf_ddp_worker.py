@@ -28,6 +28,9 @@ gradient, so both runs pass through the same weights at every step (to fp32 roun
 Two ranks also resume a copy of the sharded store that lost rank 1's folder
 (``without-rank-1/``, :func:`resume_without_a_rank`).
 
+``plan-<rank>.json``: the capture's memory plan of the training state each rank holds
+under FSDP2 and HSDP (:func:`planned_training_bytes`).
+
 Last, ``gathered-<rank>.json``: what :func:`~tda_plugins.parallel.gather.rank_gather`
 returns on each rank for rows of unequal counts (none on rank 0) and for one object per
 rank.
@@ -45,6 +48,7 @@ import torch
 import torch.distributed as dist
 from datasets import Dataset
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
@@ -54,6 +58,8 @@ from tda_plugins.integrations.transformers import (
     pad_examples,
 )
 from tda_plugins.parallel.gather import rank_gather
+from tda_plugins.session.capture import capture_plan
+from tda_plugins.session.settings import CaptureSettings
 from tda_plugins.store import StoreError, StoreReader
 from tests.models import lm_batch, tiny_causal_lm
 
@@ -210,6 +216,24 @@ def resume_without_a_rank(sharded: Path, folder: Path, rank: int) -> None:
     (folder / f"refused-{rank}.json").write_text(json.dumps(outcome))
 
 
+def planned_training_bytes(folder: Path, world: int, rank: int) -> None:
+    """The memory plan's training state on this rank for the tiny Llama sharded over the
+    ``world`` ranks (FSDP2), and replicated on each as one shard (HSDP, mesh world x 1):
+    ``plan-<rank>.json``."""
+    planned = {}
+    for name, dims in (("fsdp", {"shard": world}), ("hsdp", {"replicate": world, "shard": 1})):
+        model = tiny_causal_lm("llama", torch.float32)
+        mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
+        fully_shard(model, mesh=mesh)
+        planned[name] = capture_plan(plan_settings(folder), model, rank).training_bytes
+    (folder / f"plan-{rank}.json").write_text(json.dumps(planned))
+
+
+def plan_settings(folder: Path) -> CaptureSettings:
+    """Capture settings to plan with (nothing is written)."""
+    return CaptureSettings.from_options(store_dir=str(folder / "unwritten"))
+
+
 def unequal_gather(folder: Path, rank: int) -> None:
     """Rank ``r`` gathers ``r * 3`` rows of ``(r, row)`` pairs (rank 0: none) and the token
     lists of ``r + 1`` examples: ``gathered-<rank>.json``."""
@@ -230,4 +254,5 @@ def main(folder: Path) -> None:
     sharded_run(out / "sharded", world, rank)
     if world > 1:
         resume_without_a_rank(out / "sharded", out / "without-rank-1", rank)
+        planned_training_bytes(out, world, rank)
     unequal_gather(out, rank)

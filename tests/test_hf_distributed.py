@@ -58,10 +58,11 @@ from tda_plugins.integrations.transformers.selection import causal_lm_token_coun
 from tda_plugins.precondition import load_curvature
 from tda_plugins.precondition.adam import OPTIMIZER_FILE
 from tda_plugins.session.batch import causal_lm_losses
+from tda_plugins.session.capture import capture_plan
 from tda_plugins.store import StoreError, StoreReader
 from tda_plugins.store.fingerprint import fingerprint_differences
 from tests import hf_ddp_worker
-from tests.hf_ddp_worker import EXAMPLES, GLOBAL_BATCH, SAVE_AT, STEPS, rows
+from tests.hf_ddp_worker import EXAMPLES, GLOBAL_BATCH, SAVE_AT, STEPS, plan_settings, rows
 from tests.launch import forked_ranks
 from tests.models import tiny_causal_lm
 from tests.selection_ddp_worker import FORCED, FRACTION, target_rows
@@ -240,6 +241,15 @@ def test_a_store_of_two_ranks_is_not_resumed_by_one_process(runs: Path, tmp_path
             args, TrainerState(global_step=SAVE_AT), TrainerControl(), model=model
         )
     assert StoreReader(store).step_example_ids() == before
+
+
+def test_the_memory_plan_counts_the_training_state_each_rank_holds(runs: Path) -> None:
+    """FSDP2 over both ranks holds the model's training state once between them; HSDP
+    with the two ranks as replicas holds it whole on each (not halved by the world)."""
+    whole = capture_plan(plan_settings(runs), tiny_causal_lm("llama", torch.float32)).training_bytes
+    plans = [json.loads((runs / str(WORLD) / f"plan-{r}.json").read_text()) for r in range(WORLD)]
+    assert sum(plan["fsdp"] for plan in plans) == whole
+    assert [plan["hsdp"] for plan in plans] == [whole, whole]
 
 
 def test_ranks_exchange_unequal_rows_and_objects_in_rank_order(runs: Path) -> None:

@@ -40,6 +40,7 @@ from torch import nn
 
 from tda_plugins.capture.layers import LayerSelection, head_layers
 from tda_plugins.grads.projection import ProjectionConfig
+from tda_plugins.parallel.dtensor import is_dtensor
 from tda_plugins.precondition.forms import (
     CURVATURE_OFF,
     NOT_FACTORED,
@@ -301,16 +302,23 @@ def assign_owners(sizes: Mapping[str, int], world_size: int) -> dict[str, int]:
 
 def training_bytes(model: nn.Module, world_size: int, sharded: bool) -> int:
     """Parameters, gradients of the trainable ones, and two Adam moments per trainable
-    parameter in its own dtype, on one rank (divided by ``world_size`` when sharded)."""
+    parameter in its own dtype, on one rank: a DTensor's local shard (FSDP2 shards over
+    its mesh, HSDP over the shard dimension of its mesh alone, each replica whole), a
+    plain tensor whole, or divided by ``world_size`` when ``sharded`` (a plan of a
+    sharded run made on an unsharded model, such as a meta-device one)."""
     seen: set[int] = set()
-    total = 0
+    whole = local = 0
     for p in model.parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
-        size = p.numel() * p.element_size()
-        total += size * (4 if p.requires_grad else 1)
-    return total // world_size if sharded else total
+        copies = 4 if p.requires_grad else 1
+        if is_dtensor(p):
+            shard = p.to_local()
+            local += shard.numel() * shard.element_size() * copies
+        else:
+            whole += p.numel() * p.element_size() * copies
+    return local + (whole // world_size if sharded else whole)
 
 
 def plan_capture(model: nn.Module, inputs: PlanInputs) -> CapturePlan:
