@@ -126,14 +126,26 @@ def _refuse_parameter_lora(
     ``ParamWrapper``): PEFT adds ``lora_B.weight @ lora_A.weight`` to the wrapped weight
     without calling ``lora_A``/``lora_B``, so no hook sees a per-example input there."""
     for _, owner, layer, _ in _lora_layers(model, chosen):
-        if type(layer).__name__ == "ParamWrapper":
-            raise LayerSelectionError(
-                f"{owner} is a LoRA on a parameter (LoraConfig(target_parameters=...)): PEFT "
-                "adds lora_B @ lora_A to its weight without calling lora_A/lora_B on the "
-                "batch, so their per-example gradients cannot be captured; target the module "
-                f"instead (target_modules=[{owner.rpartition('.')[2]!r}]), which trains the "
-                "same low-rank update of a linear layer"
-            )
+        if type(layer).__name__ != "ParamWrapper":
+            continue
+        wrapped: Any = layer
+        while type(wrapped).__name__ == "ParamWrapper":  # nested: one per targeted parameter
+            wrapped = wrapped.base_layer
+        fix = (
+            f"target the module instead (target_modules=[{owner.rpartition('.')[2]!r}]), "
+            "which trains the same low-rank update of a linear layer"
+            if isinstance(wrapped, nn.Linear)
+            else f"{type(wrapped).__name__} is not a linear layer (an MoE router or experts "
+            "hold their weights as parameters, which PEFT wraps so even under "
+            "target_modules='all-linear'): leave it out of the LoRA, naming the linear "
+            "layers to adapt in target_modules (e.g. the attention projections)"
+        )
+        raise LayerSelectionError(
+            f"{owner} is a LoRA on a parameter (LoraConfig(target_parameters=...), or PEFT's "
+            "own choice): PEFT adds lora_B @ lora_A to its weight without calling "
+            f"lora_A/lora_B on the batch, so their per-example gradients cannot be captured; "
+            f"{fix}"
+        )
 
 
 def _refuse_inactive_adapters(

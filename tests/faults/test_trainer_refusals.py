@@ -423,6 +423,33 @@ def test_lora_without_a_per_example_call_is_refused_before_any_step(
         assert not (tmp_path / "queries").exists()
 
 
+def test_lora_on_an_moe_router_names_a_way_out_that_exists() -> None:
+    """PEFT's ``all-linear`` wraps a Mixtral router's weight as a parameter LoRA (its router
+    is no ``nn.Linear``), as it does ``target_modules=["gate"]``: the refusal does not send
+    the user to that, but to leaving the router out."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from tda_plugins import LayerSelection
+    from tda_plugins.capture.layers import LayerSelectionError
+
+    config = MixtralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+    )
+    model = get_peft_model(MixtralForCausalLM(config), LoraConfig(r=4, target_modules="all-linear"))
+    with pytest.raises(LayerSelectionError) as refused:
+        LayerSelection().resolve(model)
+    assert "MixtralTopKRouter is not a linear layer" in str(refused.value)
+    assert "target_modules=['gate']" not in str(refused.value)
+
+
 def _other_tuner(kind: str) -> nn.Module:
     from peft import IA3Config, LoHaConfig, LoKrConfig, get_peft_model
 
