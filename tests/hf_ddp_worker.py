@@ -194,7 +194,7 @@ def resume_without_a_rank(sharded: Path, folder: Path, rank: int) -> None:
     """Both ranks resume, at step :data:`SAVE_AT`, a copy of the sharded run's store from
     which rank 1's folder was removed (a store as one process writes it): rank 1 finds no
     step of its own, rank 0 finds its steps whole. ``refused-<rank>.json``: each rank's
-    refusal (``null``: none) and the steps rank 0's folder holds after."""
+    refusal (``null``: none), and the steps and rank folders the store holds after."""
     store = folder / "store"
     if rank == 0:
         shutil.copytree(sharded / "store", store)
@@ -212,7 +212,11 @@ def resume_without_a_rank(sharded: Path, folder: Path, rank: int) -> None:
         refusal = str(error)
     dist.barrier()
     steps = StoreReader(store).step_example_ids()
-    outcome = {"refusal": refusal, "steps": {str(k): len(v) for k, v in steps.items()}}
+    outcome = {
+        "refusal": refusal,
+        "steps": {str(k): len(v) for k, v in steps.items()},
+        "rank_folders": sorted(p.name for p in store.glob("rank-*")),
+    }
     (folder / f"refused-{rank}.json").write_text(json.dumps(outcome))
 
 

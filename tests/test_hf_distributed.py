@@ -218,13 +218,15 @@ def test_a_rank_that_refuses_a_resume_stops_every_rank_before_any_step_is_remove
     runs: Path,
 ) -> None:
     """Two ranks resume a store whose rank-1 folder is gone: rank 1 refuses (no step of its
-    own), and so does rank 0, which found its own steps whole, before it truncated them."""
+    own), and so does rank 0, which found its own steps whole, before it truncated them;
+    rank 1's writer leaves no folder behind."""
     folder = runs / str(WORLD) / "without-rank-1"
     outcomes = [json.loads((folder / f"refused-{r}.json").read_text()) for r in range(WORLD)]
     assert "written by other processes than this run's 2" in outcomes[1]["refusal"]
     assert outcomes[0]["refusal"].startswith("rank 1 refused this start: ")
     whole = {str(step): GLOBAL_BATCH // WORLD for step in range(STEPS)}
     assert [o["steps"] for o in outcomes] == [whole, whole]  # rank 0's steps all kept
+    assert [o["rank_folders"] for o in outcomes] == [["rank-0"], ["rank-0"]]  # none made
 
 
 def test_a_store_of_two_ranks_is_not_resumed_by_one_process(runs: Path, tmp_path: Path) -> None:

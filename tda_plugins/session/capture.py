@@ -185,7 +185,7 @@ class CaptureSession:
         try:
             self._agree_on_resume(CaptureConfig(layers, settings.layers.projection), start_step)
         except BaseException:
-            self.store.close()
+            self.store.close_unwritten()
             raise
         committed = self.store.committed_steps
         if committed and committed[-1] >= start_step:

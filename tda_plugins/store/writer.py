@@ -63,6 +63,7 @@ token loss (``record.loss_scale`` converts the trainer's mean loss).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from collections import deque
@@ -100,7 +101,7 @@ from tda_plugins.store.layout import (
     shard_name,
     shard_place,
 )
-from tda_plugins.store.lock import WriterLock
+from tda_plugins.store.lock import LOCK_FILE, WriterLock
 from tda_plugins.store.memory import IN_MEMORY, medium_for, not_in_this_process
 from tda_plugins.store.sync import (
     DURABILITY,
@@ -202,6 +203,8 @@ class GradientStore(CaptureConsumer):
         self.model = model
         self.fingerprint = None if model is None else model_fingerprint(model, tokenizer)
         self._dir = rank_dir(self.root, rank)
+        #: The folders this writer makes (innermost first), for :meth:`close_unwritten`.
+        self._made = [p for p in (self._dir, self.root) if not p.exists()]
         self._dir.mkdir(parents=True, exist_ok=True)
         self._lock = WriterLock(self._dir)
         self._shards: list[ShardEntry] = read_index(self._dir / INDEX_FILE)
@@ -404,6 +407,17 @@ class GradientStore(CaptureConsumer):
     def close(self) -> None:
         """Release the writer lock (after an end or a detach; idempotent)."""
         self._lock.release()
+
+    def close_unwritten(self) -> None:
+        """Release the writer lock and remove the folders this writer made, with its lock
+        file, as long as nothing else was written there: a start refused before its first
+        write leaves the store as it found it."""
+        self.close()
+        if self._dir in self._made:
+            (self._dir / LOCK_FILE).unlink(missing_ok=True)
+        for folder in self._made:
+            with contextlib.suppress(OSError):  # not empty: something was written there
+                folder.rmdir()
 
     # -- store operations --------------------------------------------------------------
 
