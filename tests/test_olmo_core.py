@@ -380,6 +380,23 @@ def test_a_mixture_of_experts_is_refused() -> None:
         check_train_module(module, LayerSelection())
 
 
+def test_the_transformers_entry_points_refuse_an_olmo_core_model_before_writing(
+    tmp_path: Path,
+) -> None:
+    """``capture_examples`` and ``score_examples`` run a transformers causal LM's forward:
+    an OLMo-core ``Transformer`` is refused up front, naming the way that works, and no
+    store is begun."""
+    from tda_plugins import capture_examples, score_examples
+
+    model = MODEL.build(init_device="cpu")
+    rows = [{"input_ids": list(range(1, 9))}]
+    with pytest.raises(TypeError, match=r"recipes/olmo_core_capture\.py"):
+        capture_examples(model, rows, tmp_path / "queries", progress=False)
+    assert not (tmp_path / "queries").exists()
+    with pytest.raises(TypeError, match="not Transformer"):
+        score_examples(model, rows, rows, progress=False)
+
+
 def test_settings_must_be_capture_settings() -> None:
     with pytest.raises(TypeError, match="CaptureSettings"):
         GradientCaptureCallback({"store_dir": "grads"})  # type: ignore[arg-type]

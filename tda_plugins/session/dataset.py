@@ -128,7 +128,10 @@ def capture_examples(
     Raises:
         ValueError: a bad row (named by its line), a repeated id, or K-FAC statistics over
             ``settings.curvature_budget_gb``; nothing is written then.
+        TypeError: a model that is not a transformers causal LM (an OLMo-core
+            ``Transformer``), before anything is written.
     """
+    require_causal_lm(model, "capture_examples")
     ranks = ranks or Ranks(next(model.parameters()).device)
     if settings is None:
         settings = settings_from(None, {**options, "store_dir": str(out)})
@@ -316,6 +319,18 @@ def loss_tokens(
         max_length=base.max_length if max_length is None else max_length,
         keep_end=base.keep_end if max_length is None else False,
     )
+
+
+def require_causal_lm(model: Any, call: str) -> None:
+    """Refuse, before anything is read or written, a model that is not a transformers
+    causal LM (``call``: the function refusing, for the message)."""
+    if not callable(getattr(model, "get_input_embeddings", None)):
+        raise TypeError(
+            f"{call} takes a transformers causal LM (get_input_embeddings, a forward that "
+            f"returns .logits), not {type(model).__name__}; for an OLMo-core Transformer, "
+            "capture with CaptureEngine around its own forward and loss, as "
+            "recipes/olmo_core_capture.py does for its queries"
+        )
 
 
 def backward_each_example(model: Any, engine: CaptureEngine, batch: PlannedBatch) -> None:

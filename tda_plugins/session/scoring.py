@@ -41,6 +41,7 @@ from tda_plugins.session.dataset import (
     example_texts,
     loss_tokens,
     plan_batches,
+    require_causal_lm,
     truncation_length,
 )
 from tda_plugins.session.settings import LayerSettings, layer_settings
@@ -110,7 +111,10 @@ def score_examples(
             embedding with ``layers="all"``; ``graddot`` counts it once), before any
             forward runs; a score that is not finite (a NaN or inf in the model's forward
             or gradients), naming its pair.
+        TypeError: a model that is not a transformers causal LM (an OLMo-core
+            ``Transformer``), before any forward.
     """
+    require_causal_lm(model, "score_examples")
     if method not in LIVE_METHODS:
         raise ValueError(
             f"score_examples scores {sorted(LIVE_METHODS)}, not {method!r}; for the others "
