@@ -12,7 +12,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from trl import SFTConfig, SFTTrainer
 
-from tda_plugins.integrations.transformers.data import LossTokens, numbered_rows, tokenize_rows
+from tda_plugins.integrations.transformers.data import (
+    ExamplePool,
+    LossTokens,
+    numbered_rows,
+    tokenize_rows,
+)
 from tests.trainers import training_args
 
 TEXTS = [
@@ -46,10 +51,8 @@ def bpe_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-@pytest.mark.parametrize("rows", [[{"text": t} for t in TEXTS], PAIRS], ids=["text", "pairs"])
-def test_eos_rows_tokenize_as_sft_trainer_trains_them(
-    tmp_path: Path, rows: list[dict[str, str]]
-) -> None:
+def sft_trainer(tmp_path: Path, rows: list[dict[str, str]], **config: object) -> SFTTrainer:
+    """An ``SFTTrainer`` of a one-block Llama over ``rows`` with the BPE tokenizer."""
     tokenizer = bpe_tokenizer()
     model = LlamaForCausalLM(
         LlamaConfig(
@@ -61,16 +64,39 @@ def test_eos_rows_tokenize_as_sft_trainer_trains_them(
             num_key_value_heads=2,
         )
     )
-    trainer = SFTTrainer(
+    return SFTTrainer(
         model=model,
-        args=training_args(tmp_path, config_cls=SFTConfig),
+        args=training_args(tmp_path, config_cls=SFTConfig, **config),
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
     )
+
+
+@pytest.mark.parametrize("rows", [[{"text": t} for t in TEXTS], PAIRS], ids=["text", "pairs"])
+def test_eos_rows_tokenize_as_sft_trainer_trains_them(
+    tmp_path: Path, rows: list[dict[str, str]]
+) -> None:
+    trainer = sft_trainer(tmp_path, rows)
+    tokenizer = trainer.processing_class
     ours = tokenize_rows(numbered_rows(rows), tokenizer, 512, loss=LossTokens(eos=True))
     for trained, example in zip(trainer.train_dataset, ours, strict=True):
         assert example.input_ids == trained["input_ids"]
         assert example.labels == trained.get("labels", trained["input_ids"])
+
+
+def test_a_callbacks_examples_are_cut_as_the_run_cuts_its_rows(tmp_path: Path) -> None:
+    """Influence queries and a selection target (:class:`ExamplePool`) are tokenized with
+    the run's ``max_length`` (oracle: the trainer's own processed rows, cut to 6 tokens),
+    and under ``truncation_mode="keep_end"`` a longer row is refused, not cut the other
+    way."""
+    rows = [{"text": t} for t in TEXTS]
+    trainer = sft_trainer(tmp_path / "start", rows, max_length=6)
+    pool = ExamplePool(rows, "InfluenceLoggingCallback")
+    batch = pool.batch(trainer.processing_class, LossTokens.of_trainer(trainer.args))
+    assert batch["input_ids"].tolist() == [r["input_ids"] for r in trainer.train_dataset]
+    kept_end = sft_trainer(tmp_path / "end", rows, max_length=6, truncation_mode="keep_end")
+    with pytest.raises(ValueError, match=r"InfluenceLoggingCallback:1: \d+ tokens, longer"):
+        pool.batch(kept_end.processing_class, LossTokens.of_trainer(kept_end.args))
 
 
 def test_the_runs_cut_is_taken_unless_a_length_is_given() -> None:

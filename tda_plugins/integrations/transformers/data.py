@@ -474,10 +474,11 @@ class ExamplePool:
             :class:`LossTokens` when training starts: under ``SFTTrainer`` text and
             completion rows end in its EOS, as it trains them).
         owner: the callback's name, for errors.
-        max_length: truncate longer examples to this many tokens.
+        max_length: truncate longer examples to this many tokens (default: as the run
+            cuts its rows, ``SFTConfig.max_length``; else :data:`UNCUT_LENGTH`).
     """
 
-    def __init__(self, examples: Examples, owner: str, max_length: int = 4096):
+    def __init__(self, examples: Examples, owner: str, max_length: int | None = None):
         self.rows = numbered_rows(examples)
         if not self.rows:
             raise ValueError(f"{owner} needs at least one example")
@@ -520,10 +521,40 @@ class ExamplePool:
         if self.tokenized:
             return pad_examples([row for _, row in self.rows], pad_id)
         examples = tokenize_rows(
-            self.rows, tokenizer, self.max_length, source=self.owner, loss=loss
+            self.rows, tokenizer, self._cut_length(loss), source=self.owner, loss=loss
         )
+        if self.max_length is None and loss.keep_end and loss.max_length is not None:
+            _refuse_cut_starts(self.owner, self.rows, examples, loss.max_length)
         inputs, _, _ = next(batches(examples, len(examples), pad_id))
         return inputs
+
+    def _cut_length(self, loss: LossTokens) -> int:
+        """The pool's own length, else the run's (a run that keeps rows' ends cuts
+        nothing here: its longer rows are refused instead), else :data:`UNCUT_LENGTH`."""
+        if self.max_length is not None:
+            return self.max_length
+        if loss.max_length is None or loss.keep_end:
+            return UNCUT_LENGTH
+        return loss.max_length
+
+
+#: The length an :class:`ExamplePool` cuts rows to where neither it nor the run sets one.
+UNCUT_LENGTH = 4096
+
+
+def _refuse_cut_starts(
+    owner: str, rows: list[tuple[int, Any]], examples: list[Example], max_length: int
+) -> None:
+    """Refuse a row longer than ``max_length``: the run cut such rows to their last
+    ``max_length`` tokens (``truncation_mode="keep_end"``), which its queries cannot be."""
+    for (number, _), example in zip(rows, examples, strict=True):
+        if len(example.input_ids) > max_length:
+            raise ValueError(
+                f"{owner}:{number}: {len(example.input_ids)} tokens, longer than the run's "
+                f"max_length {max_length}, and the run cuts such rows to their last tokens "
+                "(truncation_mode='keep_end'), which its examples here are not cut to: "
+                "give rows within that length"
+            )
 
 
 def batches(
