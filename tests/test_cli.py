@@ -324,14 +324,16 @@ def test_report_rerenders_the_attribute_report(
 
 @pytest.mark.slow
 def test_console_script_help_and_error_exit_codes(tmp_path: Path) -> None:
-    """The installed ``tda`` script: ``--help`` exits 0 and names the subcommands; a missing
-    store exits 2 with one ``tda attribute: error:`` line."""
+    """The installed ``tda`` script (and ``python -m tda_plugins``): ``--help`` exits 0 and
+    names the subcommands; a missing store exits 2 with one ``tda attribute: error:``
+    line."""
     script = Path(sys.executable).with_name("tda")
     assert script.exists(), f"no console script at {script}; pip install -e ."
-    shown = subprocess.run([script, "--help"], capture_output=True, text=True)
-    assert shown.returncode == 0
-    for command in ("capture", "attribute", "report"):
-        assert command in shown.stdout
+    for launcher in ([script], [sys.executable, "-m", "tda_plugins"]):
+        shown = subprocess.run([*launcher, "--help"], capture_output=True, text=True)
+        assert shown.returncode == 0, launcher
+        for command in ("capture", "attribute", "report"):
+            assert command in shown.stdout
     missing = tmp_path / "nowhere"
     failed = subprocess.run(
         [script, *attribute_args(missing, missing, tmp_path / "out")],
