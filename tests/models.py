@@ -46,6 +46,16 @@ def _register_attention() -> None:
     AttentionMaskInterface.register(ATTENTION, eager_mask)
 
 
+#: The Llama-family decoders' size (grouped-query attention: 4 heads, 2 key/value heads).
+_DECODER: dict[str, int] = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
 _ARCHS = {
     "gpt2": (
         "GPT2Config",
@@ -65,53 +75,23 @@ _ARCHS = {
     "llama": (
         "LlamaConfig",
         "LlamaForCausalLM",
-        dict(
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        ),
+        _DECODER,
     ),
     "qwen2": (
         "Qwen2Config",
         "Qwen2ForCausalLM",
-        dict(
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            tie_word_embeddings=False,
-        ),
+        {**_DECODER, "tie_word_embeddings": False},
     ),
     "olmo2": (
         "Olmo2Config",
         "Olmo2ForCausalLM",
-        dict(
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        ),
+        _DECODER,
     ),
     # Gemma's word embedding is scaled (nn.Embedding times sqrt(hidden)), its head tied
     "gemma": (
         "GemmaConfig",
         "GemmaForCausalLM",
-        dict(
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            max_position_embeddings=64,
-        ),
+        {**_DECODER, "head_dim": 8},  # Gemma's default head_dim is 256
     ),
 }
 ARCHS = tuple(_ARCHS)

@@ -309,15 +309,12 @@ def test_trl_dft_loss_is_refused_and_nll_accepted(tmp_path: Path) -> None:
     assert check_trainer_setup(nll, llama()) is not None
 
 
-@pytest.mark.parametrize("coefficient", [0.02, 0.0])
-def test_an_moe_router_load_balancing_loss_is_refused(tmp_path: Path, coefficient: float) -> None:
-    """A Mixtral whose forward adds ``router_aux_loss_coef * aux_loss`` (a balance term of
-    the whole batch) to the loss is refused; with the coefficient at 0, or the router
-    logits off, nothing is added and the model is accepted."""
+def tiny_mixtral(**config: Any) -> nn.Module:
+    """A one-block Mixtral of two experts, one per token (``config``: more settings)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    def mixtral(router_logits: bool) -> nn.Module:
-        config = MixtralConfig(
+    return MixtralForCausalLM(
+        MixtralConfig(
             vocab_size=64,
             hidden_size=16,
             intermediate_size=32,
@@ -326,10 +323,19 @@ def test_an_moe_router_load_balancing_loss_is_refused(tmp_path: Path, coefficien
             num_key_value_heads=1,
             num_local_experts=2,
             num_experts_per_tok=1,
-            output_router_logits=router_logits,
-            router_aux_loss_coef=coefficient,
+            **config,
         )
-        return MixtralForCausalLM(config)
+    )
+
+
+@pytest.mark.parametrize("coefficient", [0.02, 0.0])
+def test_an_moe_router_load_balancing_loss_is_refused(tmp_path: Path, coefficient: float) -> None:
+    """A Mixtral whose forward adds ``router_aux_loss_coef * aux_loss`` (a balance term of
+    the whole batch) to the loss is refused; with the coefficient at 0, or the router
+    logits off, nothing is added and the model is accepted."""
+
+    def mixtral(router_logits: bool) -> nn.Module:
+        return tiny_mixtral(output_router_logits=router_logits, router_aux_loss_coef=coefficient)
 
     args = training_args(tmp_path / "out")
     assert check_trainer_setup(args, mixtral(router_logits=False)) is not None
@@ -428,22 +434,11 @@ def test_lora_on_an_moe_router_names_a_way_out_that_exists() -> None:
     is no ``nn.Linear``), as it does ``target_modules=["gate"]``: the refusal does not send
     the user to that, but to leaving the router out."""
     from peft import LoraConfig, get_peft_model
-    from transformers import MixtralConfig, MixtralForCausalLM
 
     from tda_plugins import LayerSelection
     from tda_plugins.capture.layers import LayerSelectionError
 
-    config = MixtralConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=2,
-        num_experts_per_tok=1,
-    )
-    model = get_peft_model(MixtralForCausalLM(config), LoraConfig(r=4, target_modules="all-linear"))
+    model = get_peft_model(tiny_mixtral(), LoraConfig(r=4, target_modules="all-linear"))
     with pytest.raises(LayerSelectionError) as refused:
         LayerSelection().resolve(model)
     assert "MixtralTopKRouter is not a linear layer" in str(refused.value)
