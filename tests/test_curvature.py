@@ -678,6 +678,35 @@ def test_ekfac_routes_equal_the_dense_reference(llama: Llama, route: str) -> Non
     assert rel_err(scores.values, expected) < SCORE_TOL
 
 
+def test_ekfac_holds_one_groups_kept_gradients_at_a_time(llama: Llama) -> None:
+    """With the memory for kept rotated gradients holding one MLP layer's, the layers are
+    scored in several kept groups; each group's are released before the next group's
+    correction builds its own, so at most that memory is held (and the scores stay
+    the dense reference's)."""
+    store, queries = llama.store("train"), llama.store("query")
+    widest = max(g.dim for g in queries.load_all().layers.values())
+    limit = store.num_examples * store.values_dtype().itemsize * widest
+    method = method_by_name("ekfac")
+    real = EKFACPreconditioner.training_chunks
+    built: list[weakref.ref[Any]] = []
+    held: list[int] = []
+
+    def watched(self: EKFACPreconditioner, *args: Any, **kwargs: Any) -> Any:
+        held.append(sum(ref() is not None for ref in built))  # earlier groups still alive
+        source = real(self, *args, **kwargs)
+        built.append(weakref.ref(source))
+        return source
+
+    with (
+        ekfac_routes.kept_bytes(limit),
+        mock.patch.object(EKFACPreconditioner, "training_chunks", watched),
+    ):
+        scores = method.score(store, queries, chunk_examples=1)
+    assert method.preconditioner._kept == set(store.layer_names)
+    assert len(built) > 2 and held == [0] * len(built)
+    assert rel_err(scores.values, llama.dense_reference("ekfac")) < SCORE_TOL
+
+
 @pytest.mark.parametrize(("name", "factorization"), [("kfac", "cholesky"), ("ekfac", "eigh")])
 def test_equal_factors_are_factorized_once(llama: Llama, name: str, factorization: str) -> None:
     """Layers fed by one input (q/k/v, gate/up) have equal ``A`` factors: the fit factorizes

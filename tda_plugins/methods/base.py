@@ -232,6 +232,9 @@ class AttributionMethod(ABC):
                 for i, rows in enumerate(query_groups):
                     last = i == len(query_groups) - 1
                     totals.add(rows, self._score_pass(source, query, rows, bar, last))
+                # the next group's training chunks (EK-FAC's kept rotated gradients, up to
+                # their budget) are built without this group's still held
+                del source, query
         train_ids = ranks.rows(totals.train_ids()).cpu()
         scores = Scores(train_ids, query_ids, ranks.rows(totals.values()).cpu(), self.name)
         scores.require_finite()
@@ -343,7 +346,7 @@ class AttributionMethod(ABC):
         missing = wanted - set(occurrences)
         if missing:
             raise StoreError(f"train ids {sorted(missing)[:5]} are not in the store {store.root}")
-        texts = store.token_texts()
+        texts = store.token_texts(set(occurrences))
         return {i: summed_occurrences(i, rows, texts.get(i)) for i, rows in occurrences.items()}
 
 
