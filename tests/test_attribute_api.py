@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 import tda_plugins
 from tda_plugins import LayerSelection
 from tda_plugins.methods import Scores, method_by_name
+from tda_plugins.report.html import render_html
 from tda_plugins.store import GradientStore, StoreReader
 from tda_plugins.store.writer import DURABILITY
 from tests.models import lm_batch, tiny_causal_lm
@@ -43,6 +45,32 @@ def test_attribute_equals_the_method_and_carries_the_texts(stores: tuple[Path, P
     assert torch.equal(scores.train_ids, expected.train_ids)
     assert scores.train_texts == {i: f"train {i}" for i in scores.train_ids.tolist()}
     assert scores.query_texts == {i: f"q {i}" for i in scores.query_ids.tolist()}
+
+
+def test_a_report_reads_only_the_texts_it_shows(tmp_path: Path) -> None:
+    """``attribute``'s training texts are read when used: the report page reads its
+    shown examples' texts alone (the Python memory traced over scoring and the page is a
+    small share of the store's texts), and every text is there when the whole mapping is
+    used (``to_pandas``)."""
+    model = tiny_causal_lm("llama")
+    train = capture_store(
+        model, [lm_batch(8, 8, seed=s) for s in range(8)], tmp_path / "train", None
+    )
+    queries = capture_store(model, [lm_batch(2, 8, seed=99)], tmp_path / "q", None)
+    ids = train.load_all().example_ids.tolist()
+    texts = {i: f"text of {i}: " + "w" * 40_000 for i in ids}
+    GradientStore(tmp_path / "train", append=True).write_examples(texts)
+    tracemalloc.start()
+    try:
+        scores = tda_plugins.attribute(train, queries, "graddot", progress=False)
+        page = render_html(scores, scores.train_texts, scores.query_texts, k=2)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < sum(map(len, texts.values())) / 4
+    shown = {r["id"] for q in scores.top_k(2) for side in ("helpful", "harmful") for r in q[side]}
+    assert shown and all(f"text of {i}: www" in page for i in shown)
+    assert dict(scores.train_texts) == texts
 
 
 @pytest.mark.parametrize(

@@ -232,7 +232,7 @@ def _report(args: argparse.Namespace) -> None:
     _require_scored(queries, scores.query_ids, "--queries", args.scores, recorded.get("queries"))
     saved = Path(args.scores) / TOKENS_FILE  # from `tda attribute --tokens`
     tokens = json.loads(saved.read_text()) if saved.is_file() else None
-    page = render_html(scores, store.texts(), queries.texts(), k=top_k, tokens=tokens)
+    page = render_html(scores, store.lazy_texts(), queries.texts(), k=top_k, tokens=tokens)
     write_html(path, page)
     print(f"wrote {path}")
 

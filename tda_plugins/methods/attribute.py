@@ -62,4 +62,4 @@ def attribute(
     scores = scorer.score(
         train, query, chunk_examples, progress, allow_mismatch=allow_mismatch, ranks=ranks
     )
-    return replace(scores, train_texts=train.texts(), query_texts=query.texts())
+    return replace(scores, train_texts=train.lazy_texts(), query_texts=query.texts())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,8 @@ class Scores:
         values: ``(N, M)`` fp32; positive = the training example pushes the query's loss
             down (helpful), negative = up (harmful), under the method's convention.
         method: the method's registered name.
-        train_texts: training example id -> text, where the store holds texts.
+        train_texts: training example id -> text, where the store holds texts (from a
+            store, read when used: a report reads the few it shows).
         query_texts: query id -> text, likewise.
     """
 
@@ -38,8 +40,8 @@ class Scores:
     query_ids: Tensor
     values: Tensor
     method: str
-    train_texts: dict[int, str] = field(default_factory=dict)
-    query_texts: dict[int, str] = field(default_factory=dict)
+    train_texts: Mapping[int, str] = field(default_factory=dict)
+    query_texts: Mapping[int, str] = field(default_factory=dict)
 
     def require_finite(self) -> None:
         """Refuse NaN/inf scores, naming the first pair (a score is never written as a

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from html import escape
 from pathlib import Path
 from typing import Any
 
 from tda_plugins.methods.scores import Scores
 from tda_plugins.store.io import atomic_write_bytes
+from tda_plugins.store.texts import texts_of
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2rem; max-width: 70rem; }
@@ -23,9 +25,11 @@ pre span { border-radius: 2px; }
 
 #: ``(query id, train id)`` -> a :func:`~tda_plugins.report.tokens.token_report` entry.
 TokenEntries = dict[tuple[int, int], dict[str, Any]]
+#: The two lists of a query's top-k.
+SIDES = ("helpful", "harmful")
 
 
-def _text(texts: dict[int, str], example_id: int, limit: int = 600) -> str:
+def _text(texts: Mapping[int, str], example_id: int, limit: int = 600) -> str:
     text = texts.get(example_id)
     if text is None:
         return "<em>(text not stored)</em>"
@@ -50,7 +54,7 @@ def _highlighted(entry: dict[str, Any]) -> str:
 def _table(
     kind: str,
     rows: list[dict],
-    texts: dict[int, str],
+    texts: Mapping[int, str],
     query_id: int,
     tokens: TokenEntries,
 ) -> str:
@@ -76,8 +80,8 @@ def _table(
 
 def render_html(
     scores: Scores,
-    train_texts: dict[int, str],
-    query_texts: dict[int, str],
+    train_texts: Mapping[int, str],
+    query_texts: Mapping[int, str],
     *,
     k: int = 10,
     query_names: dict[int, str] | None = None,
@@ -86,22 +90,22 @@ def render_html(
     """The report page as a string (texts are escaped; missing texts are marked); each
     query is headed by its name where ``query_names`` gives one (as the logs call it).
     With ``tokens`` (a :func:`~tda_plugins.report.tokens.token_report`), each example's
-    tokens are shaded by their share of its score."""
+    tokens are shaded by their share of its score. Only the shown examples' texts are
+    read (from a :class:`~tda_plugins.store.texts.StoreTexts`, only those)."""
     by_pair: TokenEntries = {
-        (q["query_id"], e["id"]): e
-        for q in tokens or []
-        for side in ("helpful", "harmful")
-        for e in q[side]
+        (q["query_id"], e["id"]): e for q in tokens or [] for side in SIDES for e in q[side]
     }
+    top = scores.top_k(k)
+    shown = texts_of(train_texts, {r["id"] for q in top for side in SIDES for r in q[side]})
     sections = []
-    for entry in scores.top_k(k):
+    for entry in top:
         qid = entry["query_id"]
         name = (query_names or {}).get(qid)
         title = f"Query {escape(name)} (id {qid})" if name else f"Query {qid}"
         sections.append(
             f"<div class='query'><h2>{title}</h2>{_text(query_texts, qid, 2000)}"
-            f"{_table('helpful', entry['helpful'], train_texts, qid, by_pair)}"
-            f"{_table('harmful', entry['harmful'], train_texts, qid, by_pair)}</div>"
+            f"{_table('helpful', entry['helpful'], shown, qid, by_pair)}"
+            f"{_table('harmful', entry['harmful'], shown, qid, by_pair)}</div>"
         )
     n, m = scores.values.shape
     return (

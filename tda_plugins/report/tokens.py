@@ -58,7 +58,7 @@ def token_report(
     top = scores.top_k(k)
     wanted = sorted({r["id"] for q in top for side in ("helpful", "harmful") for r in q[side]})
     per_token = scorer.token_scores(store, queries, wanted) if wanted else {}
-    texts = store.token_texts()
+    texts = store.token_texts(wanted)
     column = {int(q): j for j, q in enumerate(scores.query_ids.tolist())}
     report = []
     for entry in top:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +40,7 @@ from tda_plugins.store.layout import (
     shard_place,
 )
 from tda_plugins.store.memory import IN_MEMORY, medium_for, not_in_this_process
-from tda_plugins.store.texts import TokenTexts, read_texts, read_token_texts
+from tda_plugins.store.texts import StoreTexts, TokenTexts, read_texts, read_token_texts
 from tda_plugins.utils.finite import first_non_finite
 
 logger = logging.getLogger(__name__)
@@ -290,14 +290,19 @@ class StoreReader:
                 "pass --allow-mismatch (allow_mismatch=True) to score them anyway"
             )
 
-    def token_texts(self) -> dict[int, TokenTexts]:
+    def token_texts(self, ids: Collection[int] | None = None) -> dict[int, TokenTexts]:
         """Example id -> its tokens, where the capture kept per-token factors and a
-        tokenizer (else empty)."""
-        return read_token_texts(self.root)
+        tokenizer (else empty); only the examples ``ids`` names, when given."""
+        return read_token_texts(self.root, ids)
 
-    def texts(self) -> dict[int, str]:
-        """Example id -> text, where the capture saved texts (else empty)."""
-        return read_texts(self.root)
+    def texts(self, ids: Collection[int] | None = None) -> dict[int, str]:
+        """Example id -> text, where the capture saved texts (else empty); only the
+        examples ``ids`` names, when given."""
+        return read_texts(self.root, ids)
+
+    def lazy_texts(self) -> StoreTexts:
+        """The texts as a mapping read when used (a report reads the few it shows)."""
+        return StoreTexts(self.root)
 
     def iter_chunks(
         self, max_examples: int = 256, layers: list[str] | None = None

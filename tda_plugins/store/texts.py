@@ -13,7 +13,7 @@ texts of what it committed. A reader merges them all.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,46 +109,93 @@ class TextRecorder(CaptureConsumer):
         self._lines = []
 
 
-def _rows(root: Path) -> Iterator[dict[str, Any]]:
-    """Every example line of the store's root file and of every rank's file. A rank
-    file's unfinished last line (a killed run) is skipped; any other damaged line is
-    refused."""
+def _rows(root: Path, ids: Collection[int] | None = None) -> Iterator[dict[str, Any]]:
+    """Every example line of the store's root file and of every rank's file (only those
+    of ``ids`` when given), read a line at a time. A rank file's unfinished last line (a
+    killed run) is skipped; any other damaged line is refused."""
     files = [root / EXAMPLES_FILE, *sorted(root.glob(f"rank-*/{EXAMPLES_FILE}"))]
     for path in files:
         if not path.is_file():
             continue
-        lines = path.read_text(encoding="utf-8").split("\n")
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                row["id"], row["text"] = int(row["id"]), str(row["text"])
-                if "tokens" in row:
-                    row["tokens"] = [str(piece) for piece in row["tokens"]]
-                    row["positions"] = [int(i) for i in row["positions"]]
-                    if len(row["tokens"]) != len(row["positions"]):
-                        raise ValueError("its tokens and positions differ in number")
-            except (ValueError, KeyError, TypeError) as error:
-                if number == len(lines):  # no newline after it: an append cut short
+        with path.open(encoding="utf-8") as lines:
+            for number, line in enumerate(lines, start=1):
+                if not line.strip():
                     continue
-                raise StoreError(
-                    f"{path}:{number} is not an example text line ({error}); delete the "
-                    "file to read the store without texts"
-                ) from error
-            yield row
+                try:
+                    row = _parsed(line)
+                except (ValueError, KeyError, TypeError) as error:
+                    if not line.endswith("\n"):  # the last line, an append cut short
+                        continue
+                    raise StoreError(
+                        f"{path}:{number} is not an example text line ({error}); delete the "
+                        "file to read the store without texts"
+                    ) from error
+                if ids is None or row["id"] in ids:
+                    yield row
 
 
-def read_texts(root: Path) -> dict[int, str]:
+def _parsed(line: str) -> dict[str, Any]:
+    """One ``examples.jsonl`` line, its fields checked."""
+    row = json.loads(line)
+    row["id"], row["text"] = int(row["id"]), str(row["text"])
+    if "tokens" in row:
+        row["tokens"] = [str(piece) for piece in row["tokens"]]
+        row["positions"] = [int(i) for i in row["positions"]]
+        if len(row["tokens"]) != len(row["positions"]):
+            raise ValueError("its tokens and positions differ in number")
+    return row
+
+
+def read_texts(root: Path, ids: Collection[int] | None = None) -> dict[int, str]:
     """Example id -> text from the store's root file and every rank's file (empty when
-    no capture saved texts)."""
-    return {row["id"]: row["text"] for row in _rows(root)}
+    no capture saved texts); only the examples ``ids`` names, when given."""
+    return {row["id"]: row["text"] for row in _rows(root, ids)}
 
 
-def read_token_texts(root: Path) -> dict[int, TokenTexts]:
-    """Example id -> its tokens, for the examples saved with them (``keep_tokens``)."""
+def read_token_texts(root: Path, ids: Collection[int] | None = None) -> dict[int, TokenTexts]:
+    """Example id -> its tokens, for the examples saved with them (``keep_tokens``); only
+    those ``ids`` names, when given."""
     return {
         row["id"]: TokenTexts(row["tokens"], row["positions"])
-        for row in _rows(root)
+        for row in _rows(root, ids)
         if "tokens" in row
     }
+
+
+class StoreTexts(Mapping[int, str]):
+    """A store's example texts, read when asked for: :meth:`select` reads the few a
+    report shows (a pass over the text files that keeps only those), and the mapping
+    itself reads them all on its first use (``Scores.to_pandas``), so that scoring a
+    large store holds only the texts it shows."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._all: dict[int, str] | None = None
+
+    def select(self, ids: Iterable[int]) -> dict[int, str]:
+        """The texts of ``ids`` (those the store has)."""
+        wanted = set(ids)
+        if self._all is not None:
+            return {i: self._all[i] for i in wanted if i in self._all}
+        return read_texts(self.root, wanted)
+
+    def _texts(self) -> dict[int, str]:
+        if self._all is None:
+            self._all = read_texts(self.root)
+        return self._all
+
+    def __getitem__(self, example_id: int) -> str:
+        return self._texts()[example_id]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._texts())
+
+    def __len__(self) -> int:
+        return len(self._texts())
+
+
+def texts_of(texts: Mapping[int, str], ids: Iterable[int]) -> dict[int, str]:
+    """The texts of ``ids`` from ``texts`` (a :class:`StoreTexts` reads only those)."""
+    if isinstance(texts, StoreTexts):
+        return texts.select(ids)
+    return {i: texts[i] for i in ids if i in texts}
