@@ -687,6 +687,21 @@ def test_one_process_trainer_builds_the_linear_grads_from_the_kept_examples(
         assert "model.embed_tokens.weight" not in without
 
 
+def test_one_process_full_fine_tuning_scores_every_layer_in_one_adam_metric(
+    tmp_path: Path,
+) -> None:
+    """There the selection builds the captured layers' ``.grad`` after choosing, so only
+    the embedding holds the step's gradient when it scores: Adam's metric is then the
+    optimizer's stored state for every layer, the identity before the first step, and the
+    first step's ``adam`` scores are its ``dot`` scores (with that gradient folded into
+    the embedding's metric alone, they were weighted 1 / |g| there and 1 elsewhere)."""
+    dot = train_with_selection(tmp_path / "dot", "llama-full", 1, layers="all", score="dot")
+    adam = train_with_selection(tmp_path / "adam", "llama-full", 1, layers="all", score="adam")
+    first_dot, first_adam = dot.selection.history[0], adam.selection.history[0]
+    assert torch.equal(first_adam.example_ids, first_dot.example_ids)
+    torch.testing.assert_close(first_adam.scores, first_dot.scores, rtol=1e-5, atol=0.0)
+
+
 TRAINER_CASES = [
     pytest.param("llama-full", 1, {"layers": "all"}, id="full-ga1"),
     pytest.param("llama-full", 4, {"layers": "all"}, id="full-ga4"),

@@ -143,15 +143,17 @@ class Scorer:
         step ``t + 1``, as the optimizer computes it before updating (from the whole
         batch's gradient before the trainer's clipping, which waits for the edit: the kept
         set is what the scores choose). At the first step that
-        is ``1 / (|grad| + eps)``, Adam's sign-like first update. Without a ``.grad``
-        (``parameter_grads=False``): the state alone, the identity before any step."""
+        is ``1 / (|grad| + eps)``, Adam's sign-like first update. Without a ``.grad`` on
+        every captured layer (``parameter_grads=False``, where an embedding, whose input
+        needs no gradient, still gets autograd's): the state alone for every layer, the
+        identity before any step, so that one step's layers share one metric."""
         module, adapter = self.layers[name]
         params = adapter.captured_parameters(module)
         optimizer = self.optimizer
         assert optimizer is not None  # checked in __init__
         beta2, eps = optimizer.param_groups[0]["betas"][1], optimizer.param_groups[0]["eps"]
         state = [optimizer.state.get(p, {}) for p in params.values()]
-        fold = all(p.grad is not None for p in params.values())
+        fold = self._every_grad_written()
         if not fold and any("exp_avg_sq" not in s for s in state):
             return torch.ones((), dtype=dtype)
         steps = [float(gathered(torch.as_tensor(s["step"]))) for s in state if "step" in s]
@@ -163,10 +165,18 @@ class Scorer:
                 if "exp_avg_sq" in s
                 else torch.zeros((), dtype=torch.float64)
             )
-            grad = gathered(p.grad).detach().double() if p.grad is not None else None
+            grad = gathered(p.grad).detach().double() if fold and p.grad is not None else None
             v[local] = prior if grad is None else beta2 * prior + (1 - beta2) * grad.square()
         v_hat = adapter.flatten(module, v).to(dtype) / (1 - beta2**step)
         return 1.0 / (v_hat.sqrt() + eps)
+
+    def _every_grad_written(self) -> bool:
+        """Whether every captured layer's parameters hold this step's ``.grad``."""
+        return all(
+            p.grad is not None
+            for module, adapter in self.layers.values()
+            for p in adapter.captured_parameters(module).values()
+        )
 
     def _in_parameters(self, unit: list[str], per_layer: dict[str, Tensor]) -> Tensor:
         """``(..., D)`` per layer -> the unit's parameters, tied parts added: ``(..., D_u)``."""
