@@ -4,6 +4,7 @@ BPE tokenizer whose tokens merge across the prompt/completion boundary."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from tda_plugins.integrations.transformers.data import (
     numbered_rows,
     tokenize_rows,
 )
+from tda_plugins.integrations.transformers.setup import fused_head
 from tests.trainers import training_args
 
 TEXTS = [
@@ -97,6 +99,47 @@ def test_a_callbacks_examples_are_cut_as_the_run_cuts_its_rows(tmp_path: Path) -
     kept_end = sft_trainer(tmp_path / "end", rows, max_length=6, truncation_mode="keep_end")
     with pytest.raises(ValueError, match=r"InfluenceLoggingCallback:1: \d+ tokens, longer"):
         pool.batch(kept_end.processing_class, LossTokens.of_trainer(kept_end.args))
+
+
+@pytest.mark.parametrize("completion_only_loss", [True, False])
+def test_tokenized_rows_get_trls_labels_and_cut(tmp_path: Path, completion_only_loss: bool) -> None:
+    """Rows of ``input_ids`` with TRL's mask columns: their labels are built as TRL builds
+    them (``assistant_masks`` always, ``completion_mask`` with ``completion_only_loss``),
+    and a pool cuts them at the run's ``max_length`` (oracle: the trainer's processed
+    rows, with the -100 its collator puts under the masks)."""
+    rows = [
+        {
+            "input_ids": [5, 6, 7, 8, 9, 10, 11, 12],
+            "completion_mask": [0, 0, 0, 1, 1, 1, 1, 1],
+            "assistant_masks": [1, 1, 1, 1, 0, 1, 1, 1],
+        },
+        {
+            "input_ids": [13, 14, 15, 16, 17, 18],
+            "completion_mask": [0, 0, 1, 1, 1, 1],
+            "assistant_masks": [0, 1, 1, 0, 1, 1],
+        },
+    ]
+    trainer = sft_trainer(tmp_path, rows, max_length=6, completion_only_loss=completion_only_loss)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(rows))])
+    run = LossTokens.of_trainer(trainer.args)
+    pool = ExamplePool(rows, "x").batch(trainer.processing_class, run)
+    assert pool["input_ids"].tolist() == batch["input_ids"].tolist()
+    assert pool["labels"].tolist() == batch["labels"].tolist()
+    assert (batch["labels"] == -100).any(), "the masks took effect"
+
+
+def test_an_sft_config_subclass_is_read_as_sft_config(tmp_path: Path) -> None:
+    """A dataclass extending ``SFTConfig`` (as TRL's own ``GKDConfig`` does) trains its rows
+    as ``SFTTrainer`` does: its end-of-sequence token, its cut and its fused head."""
+
+    @dataclasses.dataclass
+    class MyConfig(SFTConfig):
+        note: str = "mine"
+
+    args = training_args(tmp_path, config_cls=MyConfig, max_length=6)
+    plain = training_args(tmp_path, config_cls=SFTConfig, max_length=6)
+    assert LossTokens.of_trainer(args) == LossTokens.of_trainer(plain) != LossTokens()
+    assert fused_head(args) == fused_head(plain) is not None
 
 
 def test_the_runs_cut_is_taken_unless_a_length_is_given() -> None:

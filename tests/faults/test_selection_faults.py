@@ -152,7 +152,7 @@ def test_a_step_without_a_finite_example_is_skipped(tmp_path: Path) -> None:
 def test_a_target_without_loss_tokens_is_an_error_at_refresh(tmp_path: Path) -> None:
     no_tokens = [{**r, "labels": [-100] * len(r["input_ids"])} for r in rows(2, set(), 7)]
     trainer, _, audit, _ = train(tmp_path, rows(12, set()), target=no_tokens)
-    with pytest.raises(SelectionError, match=r"examples \[0, 1\].*no loss token"):
+    with pytest.raises(ValueError, match=r"target:1: has no loss token .*labels all -100"):
         trainer.train()
     assert not any(a.grads for a in audit.steps.values()), "an optimizer step ran"
     assert trainer.args.max_grad_norm == 1e9

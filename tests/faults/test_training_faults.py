@@ -122,10 +122,12 @@ def test_a_step_of_only_poisoned_examples_is_skipped(tmp_path: Path) -> None:
 BAD_TARGETS = {
     "no loss token": (
         [{"input_ids": [3, 4, 5], "labels": [-100] * 3}, {"input_ids": [7]}],
-        r"examples \[0, 1\].*no loss token",
+        ValueError,
+        r"target:1: has no loss token",
     ),
     "non-finite gradient": (
         [{"input_ids": [*clean_rows(1, seed=7)[0], POISON]}],
+        SelectionError,
         r"examples \[0\].*non-finite gradient",
     ),
 }
@@ -136,14 +138,14 @@ def test_a_bad_target_is_an_error_at_its_refresh_before_any_update(
     case: str, tmp_path: Path
 ) -> None:
     """A target without a loss token, or with a NaN gradient, would score every example 0
-    or NaN and drop by position: refused at the first refresh, naming the pool positions,
-    before any weight changes."""
-    target, message = BAD_TARGETS[case]
+    or NaN and drop by position: refused at the first refresh, naming the pool's row (its
+    line, as the pool reads it) or positions, before any weight changes."""
+    target, error, message = BAD_TARGETS[case]
     trainer = train(
         tmp_path, clean_rows(4), [DataSelectionCallback(target=target, layers="all", **PINNED)]
     )
     initial = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    with pytest.raises(SelectionError, match=message):
+    with pytest.raises(error, match=message):
         trainer.train()
     assert all(torch.equal(v, trainer.model.state_dict()[k]) for k, v in initial.items())
 

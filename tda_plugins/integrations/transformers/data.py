@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from tda_plugins.capture.identity import content_hash
-from tda_plugins.integrations.transformers.setup import pad_examples
+from tda_plugins.integrations.transformers.sft import is_sft_config
 
 #: Examples as callers give them: a JSONL path, a ``datasets.Dataset`` or a list of dicts.
 Examples = str | Path | Iterable[Mapping[str, Any]]
@@ -116,7 +116,7 @@ class LossTokens:
         unset: on, for prompt-completion rows, as TRL decides) and the end-of-sequence
         token ``SFTTrainer`` appends; the defaults otherwise (transformers' ``Trainer``
         trains the rows its collator is given)."""
-        if type(args).__name__ != "SFTConfig":
+        if not is_sft_config(args):
             return cls()
         return cls(
             completion_only_loss=getattr(args, "completion_only_loss", None) is not False,
@@ -266,6 +266,22 @@ def _example_id(value: Any, line: int) -> int | None:
     return int(value)
 
 
+def _masked_labels(row: dict[str, Any], ids: list[int], line: int, loss: LossTokens) -> list[int]:
+    """A tokenized row's labels without a ``labels`` column, as TRL builds them: ``-100``
+    where its ``assistant_masks`` is 0, or its ``completion_mask`` with
+    ``completion_only_loss``; the ids themselves elsewhere."""
+    columns = [c for c in ("completion_mask", "assistant_masks") if c in row]
+    if not loss.completion_only_loss:
+        columns = [c for c in columns if c != "completion_mask"]
+    masks = [row[c] for c in columns]
+    for column, mask in zip(columns, masks, strict=True):
+        if not isinstance(mask, list | tuple) or len(mask) != len(ids):
+            raise ValueError(
+                f"line {line}: {column!r} must hold one 0/1 entry per input_id ({len(ids)})"
+            )
+    return [t if all(m[i] for m in masks) else -100 for i, t in enumerate(ids)]
+
+
 def _whole_example(
     row: dict[str, Any],
     tokenizer: Any,
@@ -277,7 +293,13 @@ def _whole_example(
     """One row's tokens, labels and text, whole (no id: :func:`_tokenize` adds it)."""
     if "input_ids" in row:
         ids = _token_list(row["input_ids"], "input_ids", line, vocab, ignore=False)
-        labels = _token_list(row.get("labels", ids), "labels", line, vocab, ignore=True)
+        labels = _token_list(
+            row["labels"] if "labels" in row else _masked_labels(row, ids, line, loss),
+            "labels",
+            line,
+            vocab,
+            ignore=True,
+        )
         if len(labels) != len(ids):
             raise ValueError(
                 f"line {line}: 'labels' has {len(labels)} entries for {len(ids)} input_ids; "
@@ -434,9 +456,10 @@ def tokenize_rows(
             raise ValueError(f"{source}:{number}: needs at least 2 tokens to have a loss")
         if all(label == -100 for label in example.labels[1:]):
             raise ValueError(
-                f"{source}:{number}: has no loss token (an empty completion, or one cut off "
-                f"at max_length={max_length}), so its gradient is zero and every score with "
-                "it 0: give it a completion within the length, or raise max_length"
+                f"{source}:{number}: has no loss token (an empty completion, one cut off at "
+                f"max_length={max_length}, or labels all -100), so its gradient is zero and "
+                "every score with it 0: give it a completion within the length, or raise "
+                "max_length"
             )
         examples.append(example)
         numbers.append(number)
@@ -513,13 +536,11 @@ class ExamplePool:
         self, tokenizer: Any = None, loss: LossTokens = LossTokens()
     ) -> dict[str, torch.Tensor]:
         """The pool as one right-padded batch (``input_ids``, ``attention_mask``,
-        ``labels``; pad id from the tokenizer, else 0), text rows' losses on the tokens
-        ``loss`` says (the trainer's: :meth:`LossTokens.of_trainer`).
-        Tokenized rows are taken as they are (a row without a loss token is the
-        consumer's to refuse, naming it)."""
+        ``labels``; pad id from the tokenizer, else 0), its rows' losses on the tokens
+        ``loss`` says (the trainer's: :meth:`LossTokens.of_trainer`) and cut as the run
+        cuts its rows; tokenized rows keep their ``labels``, else TRL's masks make them.
+        A row without a loss token is refused, naming it."""
         pad_id = getattr(tokenizer, "pad_token_id", None) or 0
-        if self.tokenized:
-            return pad_examples([row for _, row in self.rows], pad_id)
         examples = tokenize_rows(
             self.rows, tokenizer, self._cut_length(loss), source=self.owner, loss=loss
         )
@@ -530,12 +551,15 @@ class ExamplePool:
 
     def _cut_length(self, loss: LossTokens) -> int:
         """The pool's own length, else the run's (a run that keeps rows' ends cuts
-        nothing here: its longer rows are refused instead), else :data:`UNCUT_LENGTH`."""
+        nothing here: its longer rows are refused instead), else none for tokenized rows
+        and :data:`UNCUT_LENGTH` for text."""
         if self.max_length is not None:
             return self.max_length
-        if loss.max_length is None or loss.keep_end:
-            return UNCUT_LENGTH
-        return loss.max_length
+        if loss.max_length is not None and not loss.keep_end:
+            return loss.max_length
+        if self.tokenized:
+            return max(len(row["input_ids"]) for _, row in self.rows)
+        return UNCUT_LENGTH
 
 
 #: The length an :class:`ExamplePool` cuts rows to where neither it nor the run sets one.

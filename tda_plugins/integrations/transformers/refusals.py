@@ -56,6 +56,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers import TrainingArguments
 
 from tda_plugins.capture.packing import PACKED_ROWS_FIX
+from tda_plugins.integrations.transformers.sft import is_sft_config
 
 Refusal = str | None
 
@@ -147,7 +148,7 @@ def _router_aux_loss(args: TrainingArguments, model: nn.Module) -> Refusal:
         # TRL's SFTTrainer turns output_router_logits back on from its own coefficient
         fix = (
             "set SFTConfig(router_aux_loss_coef=0.0)"
-            if type(args).__name__ == "SFTConfig"
+            if is_sft_config(args)
             else "set model.config.output_router_logits=False (or router_aux_loss_coef=0)"
         )
         return (

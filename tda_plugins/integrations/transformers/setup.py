@@ -17,6 +17,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from tda_plugins.capture.names import named_modules
 from tda_plugins.integrations.transformers.refusals import TRAINER_CHECKS, flattening_collator
+from tda_plugins.integrations.transformers.sft import is_sft_config
 from tda_plugins.session.capture import UnsupportedTrainingSetup
 from tda_plugins.session.settings import LayerSettings
 
@@ -57,7 +58,7 @@ def fused_head(args: TrainingArguments) -> str | None:
     sees the head (``None``: nothing): TRL's ``SFTTrainer`` (its fused LM head, the default
     without label smoothing), or Liger's fused linear cross-entropy (``use_liger_kernel``
     in the ``Trainer``, on unless ``liger_kernel_config`` turns it off; TRL turns it off)."""
-    if type(args).__name__ == "SFTConfig":
+    if is_sft_config(args):
         return None if getattr(args, "label_smoothing_factor", 0) else TRL_FUSION
     config = getattr(args, "liger_kernel_config", None) or {}
     if getattr(args, "use_liger_kernel", False) and config.get("fused_linear_cross_entropy", True):
