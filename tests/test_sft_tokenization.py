@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 from datasets import Dataset
@@ -53,9 +54,14 @@ def bpe_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def sft_trainer(tmp_path: Path, rows: list[dict[str, str]], **config: object) -> SFTTrainer:
-    """An ``SFTTrainer`` of a one-block Llama over ``rows`` with the BPE tokenizer."""
-    tokenizer = bpe_tokenizer()
+def sft_trainer(
+    tmp_path: Path,
+    rows: list[dict[str, Any]],
+    tokenizer: PreTrainedTokenizerFast | None = None,
+    **config: object,
+) -> SFTTrainer:
+    """An ``SFTTrainer`` of a one-block Llama over ``rows`` (default: the BPE tokenizer)."""
+    tokenizer = tokenizer or bpe_tokenizer()
     model = LlamaForCausalLM(
         LlamaConfig(
             vocab_size=len(tokenizer),
@@ -140,6 +146,44 @@ def test_an_sft_config_subclass_is_read_as_sft_config(tmp_path: Path) -> None:
     plain = training_args(tmp_path, config_cls=SFTConfig, max_length=6)
     assert LossTokens.of_trainer(args) == LossTokens.of_trainer(plain) != LossTokens()
     assert fused_head(args) == fused_head(plain) is not None
+
+
+#: A chat template that renders a row's ``tools`` and, with ``enable_thinking=False``, an
+#: empty thinking block in the assistant's turn and in the generation prompt (as Qwen3's).
+TOOLS_AND_THINKING = (
+    "{% if tools %}[tools: {{ tools | map(attribute='name') | join(',') }}]\n{% endif %}"
+    "{% set quiet = enable_thinking is defined and not enable_thinking %}"
+    "{% for m in messages %}{{ m['role'] }}: "
+    "{% if m['role'] == 'assistant' and quiet %}<think></think>{% endif %}"
+    "{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% if quiet %}<think></think>{% endif %}{% endif %}"
+)
+
+
+def test_a_rows_tools_and_chat_template_kwargs_reach_its_chat_template(tmp_path: Path) -> None:
+    """TRL renders a conversation with its row's ``tools`` and ``chat_template_kwargs``:
+    the tokens and the completion-only labels are TRL's (oracle: its processed rows and
+    collator), the empty thinking block of ``enable_thinking=False`` in the prompt."""
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": prompt}],
+            "completion": [{"role": "assistant", "content": completion}],
+            "tools": [{"name": tool}],
+            "chat_template_kwargs": {"enable_thinking": thinking},
+        }
+        for prompt, completion, tool, thinking in (
+            ("Say hello:", "hello there", "greet", False),
+            ("The quick bro", "wn fox jumps.", "search", True),
+        )
+    ]
+    tokenizer = bpe_tokenizer()
+    tokenizer.chat_template = TOOLS_AND_THINKING
+    trainer = sft_trainer(tmp_path, rows, tokenizer=tokenizer)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(rows))])
+    pool = ExamplePool(rows, "x").batch(tokenizer, LossTokens.of_trainer(trainer.args))
+    assert pool["input_ids"].tolist() == batch["input_ids"].tolist()
+    assert pool["labels"].tolist() == batch["labels"].tolist()
+    assert tokenizer.encode("[tools: greet]")[0] == batch["input_ids"][0, 0]
 
 
 def test_the_runs_cut_is_taken_unless_a_length_is_given() -> None:

@@ -167,8 +167,22 @@ def _chat(
     return {key: list(value) for key, value in out.items() if key != "attention_mask"}
 
 
-def _chat_ids(tokenizer: Any, messages: list[dict[str, str]], template: str | None) -> list[int]:
-    return _chat(tokenizer, messages, template)["input_ids"]
+def _chat_options(row: dict[str, Any], line: int) -> dict[str, Any]:
+    """What a row adds to its chat template's call, as TRL passes it: its ``tools`` (a
+    list, or its JSON) and its ``chat_template_kwargs`` (``enable_thinking``, ...)."""
+    options: dict[str, Any] = {}
+    tools = row.get("tools")
+    if tools is not None:
+        try:
+            options["tools"] = json.loads(tools) if isinstance(tools, str) else tools
+        except ValueError as error:
+            raise ValueError(f"line {line}: 'tools' is not JSON ({error})") from error
+    extra = row.get("chat_template_kwargs")
+    if extra is not None:
+        if not isinstance(extra, dict):
+            raise ValueError(f"line {line}: 'chat_template_kwargs' must be an object")
+        options.update(extra)
+    return options
 
 
 def _assistant_template(tokenizer: Any) -> str | None:
@@ -334,11 +348,11 @@ def _whole_example(
         labels = labels if keep is None else _masked(labels, keep, line)
         return Example(ids, labels, text, None)
     if "messages" in row:
-        messages = _conversation(row, "messages", line)
+        messages, chat = _conversation(row, "messages", line), _chat_options(row, line)
         if not loss.assistant_only_loss:
-            ids = _chat_ids(tokenizer, messages, None)
+            ids = _chat(tokenizer, messages, None, **chat)["input_ids"]
             return Example(ids, list(ids), _chat_text(messages), None)
-        out = _chat(tokenizer, messages, assistant, return_assistant_tokens_mask=True)
+        out = _chat(tokenizer, messages, assistant, return_assistant_tokens_mask=True, **chat)
         labels = _masked(out["input_ids"], out["assistant_masks"], line)
         return Example(out["input_ids"], labels, _chat_text(messages), None)
     text = _text(row, "text", line)
@@ -379,12 +393,15 @@ def _prompt_completion(
             _conversation(row, "prompt", line),
             _conversation(row, "completion", line),
         )
-        text = _chat_text(prompt + completion)
-        prompt_ids = _chat(tokenizer, prompt, assistant, add_generation_prompt=True)["input_ids"]
+        text, chat = _chat_text(prompt + completion), _chat_options(row, line)
+        prompt_ids = _chat(tokenizer, prompt, assistant, add_generation_prompt=True, **chat)
         if not loss.assistant_only_loss:
-            return prompt_ids, _chat_ids(tokenizer, prompt + completion, None), text, None
-        out = _chat(tokenizer, prompt + completion, assistant, return_assistant_tokens_mask=True)
-        return prompt_ids, out["input_ids"], text, out["assistant_masks"]
+            whole = _chat(tokenizer, prompt + completion, None, **chat)
+            return prompt_ids["input_ids"], whole["input_ids"], text, None
+        out = _chat(
+            tokenizer, prompt + completion, assistant, return_assistant_tokens_mask=True, **chat
+        )
+        return prompt_ids["input_ids"], out["input_ids"], text, out["assistant_masks"]
     prompt_text, completion_text = _text(row, "prompt", line), _text(row, "completion", line)
     completion_text = _with_eos(completion_text, tokenizer, line) if loss.eos else completion_text
     ids = tokenizer(prompt_text + completion_text)["input_ids"]
