@@ -642,6 +642,8 @@ def test_loss_switches_reach_the_store_and_like_captures_inherit_them(
         "eos": True,
         "max_length": None,  # a capture cuts no rows of its own; a training run records its
         "keep_end": False,
+        "eos_token": None,  # the tokenizer's own
+        "text_field": "text",
     }
     assert StoreReader(first).metadata["loss_tokens"] == full
     run_tda(*capture_args(run.model_dir, run.train_file, tmp_path / "like", "--like", first))

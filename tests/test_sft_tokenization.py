@@ -186,6 +186,33 @@ def test_a_rows_tools_and_chat_template_kwargs_reach_its_chat_template(tmp_path:
     assert tokenizer.encode("[tools: greet]")[0] == batch["input_ids"][0, 0]
 
 
+def test_a_runs_own_eos_token_and_text_field_are_recorded(tmp_path: Path) -> None:
+    """``SFTConfig(eos_token=...)`` (which TRL sets on its tokenizer in place) and
+    ``dataset_text_field``: rows tokenized with a tokenizer loaded again, as a capture of
+    queries loads one, get the tokens the run trained on (oracle: its processed rows)."""
+
+    def tokenizer() -> PreTrainedTokenizerFast:
+        fresh = bpe_tokenizer()
+        fresh.add_special_tokens({"additional_special_tokens": ["<|end_of_turn|>"]})
+        return fresh
+
+    rows = [{"formatted": t, "text": "not this column"} for t in TEXTS]
+    trainer = sft_trainer(
+        tmp_path,
+        rows,
+        tokenizer=tokenizer(),
+        eos_token="<|end_of_turn|>",
+        dataset_text_field="formatted",
+    )
+    run = LossTokens.of_trainer(trainer.args)
+    assert (run.eos_token, run.text_field) == ("<|end_of_turn|>", "formatted")
+    assert LossTokens.from_json(run.as_json()) == run  # as a store records it
+    ours = tokenize_rows(numbered_rows(rows), tokenizer(), 512, loss=run)
+    trained = [r["input_ids"] for r in trainer.train_dataset]
+    assert [e.input_ids for e in ours] == trained
+    assert trained[0][-1] == tokenizer().convert_tokens_to_ids("<|end_of_turn|>")
+
+
 def test_the_runs_cut_is_taken_unless_a_length_is_given() -> None:
     """``SFTConfig(max_length=...)`` cuts rows to their first tokens, which a capture like
     the run reproduces; a run that kept their last tokens cannot be, so it is refused

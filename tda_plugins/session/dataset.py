@@ -308,7 +308,8 @@ def loss_tokens(
     if like is not None:
         store = like if isinstance(like, StoreReader) else StoreReader(like)
         base = LossTokens.from_json(store.metadata.get(LOSS_TOKENS))
-    return LossTokens(
+    return dataclasses.replace(
+        base,
         completion_only_loss=(
             base.completion_only_loss if completion_only_loss is None else completion_only_loss
         ),

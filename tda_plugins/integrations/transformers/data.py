@@ -102,6 +102,11 @@ class LossTokens:
             ``SFTConfig(max_length=...)`` does (``None``: no cut recorded).
         keep_end: the run cut them to their last ``max_length`` tokens instead (TRL's
             deprecated ``truncation_mode="keep_end"``), which a capture does not reproduce.
+        eos_token: the end-of-sequence token the run appended where it is not the
+            tokenizer's own (``SFTConfig(eos_token=...)``, which TRL sets on its tokenizer
+            in place, unlike a tokenizer loaded again to capture queries).
+        text_field: the column a text row's text is read from (``SFTConfig``'s
+            ``dataset_text_field``).
     """
 
     completion_only_loss: bool = True
@@ -109,6 +114,8 @@ class LossTokens:
     eos: bool = False
     max_length: int | None = None
     keep_end: bool = False
+    eos_token: str | None = None
+    text_field: str = "text"
 
     @classmethod
     def of_trainer(cls, args: Any) -> LossTokens:
@@ -124,6 +131,8 @@ class LossTokens:
             eos=True,
             max_length=getattr(args, "max_length", None),
             keep_end=getattr(args, "truncation_mode", "keep_start") == "keep_end",
+            eos_token=getattr(args, "eos_token", None),
+            text_field=getattr(args, "dataset_text_field", None) or "text",
         )
 
     def truncation(self, max_length: int | None) -> int | None:
@@ -219,10 +228,11 @@ def _chat_text(messages: list[dict[str, str]]) -> str:
     return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
 
 
-def _with_eos(text: str, tokenizer: Any, line: int) -> str:
-    """``text`` ending in the tokenizer's end-of-sequence token (added if missing), as
-    TRL's ``SFTTrainer`` makes non-conversational rows."""
-    eos = getattr(tokenizer, "eos_token", None)
+def _with_eos(text: str, tokenizer: Any, line: int, loss: LossTokens) -> str:
+    """``text`` ending in the run's end-of-sequence token (``loss.eos_token``, else the
+    tokenizer's; added if missing), as TRL's ``SFTTrainer`` makes non-conversational
+    rows."""
+    eos = loss.eos_token or getattr(tokenizer, "eos_token", None)
     if not isinstance(eos, str) or not eos:
         raise ValueError(f"line {line}: the tokenizer has no end-of-sequence token to append")
     return text if text.endswith(eos) else text + eos
@@ -322,13 +332,14 @@ def _whole_example(
         _refuse_masked_tokens(row.get("attention_mask"), len(ids), line)
         text = tokenizer.decode(ids) if tokenizer is not None else " ".join(map(str, ids))
         return Example(ids, labels, text, None)
-    if not ({"text", "messages"} & set(row) or {"prompt", "completion"} <= set(row)):
+    field = loss.text_field
+    if not ({field, "messages"} & set(row) or {"prompt", "completion"} <= set(row)):
         raise ValueError(
-            f"line {line}: an example needs 'text', 'prompt'+'completion', 'messages' or "
+            f"line {line}: an example needs {field!r}, 'prompt'+'completion', 'messages' or "
             f"'input_ids'; got keys {sorted(row)}"
         )
-    if "text" in row:
-        _text(row, "text", line)
+    if field in row:
+        _text(row, field, line)
     if tokenizer is None:
         raise ValueError(
             f"line {line}: text examples need a tokenizer; save one in the model directory "
@@ -339,7 +350,7 @@ def _whole_example(
     if "prompt" in row and "completion" in row:
         # TRL appends its end-of-sequence token to a row's text where it has one, which
         # this form then leaves unused: the completion goes without
-        pair_loss = dataclasses.replace(loss, eos=False) if "text" in row else loss
+        pair_loss = dataclasses.replace(loss, eos=False) if field in row else loss
         prompt, ids, text, keep = _prompt_completion(row, tokenizer, line, pair_loss, assistant)
         # As TRL does: prompt and completion tokenized together (tokens may merge across
         # the boundary); the loss starts where the prompt's own tokens stop matching.
@@ -355,8 +366,8 @@ def _whole_example(
         out = _chat(tokenizer, messages, assistant, return_assistant_tokens_mask=True, **chat)
         labels = _masked(out["input_ids"], out["assistant_masks"], line)
         return Example(out["input_ids"], labels, _chat_text(messages), None)
-    text = _text(row, "text", line)
-    text = _with_eos(text, tokenizer, line) if loss.eos else text
+    text = _text(row, field, line)
+    text = _with_eos(text, tokenizer, line, loss) if loss.eos else text
     ids = tokenizer(text)["input_ids"]
     return Example(ids, list(ids), text, None)
 
@@ -403,7 +414,9 @@ def _prompt_completion(
         )
         return prompt_ids["input_ids"], out["input_ids"], text, out["assistant_masks"]
     prompt_text, completion_text = _text(row, "prompt", line), _text(row, "completion", line)
-    completion_text = _with_eos(completion_text, tokenizer, line) if loss.eos else completion_text
+    completion_text = (
+        _with_eos(completion_text, tokenizer, line, loss) if loss.eos else completion_text
+    )
     ids = tokenizer(prompt_text + completion_text)["input_ids"]
     return tokenizer(prompt_text)["input_ids"], ids, prompt_text + completion_text, None
 
