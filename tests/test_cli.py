@@ -644,6 +644,7 @@ def test_loss_switches_reach_the_store_and_like_captures_inherit_them(
         "keep_end": False,
         "eos_token": None,  # the tokenizer's own
         "text_field": "text",
+        "completion_mask": False,
     }
     assert StoreReader(first).metadata["loss_tokens"] == full
     run_tda(*capture_args(run.model_dir, run.train_file, tmp_path / "like", "--like", first))

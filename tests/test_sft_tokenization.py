@@ -107,12 +107,15 @@ def test_a_callbacks_examples_are_cut_as_the_run_cuts_its_rows(tmp_path: Path) -
         pool.batch(kept_end.processing_class, LossTokens.of_trainer(kept_end.args))
 
 
-@pytest.mark.parametrize("completion_only_loss", [True, False])
-def test_tokenized_rows_get_trls_labels_and_cut(tmp_path: Path, completion_only_loss: bool) -> None:
+@pytest.mark.parametrize("completion_only_loss", [True, False, None])
+def test_tokenized_rows_get_trls_labels_and_cut(
+    tmp_path: Path, completion_only_loss: bool | None
+) -> None:
     """Rows of ``input_ids`` with TRL's mask columns: their labels are built as TRL builds
-    them (``assistant_masks`` always, ``completion_mask`` with ``completion_only_loss``),
-    and a pool cuts them at the run's ``max_length`` (oracle: the trainer's processed
-    rows, with the -100 its collator puts under the masks)."""
+    them (``assistant_masks`` always, ``completion_mask`` where ``completion_only_loss``
+    is set: unset, TRL leaves it off for rows that are not prompt-completion), and a pool
+    cuts them at the run's ``max_length`` (oracle: the trainer's processed rows, with the
+    -100 its collator puts under the masks)."""
     rows = [
         {
             "input_ids": [5, 6, 7, 8, 9, 10, 11, 12],

@@ -316,6 +316,9 @@ def loss_tokens(
         assistant_only_loss=(
             base.assistant_only_loss if assistant_only_loss is None else assistant_only_loss
         ),
+        completion_mask=(
+            base.completion_mask if completion_only_loss is None else completion_only_loss
+        ),
         eos=base.eos if eos is None else eos,
         max_length=base.max_length if max_length is None else max_length,
         keep_end=base.keep_end if max_length is None else False,

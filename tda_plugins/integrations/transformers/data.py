@@ -107,6 +107,9 @@ class LossTokens:
             in place, unlike a tokenizer loaded again to capture queries).
         text_field: the column a text row's text is read from (``SFTConfig``'s
             ``dataset_text_field``).
+        completion_mask: an ``input_ids`` row's ``completion_mask`` column carries its
+            loss, as TRL reads it where ``completion_only_loss=True`` is set (left unset,
+            TRL turns it on for prompt-completion rows alone).
     """
 
     completion_only_loss: bool = True
@@ -116,6 +119,7 @@ class LossTokens:
     keep_end: bool = False
     eos_token: str | None = None
     text_field: str = "text"
+    completion_mask: bool = False
 
     @classmethod
     def of_trainer(cls, args: Any) -> LossTokens:
@@ -133,6 +137,7 @@ class LossTokens:
             keep_end=getattr(args, "truncation_mode", "keep_start") == "keep_end",
             eos_token=getattr(args, "eos_token", None),
             text_field=getattr(args, "dataset_text_field", None) or "text",
+            completion_mask=getattr(args, "completion_only_loss", None) is True,
         )
 
     def truncation(self, max_length: int | None) -> int | None:
@@ -292,10 +297,10 @@ def _example_id(value: Any, line: int) -> int | None:
 
 def _masked_labels(row: dict[str, Any], ids: list[int], line: int, loss: LossTokens) -> list[int]:
     """A tokenized row's labels without a ``labels`` column, as TRL builds them: ``-100``
-    where its ``assistant_masks`` is 0, or its ``completion_mask`` with
+    where its ``assistant_masks`` is 0, or its ``completion_mask`` where the run set
     ``completion_only_loss``; the ids themselves elsewhere."""
     columns = [c for c in ("completion_mask", "assistant_masks") if c in row]
-    if not loss.completion_only_loss:
+    if not loss.completion_mask:
         columns = [c for c in columns if c != "completion_mask"]
     masks = [row[c] for c in columns]
     for column, mask in zip(columns, masks, strict=True):
