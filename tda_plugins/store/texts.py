@@ -76,6 +76,8 @@ class TextRecorder(CaptureConsumer):
         self.tokens = tokens
         self._seen: set[int] = set()
         self._lines: list[str] = []
+        #: Whether an unfinished last line of an earlier run was cut.
+        self._tidied = False
 
     def on_micro_batch(self, record: MicroBatchRecord) -> None:
         if record.input_ids is None or record.input_ids.is_floating_point():
@@ -101,12 +103,41 @@ class TextRecorder(CaptureConsumer):
         self._append()
 
     def _append(self) -> None:
-        """Append the texts gathered since the last call."""
+        """Append the texts gathered since the last call (the first time, after cutting
+        an unfinished last line a killed run left, which the new lines would otherwise
+        complete into a damaged one)."""
         if not self._lines:
             return
+        if not self._tidied:
+            _cut_unfinished_line(self.path)
+            self._tidied = True
         with self.path.open("a", encoding="utf-8") as out:
             out.writelines(self._lines)
         self._lines = []
+
+
+def _cut_unfinished_line(path: Path) -> None:
+    """Truncate ``path`` after its last newline (nothing to do without a file, or when it
+    ends in one)."""
+    if not path.is_file():
+        return
+    with path.open("rb+") as f:
+        size = f.seek(0, 2)
+        if size == 0:
+            return
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return
+        block, end = 1 << 16, size
+        while end > 0:  # the last newline, read backwards a block at a time
+            start = max(0, end - block)
+            f.seek(start)
+            at = f.read(end - start).rfind(b"\n")
+            if at >= 0:
+                f.truncate(start + at + 1)
+                return
+            end = start
+        f.truncate(0)
 
 
 def _rows(root: Path, ids: Collection[int] | None = None) -> Iterator[dict[str, Any]]:

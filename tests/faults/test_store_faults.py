@@ -29,10 +29,12 @@ from tda_plugins.session.settings import CaptureSettings
 from tda_plugins.store import GradientStore, StoreError, StoreReader
 from tda_plugins.store.index import file_checksum
 from tda_plugins.store.io import atomic_write_json
-from tda_plugins.store.layout import CURVATURE_FILE, rank_dir, shard_name
+from tda_plugins.store.layout import CURVATURE_FILE, EXAMPLES_FILE, rank_dir, shard_name
 from tda_plugins.store.lock import LOCK_FILE
+from tda_plugins.store.texts import TextRecorder, example_line, read_texts
 from tests.models import lm_batch, tiny_causal_lm
 from tests.stores import capture_store, summed_loss
+from tests.trainers import word_tokenizer
 from tests.zygote import Worker, Zygote
 
 ALL = LayerSelection("linear")
@@ -787,3 +789,23 @@ def test_a_store_written_before_eos_was_recorded_is_appended_to(tmp_path: Path) 
         path.write_text(json.dumps(data))
     capture_examples(net, rows[4:], store, tokenizer=word_tokenizer(), append=True, **options)
     assert StoreReader(store).num_examples == 6
+
+
+def test_texts_appended_after_a_killed_run_cut_its_unfinished_line_first(tmp_path: Path) -> None:
+    """A run killed while appending texts leaves an unfinished last line; the resumed run's
+    recorder cuts it before appending, so the file reads whole (its complete lines and the
+    new ones) rather than holding a damaged line in its middle."""
+    texts = rank_dir(tmp_path, 0) / EXAMPLES_FILE
+    texts.parent.mkdir(parents=True)
+    texts.write_text(example_line(7, "kept from the first run") + '{"id": 8, "text": "cut sh')
+    model = tiny_causal_lm("llama")
+    recorder = TextRecorder(tmp_path, 0, word_tokenizer())
+    batch = lm_batch(2, 6, seed=3)
+    with CaptureEngine(model, layers=LayerSelection("linear"), consumers=[recorder]) as engine:
+        summed_loss(model, batch).backward()
+        engine.optimizer_step()
+        engine.end()
+    read = read_texts(tmp_path)
+    assert read.pop(7) == "kept from the first run" and 8 not in read
+    assert len(read) == 2 and all(text.startswith("w") for text in read.values())
+    assert texts.read_text().endswith("\n")
