@@ -269,6 +269,23 @@ def test_tda_score_under_torchrun_names_capture_and_attribute(
     assert not out.exists()
 
 
+def test_tda_report_under_torchrun_is_refused_before_writing(
+    capsys: pytest.CaptureFixture[str],
+    runs: dict[str, CliRun],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every rank would write the same page, and the second would fail on the first's
+    file: refused under torchrun, naming the way (without it), nothing written."""
+    run = runs["llama"]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    page = tmp_path / "page.html"
+    argv = ["report", "--scores", run.out, "--store", run.store, "--queries", run.query_store]
+    code, _, err = run_main(capsys, *argv, "--out", page)
+    assert_one_line_error(code, err, "report", "runs in one process", "without torchrun")
+    assert not page.exists()
+
+
 def test_tda_capture_refuses_projection_sizes_without_a_projection(
     capsys: pytest.CaptureFixture[str], runs: dict[str, CliRun], tmp_path: Path
 ) -> None:

@@ -220,6 +220,11 @@ def _score(args: argparse.Namespace) -> None:
 
 
 def _report(args: argparse.Namespace) -> None:
+    if launch_size() > 1:
+        raise ValueError(
+            "tda report runs in one process (every rank would write the same page); run it "
+            "without torchrun"
+        )
     path = args.out if args.out is not None else Path(args.scores) / "report.html"
     scores = Scores.load(args.scores)
     if path.is_dir():

@@ -32,7 +32,8 @@ class Scores:
             down (helpful), negative = up (harmful), under the method's convention.
         method: the method's registered name.
         train_texts: training example id -> text, where the store holds texts (from a
-            store, read when used: a report reads the few it shows).
+            store, read from its folder when first used: a report reads the few it shows;
+            ``dict(scores.train_texts)`` takes them all at once, before the store moves).
         query_texts: query id -> text, likewise.
     """
 
