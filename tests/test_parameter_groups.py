@@ -408,6 +408,28 @@ def test_a_pattern_that_matches_nothing_names_the_parameters(
         method_by_name("graddot", exclude_params=("bias", ""))
 
 
+def test_a_tied_weight_is_left_out_whole_or_refused(tmp_path: Path) -> None:
+    """GPT-2's head is its input embedding's weight: a pattern naming one use only is
+    refused (it would have left the weight in, or dropped both uses, depending on the
+    name); naming both leaves the weight out, as the oracle without it."""
+    model = tiny_causal_lm("gpt2")
+    every = LayerSelection("all")
+    store = capture_store(model, TRAIN, tmp_path / "train", every, None, False, False)
+    queries = capture_store(model, QUERIES, tmp_path / "queries", every, None, False, False)
+    assert ("transformer.wte", "lm_head") in store.config.tied
+    for one in ("lm_head.weight", "transformer.wte.weight"):
+        with pytest.raises(ValueError, match=r"the same weight \(tied\).*add a pattern"):
+            method_by_name("graddot", exclude_params=one).score(store, queries)
+    both = ("lm_head.weight", "transformer.wte.weight")
+    got = method_by_name("graddot", exclude_params=both).score(store, queries)
+    layers = [n for n in store.layer_names if n not in ("lm_head", "transformer.wte")]
+    train, query = oracle_layers(model, TRAIN, layers), oracle_layers(model, QUERIES, layers)
+    keep_all: Rule = lambda layer, name: False  # noqa: E731
+    expected = expected_scores(kept(train, keep_all), kept(query, keep_all), "graddot", False)
+    values = scores_by_id(got, example_ids(TRAIN), example_ids(QUERIES))
+    assert rel_error(values, expected) <= REL_TOL
+
+
 @pytest.mark.parametrize("method", ["kfac", "ekfac", "logra"])
 @pytest.mark.parametrize(
     "options", [{"exclude_params": ("bias",)}, {"normalize_layers": True}], ids=["exclude", "norm"]

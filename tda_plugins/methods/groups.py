@@ -106,6 +106,7 @@ class ParameterGroups:
             return ScoringSpace(normalize_layers=self.normalize_layers)
         layouts = _layouts(config, queries)
         excluded = self._excluded(layouts)
+        self._refuse_split_ties(config.tied, layouts, excluded)
         dropped, kept = set(), {}
         for layer, layout in layouts.items():
             gone = {name for name in layout.names if (layer, name) in excluded}
@@ -127,6 +128,29 @@ class ParameterGroups:
                 "or recapture without projection"
             )
         return ScoringSpace(frozenset(dropped), kept, self.normalize_layers)
+
+    def _refuse_split_ties(
+        self,
+        tied: Sequence[tuple[str, ...]],
+        layouts: Mapping[str, ParameterLayout],
+        excluded: set[tuple[str, str]],
+    ) -> None:
+        """Refuse leaving out a tied weight under some of its uses' names only (an input
+        embedding tied to the head: ``lm_head.weight`` is ``embed_tokens.weight``): one
+        parameter is scored whole or not at all, whichever name the pattern gives."""
+        for unit in tied:
+            members = [layer for layer in unit if layer in layouts]
+            names = [set(layouts[m].names) for m in members]
+            for name in sorted(set.intersection(*names) if names else set()):
+                hit = [m for m in members if (m, name) in excluded]
+                missed = [m for m in members if (m, name) not in excluded]
+                if hit and missed:
+                    raise ValueError(
+                        f"exclude_params={self.exclude} leaves out {hit[0]}.{name} but not "
+                        f"{missed[0]}.{name}, the same weight (tied): a tied weight is left "
+                        f"out whole or not at all; add a pattern for {missed[0]}.{name} too, "
+                        "or leave both in"
+                    )
 
     def _excluded(self, layouts: Mapping[str, ParameterLayout]) -> set[tuple[str, str]]:
         """``(layer, name)`` of every parameter a pattern matches; refuses a pattern that
