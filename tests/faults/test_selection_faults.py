@@ -158,6 +158,35 @@ def test_a_target_without_loss_tokens_is_an_error_at_refresh(tmp_path: Path) -> 
     assert trainer.args.max_grad_norm == 1e9
 
 
+def test_a_session_target_without_loss_tokens_is_an_error_at_refresh(tmp_path: Path) -> None:
+    """The session itself (under any integration's pool) refuses a refresh whose target
+    examples have no loss token, naming their pool positions, before scoring anything."""
+    from tda_plugins import LayerSelection
+    from tda_plugins.data_selection import SelectionSession, SelectionSettings
+    from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
+    from tda_plugins.integrations.transformers.selection import (
+        causal_lm_token_counts,
+        target_token_counts,
+    )
+    from tda_plugins.session.batch import causal_lm_losses
+
+    target = pad_rows([{"input_ids": r} for r in token_rows(2, seed=7)])
+    target["labels"] = torch.full_like(target["labels"], -100)
+    session = SelectionSession(
+        SelectionSettings(rule="bottom_fraction", fraction=0.5, score="dot"),
+        tiny_causal_lm("llama", torch.float32),
+        target=target,
+        losses=causal_lm_losses,
+        target_tokens=target_token_counts,
+        normalization=CausalLMNormalization(),
+        token_counts=causal_lm_token_counts,
+        log_path=tmp_path / "selection.jsonl",
+        layers=LayerSelection("all"),
+    )
+    with pytest.raises(SelectionError, match=r"examples \[0, 1\] \(pool positions\) have no loss"):
+        session.refresh_target(0)
+
+
 def test_a_non_finite_target_is_an_error_at_refresh_naming_its_examples(tmp_path: Path) -> None:
     pool = rows(3, {1}, seed=7)
     trainer, _, audit, _ = train(tmp_path, rows(12, set()), target=pool, target_examples=1)
