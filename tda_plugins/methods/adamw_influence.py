@@ -40,6 +40,7 @@ from tda_plugins.methods.base import (
     register_method,
     require_tie_support,
 )
+from tda_plugins.methods.groups import ScoringSpace
 from tda_plugins.methods.scores import Scores
 from tda_plugins.parallel.ranks import Ranks, on_device
 from tda_plugins.store.layout import StoreError
@@ -127,7 +128,7 @@ class AdamWInfluence(AttributionMethod):
             )
         release_free_heap()
         store.require_compatible(queries, run.allow_mismatch)
-        require_tie_support(store, supported=False)
+        require_tie_support(store, supported=False, space=ScoringSpace())
         trajectory = TrajectoryReader(store.root)
         trajectory.require_covers(store)
         if queries.num_examples == 0:

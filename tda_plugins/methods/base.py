@@ -137,7 +137,9 @@ class AttributionMethod(ABC):
         self.refuse(store, run)
         store.require_compatible(queries, run.allow_mismatch)
         self.space = self.groups.resolve(store.config, queries.config)
-        require_tie_support(store, self.scores_tied_weights and not self.groups.normalize_layers)
+        require_tie_support(
+            store, self.scores_tied_weights and not self.groups.normalize_layers, self.space
+        )
         fit = self.preconditioner.fit_for_scoring if per_group else self.preconditioner.fit
         fit(store, run.progress, ranks=run.ranks)
         #: The tied units as recorded by the capture, and as the curvature statistics tie
@@ -467,11 +469,24 @@ def layer_groups(
 QUERY_CACHE_BYTES = 1 << 29
 
 
-def require_tie_support(store: StoreReader, supported: bool) -> None:
-    """Refuse a store holding the uses of a tied weight (an embedding and the head that
-    shares its weight) for a method that cannot score them as one parameter."""
-    if store.config.tied and not supported:
-        unit = " and ".join(store.config.tied[0])
+def require_tie_support(store: StoreReader, supported: bool, space: ScoringSpace) -> None:
+    """Refuse a store whose scored layers (``space``'s) hold the uses of a tied weight (an
+    embedding and the head that shares its weight) where no method can score them as one
+    parameter (a projected store: each use is projected with maps of its own), or for a
+    method that cannot (``supported`` false)."""
+    scored = [t for t in store.config.tied if space.layers(t)]
+    if not scored:
+        return
+    unit = " and ".join(scored[0])
+    if store.config.projection is not None:
+        raise StoreError(
+            f"{store.root} holds {unit}, which share one weight, each use projected with "
+            f"maps of its own ({store.config.projection.kind}): their projected gradients "
+            "are no projection of the weight's, so the terms between the two uses cannot be "
+            "scored; capture without projection, or capture one of the two uses only (e.g. "
+            "--layers linear), or leave both out of the scores (exclude_params naming both)"
+        )
+    if not supported:
         raise StoreError(
             f"{store.root} holds {unit}, which share one weight; this method normalizes or "
             "transforms each layer's gradient on its own and would miss the terms between "
