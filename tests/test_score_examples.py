@@ -58,6 +58,20 @@ def test_a_score_that_is_not_finite_is_refused_naming_its_pair() -> None:
         score_examples(model, TRAIN, QUERIES, batch_size=3, progress=False)
 
 
+def test_a_tied_weight_under_projection_is_refused_before_any_forward() -> None:
+    """Each use of GPT-2's tied weight is projected with maps of its own, so a query's two
+    uses cannot be summed into one projected side (the terms between them would be dots
+    of unrelated coordinates): refused when the capture attaches, naming the weight."""
+    model = tiny_causal_lm("gpt2", torch.float64)
+    forwards = []
+    model.register_forward_hook(lambda *args: forwards.append(1))
+    with pytest.raises(ValueError, match=r"transformer\.wte and lm_head share one weight, each"):
+        score_examples(
+            model, TRAIN, QUERIES, layers="all", projection="factor", k_a=4, k_g=4, progress=False
+        )
+    assert not forwards
+
+
 def test_a_tied_weight_counts_once_in_graddot_and_refuses_gradcos() -> None:
     """GPT-2's head shares the input embedding's weight: with every layer captured, each
     pair's score is the dot of the whole gradients, the shared weight's counted once

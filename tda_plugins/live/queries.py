@@ -146,6 +146,15 @@ class QueryCollector(CaptureConsumer):
         self._ties: tuple[tuple[str, ...], ...] = ()
 
     def on_attach(self, config: CaptureConfig) -> None:
+        if config.tied and config.projection is not None:
+            unit = " and ".join(config.tied[0])
+            raise ValueError(
+                f"the captured layers {unit} share one weight, each use projected with maps "
+                f"of its own ({config.projection.kind}): a query's uses cannot be summed into "
+                "one projected side, so the terms between them would be scored in unrelated "
+                "coordinates; capture without projection, or one of the two uses only (e.g. "
+                "layers='linear')"
+            )
         self._ties = config.tied
 
     def on_micro_batch(self, record: MicroBatchRecord) -> None:
