@@ -532,16 +532,16 @@ class ExamplePool:
             :class:`LossTokens` when training starts: under ``SFTTrainer`` text and
             completion rows end in its EOS, as it trains them).
         owner: the callback's name, for errors.
-        max_length: truncate longer examples to this many tokens (default: as the run
-            cuts its rows, ``SFTConfig.max_length``; else :data:`UNCUT_LENGTH`).
+
+    Rows are cut as the run cuts its own (``SFTConfig.max_length``), else text rows at
+    :data:`UNCUT_LENGTH` tokens.
     """
 
-    def __init__(self, examples: Examples, owner: str, max_length: int | None = None):
+    def __init__(self, examples: Examples, owner: str):
         self.rows = numbered_rows(examples)
         if not self.rows:
             raise ValueError(f"{owner} needs at least one example")
         self.owner = owner
-        self.max_length = max_length
         self.tokenized = all(isinstance(r, dict) and "input_ids" in r for _, r in self.rows)
         self.given_ids = self._given_ids()
 
@@ -579,17 +579,15 @@ class ExamplePool:
         examples = tokenize_rows(
             self.rows, tokenizer, self._cut_length(loss), source=self.owner, loss=loss
         )
-        if self.max_length is None and loss.keep_end and loss.max_length is not None:
+        if loss.keep_end and loss.max_length is not None:
             _refuse_cut_starts(self.owner, self.rows, examples, loss.max_length)
         inputs, _, _ = next(batches(examples, len(examples), pad_id))
         return inputs
 
     def _cut_length(self, loss: LossTokens) -> int:
-        """The pool's own length, else the run's (a run that keeps rows' ends cuts
-        nothing here: its longer rows are refused instead), else none for tokenized rows
-        and :data:`UNCUT_LENGTH` for text."""
-        if self.max_length is not None:
-            return self.max_length
+        """The run's length (a run that keeps rows' ends cuts nothing here: its longer
+        rows are refused instead), else none for tokenized rows and :data:`UNCUT_LENGTH`
+        for text."""
         if loss.max_length is not None and not loss.keep_end:
             return loss.max_length
         if self.tokenized:
@@ -597,7 +595,7 @@ class ExamplePool:
         return UNCUT_LENGTH
 
 
-#: The length an :class:`ExamplePool` cuts rows to where neither it nor the run sets one.
+#: The length an :class:`ExamplePool` cuts text rows to where the run sets none.
 UNCUT_LENGTH = 4096
 
 
