@@ -436,7 +436,7 @@ def test_a_tied_weight_under_factor_projection_is_refused(tmp_path: Path, method
     model = tiny_causal_lm("gpt2")
     store = capture_store(model, train_batches(), tmp_path / "train", ALL, LOGRA)
     assert {"transformer.wte", "lm_head"} <= set(store.layer_names)
-    with pytest.raises(StoreError, match="each use projected with maps of its own") as error:
+    with pytest.raises(StoreError, match="projected with other maps at each use") as error:
         method_by_name(method).score(store, store)
     assert "transformer.wte and lm_head" in str(error.value)
     assert "capture without projection" in str(error.value)

@@ -65,7 +65,7 @@ def test_a_tied_weight_under_projection_is_refused_before_any_forward() -> None:
     model = tiny_causal_lm("gpt2", torch.float64)
     forwards = []
     model.register_forward_hook(lambda *args: forwards.append(1))
-    with pytest.raises(ValueError, match=r"transformer\.wte and lm_head share one weight, each"):
+    with pytest.raises(ValueError, match=r"tied between transformer\.wte and lm_head is projected"):
         score_examples(
             model, TRAIN, QUERIES, layers="all", projection="factor", k_a=4, k_g=4, progress=False
         )

@@ -76,6 +76,20 @@ class ProjectionConfig:
                 raise ValueError(f"ProjectionConfig.{name} must be >= 1, got {getattr(self, name)}")
 
 
+def projected_tie(unit: tuple[str, ...], projection: ProjectionConfig | None) -> str:
+    """Why the uses of a weight tied between the layers ``unit`` cannot be scored as one
+    under ``projection`` (``""``: unprojected, they can): each layer's maps are its own
+    (drawn from its name), so the uses' projected gradients add up to no projection of
+    the weight's, and the terms between the uses have no projected form."""
+    if projection is None:
+        return ""
+    return (
+        f"the weight tied between {' and '.join(unit)} is projected with other maps at each "
+        f"use ({projection.kind}), so the terms between its uses cannot be scored; capture "
+        "without projection"
+    )
+
+
 def _seed_for(key: str) -> int:
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
 

@@ -37,6 +37,7 @@ from tda_plugins.capture.records import MicroBatchRecord
 from tda_plugins.grads.base import PerExampleGrad, empty_values
 from tda_plugins.grads.dense import DenseGrad, stack_examples, sum_of_uses
 from tda_plugins.grads.ops import QueryGradients, example_sq_norms, safe_norms
+from tda_plugins.grads.projection import projected_tie
 from tda_plugins.grads.routing import Route, choose_route
 
 #: What is scored of a record's layers (parameter groups: ``ScoringSpace.apply``).
@@ -146,15 +147,9 @@ class QueryCollector(CaptureConsumer):
         self._ties: tuple[tuple[str, ...], ...] = ()
 
     def on_attach(self, config: CaptureConfig) -> None:
-        if config.tied and config.projection is not None:
-            unit = " and ".join(config.tied[0])
-            raise ValueError(
-                f"the captured layers {unit} share one weight, each use projected with maps "
-                f"of its own ({config.projection.kind}): a query's uses cannot be summed into "
-                "one projected side, so the terms between them would be scored in unrelated "
-                "coordinates; capture without projection, or one of the two uses only (e.g. "
-                "layers='linear')"
-            )
+        projected = projected_tie(config.tied[0], config.projection) if config.tied else ""
+        if projected:
+            raise ValueError(f"{projected}, or one of the two uses only (e.g. layers='linear')")
         self._ties = config.tied
 
     def on_micro_batch(self, record: MicroBatchRecord) -> None:

@@ -33,6 +33,7 @@ from tda_plugins.grads.ops import (
     per_token_scores,
     safe_norms,
 )
+from tda_plugins.grads.projection import projected_tie
 from tda_plugins.methods.groups import ParameterGroups, ScoringSpace
 from tda_plugins.methods.scores import Scores
 from tda_plugins.methods.token_rows import summed_occurrences
@@ -478,13 +479,11 @@ def require_tie_support(store: StoreReader, supported: bool, space: ScoringSpace
     if not scored:
         return
     unit = " and ".join(scored[0])
-    if store.config.projection is not None:
+    projected = projected_tie(scored[0], store.config.projection)
+    if projected:
         raise StoreError(
-            f"{store.root} holds {unit}, which share one weight, each use projected with "
-            f"maps of its own ({store.config.projection.kind}): their projected gradients "
-            "are no projection of the weight's, so the terms between the two uses cannot be "
-            "scored; capture without projection, or capture one of the two uses only (e.g. "
-            "--layers linear), or leave both out of the scores (exclude_params naming both)"
+            f"{store.root}: {projected}, or capture one of the two uses only (e.g. --layers "
+            "linear), or leave both out of the scores (exclude_params naming both)"
         )
     if not supported:
         raise StoreError(

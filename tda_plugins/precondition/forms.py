@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from tda_plugins.capture.adapters import LayerAdapter
 from tda_plugins.capture.adapters.linear import LinearAdapter
 from tda_plugins.capture.layers import tied_units
-from tda_plugins.grads.projection import ProjectionConfig
+from tda_plugins.grads.projection import ProjectionConfig, projected_tie
 
 #: How a factor is kept: a dense symmetric matrix, its diagonal, or not at all.
 Form = Literal["dense", "diagonal", "none"]
@@ -117,10 +117,7 @@ def tie_problem(unit: tuple[str, ...], layers: Layers, projection: ProjectionCon
             "to a linear head has a combined K-FAC form"
         )
     if projection is not None:
-        return (
-            f"the weight tied between {names} is projected with other maps at each use, so "
-            "its projected gradient is no sum of the two; capture without projection"
-        )
+        return projected_tie(unit, projection)
     for name in unit:
         module, adapter = layers[name]
         if isinstance(adapter, LinearAdapter) and "bias" in adapter.captured_parameters(module):
