@@ -135,7 +135,7 @@ class Scorer:
             self._projected_target[name] = self.projector.project_vector(name, template, vector)
         return self._projected_target[name]
 
-    def _adam_scale(self, name: str, dtype: torch.dtype) -> Tensor:
+    def _adam_scale(self, name: str, dtype: torch.dtype, fold: bool) -> Tensor:
         """Layer ``name``'s ``(D,)`` ``P = 1 / (sqrt(v_hat) + eps)`` in ``dtype``, flattened
         like its gradients (a scalar 1 where there is no metric yet):
         the metric of the step Adam is about to take. Its second moment has this step's
@@ -144,16 +144,16 @@ class Scorer:
         batch's gradient before the trainer's clipping, which waits for the edit: the kept
         set is what the scores choose). At the first step that
         is ``1 / (|grad| + eps)``, Adam's sign-like first update. Without a ``.grad`` on
-        every captured layer (``parameter_grads=False``, where an embedding, whose input
-        needs no gradient, still gets autograd's): the state alone for every layer, the
-        identity before any step, so that one step's layers share one metric."""
+        every captured layer (``fold`` false, :meth:`_every_grad_written`, decided once a
+        step: under ``parameter_grads=False`` an embedding, whose input needs no gradient,
+        still gets autograd's): the state alone for every layer, the identity before any
+        step, so that one step's layers share one metric."""
         module, adapter = self.layers[name]
         params = adapter.captured_parameters(module)
         optimizer = self.optimizer
         assert optimizer is not None  # checked in __init__
         beta2, eps = optimizer.param_groups[0]["betas"][1], optimizer.param_groups[0]["eps"]
         state = [optimizer.state.get(p, {}) for p in params.values()]
-        fold = self._every_grad_written()
         if not fold and any("exp_avg_sq" not in s for s in state):
             return torch.ones((), dtype=dtype)
         steps = [float(gathered(torch.as_tensor(s["step"]))) for s in state if "step" in s]
@@ -237,8 +237,9 @@ class Scorer:
         under ``adam``: refused where the rule is chosen). Data-parallel ranks: the whole
         global batch's, rows and columns in rank order, the same on every rank
         (:meth:`_global_gram`)."""
+        fold = self.score == "adam" and self._every_grad_written()
         if ranks is not None and ranks.world > 1:
-            return self._global_gram(records, ranks)
+            return self._global_gram(records, ranks, fold)
         sizes = [r.batch_size for r in records]
         starts = [sum(sizes[:k]) for k in range(len(sizes))]
         out = torch.zeros(sum(sizes), sum(sizes), dtype=torch.float64)
@@ -248,7 +249,9 @@ class Scorer:
                 out += grads @ grads.T
                 continue
             for name in unit:
-                metric = self._adam_scale(name, torch.float64) if self.score == "adam" else None
+                metric = (
+                    self._adam_scale(name, torch.float64, fold) if self.score == "adam" else None
+                )
                 for i, first in enumerate(records):
                     left = _in_metric(self.grads(first, name), metric)
                     for j, second in enumerate(records):
@@ -259,7 +262,7 @@ class Scorer:
                         )
         return out
 
-    def _global_gram(self, records: list[MicroBatchRecord], ranks: Ranks) -> Tensor:
+    def _global_gram(self, records: list[MicroBatchRecord], ranks: Ranks, fold: bool) -> Tensor:
         """The global batch's Gram matrix on every data-parallel rank. No rank holds another
         rank's gradients, so the units' materialized per-example gradients are gathered
         from every rank, a group of units at a time (at most :data:`GRAM_GATHER_BYTES`
@@ -275,7 +278,7 @@ class Scorer:
             everyone, _ = ranks.gather_rows(mine, sizes)
             left = mine
             if self.score == "adam":
-                metric = torch.cat([self._unit_metric(unit, mine.dtype) for unit, _ in group])
+                metric = torch.cat([self._unit_metric(unit, mine.dtype, fold) for unit, _ in group])
                 left = mine * metric.to(mine.device)
             rows += (left @ everyone.T).double()
         gram, _ = ranks.gather_rows(rows, sizes)
@@ -311,12 +314,12 @@ class Scorer:
             return self._in_parameters(unit, per_layer)
         return torch.cat([per_layer[name] for name in unit], dim=1)
 
-    def _unit_metric(self, unit: list[str], dtype: torch.dtype) -> Tensor:
+    def _unit_metric(self, unit: list[str], dtype: torch.dtype, fold: bool) -> Tensor:
         """``(D_u,)`` the Adam metric ``P`` of a one-layer unit, flattened like its rows."""
         (name,) = unit  # adam on tied units is refused where the rule is chosen
         module, adapter = self.layers[name]
         width = sum(p.numel() for p in adapter.captured_parameters(module).values())
-        return self._adam_scale(name, dtype).expand(width)
+        return self._adam_scale(name, dtype, fold).expand(width)
 
     def scores(
         self, records: list[MicroBatchRecord], target: Target, *, per_unit: bool
@@ -327,9 +330,10 @@ class Scorer:
         and dropped before the next (a sharded target is gathered a unit at a time);
         otherwise all layers at once (layers fed by one input share one product)."""
         chunks = self.units if per_unit else [list(self.layers)]
+        fold = self.score == "adam" and self._every_grad_written()
         dots, squares, target_sq = [], [], []
         for chunk in chunks:
-            part = self._chunk_scores(records, target, chunk)
+            part = self._chunk_scores(records, target, chunk, fold)
             dots.append(part.dots)
             if part.squares is not None and part.target_squares is not None:
                 squares.append(part.squares)
@@ -342,7 +346,7 @@ class Scorer:
         )
 
     def _chunk_scores(
-        self, records: list[MicroBatchRecord], target: Target, names: list[str]
+        self, records: list[MicroBatchRecord], target: Target, names: list[str], fold: bool
     ) -> UnitScores:
         """:meth:`scores` of the units made of ``names`` (whole units, in order)."""
         needs_vectors = self.projector is not None or self.score != "dot"
@@ -354,7 +358,7 @@ class Scorer:
         if self.projector is not None or self.score == "adam":
             scored = {name: self._layer_target(name, records, vectors[name]) for name in names}
         if self.score == "adam":
-            scored = {name: v * self._adam_scale(name, v.dtype) for name, v in scored.items()}
+            scored = {name: v * self._adam_scale(name, v.dtype, fold) for name, v in scored.items()}
         per_record = [
             dots_with({name: self.grads(r, name) for name in names}, scored, factors)
             for r in records
