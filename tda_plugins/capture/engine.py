@@ -16,7 +16,8 @@ a hook on the root output), or at the latest at :meth:`CaptureEngine.flush`. For
 passes without a backward (evaluation, generation, ``torch.no_grad``) leave nothing
 behind: the engine keeps only what a backward hook has delivered.
 
-Nothing in the hooks reads tensor values on the host: records stay on the model's device.
+Nothing in the hooks reads tensor values on the host (records stay on the model's device),
+but once per layer called on the batch's flattened tokens (``capture/rows.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from functools import partial
+from functools import cached_property, partial
 from typing import Any, Self
 
 import torch
@@ -49,6 +50,7 @@ from tda_plugins.capture.normalization import (
 )
 from tda_plugins.capture.packing import PACKED_ROWS_FIX, packed_rows
 from tda_plugins.capture.records import LayerRecord, MicroBatchRecord
+from tda_plugins.capture.rows import RowLayout, check_row_major, row_layout, token_length
 from tda_plugins.grads.base import PerExampleGrad, unique_nbytes
 from tda_plugins.grads.projection import ProjectionConfig, Projector
 
@@ -81,8 +83,11 @@ class _PendingBatch:
         labels: Tensor | None,
         shift_labels: Tensor | None,
         content_ids: bool,
+        tokens: int | None,
     ):
         self.example_ids = example_ids
+        #: ``T``, the micro-batch's token length (``None``: not known from the forward)
+        self.tokens = tokens
         self.content_ids = content_ids
         self.token_mask = token_mask
         self.input_ids = input_ids
@@ -90,6 +95,13 @@ class _PendingBatch:
         self.shift_labels = shift_labels
         self.loss_scale: LossScale = SummedLoss().observe({}, None)
         self.grads: dict[str, PerExampleGrad] = {}
+
+    @cached_property
+    def padded(self) -> bool:
+        """Whether some example has padding (``token_mask`` ``(B, T)`` with a false entry);
+        a host read, made only for a layer whose row order is still to check."""
+        mask = self.token_mask
+        return mask is not None and mask.shape[1] == self.tokens and not bool(mask.all())
 
     def add(self, name: str, grads: PerExampleGrad) -> None:
         previous = self.grads.get(name)
@@ -171,6 +183,9 @@ class CaptureEngine:
         self._detached: dict[nn.Module, list[nn.Parameter]] = {}
         #: ids of parameters that several captured layers share (never taken out).
         self._shared: set[int] = set()
+        #: Layers called on the batch's flattened tokens whose row-major order a padded
+        #: micro-batch has confirmed (:func:`~tda_plugins.capture.rows.check_row_major`).
+        self._row_major: set[str] = set()
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -378,6 +393,7 @@ class CaptureEngine:
             labels=labels if isinstance(labels, Tensor) else None,
             shift_labels=shift_labels if isinstance(shift_labels, Tensor) else None,
             content_ids=content_ids,
+            tokens=token_length(input_ids, token_mask, labels),
         )
 
     def _on_root_output(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -434,25 +450,23 @@ class CaptureEngine:
         if not out.requires_grad:
             return None
         x = adapter.layer_input(module, args)
-        examples = batch.example_ids.shape[0]
+        layout = row_layout(name, out.shape[0], batch.example_ids.shape[0], batch.tokens)
         replaced = None
-        if out.shape[0] != examples:
-            if out.shape[0] != 1:
-                raise RuntimeError(
-                    f"layer {name!r} produced a batch of {out.shape[0]} for a micro-batch of "
-                    f"{examples} examples, so its gradient cannot be split per example; "
-                    "exclude it from the LayerSelection"
-                )
+        if layout is None:
             # A call shared by the whole batch (GPT-2's position embedding): expanding its
             # output to the batch is numerically the same broadcast, and makes the gradient
             # arriving there per-example.
+            examples = batch.example_ids.shape[0]
             out = out.expand(examples, *out.shape[1:])
             x = x.expand(examples, *x.shape[1:])
             replaced = out if isinstance(output, Tensor) else (out, *output[1:])
+            layout = RowLayout(examples)
         # The hook holds the input through a one-slot holder it empties when it fires, so the
         # input is not kept alive past this call's backward by the hook itself.
         holder: list[Tensor | None] = [x]
-        out.register_hook(partial(self._on_layer_grad, batch, name, module, adapter, holder))
+        out.register_hook(
+            partial(self._on_layer_grad, batch, name, module, adapter, layout, holder)
+        )
         return replaced
 
     def _on_layer_grad(
@@ -461,6 +475,7 @@ class CaptureEngine:
         name: str,
         module: nn.Module,
         adapter: LayerAdapter,
+        layout: RowLayout,
         holder: list[Tensor | None],
         grad: Tensor,
     ) -> None:
@@ -468,7 +483,11 @@ class CaptureEngine:
         if not self.attached or x is None:  # detached, or a second backward through the call
             return
         self._restore_all()
-        grads = adapter.capture(module, x, grad)
+        mask = batch.token_mask
+        if layout.flattened and name not in self._row_major and mask is not None and batch.padded:
+            check_row_major(name, grad, mask)
+            self._row_major.add(name)
+        grads = adapter.capture(module, layout.per_example(x), layout.per_example(grad))
         if self.projector is not None:
             grads = self.projector(name, grads)
         batch.add(name, grads)
