@@ -26,7 +26,9 @@ AdamW with a non-zero learning rate: the ranks' averaged gradient equals the one
 gradient, so both runs pass through the same weights at every step (to fp32 rounding).
 
 Two ranks also resume a copy of the sharded store that lost rank 1's folder
-(``without-rank-1/``, :func:`resume_without_a_rank`).
+(``without-rank-1/``, :func:`resume_without_a_rank`), and train :data:`MIXED_STEPS` steps
+of the sharded run under FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``
+with ``GradientCaptureCallback`` alone (``mixed/``, :func:`mixed_precision_run`).
 
 ``plan-<rank>.json``: the capture's memory plan of the training state each rank holds
 under FSDP2 and HSDP (:func:`planned_training_bytes`).
@@ -49,7 +51,7 @@ import torch.distributed as dist
 from datasets import Dataset
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
 from tda_plugins.integrations.transformers import (
@@ -69,6 +71,7 @@ STEPS = EXAMPLES // GLOBAL_BATCH
 SAVE_AT = 2
 LEARNING_RATE = 1e-2
 TOP_K = EXAMPLES  # the report lists every example
+MIXED_STEPS = 2
 
 
 def rows() -> list[dict[str, list[int]]]:
@@ -134,12 +137,26 @@ def trainer_run(folder: Path, world: int) -> None:
     save_logs(folder, args.process_index, trainer.state.log_history, influence)
 
 
-def shard(model: nn.Module) -> nn.Module:
+def shard(model: nn.Module, policy: MixedPrecisionPolicy | None = None) -> nn.Module:
     """FSDP2 over the default process group: each decoder layer, then the root."""
+    mixed = {} if policy is None else {"mp_policy": policy}
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, **mixed)
+    fully_shard(model, **mixed)
     return model
+
+
+def backward(model: nn.Module, batch: list[dict[str, list[int]]], world: int, rank: int) -> Any:
+    """This process's micro-batches of the global ``batch`` forward and backward, the
+    loss as the ``Trainer`` forms it; the last micro-batch's loss."""
+    tokens = sum(len(e["input_ids"]) - 1 for e in batch)  # the labels the loss sums
+    share = GLOBAL_BATCH // world
+    mine = batch[rank * share : (rank + 1) * share]
+    micro = [mine[:1], mine[1:]] if world > 1 else [mine[:2], mine[2:]]
+    for examples in micro:
+        loss = model(**pad_examples(examples), num_items_in_batch=tokens).loss
+        (loss * world).backward()
+    return loss
 
 
 def sharded_run(folder: Path, world: int, rank: int) -> None:
@@ -158,16 +175,9 @@ def sharded_run(folder: Path, world: int, rank: int) -> None:
     for cb in hooks:
         cb.on_train_begin(args, state, control, **events)
     for step in range(STEPS):
-        batch = data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]
-        tokens = sum(len(e["input_ids"]) - 1 for e in batch)  # the labels the loss sums
-        share = GLOBAL_BATCH // world
-        mine = batch[rank * share : (rank + 1) * share]
-        micro = [mine[:1], mine[1:]] if world > 1 else [mine[:2], mine[2:]]
         for cb in hooks:
             cb.on_step_begin(args, state, control, **events)
-        for examples in micro:
-            loss = model(**pad_examples(examples), num_items_in_batch=tokens).loss
-            (loss * world).backward()
+        loss = backward(model, data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH], world, rank)
         for cb in hooks:
             cb.on_pre_optimizer_step(args, state, control, **events)
         optimizer.step()
@@ -188,6 +198,37 @@ def sharded_run(folder: Path, world: int, rank: int) -> None:
     for cb in hooks:
         cb.on_train_end(args, state, control, **events)
     save_logs(folder, rank, logs, hooks[1])
+
+
+def mixed_precision_run(folder: Path, world: int, rank: int) -> None:
+    """:func:`sharded_run`'s first :data:`MIXED_STEPS` steps, the model sharded with
+    ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` (bf16 forward, backward and
+    gradient reduction; fp32 sharded weights and optimizer), ``GradientCaptureCallback``
+    alone. ``record.pt`` (rank 0): each step's fp32 weights before it and ``.grad`` after
+    the ranks' reduction, both gathered whole."""
+    model = tiny_causal_lm("llama", torch.float32).train()
+    shard(model, MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    args = TrainingArguments(output_dir=str(folder / "out"), use_cpu=True, report_to=[])
+    state, control = TrainerState(), TrainerControl()
+    capture = GradientCaptureCallback(store_dir=str(folder / "store"), layers="all")
+    events: dict[str, Any] = {"model": model, "optimizer": optimizer}
+    record: dict[str, list[dict[str, torch.Tensor]]] = {"weights": [], "grads": []}
+    capture.on_train_begin(args, state, control, **events)
+    for step in range(MIXED_STEPS):
+        record["weights"].append({n: p.detach().full_tensor() for n, p in model.named_parameters()})
+        capture.on_step_begin(args, state, control, **events)
+        backward(model, rows()[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH], world, rank)
+        record["grads"].append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+        capture.on_pre_optimizer_step(args, state, control, **events)
+        optimizer.step()
+        capture.on_optimizer_step(args, state, control, **events)
+        optimizer.zero_grad()
+        state.global_step = step + 1
+        capture.on_step_end(args, state, control, **events)
+    capture.on_train_end(args, state, control, **events)
+    if rank == 0:
+        torch.save(record, folder / "record.pt")
 
 
 def resume_without_a_rank(sharded: Path, folder: Path, rank: int) -> None:
@@ -258,5 +299,6 @@ def main(folder: Path) -> None:
     sharded_run(out / "sharded", world, rank)
     if world > 1:
         resume_without_a_rank(out / "sharded", out / "without-rank-1", rank)
+        mixed_precision_run(out / "mixed", world, rank)
         planned_training_bytes(out, world, rank)
     unequal_gather(out, rank)

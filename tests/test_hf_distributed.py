@@ -25,6 +25,10 @@ Checked for both runs:
 * the rank exchange behind the influence gathering: rows of unequal counts (none on one
   rank) and one object per rank arrive on every rank, whole and in rank order.
 
+(FSDP2 with ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``, two steps, the capture
+alone) the stored gradients are the bf16 forward's: within bf16 rounding of fp64
+autograd's, their sum the trainer's reduced ``.grad`` to that rounding.
+
 ``tests/selection_ddp_worker.py``: ``DataSelectionCallback`` under the DDP ``Trainer`` and
 on a ``fully_shard``-ed model, whose every step drops what one process drops on the same
 global batch (see that test).
@@ -47,10 +51,12 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from tda_plugins import CaptureEngine, LayerSelection
+from tda_plugins.capture.identity import content_hash
 from tda_plugins.data_selection import DataSelector, rule_by_name
 from tda_plugins.data_selection.target import target_gradient
 from tda_plugins.integrations.transformers import GradientCaptureCallback, pad_examples
@@ -62,7 +68,15 @@ from tda_plugins.session.capture import capture_plan
 from tda_plugins.store import StoreError, StoreReader
 from tda_plugins.store.fingerprint import fingerprint_differences
 from tests import hf_ddp_worker
-from tests.hf_ddp_worker import EXAMPLES, GLOBAL_BATCH, SAVE_AT, STEPS, plan_settings, rows
+from tests.hf_ddp_worker import (
+    EXAMPLES,
+    GLOBAL_BATCH,
+    MIXED_STEPS,
+    SAVE_AT,
+    STEPS,
+    plan_settings,
+    rows,
+)
 from tests.launch import forked_ranks
 from tests.models import tiny_causal_lm
 from tests.selection_ddp_worker import FORCED, FRACTION, target_rows
@@ -252,6 +266,73 @@ def test_the_memory_plan_counts_the_training_state_each_rank_holds(runs: Path) -
     plans = [json.loads((runs / str(WORLD) / f"plan-{r}.json").read_text()) for r in range(WORLD)]
     assert sum(plan["fsdp"] for plan in plans) == whole
     assert [plan["hsdp"] for plan in plans] == [whole, whole]
+
+
+def _exact_gradients(model: torch.nn.Module, tokens: list[int]) -> dict[str, torch.Tensor]:
+    """The gradient of one example's summed next-token loss: fp64 autograd, unpadded."""
+    ids = torch.tensor([tokens])
+    logits = model(input_ids=ids).logits[0, :-1]
+    loss = F.cross_entropy(logits, ids[0, 1:], reduction="sum")
+    params = dict(model.named_parameters())
+    return dict(zip(params, torch.autograd.grad(loss, list(params.values())), strict=True))
+
+
+def example_id(example: dict[str, list[int]]) -> int:
+    """The id the store names an unpadded example by (a content hash of its tokens)."""
+    return int(content_hash(torch.tensor([example["input_ids"]]))[0])
+
+
+def _whole(got: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    return rel_error(torch.cat([g.flatten() for g in got]), torch.cat([r.flatten() for r in ref]))
+
+
+def test_fsdp2_bf16_mixed_precision_stores_the_bf16_forwards_gradients(runs: Path) -> None:
+    """README: under ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` the stored
+    gradients are those of the bf16 forward each step trained on: within bf16 rounding of
+    the exact ones (fp64 autograd, one example at a time, its summed token loss; measured
+    8e-3 to 2e-2 a layer), and their sum over the global batch, over its label tokens,
+    is the trainer's ``.grad`` after the ranks' bf16 reduction to that rounding (measured
+    2.5e-3 on the whole model, at most 4e-3 a layer), closer than the exact gradients'
+    sum (5e-3 to 6e-3): the stored ones are that forward's, not bit for bit."""
+    folder = runs / str(WORLD) / "mixed"
+    record = torch.load(folder / "record.pt")
+    chunk = StoreReader(folder / "store").load_all()
+    rows_of = {layer: grads.materialize() for layer, grads in chunk.layers.items()}
+    unit = 2.0**-8  # bf16's unit roundoff
+    assert len(record["weights"]) == MIXED_STEPS
+    for step, (weights, grad) in enumerate(zip(record["weights"], record["grads"], strict=True)):
+        model = tiny_causal_lm("llama", torch.float64)
+        model.load_state_dict(weights)
+        batch = rows()[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]
+        exact = [_exact_gradients(model, example["input_ids"]) for example in batch]
+        at_step = (chunk.steps == step).nonzero().flatten().tolist()
+        row_of = {chunk.example_ids[r].item(): r for r in at_step}
+        names = [f"{layer}.weight" for layer in rows_of]
+        assert len(at_step) == GLOBAL_BATCH and len(names) == len(exact[0])  # every weight
+        stored = [
+            {
+                layer: values[row_of[example_id(example)]].reshape(weights[f"{layer}.weight"].shape)
+                for layer, values in rows_of.items()
+            }
+            for example in batch
+        ]
+        for got, want in zip(stored, exact, strict=True):
+            for layer, value in got.items():
+                err = rel_error(value, want[f"{layer}.weight"])
+                # bf16's rounding, not fp32's (1e-6): the bf16 forward's gradients
+                assert unit / 4 <= err <= 8 * unit, f"step {step} {layer}: {err:.2e}"
+        tokens = sum(len(example["input_ids"]) - 1 for example in batch)
+        summed = {f"{layer}.weight": sum(g[layer] for g in stored) / tokens for layer in stored[0]}
+        exact_sum = {n: sum(e[n] for e in exact) / tokens for n in names}
+        for name in names:
+            err = rel_error(summed[name], grad[name])
+            assert err <= 2 * unit, f"step {step} {name}: {err:.2e}"
+        trainers = [grad[n] for n in names]
+        ours, theirs = (
+            _whole([summed[n] for n in names], trainers),
+            _whole([exact_sum[n] for n in names], trainers),
+        )
+        assert 0 < ours <= unit and ours < theirs, f"step {step}: {ours:.2e}, {theirs:.2e}"
 
 
 def test_ranks_exchange_unequal_rows_and_objects_in_rank_order(runs: Path) -> None:
