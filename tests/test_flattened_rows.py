@@ -2,14 +2,13 @@
 
 OPT's MLP (``fc1``, ``fc2``) and the norm before it run on ``hidden_states.reshape(-1, H)``,
 as an MoE's router and shared expert do: captured per example, they equal one backward per
-unpadded example (fp64, right and left padding, full and PEFT LoRA models). A layer called
+unpadded example (fp64, right and left padding, full and PEFT LoRA models), and so do its
+learned positions (``OffsetPositionAdapter``). A layer called
 on flattened tokens in another order (sequence-first), or on a subset of them (an MoE
 expert's routed tokens), is refused, naming the layer.
 """
 
 from __future__ import annotations
-
-import logging
 
 import pytest
 import torch
@@ -32,33 +31,43 @@ RIGHT_PAD = (10, 7, 5)
 FLATTENED = ("fc1", "fc2", "final_layer_norm")
 
 
-def tiny_opt() -> nn.Module:
-    """A 2-layer OPT whose word embeddings (16 wide) are projected in and out of its 32-wide
-    blocks (OPT-350m's layout), fp64, eval mode.
+def _tiny(config_name: str, model_name: str, **options: object) -> nn.Module:
+    """A 2-layer, 32-wide causal LM of that transformers config and class, fp64, eval mode.
 
     The attention's key bias is frozen: its gradient is zero in exact arithmetic (it adds
-    the same ``q . b`` to every score of a query, which the softmax ignores; OPT's positions
-    are learned, not rotary), so a relative error there would measure only roundoff."""
+    the same ``q . b`` to every score of a query, which the softmax ignores; these models'
+    positions are learned, not rotary), so a relative error there would measure only
+    roundoff."""
     tiny_causal_lm("llama")  # registers the tiny models' attention with transformers
-    config = transformers.OPTConfig(
+    config = getattr(transformers, config_name)(
         vocab_size=VOCAB,
         hidden_size=32,
-        ffn_dim=48,
         num_hidden_layers=2,
         num_attention_heads=2,
         max_position_embeddings=64,
-        word_embed_proj_dim=16,
         pad_token_id=0,
-        dropout=0.0,
-        attention_dropout=0.0,
         attn_implementation=ATTENTION,
+        **options,
     )
     torch.manual_seed(0)
-    model = transformers.OPTForCausalLM(config).double().eval()
+    model = getattr(transformers, model_name)(config).double().eval()
     for name, p in model.named_parameters():
         if name.endswith("k_proj.bias"):
             p.requires_grad_(False)
     return model
+
+
+def tiny_opt() -> nn.Module:
+    """OPT, its word embeddings (16 wide) projected in and out of its blocks (OPT-350m's
+    layout)."""
+    return _tiny(
+        "OPTConfig",
+        "OPTForCausalLM",
+        ffn_dim=48,
+        word_embed_proj_dim=16,
+        dropout=0.0,
+        attention_dropout=0.0,
+    )
 
 
 @pytest.mark.parametrize("left_pad", [False, True], ids=["right-pad", "left-pad"])
@@ -70,6 +79,7 @@ def test_opt_matches_loop_oracle(kind: str, left_pad: bool) -> None:
     got = per_example_gradients(model, batch, layers=LayerSelection(kind=kind))
     flattened = [n for n in got if ".layers." in n and n.split(".")[-2] in FLATTENED]
     assert len(flattened) == (8 if kind == "linear" else 12)  # fc1/fc2 (+ norm) x 2 blocks
+    assert ("model.decoder.embed_positions.weight" in got) == (kind == "all")
     assert max_rel_error(got, loop_oracle(model, batch, list(got))) <= FP64_TOL
 
 
@@ -81,18 +91,25 @@ def test_opt_lora_matches_loop_oracle() -> None:
     assert max_rel_error(got, loop_oracle(model, batch, list(got))) <= FP64_TOL
 
 
-def test_opt_positional_embedding_is_named_uncaptured(caplog: pytest.LogCaptureFixture) -> None:
-    """OPT's learned positions (an ``nn.Embedding`` subclass with its own ``forward``, which
-    computes the ids) have no adapter: layers='all' leaves them out, and the callbacks'
-    warning names their class."""
-    from tda_plugins.capture.layers import warn_uncaptured
-
-    model = tiny_opt()
-    with CaptureEngine(model, layers=LayerSelection(kind="all")) as engine:
-        assert not any("embed_positions" in n for n in engine.layer_names)
-        with caplog.at_level(logging.WARNING):
-            warn_uncaptured(model, engine.captured_layers, "the store")
-    assert "OPTLearnedPositionalEmbedding" in caplog.text
+def test_opt_positions_given_by_the_caller_match_loop_oracle() -> None:
+    """OPT's learned positions (looked up at ``position_ids + 2``) under layers='all': with
+    ``position_ids`` passed by the caller (here each example's counted from 3), the ids
+    captured are those, not the ones the attention mask would count."""
+    model, batch = tiny_opt(), lm_batch(lengths=RIGHT_PAD)
+    positions = batch["attention_mask"].cumsum(dim=1) + 2
+    got = per_example_gradients(
+        model, {**batch, "position_ids": positions}, layers=LayerSelection(kind="all")
+    )
+    assert "model.decoder.embed_positions.weight" in got
+    params = dict(model.named_parameters())
+    want: dict[str, list[Tensor]] = {n: [] for n in got}
+    for row, keep in enumerate(batch["attention_mask"].bool()):
+        ids, labels = batch["input_ids"][row][keep][None], batch["labels"][row][keep][None]
+        logits = model(input_ids=ids, position_ids=positions[row][keep][None]).logits
+        loss = causal_lm_example_losses(logits, labels).sum()
+        for n, g in zip(got, torch.autograd.grad(loss, [params[n] for n in got]), strict=True):
+            want[n].append(g)
+    assert max_rel_error(got, {n: torch.stack(v) for n, v in want.items()}) <= FP64_TOL
 
 
 class _Reordered(nn.Module):
@@ -130,3 +147,21 @@ def test_tokens_in_another_order_or_a_subset_are_refused(order: str, reason: str
         causal_lm_example_losses(logits, batch["labels"]).sum().backward()
     assert "'proj'" in str(info.value) and "exclude it" in str(info.value)
     assert not collector.records
+
+
+@pytest.mark.parametrize("left_pad", [False, True], ids=["right-pad", "left-pad"])
+def test_biogpt_every_layer_matches_loop_oracle(left_pad: bool) -> None:
+    """BioGPT's learned positions (OPT's rule) and scaled word embedding, under
+    layers='all', equal one backward per unpadded example."""
+    model = _tiny(
+        "BioGptConfig",
+        "BioGptForCausalLM",
+        intermediate_size=48,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        layerdrop=0.0,
+    )
+    batch = lm_batch(lengths=RIGHT_PAD, left_pad=left_pad)
+    got = per_example_gradients(model, batch, layers=LayerSelection(kind="all"))
+    assert {"biogpt.embed_positions.weight", "biogpt.embed_tokens.weight"} <= set(got)
+    assert max_rel_error(got, loop_oracle(model, batch, list(got))) <= FP64_TOL

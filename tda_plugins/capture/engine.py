@@ -252,9 +252,9 @@ class CaptureEngine:
         for name, (module, adapter) in self._layers.items():
             if not self.parameter_grads:
                 before = partial(self._detach_parameters, adapter)
-                self._handles.append(module.register_forward_pre_hook(before))
+                self._handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
             hook = partial(self._on_layer_forward, name, adapter)
-            self._handles.append(module.register_forward_hook(hook))
+            self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
         return self
 
     def detach(self) -> None:
@@ -414,12 +414,14 @@ class CaptureEngine:
         self._finish_queued = False
         self.flush()
 
-    def _detach_parameters(self, adapter: LayerAdapter, module: nn.Module, args: tuple) -> None:
+    def _detach_parameters(
+        self, adapter: LayerAdapter, module: nn.Module, args: tuple, kwargs: dict
+    ) -> None:
         """Before a captured call (``parameter_grads=False``): its parameters out of autograd,
         unless its input needs no gradient (then its output would need none either)."""
         if self._pending is None or self._ignoring() or not torch.is_grad_enabled():
             return
-        if not adapter.layer_input(module, args).requires_grad:
+        if not adapter.layer_input(module, args, kwargs).requires_grad:
             return
         params = [
             p for p in adapter.captured_parameters(module).values() if id(p) not in self._shared
@@ -440,7 +442,13 @@ class CaptureEngine:
             self._restore_parameters(module)
 
     def _on_layer_forward(
-        self, name: str, adapter: LayerAdapter, module: nn.Module, args: tuple, output: Any
+        self,
+        name: str,
+        adapter: LayerAdapter,
+        module: nn.Module,
+        args: tuple,
+        kwargs: dict,
+        output: Any,
     ) -> Any:
         self._restore_parameters(module)
         batch = self._pending
@@ -449,7 +457,7 @@ class CaptureEngine:
         out = output if isinstance(output, Tensor) else output[0]
         if not out.requires_grad:
             return None
-        x = adapter.layer_input(module, args)
+        x = adapter.layer_input(module, args, kwargs)
         layout = row_layout(name, out.shape[0], batch.example_ids.shape[0], batch.tokens)
         replaced = None
         if layout is None:

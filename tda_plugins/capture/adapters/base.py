@@ -29,9 +29,12 @@ class LayerAdapter(ABC):
     #: Selection family: ``"linear"``, ``"embedding"`` or ``"norm"``.
     family: ClassVar[str]
 
-    def layer_input(self, module: nn.Module, args: tuple[Any, ...]) -> Tensor:
-        """The tensor of the forward call that the gradient factors are built from."""
-        return args[0]
+    def layer_input(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Tensor:
+        """The tensor of the forward call (its positional ``args`` and keyword ``kwargs``)
+        that the gradient factors are built from: its first argument."""
+        return args[0] if args else next(iter(kwargs.values()))
 
     @abstractmethod
     def captured_parameters(self, module: nn.Module) -> dict[str, nn.Parameter]:

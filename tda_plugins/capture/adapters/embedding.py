@@ -1,9 +1,12 @@
 """``nn.Embedding``: row ``ids_it`` of the per-example gradient receives ``g_it``; a scaled
-word embedding (``nn.Embedding`` times ``embed_scale``) receives ``embed_scale * g_it``."""
+word embedding (``nn.Embedding`` times ``embed_scale``) receives ``embed_scale * g_it``; a
+learned positional embedding that looks up ``position_ids + offset`` (OPT, BioGPT) is an
+embedding of those ids."""
 
 from __future__ import annotations
 
-from typing import cast
+import inspect
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -75,3 +78,31 @@ class ScaledEmbeddingAdapter(EmbeddingAdapter):
         if isinstance(scale, Tensor):
             scale = scale.to(self._weight(module).dtype)
         return super().capture(module, x, grad_output * scale)
+
+
+#: transformers' learned positional embeddings whose ``forward(attention_mask,
+#: cache_length=0, position_ids=None)`` is ``nn.Embedding``'s at ``position_ids + offset``,
+#: the positions counted from the attention mask where ``position_ids`` is not given.
+OFFSET_POSITIONS = (
+    "transformers.models.opt.modeling_opt.OPTLearnedPositionalEmbedding",
+    "transformers.models.biogpt.modeling_biogpt.BioGptLearnedPositionalEmbedding",
+)
+
+
+@register_adapter(names=OFFSET_POSITIONS)
+class OffsetPositionAdapter(EmbeddingAdapter):
+    """The ids a learned positional embedding looks up: the call's ``position_ids`` plus
+    the module's ``offset``, or, without them, the module's own rule (the attention mask's
+    running count, minus one, from ``cache_length`` on)."""
+
+    def layer_input(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Tensor:
+        call = inspect.signature(module.forward).bind(*args, **kwargs)
+        call.apply_defaults()
+        positions = call.arguments["position_ids"]
+        if positions is None:
+            mask = call.arguments["attention_mask"]
+            positions = (torch.cumsum(mask, dim=1) * mask - 1).long()
+            positions = positions[:, call.arguments["cache_length"] :]
+        return positions + cast(int, module.offset)
