@@ -266,7 +266,8 @@ def test_a_cut_rows_text_is_the_text_of_its_kept_tokens() -> None:
 def test_row_keys_and_ids_as_datasets_and_numpy_give_them() -> None:
     """``Dataset.from_list`` fills a key a row lacks with None (mixed forms), and numpy or
     tensor columns give numpy / 0-d tensor ids: read as the rows and ids they are. An id
-    outside int64 and a padded ``attention_mask`` are refused naming the row."""
+    outside int64 and a padded ``attention_mask`` are refused naming the row; a callback's
+    pool reads ids the same way."""
     import numpy as np
 
     tokenizer = word_tokenizer()
@@ -286,6 +287,10 @@ def test_row_keys_and_ids_as_datasets_and_numpy_give_them() -> None:
         tokenize_rows([(1, padded)], tokenizer, 64)
     unpadded = {"input_ids": [3, 4], "attention_mask": [1, 1]}
     assert tokenize_rows([(1, unpadded)], tokenizer, 64)[0].input_ids == [3, 4]
+    # a callback's pool (queries, a selection target) reads them as tokenize_rows does
+    assert ExamplePool(ids, "InfluenceLoggingCallback").given_ids == [7, 9]
+    with pytest.raises(ValueError, match="InfluenceLoggingCallback: line 2: 'id' must be an"):
+        ExamplePool([ids[0], {"input_ids": [5], "id": 1.5}], "InfluenceLoggingCallback")
 
 
 @pytest.mark.parametrize(

@@ -546,12 +546,16 @@ class ExamplePool:
         self.given_ids = self._given_ids()
 
     def _given_ids(self) -> list[int] | None:
-        """The rows' integer ``id``s, or ``None`` where no row has one; ids of another type,
-        on some rows only, or repeated are refused."""
-        ids = [row.get("id") if isinstance(row, dict) else None for _, row in self.rows]
-        for (number, _), given in zip(self.rows, ids, strict=True):
-            if given is not None and type(given) is not int:
-                raise ValueError(f"{self.owner}:{number}: 'id' must be an integer, got {given!r}")
+        """The rows' integer ``id``s (numpy and 0-d tensor integers too, as
+        :func:`tokenize_rows` reads them), or ``None`` where no row has one; ids of another
+        type, on some rows only, or repeated are refused."""
+        try:
+            ids = [
+                _example_id(row.get("id") if isinstance(row, dict) else None, number)
+                for number, row in self.rows
+            ]
+        except ValueError as error:
+            raise ValueError(f"{self.owner}: {error}") from None
         refuse_partial_ids(self.owner, [number for number, _ in self.rows], ids)
         if ids[0] is None:
             return None
