@@ -99,6 +99,33 @@ def test_report_files_exist_and_name_stored_example_ids(run: dict) -> None:
         assert f"Query q{j} (id {query_id})" in page
 
 
+def test_a_step_not_scored_logs_no_influence(tmp_path: Path) -> None:
+    """every_n_steps=2, a log every step: the influence metrics are in the logs of the
+    scored steps (1 and 3) alone, never an earlier step's values carried into a later
+    step's log entry."""
+    influence = InfluenceLoggingCallback(
+        queries=[{"input_ids": r} for r in token_rows(2, seed=9)],
+        method="graddot",
+        every_n_steps=2,
+        report_dir=str(tmp_path / "report"),
+    )
+    trainer = Trainer(
+        model=tiny_causal_lm("llama", torch.float32),
+        args=training_args(
+            tmp_path / "out", max_steps=4, logging_strategy="steps", logging_steps=1
+        ),
+        train_dataset=Dataset.from_list([{"input_ids": r} for r in token_rows(8)]),
+        data_collator=pad_rows,
+        callbacks=[influence],
+    )
+    trainer.train()
+    losses = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["step"] for h in losses] == [1, 2, 3, 4]
+    assert [h["step"] for h in losses if "influence/q0_mean" in h] == [1, 3]
+    history = json.loads(Path(influence.report["json"]).read_text())["history"]
+    assert [h["step"] for h in history] == [1, 3]
+
+
 class _OtherRankScored:
     """The exchange as rank 0 sees it when only rank 1 had examples in the step: rank 1's
     rows (ids, then scores with the scoreless flag as a last column, here 0: every row
@@ -128,7 +155,7 @@ def test_a_rank_without_examples_joins_the_step_with_an_empty_share() -> None:
     logger.set_queries(queries)
     logger.on_optimizer_step(0, [])
     assert [h.example_ids.tolist() for h in logger.history] == [[7, 8]]
-    assert logger.metrics() == {
+    assert logger.metrics(0) == {
         "influence/q0_mean": 2.0,
         "influence/q0_max": 3.0,
         "influence/q1_mean": -1.0,

@@ -55,6 +55,7 @@ from tda_plugins.data_selection.target import (
 from tda_plugins.data_selection.token_mean import GENERIC_FIX
 from tda_plugins.session.batch import evaluating
 from tda_plugins.session.capture import UnsupportedTrainingSetup
+from tda_plugins.session.dropout import warn_dropout
 
 Batch = Mapping[str, Tensor]
 #: ``batch -> (P,)`` loss tokens of each target example.
@@ -164,6 +165,8 @@ class SelectionSession:
             captured = self.engine.captured_layers
             check_coverage(model, captured, fix)
             check_layout(model, captured)
+            if settings.needs_target:
+                warn_dropout(model, "the selection's scores")
             self.divide = divide_factor(model, self.ranks)
             self.selector = DataSelector(
                 captured,

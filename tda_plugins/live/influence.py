@@ -342,11 +342,14 @@ class InfluenceLogger(CaptureConsumer):
         values = torch.stack([self._cumulative[i] for i in ids]) if ids else torch.empty(0, 0)
         return Scores(torch.tensor(ids, dtype=torch.long), query_ids, values, self.method)
 
-    def metrics(self) -> dict[str, float]:
-        """The latest step's per-query mean and max influence, named for trainer logs."""
-        if not self.history:
+    def metrics(self, step: int) -> dict[str, float]:
+        """Optimizer step ``step``'s (0-based) per-query mean and max influence, named for
+        trainer logs; none where that step was not scored (``every_n_steps``) or none of
+        its examples trained, so that a log never carries an earlier step's values."""
+        history = self.history
+        if not history or history[-1].step != step:
             return {}
-        last = self.history[-1]
+        last = history[-1]
         out = {}
         for j in range(last.mean.shape[0]):
             out[f"influence/q{j}_mean"] = float(last.mean[j])

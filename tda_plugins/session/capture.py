@@ -31,6 +31,7 @@ from tda_plugins.precondition.plan import (
 )
 from tda_plugins.precondition.snapshots import discard_after, drop_checkpoints, latest_set
 from tda_plugins.precondition.statistics import CurvatureAccumulator
+from tda_plugins.session.dropout import warn_dropout
 from tda_plugins.session.settings import CaptureSettings
 from tda_plugins.store import GradientStore, StoreError
 from tda_plugins.store.layout import TRAINED, rank_dir
@@ -232,6 +233,7 @@ class CaptureSession:
             "the store and its scores",
             settings.layers.uncaptured_fix,
         )
+        warn_dropout(model, "the store and its scores")
         self.engine.resume_at_step(start_step)
         self.trajectory: TrajectoryRecorder | None = None
         #: The checkpoints this run saved and the trainer may still hold: step -> folder.

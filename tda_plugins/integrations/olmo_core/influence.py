@@ -53,6 +53,7 @@ from tda_plugins.live.influence import InfluenceLogger
 from tda_plugins.parallel.gather import OneProcess, rank_gather, without_gradient_sync
 from tda_plugins.session.batch import capture_batch, evaluating
 from tda_plugins.session.capture import UnsupportedTrainingSetup
+from tda_plugins.session.dropout import warn_dropout
 from tda_plugins.session.settings import LayerOptions, LayerSettings, ProjectionOptions
 
 Decode = Callable[[list[int]], str]
@@ -183,10 +184,8 @@ class InfluenceLoggingCallback(Callback, LayerOptions, ProjectionOptions):
         if self._engine is None:
             return
         self._leave_out_dropped()
-        history = self.influence_log.history  # credits the step, unless a checkpoint did
-        if not history or history[-1].step != self.trainer.global_step - 1:
-            return  # not scored, or none of its instances trained
-        for name, value in self.influence_log.metrics().items():
+        # credits the step, unless a checkpoint did; none if not scored or none trained
+        for name, value in self.influence_log.metrics(self.trainer.global_step - 1).items():
             # gathered over the ranks already: the same value on every rank
             self.trainer.record_metric(name, value, reduce_type=None)
 
@@ -249,6 +248,7 @@ class InfluenceLoggingCallback(Callback, LayerOptions, ProjectionOptions):
             normalization=OLMoCoreLossNormalization(),
         ).attach()
         warn_uncaptured(model, engine.captured_layers, "the logged influence scores")
+        warn_dropout(model, "the logged influence scores")
         self._ids_hook = before_each_forward(model, self._give_example_ids)
         return engine
 

@@ -141,8 +141,8 @@ class InfluenceLoggingCallback(PoolCallback):
         if outcome is not None:
             self.influence_log.leave_out(outcome.step, outcome.example_ids, outcome.untrained())
 
-    def step_metrics(self) -> dict[str, float]:
-        return self.influence_log.metrics()
+    def step_metrics(self, step: int) -> dict[str, float]:
+        return self.influence_log.metrics(step)
 
     def _end_at(self, restored: RestoredCheckpoint, rank: int, last_step: int) -> None:
         """End the report at the checkpoint the trainer restored: the log it saved there

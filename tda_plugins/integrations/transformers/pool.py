@@ -18,6 +18,7 @@ from tda_plugins.integrations.transformers.setup import (
     adapt_settings,
 )
 from tda_plugins.session.batch import capture_batch, evaluating
+from tda_plugins.session.dropout import warn_dropout
 from tda_plugins.session.settings import layer_settings
 
 
@@ -58,6 +59,7 @@ class PoolCallback(MetricsCallback):
             "the logged influence scores",
             self.settings.uncaptured_fix,
         )
+        warn_dropout(start.model, "the logged influence scores")
         engine.resume_at_step(start.state.global_step)
         self.engine = engine
         return engine

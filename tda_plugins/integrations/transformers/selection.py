@@ -348,9 +348,9 @@ class DataSelectionCallback(MetricsCallback):
             )
         self._grad_norm = norm.detach()
 
-    def step_metrics(self) -> dict[str, float]:
-        """Metrics of the latest step for the trainer's logs."""
-        if not self.history:
+    def step_metrics(self, step: int) -> dict[str, float]:
+        """Metrics of optimizer step ``step`` (0-based) for the trainer's logs."""
+        if not self.history or self.history[-1].step != step:
             return {}
         last = self.history[-1].summary()
         metrics = {

@@ -223,8 +223,9 @@ class MetricsCallback(CheckedCallback):
         trainer.callback_handler.callbacks.insert(0, self)
         return self
 
-    def step_metrics(self) -> dict[str, float]:
-        """Metrics of the latest step for the trainer's logs."""
+    def step_metrics(self, step: int) -> dict[str, float]:
+        """Metrics of optimizer step ``step`` (0-based) for the trainer's logs; none where
+        the callback has none of that step's (a log never carries an earlier step's)."""
         return {}
 
     def on_log(
@@ -235,4 +236,4 @@ class MetricsCallback(CheckedCallback):
         logs: dict[str, float] | None = None,
         **kwargs: Any,
     ) -> None:
-        log_metrics(state, logs, self.step_metrics())
+        log_metrics(state, logs, self.step_metrics(state.global_step - 1))
