@@ -65,6 +65,17 @@ _VOLATILE = {
 }
 
 
+#: Configuration keys whose difference has a way out of its own, said after it.
+_CONFIG_WAYS_OUT = {
+    "quantization_config": (
+        "one model was loaded quantized and the other not, or quantized otherwise (QLoRA "
+        "trains an adapter on a quantized base): load the base model as the training run "
+        "did; for tda capture, save the quantized base (save_pretrained after loading it "
+        "with its quantization_config) and pass --model QUANTIZED_BASE --adapter ADAPTER"
+    ),
+}
+
+
 def _config_of(model: nn.Module) -> dict[str, Any] | None:
     config = getattr(model, "config", None)
     to_dict = getattr(config, "to_dict", None)
@@ -116,7 +127,9 @@ class WeightsDigest:
             compared on the layers they share.
         base: XXH3-128 hex digest of the frozen base weights under the captured LoRA
             adapters (``None``: no adapter, or a store written before it was recorded).
-        dtypes: the dtypes of the digested parameters, sorted (empty: not recorded).
+        dtypes: the floating-point dtypes of the digested parameters, sorted (empty: not
+            recorded); a quantized base's packed integer codes (bitsandbytes' uint8 and
+            int8 weights) are hashed but are no dtype to capture queries in.
     """
 
     whole: str
@@ -167,7 +180,8 @@ def _digest_layer(
     own = xxhash.xxh3_128()
     for local, param in module.named_parameters():
         value = gathered(param.detach()).cpu().contiguous()
-        dtypes.add(str(value.dtype).removeprefix("torch."))
+        if value.is_floating_point():  # not a quantized base's packed integer codes
+            dtypes.add(str(value.dtype).removeprefix("torch."))
         tag = f"{layer}.{local}:{value.dtype}:{tuple(value.shape)};".encode()
         data = value.view(-1).view(torch.uint8).numpy().data  # the bytes, not a copy
         own.update(tag)
@@ -193,6 +207,7 @@ def fingerprint_differences(ours: Mapping[str, Any], theirs: Mapping[str, Any]) 
         shown = ", ".join(f"{k}={config_a.get(k)!r} vs {config_b.get(k)!r}" for k in keys[:3])
         more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
         out.append(f"model config {shown}{more}")
+        out += [_CONFIG_WAYS_OUT[k] for k in keys if k in _CONFIG_WAYS_OUT]
     tok_a, tok_b = ours.get("tokenizer"), theirs.get("tokenizer")
     if tok_a is not None and tok_b is not None and tok_a != tok_b:
         out.append(f"tokenizer {tok_a} vs {tok_b}")
