@@ -22,7 +22,8 @@ from tda_plugins import (
     causal_lm_example_losses,
     per_example_gradients,
 )
-from tda_plugins.capture.rows import UnsplittableRows
+from tda_plugins.capture.rows import EVERY, FIRST, UnsplittableRows
+from tda_plugins.session.batch import canonical_grads
 from tests.models import ATTENTION, VOCAB, lm_batch, tiny_causal_lm, with_lora
 from tests.oracle import loop_oracle, max_rel_error
 
@@ -112,41 +113,123 @@ def test_opt_positions_given_by_the_caller_match_loop_oracle() -> None:
     assert max_rel_error(got, {n: torch.stack(v) for n, v in want.items()}) <= FP64_TOL
 
 
-class _Reordered(nn.Module):
-    """A toy causal LM whose output layer runs on the tokens flattened ``(B*T, N)`` in a
-    given order: ``"sequence"`` (position by position, sequence-first) or ``"routed"`` (the
-    first ``B*T - 1`` tokens, as an MoE expert gets a routed subset)."""
+def row_oracle(model: nn.Module, batch: dict[str, Tensor], names: list[str]) -> dict[str, Tensor]:
+    """Each row of ``batch`` alone, padded as it is there: its summed next-token loss's
+    gradient (a padded position that predicts a real token counts, as in the batch)."""
+    params = dict(model.named_parameters())
+    out: dict[str, list[Tensor]] = {n: [] for n in names}
+    for row in range(batch["input_ids"].shape[0]):
+        inputs = {k: v[row : row + 1] for k, v in batch.items()}
+        loss = causal_lm_example_losses(model(**inputs).logits, inputs["labels"]).sum()
+        for n, g in zip(names, torch.autograd.grad(loss, [params[n] for n in names]), strict=True):
+            out[n].append(g[0] if g.dim() > params[n].dim() else g)
+    return {n: torch.stack(v) for n, v in out.items()}
 
-    def __init__(self, order: str):
+
+@pytest.mark.parametrize("labels_seen", [False, True], ids=["loss-outside", "labels-in-forward"])
+def test_padded_positions_the_loss_reaches_are_not_refused(labels_seen: bool) -> None:
+    """Left padding with labels masked at the padding only (a left-padding collator's): the
+    last padded position predicts the first real token, so the loss reaches it and its
+    gradient is not zero; the order check leaves it out (by its target where the forward
+    sees the labels, else as padding followed by a real token) and the rows match each
+    row's own backward."""
+    model, batch = tiny_opt(), lm_batch(lengths=RIGHT_PAD, left_pad=True)
+    batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    collector = RecordCollector()
+    with CaptureEngine(model, consumers=[collector]) as engine:
+        inputs = batch if labels_seen else {k: v for k, v in batch.items() if k != "labels"}
+        logits = model(**inputs).logits
+        causal_lm_example_losses(logits, batch["labels"]).sum().backward()
+        engine.flush()
+    got = canonical_grads(model, collector.records[0])
+    assert max_rel_error(got, row_oracle(model, batch, list(got))) <= FP64_TOL
+
+
+class _Reordered(nn.Module):
+    """A toy causal LM whose output layer ``proj`` runs on the batch's ``(B, T, 8)``
+    hidden states, then, for ``order``, once more on rows that are not the examples':
+    ``"sequence"`` the tokens flattened position by position (sequence-first); ``"routed"``
+    the first ``B*T - 1`` tokens; ``"routed-B"`` the first ``B`` (a routed subset whose
+    count is the batch's); ``"one-row"`` one token; ``"images"`` the forward's
+    ``(B, 3, 8)`` ``pixel_values`` (a vision tower's images and patches, ``B`` images by
+    chance). From micro-batch ``permute_from`` on,
+    ``"slot-order"`` gives it every token in reverse (an expert given every token, in
+    routing-slot order)."""
+
+    def __init__(self, order: str, permute_from: int = 0):
         super().__init__()
-        self.order = order
+        self.order, self.permute_from, self.calls = order, permute_from, 0
         self.embed = nn.Embedding(VOCAB, 8)
         self.proj = nn.Linear(8, VOCAB)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        pixel_values: Tensor | None = None,
+    ) -> Tensor:
         b, t = input_ids.shape
         h = self.embed(input_ids)
+        self.calls += 1
         if self.order == "sequence":
             return self.proj(h.transpose(0, 1).reshape(t * b, -1)).reshape(t, b, -1).transpose(0, 1)
-        rows = self.proj(h.reshape(b * t, -1)[:-1])
-        return torch.cat([rows, rows[-1:]]).reshape(b, t, -1)
+        if self.order == "slot-order":
+            order = torch.arange(b * t)
+            if self.calls > self.permute_from:
+                order = order.flip(0)
+            rows = self.proj(h.reshape(b * t, -1)[order])
+            return rows[order.argsort()].reshape(b, t, -1)
+        odd = {
+            "routed": lambda: h.reshape(b * t, -1)[:-1],
+            "routed-B": lambda: h.reshape(b * t, -1)[:b],
+            "one-row": lambda: h.reshape(b * t, -1)[:1],
+            "images": lambda: pixel_values,
+        }[self.order]()
+        return self.proj(h) + 0 * self.proj(odd).sum()
 
 
 @pytest.mark.parametrize(
-    "order, reason", [("sequence", "row-major"), ("routed", "neither one row per example")]
+    "order, reason",
+    [
+        ("sequence", "row-major order puts"),
+        ("routed", "neither one row per example"),
+        ("routed-B", "neither one row per example"),
+        ("one-row", "neither one row per example"),
+        ("images", "neither one row per example"),
+    ],
 )
-def test_tokens_in_another_order_or_a_subset_are_refused(order: str, reason: str) -> None:
-    """Sequence-first rows (caught in the backward of a batch with padding: the gradient is
-    not zero at the rows row-major order puts the padding at) and a routed subset (caught
-    at the forward call) are refused, naming the layer, before any record is made."""
+def test_rows_that_are_not_the_examples_are_refused(order: str, reason: str) -> None:
+    """Sequence-first rows (caught in the backward of a padded batch: the gradient is not
+    zero at the rows row-major order puts its padding at) and routed or image rows (at the
+    call, whatever their count: ``B`` rows of a 2-D input are not taken for the examples
+    where the batch has tokens, nor one row for a call shared by the batch, nor, in a
+    forward with images, ``B`` rows of another length than the tokens') are refused,
+    naming the layer, before any record is made."""
     model, collector = _Reordered(order).double(), RecordCollector()
     batch = lm_batch(lengths=RIGHT_PAD)
+    images = (
+        {"pixel_values": torch.randn(3, 3, 8, dtype=torch.float64)} if order == "images" else {}
+    )
     engine = CaptureEngine(model, layers=LayerSelection(kind="linear"), consumers=[collector])
     with engine, pytest.raises(UnsplittableRows, match=reason) as info:
-        logits = model(batch["input_ids"], attention_mask=batch["attention_mask"])
+        logits = model(batch["input_ids"], attention_mask=batch["attention_mask"], **images)
         causal_lm_example_losses(logits, batch["labels"]).sum().backward()
     assert "'proj'" in str(info.value) and "exclude it" in str(info.value)
     assert not collector.records
+
+
+def test_the_order_is_checked_again_every_sixteenth_micro_batch() -> None:
+    """A layer whose rows come out of order only from micro-batch 5 on (its first 4 padded
+    micro-batches checked and in order) is refused at micro-batch 16, the next sampled
+    check: an MoE expert's token order depends on the data."""
+    model = _Reordered("slot-order", permute_from=FIRST).double()
+    batch = lm_batch(lengths=RIGHT_PAD)
+    engine = CaptureEngine(model, layers=LayerSelection(kind="linear"))
+    with engine, pytest.raises(UnsplittableRows, match="row-major order puts"):
+        for _ in range(2 * EVERY):
+            logits = model(batch["input_ids"], attention_mask=batch["attention_mask"])
+            causal_lm_example_losses(logits, batch["labels"]).sum().backward()
+    assert model.calls == EVERY + 1  # micro-batch 16, 0-based
 
 
 @pytest.mark.parametrize("left_pad", [False, True], ids=["right-pad", "left-pad"])

@@ -17,7 +17,8 @@ passes without a backward (evaluation, generation, ``torch.no_grad``) leave noth
 behind: the engine keeps only what a backward hook has delivered.
 
 Nothing in the hooks reads tensor values on the host (records stay on the model's device),
-but once per layer called on the batch's flattened tokens (``capture/rows.py``).
+but the sampled order check of a layer called on the batch's flattened tokens
+(``capture/rows.py``).
 """
 
 from __future__ import annotations
@@ -50,7 +51,15 @@ from tda_plugins.capture.normalization import (
 )
 from tda_plugins.capture.packing import PACKED_ROWS_FIX, packed_rows
 from tda_plugins.capture.records import LayerRecord, MicroBatchRecord
-from tda_plugins.capture.rows import RowLayout, check_row_major, row_layout, token_length
+from tda_plugins.capture.rows import (
+    RowLayout,
+    check_row_major,
+    checkable_positions,
+    order_check_due,
+    other_inputs,
+    row_layout,
+    token_length,
+)
 from tda_plugins.grads.base import PerExampleGrad, unique_nbytes
 from tda_plugins.grads.projection import ProjectionConfig, Projector
 
@@ -84,10 +93,16 @@ class _PendingBatch:
         shift_labels: Tensor | None,
         content_ids: bool,
         tokens: int | None,
+        number: int,
+        other_inputs: bool,
     ):
         self.example_ids = example_ids
         #: ``T``, the micro-batch's token length (``None``: not known from the forward)
         self.tokens = tokens
+        #: this micro-batch's place in the run (0-based), for the sampled order checks
+        self.number = number
+        #: whether the forward carries images, video or audio besides the tokens
+        self.other_inputs = other_inputs
         self.content_ids = content_ids
         self.token_mask = token_mask
         self.input_ids = input_ids
@@ -97,11 +112,15 @@ class _PendingBatch:
         self.grads: dict[str, PerExampleGrad] = {}
 
     @cached_property
-    def padded(self) -> bool:
-        """Whether some example has padding (``token_mask`` ``(B, T)`` with a false entry);
-        a host read, made only for a layer whose row order is still to check."""
+    def checkable(self) -> Tensor | None:
+        """``(B, T)`` bool: the padded positions a flattened layer's row order is checked
+        at (:func:`~tda_plugins.capture.rows.checkable_positions`), or ``None`` where there
+        is none; a host read, made only when a flattened layer's check is due."""
         mask = self.token_mask
-        return mask is not None and mask.shape[1] == self.tokens and not bool(mask.all())
+        if mask is None or mask.shape[1] != self.tokens:
+            return None
+        positions = checkable_positions(mask, self.labels, self.shift_labels)
+        return positions if bool(positions.any()) else None
 
     def add(self, name: str, grads: PerExampleGrad) -> None:
         previous = self.grads.get(name)
@@ -183,9 +202,11 @@ class CaptureEngine:
         self._detached: dict[nn.Module, list[nn.Parameter]] = {}
         #: ids of parameters that several captured layers share (never taken out).
         self._shared: set[int] = set()
-        #: Layers called on the batch's flattened tokens whose row-major order a padded
-        #: micro-batch has confirmed (:func:`~tda_plugins.capture.rows.check_row_major`).
-        self._row_major: set[str] = set()
+        #: Layer called on the batch's flattened tokens -> padded micro-batches that have
+        #: confirmed its row-major order (:func:`~tda_plugins.capture.rows.check_row_major`).
+        self._order_checks: dict[str, int] = {}
+        #: Root forward calls under grad so far (the next micro-batch's number).
+        self._forwards = 0
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -394,7 +415,10 @@ class CaptureEngine:
             shift_labels=shift_labels if isinstance(shift_labels, Tensor) else None,
             content_ids=content_ids,
             tokens=token_length(input_ids, token_mask, labels),
+            number=self._forwards,
+            other_inputs=other_inputs(kwargs),
         )
+        self._forwards += 1
 
     def _on_root_output(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         batch = self._pending
@@ -458,7 +482,13 @@ class CaptureEngine:
         if not out.requires_grad:
             return None
         x = adapter.layer_input(module, args, kwargs)
-        layout = row_layout(name, out.shape[0], batch.example_ids.shape[0], batch.tokens)
+        layout = row_layout(
+            name,
+            out.shape,
+            batch.example_ids.shape[0],
+            batch.tokens,
+            other_inputs=batch.other_inputs,
+        )
         replaced = None
         if layout is None:
             # A call shared by the whole batch (GPT-2's position embedding): expanding its
@@ -491,10 +521,11 @@ class CaptureEngine:
         if not self.attached or x is None:  # detached, or a second backward through the call
             return
         self._restore_all()
-        mask = batch.token_mask
-        if layout.flattened and name not in self._row_major and mask is not None and batch.padded:
-            check_row_major(name, grad, mask)
-            self._row_major.add(name)
+        checks = self._order_checks.get(name, 0)
+        if layout.flattened and order_check_due(checks, batch.number):
+            positions = batch.checkable
+            if positions is not None and check_row_major(name, grad, positions):
+                self._order_checks[name] = checks + 1
         grads = adapter.capture(module, layout.per_example(x), layout.per_example(grad))
         if self.projector is not None:
             grads = self.projector(name, grads)

@@ -1,29 +1,46 @@
 """Which example each leading row of a layer call belongs to.
 
-A captured call is per-example when its leading dimension lines up with the micro-batch's
-``B`` examples of ``T`` tokens in one of three layouts:
+A captured call is per-example when its output lines up with the micro-batch's ``B``
+examples of ``T`` tokens in one of three layouts:
 
-* ``(B, ...)``: the ordinary case;
-* ``(1, ...)``: a call shared by the whole batch (GPT-2's position embedding), broadcast to
-  every example: its output is expanded to ``(B, ...)``, numerically the same broadcast,
-  so that the gradient arriving there is per-example;
-* ``(B*T, ...)``: the batch's tokens flattened row-major, example by example (OPT's MLP
-  and its norm, an MoE's router and shared expert): input and output gradient are viewed
-  as ``(B, T, ...)``. Row-major order is checked where the batch has padding: the
-  gradient at a padded position of a causal LM is exactly zero (attention masks it out of
-  every other position and its label is ignored), so a flattened layer whose gradient is
-  not zero at the rows row-major order puts the padding at holds the tokens in another
-  order, and is refused. One host read per layer, at its first padded micro-batch.
+* ``(B, T, ...)``: the ordinary case;
+* ``(1, T, ...)``: a call shared by the whole batch (GPT-2's position embedding), broadcast
+  to every example: its output is expanded to ``(B, T, ...)``, numerically the same
+  broadcast, so that the gradient arriving there is per-example;
+* ``(B*T, N)``: the batch's tokens flattened row-major, example by example (OPT's MLP and
+  its norm, an MoE's ``nn.Linear`` router and shared expert): input and output gradient
+  are viewed as ``(B, T, ...)``.
 
-Any other leading dimension (an MoE expert's routed subset of tokens, a sequence-first
-layout) cannot be split per example and is refused.
+A call of three or more dimensions may have another middle length than ``T`` (a second
+input of its own length per example). A two-dimensional call is one row per token where
+``T`` is known (``(B, N)`` rows then are not the examples); where ``T`` is not known from
+the forward (no ids, mask or labels of two dimensions), ``B`` rows. In a forward that
+carries images, video or audio (:func:`other_inputs`) only ``(B, T, ...)`` calls are
+taken for the examples: a vision or audio tower's rows are images, patches or frames.
+
+Any other call is refused, naming the layer: its rows are not the examples, though their
+count may match by chance (an MoE expert's routed tokens, ``B`` of them or ``B*T``; a
+vision tower's images or patches; a sequence-first layout). The one layout the shapes
+cannot prove is the flattened one's order, so it is checked where the batch has padding
+(:func:`check_row_major`): at the padded positions of an example none of whose padded
+positions carries loss, a causal LM's gradient is exactly zero (attention masks them out
+of every real position), so a flattened layer whose gradient is not zero at the rows
+row-major order puts such a position at holds its tokens in another order. The check
+reads the host, so it runs at a layer's first :data:`FIRST` padded micro-batches and at
+every :data:`EVERY`-th after; without padding a flattened layer's order is not checked.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
+
+#: Padded micro-batches whose flattened layers' row order is checked at the start ...
+FIRST = 4
+#: ... and, after those, every ``EVERY``-th micro-batch of the run.
+EVERY = 16
 
 
 class UnsplittableRows(RuntimeError):
@@ -32,9 +49,10 @@ class UnsplittableRows(RuntimeError):
 
 @dataclass(frozen=True)
 class RowLayout:
-    """How one call's ``rows`` leading entries map to ``examples`` examples.
+    """How one call's leading rows map to ``examples`` examples.
 
-    ``flattened``: the rows are the ``examples * tokens`` tokens, row-major.
+    ``tokens``: the rows are the ``examples * tokens`` tokens, flattened row-major
+    (``None``: one row per example).
     """
 
     examples: int
@@ -49,40 +67,108 @@ class RowLayout:
         return t.unflatten(0, (self.examples, self.tokens)) if self.tokens is not None else t
 
 
-def row_layout(name: str, rows: int, examples: int, tokens: int | None) -> RowLayout | None:
-    """The layout of a call of layer ``name`` with ``rows`` leading entries in a micro-batch
+def row_layout(
+    name: str, shape: torch.Size, examples: int, tokens: int | None, *, other_inputs: bool
+) -> RowLayout | None:
+    """The layout of a call of layer ``name`` whose output has ``shape``, in a micro-batch
     of ``examples`` examples of ``tokens`` tokens (``None``: unknown); ``None`` for a call
-    shared by the whole batch (one row, to expand). Raises :class:`UnsplittableRows`."""
-    if rows == examples:
+    shared by the whole batch (one row, to expand). ``other_inputs``: the forward carries
+    inputs other than tokens (:func:`other_inputs`), whose layers' rows may match the
+    batch's by count, so only a ``(B, T, ...)`` call is taken for the examples. Raises
+    :class:`UnsplittableRows`."""
+    rows, sequence = shape[0], len(shape) >= 3
+    if other_inputs:
+        if sequence and rows == examples and shape[1] == tokens:
+            return RowLayout(examples)
+    elif tokens is not None and tokens > 1 and len(shape) == 2:
+        if rows == examples * tokens:
+            return RowLayout(examples, tokens)
+    elif rows == examples:
         return RowLayout(examples)
-    if rows == 1:
+    elif rows == 1 and sequence:
         return None
-    if tokens is not None and rows == examples * tokens:
-        return RowLayout(examples, tokens)
-    shape = f"{examples} examples" + ("" if tokens is None else f" of {tokens} tokens")
+    batch = f"{examples} examples" + ("" if tokens is None else f" of {tokens} tokens")
     raise UnsplittableRows(
-        f"layer {name!r} was called on {rows} rows in a micro-batch of {shape} (neither one "
-        "row per example nor one per token), so its gradient cannot be split per example "
-        "(an MoE expert's routed tokens, a sequence-first layout); exclude it from the "
-        "LayerSelection"
+        f"layer {name!r} was called on an input of shape {tuple(shape[:-1])} in a "
+        f"micro-batch of {batch}: neither one row per example (of every token) nor one per "
+        "token, so its rows are not the examples, though their count may match (an MoE "
+        "expert's routed tokens, a vision tower's images or patches, a sequence-first "
+        "layout), and its gradient cannot be split per example; exclude it from the "
+        "LayerSelection (LayerSelection(exclude=...); for LoRA, target_modules without it)"
     )
 
 
-def check_row_major(name: str, grad: Tensor, token_mask: Tensor) -> None:
+def order_check_due(checked: int, micro_batch: int) -> bool:
+    """Whether a flattened layer's order is checked at run micro-batch ``micro_batch``
+    (0-based), ``checked`` padded micro-batches having been checked before."""
+    return checked < FIRST or micro_batch % EVERY == 0
+
+
+def checkable_positions(
+    token_mask: Tensor, labels: Tensor | None, shift_labels: Tensor | None
+) -> Tensor:
+    """``(B, T)`` bool: the padded positions whose gradient a causal LM leaves at exactly
+    zero: those of the examples none of whose padded positions carries loss. (A padded
+    position that does, such as the last left pad predicting the first real token, has a
+    gradient, and so may the pads before it: a padded query that the mask leaves nothing
+    to attend to attends to every position, the other pads included.)
+
+    ``token_mask`` is true at real tokens; a position's own next-token target is
+    ``shift_labels`` at it, or ``labels`` one to its right, ignored at ``-100`` and past
+    the end. Without labels, a padded position followed by a real token counts as
+    carrying loss."""
+    padded = ~token_mask.bool()
+    ignored = torch.ones_like(padded)
+    if shift_labels is not None and shift_labels.shape == padded.shape:
+        ignored = (shift_labels == -100).to(padded.device)
+    elif labels is not None and labels.shape == padded.shape:
+        ignored[:, :-1] = (labels[:, 1:] == -100).to(padded.device)
+    else:
+        ignored[:, :-1] = padded[:, 1:]
+    loss_at_padding = (padded & ~ignored).any(dim=1, keepdim=True)
+    return padded & ~loss_at_padding
+
+
+def check_row_major(name: str, grad: Tensor, positions: Tensor) -> bool:
     """Refuse a flattened call of layer ``name`` whose ``(B*T, ...)`` output gradient is not
-    zero at the padded positions of ``token_mask`` (``(B, T)`` bool, true at real tokens)
-    taken row-major: its rows are not the batch's tokens in that order."""
-    padded = ~token_mask.reshape(-1).to(grad.device)
-    if bool(grad[padded].any()):
+    zero at ``positions`` (``(B, T)`` bool, from :func:`checkable_positions`) taken
+    row-major: its rows are not the batch's tokens in that order. Returns whether the
+    check could be made (some position, every value there finite)."""
+    values = grad[positions.reshape(-1).to(grad.device)]
+    if not values.numel() or not bool(values.isfinite().all()):
+        return False
+    if bool(values.any()):
         raise UnsplittableRows(
-            f"layer {name!r} was called on one row per token of the micro-batch, but not in "
-            "the batch's row-major (example by example) order: its gradient is not zero at "
-            "the padded positions that order puts its rows at, so its gradient cannot be "
-            "split per example; exclude it from the LayerSelection"
+            f"layer {name!r} was called on one row per token of the micro-batch, but its "
+            "gradient is not zero at the padded positions (of examples whose padding carries "
+            "no loss) that the batch's row-major order puts its rows at: its rows hold the "
+            "tokens in another order (an MoE expert given every token, by routing slot; a "
+            "sequence-first layout), or the loss reaches padded positions; its gradient "
+            "cannot be split per example: exclude it from the LayerSelection"
         )
+    return True
 
 
 def token_length(*candidates: Tensor | None) -> int | None:
-    """``T``: the second dimension of the first ``(B, T, ...)`` tensor among ``candidates``
-    (the forward's ``input_ids`` or embeddings, attention mask, labels)."""
-    return next((t.shape[1] for t in candidates if isinstance(t, Tensor) and t.dim() >= 2), None)
+    """``T``: the second dimension of the first of ``candidates`` (the forward's
+    ``input_ids`` or embeddings, attention mask, labels) that is ``(B, T)`` ids, labels or
+    mask, or ``(B, T, H)`` embeddings (a ``(B, H)`` float input has no tokens)."""
+    return next(
+        (
+            t.shape[1]
+            for t in candidates
+            if isinstance(t, Tensor) and t.dim() >= (3 if t.is_floating_point() else 2)
+        ),
+        None,
+    )
+
+
+#: How the keywords of a transformers forward that carry images, video or audio begin.
+OTHER_INPUTS = ("pixel_", "image_", "video_", "audio_", "input_features", "input_values")
+
+
+def other_inputs(kwargs: dict[str, object]) -> bool:
+    """Whether a forward's keywords carry a tensor of images, video or audio
+    (:data:`OTHER_INPUTS`): a vision or audio tower's rows are images, patches or frames,
+    whose count can match the batch's."""
+    return any(k.startswith(OTHER_INPUTS) and isinstance(v, Tensor) for k, v in kwargs.items())
