@@ -26,6 +26,7 @@ from tda_plugins.integrations.transformers.logits_check import (
     predicted_labels,
     verify_uniform,
 )
+from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
 from tda_plugins.session.capture import UnsupportedTrainingSetup
 from tests.models import tiny_causal_lm
 from tests.selection_helpers import PINNED
@@ -167,6 +168,21 @@ def test_the_fused_heads_own_loss_passes_and_an_added_term_is_refused() -> None:
     verify_uniform(rounded, rounding=2**-8)
     with pytest.raises(UnsupportedTrainingSetup, match="model's log-probs"):
         verify_uniform(log_probs_gradient(0.01), rounding=2**-24)
+
+
+def test_log_probs_gradients_averaging_to_zero_are_refused_and_zero_has_a_zero_scale() -> None:
+    """An advantage-weighted objective (RLOO's, rewards centred per prompt) puts gradients
+    of both signs at the log-probs, averaging to zero: no scale of the model's own loss
+    gives them, so they are refused rather than read as an infinite scale. A zero gradient
+    (nothing labelled) passes, and its scale is 0, not -1/0."""
+    advantage = torch.tensor([[1.0, -1.0, 1.0], [-1.0, 1.0, -1.0]])
+    with pytest.raises(UnsupportedTrainingSetup, match="model's log-probs"):
+        verify_uniform(advantage, rounding=2**-24)
+    verify_uniform(torch.zeros(2, 3), rounding=2**-24)
+    log_probs = torch.zeros(2, 3, requires_grad=True)
+    scale = CausalLMNormalization().observe({}, {"log_probs": log_probs})
+    (0.0 * log_probs).sum().backward()
+    assert float(scale()) == 0.0
 
 
 class RegularizedTrainer(Trainer):

@@ -309,6 +309,35 @@ def test_trl_dft_loss_is_refused_and_nll_accepted(tmp_path: Path) -> None:
     assert check_trainer_setup(nll, llama()) is not None
 
 
+@pytest.mark.parametrize("config", ["DPOConfig", "KTOConfig", "GRPOConfig", "RLOOConfig"])
+def test_trl_trainers_other_than_sft_are_refused_by_their_config(
+    tmp_path: Path, config: str
+) -> None:
+    """A preference, reinforcement-learning or reward objective is not each example's
+    next-token loss: refused by TRL's config class before any other check (whose ways out,
+    such as loss_type='nll', do not apply to those trainers); a user's SFTConfig subclass
+    is an SFT run and passes."""
+    import trl
+
+    options = {"num_generations": 2} if config in ("GRPOConfig", "RLOOConfig") else {}
+    args = training_args(tmp_path / "out", getattr(trl, config), **options)
+    named = (f"TRL's {config} trains its trainer's own objective", "fine-tune with SFTTrainer")
+    assert_refused(tmp_path, llama(), *named, training=args)
+
+    class MySFTConfig(trl.SFTConfig):
+        pass
+
+    assert check_trainer_setup(training_args(tmp_path / "out", MySFTConfig), llama()) is not None
+
+
+def test_a_multimodal_model_is_refused_naming_its_tower(tmp_path: Path) -> None:
+    """A model whose config has a vision (or audio) tower: its rows there are images or
+    patches, whose count can match the batch's; refused for that reason, not its loss."""
+    model = llama()
+    model.config.vision_config = {"hidden_size": 8}
+    assert_refused(tmp_path, model, "a multimodal model (vision_config)", "text-only causal LMs")
+
+
 def tiny_mixtral(**config: Any) -> nn.Module:
     """A one-block Mixtral of two experts, one per token (``config``: more settings)."""
     from transformers import MixtralConfig, MixtralForCausalLM

@@ -127,12 +127,17 @@ class LogitsCheck:
 
 def verify_uniform(gradient: Tensor, rounding: float, when: str = "") -> None:
     """Refuse the micro-batch unless every finite entry of the gradient at the fused head's
-    ``(B, T)`` log-probs is the same, within ``rounding`` (the log-probs dtype's)."""
+    ``(B, T)`` log-probs is the same, within ``rounding`` (the log-probs dtype's). Entries
+    that average to zero without all being zero (an advantage-weighted objective's) are
+    refused too: no scale of the model's own loss gives them."""
     values = gradient[gradient.isfinite()].double()
     if not values.numel():
         return
-    mean = values.mean()
-    off = float((values - mean).abs().max() / mean.abs()) if bool(mean != 0) else 0.0
+    mean, spread = values.mean(), (values - values.mean()).abs().max()
+    if bool(mean != 0):
+        off = float(spread / mean.abs())
+    else:
+        off = 0.0 if not bool(spread) else float("inf")
     _refuse_beyond(off, rounding, "log-probs", when)
 
 

@@ -83,7 +83,10 @@ class CausalLMNormalization:
                 gradient = at_log_probs.value().double()
                 if checked:
                     self._checked(number, partial(verify_uniform, gradient, rounding))
-                return -1.0 / gradient.mean()
+                mean = gradient.mean()
+                # nothing backpropagated through the log-probs (no labelled token): every
+                # captured gradient is zero, and so is the scale, not -1/0
+                return torch.where(mean != 0, -1.0 / mean, torch.zeros_like(mean))
 
             return ReadOffGradient.of(log_probs_scale, log_probs.dtype)
         loss = _field(output, "loss")

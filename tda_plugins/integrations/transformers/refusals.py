@@ -5,6 +5,9 @@ captured module in one process, with the module hooks running. Data parallelism 
 FSDP2 and HSDP, whose ``fully_shard`` gathers each parameter whole before the module
 computes) keeps that; these setups do not, and would store wrong gradients or none:
 
+* TRL's trainers other than ``SFTTrainer`` (DPO, KTO, GRPO, RLOO, GKD, ...), whose
+  objectives are not each example's next-token loss; models that are not text-only
+  causal LMs (classifiers, encoder-decoders, multimodal models);
 * batches that mix examples in one sequence (TRL's ``packing``, ``padding_free``, a
   flattening data collator);
 * losses whose normalization the callbacks cannot read, or that are not a sum of the
@@ -110,6 +113,22 @@ def _loss_outside_model(args: TrainingArguments, model: nn.Module) -> Refusal:
     return None
 
 
+def _trl_objective(args: TrainingArguments, model: nn.Module) -> Refusal:
+    """A TRL trainer other than ``SFTTrainer`` (``DPOConfig``, ``KTOConfig``, ``GRPOConfig``,
+    ``RLOOConfig``, ``GKDConfig``, ...: TRL's own config classes but ``SFTConfig``; a
+    user's subclass of ``SFTConfig`` is an SFT run): preference, reinforcement-learning
+    and distillation objectives are not a sum of each example's next-token losses."""
+    config = type(args)
+    if config.__module__.split(".")[0] != "trl" or config.__name__ == "SFTConfig":
+        return None
+    return (
+        f"TRL's {config.__name__} trains its trainer's own objective (a preference, "
+        "reinforcement-learning or distillation loss), not each example's next-token "
+        "loss, which the callbacks split per example: its per-example gradients are not "
+        "supported; fine-tune with SFTTrainer (SFTConfig) or transformers' Trainer"
+    )
+
+
 def _loss_type(args: TrainingArguments, model: nn.Module) -> Refusal:
     loss_type = getattr(args, "loss_type", "nll")  # TRL's configs (SFTConfig: "nll")
     if loss_type in ("nll", "chunked_nll"):
@@ -123,21 +142,41 @@ def _loss_type(args: TrainingArguments, model: nn.Module) -> Refusal:
     return f"loss_type={loss_type!r} {why}; set loss_type='nll'"
 
 
+#: Why a model whose transformers loss is not the causal LM's cannot be split per example,
+#: by the config keys that make it multimodal, else by its loss type.
+_TOWERS = ("vision_config", "audio_config", "speech_config")
+_NOT_CAUSAL = {
+    "ForSequenceClassification": "a mean over the micro-batch, whatever the trainer's token "
+    "count: per-example gradients would be scaled wrongly under gradient accumulation",
+    "ForTokenClassification": "a mean over the micro-batch's tokens, whatever the trainer's "
+    "token count: per-example gradients would be scaled wrongly under gradient accumulation",
+}
+
+
 def _task_head(args: TrainingArguments, model: nn.Module) -> Refusal:
-    """A transformers model whose own loss is not the causal LM's (a sequence or token
-    classifier, question answering): a mean over the micro-batch's examples or positions,
-    which ignores the accumulation window's ``num_items_in_batch`` the normalization reads."""
+    """A transformers model that is not a text-only causal LM: a classifier (its loss a
+    mean over the micro-batch, which ignores the accumulation window's
+    ``num_items_in_batch`` the normalization reads), an encoder-decoder, or a multimodal
+    model (its vision or audio tower's rows are images, patches or frames, not examples)."""
     get_base = getattr(model, "get_base_model", None)  # a PEFT model: the wrapped one
     base = get_base() if callable(get_base) else model
     loss_type = getattr(base, "loss_type", None)
-    if loss_type in (None, "ForCausalLM"):
+    tower = next((k for k in _TOWERS if getattr(getattr(base, "config", None), k, None)), None)
+    if loss_type in (None, "ForCausalLM") and tower is None:
         return None
+    if tower is not None:
+        why = (
+            f"a multimodal model ({tower}): its tower's rows are images, patches or "
+            "frames, not the examples, so the callbacks cannot split its gradients per "
+            "example"
+        )
+    else:
+        kind = str(loss_type).removeprefix("For")
+        detail = _NOT_CAUSAL.get(str(loss_type), "not a decoder-only causal LM's next-token loss")
+        why = f"trains its {kind} loss ({detail})"
     return (
-        f"{type(base).__name__} trains its {loss_type.removeprefix('For')} loss (a mean over "
-        "the micro-batch, whatever the trainer's token count), not the causal language "
-        "modeling loss the callbacks split per example: per-example gradients would be "
-        "scaled wrongly under gradient accumulation; fine-tune a causal LM "
-        "(AutoModelForCausalLM)"
+        f"{type(base).__name__} {why}; the callbacks support text-only causal LMs: "
+        "fine-tune a causal LM (AutoModelForCausalLM)"
     )
 
 
@@ -336,6 +375,7 @@ def _processes_run_alone(args: TrainingArguments, model: nn.Module) -> Refusal:
 
 #: The refusals ``check_trainer_setup`` runs before step 0, in this order.
 TRAINER_CHECKS: tuple[SetupCheck, ...] = (
+    SetupCheck("trl_objective", _trl_objective),
     SetupCheck("packing", _packing),
     SetupCheck("padding_free", _padding_free),
     SetupCheck("loss_outside_model", _loss_outside_model),
