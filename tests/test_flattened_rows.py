@@ -212,6 +212,7 @@ def test_rows_that_are_not_the_examples_are_refused(order: str, reason: str) -> 
     )
     engine = CaptureEngine(model, layers=LayerSelection(kind="linear"), consumers=[collector])
     with engine, pytest.raises(UnsplittableRows, match=reason) as info:
+        engine.set_example_ids(torch.arange(3))
         logits = model(batch["input_ids"], attention_mask=batch["attention_mask"], **images)
         causal_lm_example_losses(logits, batch["labels"]).sum().backward()
     assert "'proj'" in str(info.value) and "exclude it" in str(info.value)
@@ -248,3 +249,12 @@ def test_biogpt_every_layer_matches_loop_oracle(left_pad: bool) -> None:
     got = per_example_gradients(model, batch, layers=LayerSelection(kind="all"))
     assert {"biogpt.embed_positions.weight", "biogpt.embed_tokens.weight"} <= set(got)
     assert max_rel_error(got, loop_oracle(model, batch, list(got))) <= FP64_TOL
+
+
+def test_a_forward_with_images_and_no_ids_is_refused() -> None:
+    """A content hash of the tokens would name two examples of one text and other images
+    alike: a forward carrying images needs explicit ids."""
+    model, batch = _Reordered("images").double(), lm_batch(lengths=RIGHT_PAD)
+    images = torch.randn(3, 3, 8, dtype=torch.float64)
+    with CaptureEngine(model), pytest.raises(ValueError, match="give each example an id"):
+        model(batch["input_ids"], attention_mask=batch["attention_mask"], pixel_values=images)

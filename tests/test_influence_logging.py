@@ -195,6 +195,22 @@ def test_gradcos_leaves_out_an_example_without_a_loss_token() -> None:
     torch.testing.assert_close(step.max.double(), cosines.amax(0), rtol=1e-5, atol=1e-7)
 
 
+def test_a_step_with_non_finite_scores_is_refused_before_it_is_logged() -> None:
+    """NaN in a training example's gradient (an overflowing step) makes its scores NaN:
+    the step is refused, naming it and the example, and nothing of it is logged (the
+    report would otherwise hold NaN, which JSON cannot)."""
+    model = tiny_causal_lm("llama", torch.float32)
+    logger = InfluenceLogger("graddot")
+    logger.set_queries(capture_batch(model, pad_rows([{"input_ids": r} for r in token_rows(2)])))
+    record = capture_batch(model, pad_rows([{"input_ids": r} for r in token_rows(3, seed=4)]))
+    layer = next(iter(record.layers.values()))
+    layer.grads.g[1, 0, 0] = float("nan")  # the second example's
+    with pytest.raises(FloatingPointError, match="at step 3, of the examples") as info:
+        logger.on_optimizer_step(2, [record])
+    assert str(record.example_ids[1].item()) in str(info.value)
+    assert logger.history == []
+
+
 class _LogRecorder(TrainerCallback):
     """Stands in for a ``report_to`` integration: keeps the logs it is handed."""
 

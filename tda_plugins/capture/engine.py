@@ -392,6 +392,14 @@ class CaptureEngine:
         if ids is None:
             ids = kwargs.get(EXAMPLE_IDS_KEY)  # carried in the batch by the data path
         content_ids = ids is None
+        multimodal = other_inputs(kwargs)
+        if content_ids and multimodal:
+            raise ValueError(
+                f"{type(module).__name__} was called with images, video or audio besides its "
+                "tokens, and no example ids: a content hash of the tokens would name two "
+                "examples of one text and other images alike (one example, trained twice); "
+                "give each example an id (engine.set_example_ids(ids) before the forward)"
+            )
         if ids is None:
             if not isinstance(input_ids, Tensor):
                 raise ValueError(
@@ -416,7 +424,7 @@ class CaptureEngine:
             content_ids=content_ids,
             tokens=token_length(input_ids, token_mask, labels),
             number=self._forwards,
-            other_inputs=other_inputs(kwargs),
+            other_inputs=multimodal,
         )
         self._forwards += 1
 

@@ -268,6 +268,7 @@ class InfluenceLogger(CaptureConsumer):
         gathered = self.gather.rows(torch.cat([local, scoreless], dim=1)).cpu()
         ids = self.gather.rows(local_ids.long()).cpu()
         scores, flags = gathered[:, :-1], gathered[:, -1] > 0
+        _require_finite(step, ids, scores, flags)
         self._scored = _Scored(step, ids, scores, self.learning_rate, flags)
         for r in records:
             if r.input_ids is not None:
@@ -440,3 +441,17 @@ def _plot(path: Path, history: list[StepInfluence], query_ids: Tensor) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     return path
+
+
+def _require_finite(step: int, ids: Tensor, scores: Tensor, scoreless: Tensor) -> None:
+    """Refuse a step whose ``(N, M)`` scores hold NaN/inf for a scored example (``scoreless``:
+    ``(N,)`` bool, the rows left out), naming the step and the examples: on every rank
+    alike (the scores are gathered), before anything of the step is logged or saved."""
+    bad = ~torch.isfinite(scores).all(dim=1) & ~scoreless
+    if bool(bad.any()):
+        raise FloatingPointError(
+            f"non-finite influence scores (NaN/inf) at step {step + 1}, of the examples "
+            f"{ids[bad][:3].tolist()}: their gradients or the queries' hold NaN/inf (an "
+            "overflowing step), so the step is not logged; lower the learning rate or enable "
+            "gradient clipping/loss scaling"
+        )
