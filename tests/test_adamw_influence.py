@@ -414,17 +414,21 @@ def test_optimizers_it_cannot_follow_are_refused_before_the_first_step(
     assert not (tmp_path / "store").exists()
 
 
-@pytest.mark.parametrize(
-    "setting", [{"capture": {"projection": "factor"}}, {"fp16": True}], ids=["projected", "fp16"]
-)
-def test_captures_it_cannot_describe_are_refused_before_the_first_step(
-    tmp_path: Path, setting: dict[str, Any]
-) -> None:
-    """A projected capture (no per-parameter entries to divide by Adam's denominator) and
-    fp16 loss scaling (which rescales ``.grad`` before clipping and skips steps)."""
+def test_a_projected_capture_is_refused_before_the_first_step(tmp_path: Path) -> None:
+    """A projected capture has no per-parameter entries to divide by Adam's denominator.
+    (fp16 loss scaling, which rescales ``.grad`` before clipping and skips steps, is refused
+    on an accelerator for every capture; on the CPU accelerate trains ``fp16=True`` in
+    fp32, without a scaler, and the trajectory is recorded.)"""
     with pytest.raises(UnsupportedTrainingSetup, match="record_trajectory"):
-        train(tmp_path, **setting)
+        train(tmp_path, capture={"projection": "factor"})
     assert not (tmp_path / "store").exists()
+
+
+def test_fp16_on_the_cpu_trains_in_fp32_and_records_the_trajectory(tmp_path: Path) -> None:
+    run = train(tmp_path, fp16=True)
+    assert run.trainer.state.global_step == STEPS
+    assert run.trainer.accelerator.scaler is None  # no loss scaling on the CPU
+    assert sorted(TrajectoryReader(run.store_dir).steps) == list(range(STEPS))
 
 
 def test_editing_grad_behind_the_recording_is_refused_at_that_step(tmp_path: Path) -> None:

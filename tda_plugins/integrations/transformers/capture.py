@@ -36,7 +36,7 @@ from tda_plugins.integrations.transformers.setup import (
     unwrap_optimizer,
 )
 from tda_plugins.precondition.adam import AdamMoments
-from tda_plugins.session.capture import CaptureSession, UnsupportedTrainingSetup
+from tda_plugins.session.capture import CaptureSession
 from tda_plugins.session.settings import CaptureSettings, settings_from
 from tda_plugins.store.layout import LOSS_TOKENS
 
@@ -60,11 +60,6 @@ class GradientCaptureCallback(CheckedCallback):
         self.session: CaptureSession | None = None
 
     def begin(self, start: TrainStart) -> None:
-        if self.settings.record_trajectory and start.args.fp16:
-            raise UnsupportedTrainingSetup(
-                "record_trajectory: fp16 loss scaling rescales .grad before clipping and skips "
-                "steps, which the recorded trajectory does not follow; train in bf16 or fp32"
-            )
         self.session = CaptureSession(
             dataclasses.replace(
                 self.settings, layers=adapt_settings(self.settings.layers, start.args, start.model)
