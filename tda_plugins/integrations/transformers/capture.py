@@ -110,6 +110,12 @@ class GradientCaptureCallback(CheckedCallback):
             )
             self.session.drop_deleted_checkpoints()  # the trainer has rotated its checkpoints
 
+    def abort(self) -> bool:
+        session, self.session = self.session, None
+        if session is not None:
+            session.engine.detach()  # the store keeps its committed steps
+        return session is not None
+
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:

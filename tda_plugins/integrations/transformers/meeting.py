@@ -1,4 +1,5 @@
-"""Where the transformers callbacks on one model find each other's outcomes.
+"""Where the transformers callbacks on one model find each other's outcomes, and the
+runs that hooked it.
 
 A ``TrainerCallback`` sees the trainer's events and the model, never the other callbacks.
 ``DataSelectionCallback`` edits ``.grad``, which the live influence log must follow: an
@@ -10,6 +11,10 @@ after every callback's ``on_pre_optimizer_step``, whichever of the two runs firs
 
 from __future__ import annotations
 
+import logging
+import weakref
+from collections.abc import Callable
+
 from torch import nn
 
 from tda_plugins.data_selection.outcome import StepSelection
@@ -17,6 +22,11 @@ from tda_plugins.data_selection.outcome import StepSelection
 #: The model attribute holding its running selection's outcomes (a plain attribute, not
 #: a submodule, parameter or buffer: nothing of it is saved with the weights).
 _SELECTION = "_tda_plugins_selection_history"
+#: The model attribute listing the callbacks that hooked it: (the run's ``TrainerState``,
+#: weakly; how to unhook the callback without finishing, True if it was still hooked).
+_RUNS = "_tda_plugins_runs"
+
+logger = logging.getLogger("tda_plugins")
 
 
 def post_selection(model: nn.Module, history: list[StepSelection]) -> None:
@@ -35,3 +45,29 @@ def latest_selection(model: nn.Module) -> StepSelection | None:
     """The latest step outcome of the selection running on ``model`` (``None``: none)."""
     history: list[StepSelection] = model.__dict__.get(_SELECTION, [])
     return history[-1] if history else None
+
+
+def enrol(model: nn.Module, run: object, abort: Callable[[], bool]) -> None:
+    """A callback of the run whose ``TrainerState`` is ``run`` has hooked ``model``;
+    ``abort`` unhooks it without finishing (True if it was still hooked)."""
+    model.__dict__.setdefault(_RUNS, []).append((weakref.ref(run), abort))
+
+
+def release_stale(model: nn.Module, run: object) -> None:
+    """Unhook the callbacks of every other run still on ``model``, before ``run`` hooks it.
+
+    A run that stops with an error gets no ``on_train_end`` (the trainer calls no event
+    then): its callbacks stay hooked, their stores keep the writer lock and thread, and a
+    new run on the same model in the same process (a retry) would be recorded by them too,
+    into the old store. ``trainer.train()`` makes a new ``TrainerState`` per run, so the
+    callbacks enrolled under another state are that earlier run's."""
+    entries = model.__dict__.get(_RUNS, [])
+    model.__dict__[_RUNS] = [(ref, abort) for ref, abort in entries if ref() is run]
+    unhooked = sum(bool(abort()) for ref, abort in entries if ref() is not run)
+    if unhooked:
+        logger.warning(
+            "tda-plugins: %d callback(s) of an earlier run on this model were still hooked "
+            "(it stopped with an error): unhooked them, and their stores keep the steps they "
+            "committed",
+            unhooked,
+        )

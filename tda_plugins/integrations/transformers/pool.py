@@ -95,6 +95,12 @@ class PoolCallback(MetricsCallback):
         if self.engine is not None:
             self.engine.optimizer_step()
 
+    def abort(self) -> bool:
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.detach()
+        return engine is not None
+
     def detach(self) -> None:
         """Finish pending micro-batches and unhook."""
         engine, self.engine = self.engine, None

@@ -253,6 +253,8 @@ class DataSelectionCallback(MetricsCallback):
         self._hooks: list[Any] = []
         #: Norm of the last step's corrected gradient, before clipping (0-dim tensor).
         self._grad_norm: Tensor | None = None
+        #: Whether the session's hooks are on the model (from begin to the end or abort).
+        self._hooked = False
 
     @property
     def history(self) -> list[StepSelection]:
@@ -295,6 +297,7 @@ class DataSelectionCallback(MetricsCallback):
         self.session.engine.add_consumer(self._clipping)
         self._hooks.append(model.register_forward_pre_hook(self._clipping.restore))
         post_selection(model, self.session.history)
+        self._hooked = True
         checkpoint = resumed_checkpoint(args, start.state)
         if checkpoint is not None:
             restore_schedule(self.session, checkpoint, start.state.global_step, args)
@@ -367,11 +370,26 @@ class DataSelectionCallback(MetricsCallback):
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        self._unhook(finish=True)
+
+    def abort(self) -> bool:
+        return self._unhook(finish=False)
+
+    def _unhook(self, finish: bool) -> bool:
+        """Give clipping back to the trainer, remove the hooks and end the session
+        (``finish``: deliver its pending micro-batches first; the session stays, for its
+        history); True if it was hooked."""
         if self._clipping is not None:
             self._clipping.restore()
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-        if self.session is not None:
-            withdraw_selection(self.session.model, self.session.history)
-            self.session.end()
+        session, self._hooked = self.session if self._hooked else None, False
+        if session is None:
+            return False
+        withdraw_selection(session.model, session.history)
+        if finish:
+            session.end()
+        else:
+            session.close()
+        return True

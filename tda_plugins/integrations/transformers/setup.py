@@ -16,6 +16,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from tda_plugins.capture.names import named_modules
+from tda_plugins.integrations.transformers.meeting import enrol, release_stale
 from tda_plugins.integrations.transformers.refusals import TRAINER_CHECKS, flattening_collator
 from tda_plugins.integrations.transformers.sft import is_sft_config
 from tda_plugins.session.capture import UnsupportedTrainingSetup
@@ -205,10 +206,17 @@ class CheckedCallback(TrainerCallback):
     ) -> None:
         loader = kwargs.get("train_dataloader")
         model = check_trainer_setup(args, model, getattr(loader, "collate_fn", None))
+        release_stale(model, state)
         self.begin(TrainStart(args, state, model, processing_class, unwrap_optimizer(optimizer)))
+        enrol(model, state, self.abort)
 
     def begin(self, start: TrainStart) -> None:
         """Set up for the run (hook the model); called once, at ``on_train_begin``."""
+        raise NotImplementedError
+
+    def abort(self) -> bool:
+        """Unhook without finishing, after the run stopped with an error (found at the next
+        run's start on the model: :func:`~.meeting.release_stale`); True if still hooked."""
         raise NotImplementedError
 
 
