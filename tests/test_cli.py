@@ -610,6 +610,28 @@ def test_capture_durability_reaches_the_store(
     )
 
 
+def test_capture_fails_when_its_end_sync_fails(
+    capsys: pytest.CaptureFixture[str],
+    runs: dict[str, CliRun],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A failed fsync of the end pass (an I/O error) is the command's failure, exit 2 with
+    one line, not a logged error after a success: a script's `tda capture && tda
+    attribute` stops there."""
+    import errno
+
+    from tda_plugins.store import sync
+
+    def failing(path: Path) -> None:
+        raise OSError(errno.EIO, "Input/output error", str(path))
+
+    monkeypatch.setattr(sync, "fsync_path", failing)
+    run = runs["llama"]
+    code, _, err = run_main(capsys, *capture_args(run.model_dir, run.train_file, tmp_path / "s"))
+    assert_one_line_error(code, err, "capture", "durable failed", "Input/output error")
+
+
 def test_an_output_that_holds_an_input_is_refused_even_with_force(
     capsys: pytest.CaptureFixture[str], run: CliRun, tmp_path: Path
 ) -> None:

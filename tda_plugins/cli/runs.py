@@ -105,6 +105,7 @@ def _capture_on(args: argparse.Namespace, ranks: Ranks) -> None:
         completion_only_loss=args.completion_only_loss,
         assistant_only_loss=args.assistant_only_loss,
         durability=args.durability,
+        wait_durable=True,  # exit status 0 only with the store on disk
         like=args.like,
     )
     if ranks.rank == 0:

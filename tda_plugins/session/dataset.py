@@ -74,6 +74,7 @@ def capture_examples(
     progress: bool = True,
     eos: bool | None = None,
     durability: str = "end",
+    wait_durable: bool = False,
     like: str | Path | StoreReader | None = None,
     completion_only_loss: bool | None = None,
     assistant_only_loss: bool | None = None,
@@ -110,6 +111,9 @@ def capture_examples(
             at exit. ``"step"``: each step durable before the next is captured (a
             capture whose machine may crash midway, resumed with ``append``). ``"none"``:
             never fsynced (a scratch store scored and thrown away).
+        wait_durable: return only once the ``"end"`` pass is done, raising its failure
+            (``StoreError``), for a caller whose success must mean the store is on disk
+            (``tda capture``'s exit status); else a failure of it is logged.
         like: a gradient store (the training store, for its queries) whose layers, by
             name, and projection to capture with, in place of the layer and projection
             settings (which are then refused); the model must have every one of those
@@ -166,19 +170,20 @@ def capture_examples(
     )
     if settings.curvature and append:
         _refuse_uncovered_steps(Path(out), store)
-    consumers: list[Any] = [store]
-    if settings.curvature:
-        consumers.append(
-            CurvatureAccumulator(
-                out,
-                ranks.rank,
-                shapes=plan.curvature_shapes,
-                excluded=plan.excluded,
-                world_size=plan.inputs.world_size,
-                schedule=plan.schedule,
-                durability=durability,
-            )
+    curvature = (
+        CurvatureAccumulator(
+            out,
+            ranks.rank,
+            shapes=plan.curvature_shapes,
+            excluded=plan.excluded,
+            world_size=plan.inputs.world_size,
+            schedule=plan.schedule,
+            durability=durability,
         )
+        if settings.curvature
+        else None
+    )
+    consumers: list[Any] = [store] if curvature is None else [store, curvature]
     # capture only attributes: autograd need not build the model's own weight gradients
     engine = CaptureEngine(
         model,
@@ -220,6 +225,10 @@ def capture_examples(
     ranks.barrier()  # every rank's steps are committed
     if texts_due:
         _write_texts(store, planned, tokenizer, settings.store.keep_tokens)
+    if wait_durable:
+        store.flush()
+        if curvature is not None:
+            curvature.flush()
     return StoreReader(out)
 
 
