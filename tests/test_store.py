@@ -21,7 +21,7 @@ import select
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, cast
 
@@ -823,6 +823,39 @@ def test_a_failed_atomic_write_leaves_the_old_file_and_no_temp_file(tmp_path: Pa
         atomic_write(path, half_then_fail)
     assert path.read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["shard.safetensors"]
+
+
+def test_a_failed_write_names_its_file_and_the_way_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk, a file-size limit or an I/O error while writing surfaces as the OS
+    error it is (its type and errno, which callers that handle one rely on), naming the
+    file and what to do, not a bare ``[Errno 5]`` or numpy's short-write message."""
+    import errno
+    import os
+
+    from tda_plugins.store import io as store_io
+    from tda_plugins.store.shardfile import write_streamed
+
+    def failing_fsync(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(store_io.os, "fsync", failing_fsync)
+    path = tmp_path / "store.json"
+    with pytest.raises(OSError) as info:
+        atomic_write(path, lambda tmp: tmp.write_bytes(b"{}"))
+    assert info.value.errno == errno.EIO  # its temp file beside it, .store.json.tmp-<pid>
+    assert f"writing {tmp_path}/.store.json.tmp-" in str(info.value)
+    assert "check the disk (free space, the file-size limit" in str(info.value)
+    monkeypatch.setattr(store_io.os, "fsync", os.fsync)
+
+    def short_write() -> Iterator[torch.Tensor]:
+        raise OSError("8192 requested and 3160 written")  # numpy's tofile on a full disk
+        yield torch.zeros(2)
+
+    shard = tmp_path / "factors.safetensors"
+    with pytest.raises(OSError, match=r"writing .*factors.safetensors failed \(8192 requested"):
+        write_streamed(shard, [("a", torch.float32, (2,))], short_write(), {})
 
 
 def test_truncate_drops_later_steps_and_their_files(tmp_path: Path) -> None:

@@ -16,28 +16,54 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+#: What to do about a failed write, said in every error :func:`writing` raises.
+DISK_FIX = (
+    "check the disk (free space, the file-size limit, permissions) and run again: a "
+    "training run resumes from its last checkpoint, tda capture --append adds the "
+    "examples not yet stored"
+)
+
+
+@contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """Name ``path`` and :data:`DISK_FIX` in an ``OSError`` raised while writing it (a full
+    disk, a file-size limit, a read-only or failing disk), keeping its type and errno so
+    that callers which handle one (a cache left unwritten) still do."""
+    try:
+        yield
+    except OSError as error:
+        if getattr(error, "named_path", None) is not None:
+            raise  # named by an inner write already
+        cause = error.strerror or str(error)
+        message = f"writing {path} failed ({cause}); {DISK_FIX}"
+        named = type(error)(error.errno, message) if error.errno else OSError(message)
+        named.named_path = path  # type: ignore[attr-defined]
+        raise named from error
+
 
 def fsync_path(path: Path) -> None:
     """Wait until ``path`` (a file, or a directory's entries) is on disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with writing(path):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _written(path: Path, write: Callable[[Path], object], durable: bool) -> None:
     """``write`` into a temp file beside ``path`` (fsynced if ``durable``), renamed over
     ``path``; a failed ``write`` leaves no temp file."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        if durable:
-            fsync_path(tmp)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, path)
+    with writing(path):
+        try:
+            write(tmp)
+            if durable:
+                fsync_path(tmp)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        os.replace(tmp, path)
 
 
 def atomic_write(path: Path, write: Callable[[Path], object]) -> None:

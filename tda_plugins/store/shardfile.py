@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tda_plugins.store.io import writing
 from tda_plugins.store.layout import StoreError
 
 #: torch dtype of each safetensors dtype name a store holds.
@@ -69,7 +70,7 @@ def write_streamed(
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    with open(path, "wb") as f:
+    with writing(path), open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
         for (key, dtype, shape), tensor in zip(entries, tensors, strict=True):
             if tuple(tensor.shape) != shape or tensor.dtype != dtype:
