@@ -413,10 +413,14 @@ def test_sigkill_between_micro_batches_loses_only_that_step_and_resume_is_exact(
     assert reader.steps == [0, 1] and reader.num_examples == 2 * per_step
     half_written = rank_dir(killed, 0) / f".{shard_name(2, 8)}.tmp-4242"
     half_written.write_bytes(b"a write cut short by the kill")
+    # the temporary file safetensors writes a shard into, before renaming it to ours
+    in_safetensors = rank_dir(killed, 0) / ".tmp6NfWdN"
+    in_safetensors.write_bytes(b"a shard cut short inside save_file")
     committed = {f: (rank_dir(killed, 0) / f).read_bytes() for f in indexed_files(killed)}
     with CaptureEngine(tiny_causal_lm("llama"), consumers=[GradientStore(killed, append=True)]):
         pass
     assert shard_files(killed) == set(committed) and not half_written.exists()
+    assert not in_safetensors.exists()
     assert {f: (rank_dir(killed, 0) / f).read_bytes() for f in committed} == committed
 
     assert store_worker.latest_checkpoint(checkpoints) == 2

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import threading
 from collections import deque
 from concurrent.futures import Future
@@ -533,14 +534,22 @@ class GradientStore(CaptureConsumer):
 
     def _remove_uncommitted(self) -> None:
         """Remove what a crashed writer left: shards no index entry lists, and
-        half-written temporary files (this rank's own names only; under the lock)."""
+        half-written temporary files (under the lock): ours (``.<name>.tmp-<pid>``), and
+        the one ``safetensors`` writes a shard through (``.tmp`` and six characters)."""
         listed = {s.file for s in self._shards} | {w.file for w in self._pending}
         for path in self._medium.shard_paths(self._dir):
             if path.name not in listed:
                 self._medium.remove(path)
         for path in self._dir.iterdir():
-            if path.name.startswith(".") and ".tmp-" in path.name:
+            name = path.name
+            ours = name.startswith(".") and ".tmp-" in name
+            if ours or _SAFETENSORS_TEMP.fullmatch(name):
                 path.unlink()
+
+
+#: The temporary file ``safetensors.save_file`` writes a shard into before renaming it to
+#: the name it was given (Rust's ``tempfile`` default: ``.tmp`` and six characters).
+_SAFETENSORS_TEMP = re.compile(r"\.tmp[A-Za-z0-9]{6}")
 
 
 def _repeated_id(example_id: int, where: str, root: Path) -> str:
