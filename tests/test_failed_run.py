@@ -95,6 +95,8 @@ def test_a_retry_after_a_failed_run_unhooks_the_failed_runs_callbacks(
     stored = StoreReader(tmp_path / "retry" / "store").load_all()
     assert sorted(set(stored.steps.tolist())) == list(range(STEPS))
     assert retried.session is None
+    assert not model.__dict__["_tda_plugins_runs"]  # a finished run's callbacks are freed
+    torch.save(model, tmp_path / "model.pt")  # nothing of the runs left to pickle
     # the failed run's store holds the steps it committed, and reads
     reader = StoreReader(tmp_path / "failed" / "store")
     assert sorted(set(reader.load_all().steps.tolist())) == [0, 1]

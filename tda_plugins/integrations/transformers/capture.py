@@ -26,6 +26,7 @@ from tda_plugins.integrations.transformers.best_model import (
     restored_checkpoint,
 )
 from tda_plugins.integrations.transformers.data import LossTokens
+from tda_plugins.integrations.transformers.meeting import withdraw
 from tda_plugins.integrations.transformers.normalization import CausalLMNormalization
 from tda_plugins.integrations.transformers.setup import (
     CheckedCallback,
@@ -119,6 +120,7 @@ class GradientCaptureCallback(CheckedCallback):
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        withdraw(kwargs.get("model"), self.abort)
         if self.session is not None:
             optimizer = unwrap_optimizer(kwargs.get("optimizer"))
             moments: AdamMoments | None = optimizer

@@ -16,7 +16,7 @@ from tda_plugins.integrations.transformers.best_model import (
     restored_checkpoint,
 )
 from tda_plugins.integrations.transformers.data import Examples
-from tda_plugins.integrations.transformers.meeting import latest_selection
+from tda_plugins.integrations.transformers.meeting import latest_selection, withdraw
 from tda_plugins.integrations.transformers.pool import PoolCallback
 from tda_plugins.integrations.transformers.setup import (
     TrainStart,
@@ -171,6 +171,7 @@ class InfluenceLoggingCallback(PoolCallback):
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        withdraw(kwargs.get("model"), self.abort)
         if self.engine is None:
             return
         restored = restored_checkpoint(args, state)

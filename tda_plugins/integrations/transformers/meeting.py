@@ -47,10 +47,26 @@ def latest_selection(model: nn.Module) -> StepSelection | None:
     return history[-1] if history else None
 
 
+class _Runs(list):
+    """The list under :data:`_RUNS`: it holds weak references and callbacks, which are no
+    part of the model, so a pickled model (``torch.save(model)``, ``copy.deepcopy``)
+    carries an empty one."""
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return (_Runs, ())
+
+
 def enrol(model: nn.Module, run: object, abort: Callable[[], bool]) -> None:
     """A callback of the run whose ``TrainerState`` is ``run`` has hooked ``model``;
     ``abort`` unhooks it without finishing (True if it was still hooked)."""
-    model.__dict__.setdefault(_RUNS, []).append((weakref.ref(run), abort))
+    model.__dict__.setdefault(_RUNS, _Runs()).append((weakref.ref(run), abort))
+
+
+def withdraw(model: nn.Module | None, abort: Callable[[], bool]) -> None:
+    """The callback whose ``abort`` this is has ended its run normally: ``model`` keeps no
+    reference to it (its queries, history and session are freed with it)."""
+    if model is not None and _RUNS in model.__dict__:
+        model.__dict__[_RUNS] = _Runs(e for e in model.__dict__[_RUNS] if e[1] != abort)
 
 
 def release_stale(model: nn.Module, run: object) -> None:
@@ -62,7 +78,7 @@ def release_stale(model: nn.Module, run: object) -> None:
     into the old store. ``trainer.train()`` makes a new ``TrainerState`` per run, so the
     callbacks enrolled under another state are that earlier run's."""
     entries = model.__dict__.get(_RUNS, [])
-    model.__dict__[_RUNS] = [(ref, abort) for ref, abort in entries if ref() is run]
+    model.__dict__[_RUNS] = _Runs((ref, abort) for ref, abort in entries if ref() is run)
     unhooked = sum(bool(abort()) for ref, abort in entries if ref() is not run)
     if unhooked:
         logger.warning(

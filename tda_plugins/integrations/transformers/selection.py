@@ -31,7 +31,11 @@ from tda_plugins.data_selection.resume import (
 )
 from tda_plugins.data_selection.session import DEFAULT_FIX
 from tda_plugins.integrations.transformers.data import ExamplePool, Examples, LossTokens
-from tda_plugins.integrations.transformers.meeting import post_selection, withdraw_selection
+from tda_plugins.integrations.transformers.meeting import (
+    post_selection,
+    withdraw,
+    withdraw_selection,
+)
 from tda_plugins.integrations.transformers.normalization import (
     CausalLMNormalization,
     loss_tokens,
@@ -370,6 +374,7 @@ class DataSelectionCallback(MetricsCallback):
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        withdraw(kwargs.get("model"), self.abort)
         self._unhook(finish=True)
 
     def abort(self) -> bool:
