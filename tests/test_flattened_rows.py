@@ -191,7 +191,7 @@ class _Reordered(nn.Module):
 @pytest.mark.parametrize(
     "order, reason",
     [
-        ("sequence", "row-major order puts"),
+        ("sequence", "neither one row per example"),
         ("routed", "neither one row per example"),
         ("routed-B", "neither one row per example"),
         ("one-row", "neither one row per example"),
@@ -199,12 +199,11 @@ class _Reordered(nn.Module):
     ],
 )
 def test_rows_that_are_not_the_examples_are_refused(order: str, reason: str) -> None:
-    """Sequence-first rows (caught in the backward of a padded batch: the gradient is not
-    zero at the rows row-major order puts its padding at) and routed or image rows (at the
-    call, whatever their count: ``B`` rows of a 2-D input are not taken for the examples
-    where the batch has tokens, nor one row for a call shared by the batch, nor, in a
-    forward with images, ``B`` rows of another length than the tokens') are refused,
-    naming the layer, before any record is made."""
+    """Rows that are not the examples are refused at the call, naming the layer, whatever
+    their count, before any record is made: ``B*T`` rows of a layer no declared module
+    calls on row-major tokens (here sequence-first), a routed subset, ``B`` rows of a 2-D
+    input where the batch has tokens, one row of a 2-D call, and, in a forward with
+    images, ``B`` rows of another length than the tokens'."""
     model, collector = _Reordered(order).double(), RecordCollector()
     batch = lm_batch(lengths=RIGHT_PAD)
     images = (
@@ -219,6 +218,26 @@ def test_rows_that_are_not_the_examples_are_refused(order: str, reason: str) -> 
     assert not collector.records
 
 
+@pytest.fixture
+def declared_row_major(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The toy model declared a module that calls its layers on row-major tokens."""
+    from tda_plugins.capture import rows
+
+    owners = {*rows.ROW_MAJOR_OWNERS, f"{_Reordered.__module__}.{_Reordered.__qualname__}"}
+    monkeypatch.setattr(rows, "ROW_MAJOR_OWNERS", owners)
+
+
+@pytest.mark.usefixtures("declared_row_major")
+def test_a_declared_owner_whose_rows_are_not_row_major_is_caught_at_a_padded_batch() -> None:
+    """Declared, but sequence-first: the gradient is not zero at the rows row-major order
+    puts the padding at, and the layer is refused in the backward, naming it."""
+    model, batch = _Reordered("sequence").double(), lm_batch(lengths=RIGHT_PAD)
+    with CaptureEngine(model), pytest.raises(UnsplittableRows, match="row-major order puts"):
+        logits = model(batch["input_ids"], attention_mask=batch["attention_mask"])
+        causal_lm_example_losses(logits, batch["labels"]).sum().backward()
+
+
+@pytest.mark.usefixtures("declared_row_major")
 def test_the_order_is_checked_again_every_sixteenth_micro_batch() -> None:
     """A layer whose rows come out of order only from micro-batch 5 on (its first 4 padded
     micro-batches checked and in order) is refused at micro-batch 16, the next sampled
@@ -258,3 +277,25 @@ def test_a_forward_with_images_and_no_ids_is_refused() -> None:
     images = torch.randn(3, 3, 8, dtype=torch.float64)
     with CaptureEngine(model), pytest.raises(ValueError, match="give each example an id"):
         model(batch["input_ids"], attention_mask=batch["attention_mask"], pixel_values=images)
+
+
+@pytest.mark.parametrize("left_pad", [False, True], ids=["right-pad", "left-pad"])
+def test_qwen2_moe_shared_expert_matches_loop_oracle(left_pad: bool) -> None:
+    """Qwen2-MoE's sparse block calls its shared expert and the expert's gate on the
+    batch's tokens flattened row-major (its routed experts are fused weights, left out and
+    warned of): every captured linear layer equals one backward per unpadded example."""
+    model = _tiny(
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_key_value_heads=2,
+    ).float()  # the fused experts' grouped products take no fp64
+    batch = lm_batch(lengths=RIGHT_PAD, left_pad=left_pad)
+    got = per_example_gradients(model, batch, layers=LayerSelection(kind="linear"))
+    assert any(".shared_expert_gate." in n for n in got)
+    assert any(".shared_expert.down_proj." in n for n in got)
+    assert max_rel_error(got, loop_oracle(model, batch, list(got))) <= 1e-4  # fp32 rounding

@@ -58,6 +58,7 @@ from tda_plugins.capture.rows import (
     order_check_due,
     other_inputs,
     row_layout,
+    row_major_layers,
     token_length,
 )
 from tda_plugins.grads.base import PerExampleGrad, unique_nbytes
@@ -207,6 +208,8 @@ class CaptureEngine:
         self._order_checks: dict[str, int] = {}
         #: Root forward calls under grad so far (the next micro-batch's number).
         self._forwards = 0
+        #: Captured layers called on the batch's tokens flattened row-major (by their owner).
+        self._row_major: set[str] = set()
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -256,6 +259,7 @@ class CaptureEngine:
             raise RuntimeError("this CaptureEngine is already attached; detach it first")
         self._layers = self.selection.resolve(self.model)
         self._shared = shared_parameter_ids(self._layers)
+        self._row_major = row_major_layers(self.model, self._layers)
         config = self.config  # one model walk (layouts, ties, the head) for every consumer
         try:
             for consumer in self._consumers:
@@ -496,6 +500,7 @@ class CaptureEngine:
             batch.example_ids.shape[0],
             batch.tokens,
             other_inputs=batch.other_inputs,
+            row_major=name in self._row_major,
         )
         replaced = None
         if layout is None:

@@ -7,9 +7,12 @@ examples of ``T`` tokens in one of three layouts:
 * ``(1, T, ...)``: a call shared by the whole batch (GPT-2's position embedding), broadcast
   to every example: its output is expanded to ``(B, T, ...)``, numerically the same
   broadcast, so that the gradient arriving there is per-example;
-* ``(B*T, N)``: the batch's tokens flattened row-major, example by example (OPT's MLP and
-  its norm, an MoE's ``nn.Linear`` router and shared expert): input and output gradient
-  are viewed as ``(B, T, ...)``.
+* ``(B*T, N)``: the batch's tokens flattened row-major, example by example, for the
+  layers inside a module known to call them so (:data:`ROW_MAJOR_OWNERS`: OPT's decoder
+  layer, whose MLP and its norm run on ``hidden_states.reshape(-1, H)``; Qwen2-MoE's
+  sparse block, whose shared expert and its gate do): input and output gradient are
+  viewed as ``(B, T, ...)``. Shapes cannot tell row-major tokens from a sequence-first
+  layout or an MoE expert given every token, so a ``(B*T, N)`` call elsewhere is refused.
 
 A call of three or more dimensions may have another middle length than ``T`` (a second
 input of its own length per example). A two-dimensional call is one row per token where
@@ -32,10 +35,21 @@ every :data:`EVERY`-th after; without padding a flattened layer's order is not c
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+
+from tda_plugins.capture.adapters.base import qualified_name
+from tda_plugins.capture.names import named_modules
+
+#: The modules (by qualified class name) that call their layers on the batch's tokens
+#: flattened row-major, ``(B*T, N)``; a model of one's own that does adds its class here.
+ROW_MAJOR_OWNERS: set[str] = {
+    "transformers.models.opt.modeling_opt.OPTDecoderLayer",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+}
 
 #: Padded micro-batches whose flattened layers' row order is checked at the start ...
 FIRST = 4
@@ -67,21 +81,39 @@ class RowLayout:
         return t.unflatten(0, (self.examples, self.tokens)) if self.tokens is not None else t
 
 
+def row_major_layers(model: nn.Module, names: Iterable[str]) -> set[str]:
+    """The layers among ``names`` that sit inside a module of :data:`ROW_MAJOR_OWNERS`
+    (a LoRA adapter of one of its layers too)."""
+    owners = [
+        prefix
+        for prefix, module in named_modules(model)
+        if qualified_name(type(module)) in ROW_MAJOR_OWNERS
+    ]
+    return {n for n in names if any(not o or n.startswith(f"{o}.") for o in owners)}
+
+
 def row_layout(
-    name: str, shape: torch.Size, examples: int, tokens: int | None, *, other_inputs: bool
+    name: str,
+    shape: torch.Size,
+    examples: int,
+    tokens: int | None,
+    *,
+    other_inputs: bool,
+    row_major: bool,
 ) -> RowLayout | None:
     """The layout of a call of layer ``name`` whose output has ``shape``, in a micro-batch
     of ``examples`` examples of ``tokens`` tokens (``None``: unknown); ``None`` for a call
     shared by the whole batch (one row, to expand). ``other_inputs``: the forward carries
     inputs other than tokens (:func:`other_inputs`), whose layers' rows may match the
-    batch's by count, so only a ``(B, T, ...)`` call is taken for the examples. Raises
-    :class:`UnsplittableRows`."""
+    batch's by count, so only a ``(B, T, ...)`` call is taken for the examples.
+    ``row_major``: the layer sits in a module of :data:`ROW_MAJOR_OWNERS`, so a
+    ``(B*T, N)`` call is the tokens flattened row-major. Raises :class:`UnsplittableRows`."""
     rows, sequence = shape[0], len(shape) >= 3
     if other_inputs:
         if sequence and rows == examples and shape[1] == tokens:
             return RowLayout(examples)
     elif tokens is not None and tokens > 1 and len(shape) == 2:
-        if rows == examples * tokens:
+        if row_major and rows == examples * tokens:
             return RowLayout(examples, tokens)
     elif rows == examples:
         return RowLayout(examples)
@@ -94,7 +126,9 @@ def row_layout(
         "token, so its rows are not the examples, though their count may match (an MoE "
         "expert's routed tokens, a vision tower's images or patches, a sequence-first "
         "layout), and its gradient cannot be split per example; exclude it from the "
-        "LayerSelection (LayerSelection(exclude=...); for LoRA, target_modules without it)"
+        "LayerSelection (LayerSelection(exclude=...); for LoRA, target_modules without it), "
+        "or, if the module that calls it flattens the batch's tokens row-major, add that "
+        "module's class to tda_plugins.capture.rows.ROW_MAJOR_OWNERS"
     )
 
 
