@@ -183,6 +183,13 @@ def test_log_probs_gradients_averaging_to_zero_are_refused_and_zero_has_a_zero_s
     scale = CausalLMNormalization().observe({}, {"log_probs": log_probs})
     (0.0 * log_probs).sum().backward()
     assert float(scale()) == 0.0
+    # unchecked micro-batches (the 5th on): an average of zero otherwise has no scale
+    normalization = CausalLMNormalization()
+    for _ in range(5):
+        log_probs = torch.zeros(2, 3, requires_grad=True)
+        scale = normalization.observe({}, {"log_probs": log_probs})
+        (advantage * log_probs).sum().backward()
+    assert torch.isnan(scale())
 
 
 class RegularizedTrainer(Trainer):

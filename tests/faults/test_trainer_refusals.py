@@ -327,7 +327,12 @@ def test_trl_trainers_other_than_sft_are_refused_by_their_config(
     class MySFTConfig(trl.SFTConfig):
         pass
 
+    class MyConfig(getattr(trl, config)):  # type: ignore[misc]
+        pass
+
     assert check_trainer_setup(training_args(tmp_path / "out", MySFTConfig), llama()) is not None
+    mine = training_args(tmp_path / "out", MyConfig, **options)
+    assert_refused(tmp_path, llama(), f"TRL's {config} trains", training=mine)
 
 
 def test_a_multimodal_model_is_refused_naming_its_tower(tmp_path: Path) -> None:
@@ -335,7 +340,8 @@ def test_a_multimodal_model_is_refused_naming_its_tower(tmp_path: Path) -> None:
     patches, whose count can match the batch's; refused for that reason, not its loss."""
     model = llama()
     model.config.vision_config = {"hidden_size": 8}
-    assert_refused(tmp_path, model, "a multimodal model (vision_config)", "text-only causal LMs")
+    named = ("a multimodal model (vision_config)", "its language model alone")
+    assert_refused(tmp_path, model, *named)
 
 
 def tiny_mixtral(**config: Any) -> nn.Module:

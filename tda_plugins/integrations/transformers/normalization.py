@@ -85,8 +85,10 @@ class CausalLMNormalization:
                     self._checked(number, partial(verify_uniform, gradient, rounding))
                 mean = gradient.mean()
                 # nothing backpropagated through the log-probs (no labelled token): every
-                # captured gradient is zero, and so is the scale, not -1/0
-                return torch.where(mean != 0, -1.0 / mean, torch.zeros_like(mean))
+                # captured gradient is zero, and so is the scale, not -1/0; a gradient
+                # averaging to zero otherwise has no scale (NaN: the store refuses it)
+                nothing = torch.where(gradient.any(), torch.nan, 0.0).to(mean)
+                return torch.where(mean != 0, -1.0 / mean, nothing)
 
             return ReadOffGradient.of(log_probs_scale, log_probs.dtype)
         loss = _field(output, "loss")

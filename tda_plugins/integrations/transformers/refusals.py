@@ -114,15 +114,16 @@ def _loss_outside_model(args: TrainingArguments, model: nn.Module) -> Refusal:
 
 
 def _trl_objective(args: TrainingArguments, model: nn.Module) -> Refusal:
-    """A TRL trainer other than ``SFTTrainer`` (``DPOConfig``, ``KTOConfig``, ``GRPOConfig``,
-    ``RLOOConfig``, ``GKDConfig``, ...: TRL's own config classes but ``SFTConfig``; a
-    user's subclass of ``SFTConfig`` is an SFT run): preference, reinforcement-learning
-    and distillation objectives are not a sum of each example's next-token losses."""
-    config = type(args)
-    if config.__module__.split(".")[0] != "trl" or config.__name__ == "SFTConfig":
+    """A TRL trainer other than ``SFTTrainer``: the first of TRL's classes the arguments'
+    class derives from is not ``SFTConfig`` (``DPOConfig``, ``GRPOConfig``, ``GKDConfig``,
+    a user's subclass of one of them; a user's subclass of ``SFTConfig`` is an SFT run):
+    preference, reinforcement-learning and distillation objectives are not a sum of each
+    example's next-token losses."""
+    trl_class = next((c for c in type(args).__mro__ if c.__module__.split(".")[0] == "trl"), None)
+    if trl_class is None or trl_class.__name__ == "SFTConfig":
         return None
     return (
-        f"TRL's {config.__name__} trains its trainer's own objective (a preference, "
+        f"TRL's {trl_class.__name__} trains its trainer's own objective (a preference, "
         "reinforcement-learning or distillation loss), not each example's next-token "
         "loss, which the callbacks split per example: its per-example gradients are not "
         "supported; fine-tune with SFTTrainer (SFTConfig) or transformers' Trainer"
@@ -174,10 +175,13 @@ def _task_head(args: TrainingArguments, model: nn.Module) -> Refusal:
         kind = str(loss_type).removeprefix("For")
         detail = _NOT_CAUSAL.get(str(loss_type), "not a decoder-only causal LM's next-token loss")
         why = f"trains its {kind} loss ({detail})"
-    return (
-        f"{type(base).__name__} {why}; the callbacks support text-only causal LMs: "
-        "fine-tune a causal LM (AutoModelForCausalLM)"
+    fix = (
+        "fine-tune its language model alone (the *ForCausalLM class of its text_config, "
+        "such as Gemma3ForCausalLM), or a text-only causal LM"
+        if tower is not None
+        else "fine-tune a causal LM (AutoModelForCausalLM)"
     )
+    return f"{type(base).__name__} {why}; the callbacks support text-only causal LMs: {fix}"
 
 
 def _router_aux_loss(args: TrainingArguments, model: nn.Module) -> Refusal:
