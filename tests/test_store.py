@@ -595,8 +595,10 @@ def test_a_failed_background_fsync_is_raised_and_nothing_after_it_is_published(
     cause by the end of capture at the latest, and the index job queued after it (whose
     own fsync would succeed) does not run: no index lists that shard."""
     DiskLog(monkeypatch, fail_shards=True)
-    with pytest.raises(StoreError, match=r"to disk failed in the background.*No space left"):
+    failed = pytest.raises(StoreError, match=r"to disk failed in the background.*No space left")
+    with failed as info:
         capture(tiny_causal_lm("llama"), [[lm_batch(2, 8, seed=0)]], tmp_path, LayerSelection())
+    assert str(info.value).count("check the disk (free space") == 1  # the way out, once
     assert not (rank_dir(tmp_path, 0) / "index.json").exists()
 
 

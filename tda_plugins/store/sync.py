@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from tda_plugins.store.io import fsync_path
+from tda_plugins.store.io import DISK_FIX, fsync_path
 from tda_plugins.store.layout import StoreError
 
 logger = logging.getLogger(__name__)
@@ -120,10 +120,11 @@ class BackgroundSync:
         if self._error is None:
             return
         self._reported = True
+        # an error of store.io's writes names its file and the fix already
+        fix = "" if getattr(self._error, "named_path", None) else f": {DISK_FIX}"
         raise StoreError(
             f"writing {self.what} to disk failed in the background ({self._error}); steps "
-            "committed before it are on disk, later ones are not: check the disk (space, "
-            "permissions) and resume from the last step on disk in a new run"
+            f"committed before it are on disk, later ones are not{fix}"
         ) from self._error
 
 
