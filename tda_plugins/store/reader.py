@@ -270,7 +270,16 @@ class StoreReader:
             )
         self._committed()
         ours, theirs = self.end_weights(), other.end_weights()  # each store's ranks agree
-        if allow_mismatch or self.fingerprint is None or other.fingerprint is None:
+        if allow_mismatch:
+            partial = [str(s.root) for s, end in ((self, ours), (other, theirs)) if end is None]
+            if partial:
+                logger.warning(
+                    "tda-plugins: scoring %s, whose capture did not finish (allow_mismatch): "
+                    "its rows are the steps it committed, not every example it was given",
+                    " and ".join(partial),
+                )
+            return
+        if self.fingerprint is None or other.fingerprint is None:
             return  # a store written without its model (GradientStore(model=None)) says nothing
         differences = fingerprint_differences(self.fingerprint, other.fingerprint)
         if ours is None or theirs is None:
