@@ -18,12 +18,12 @@ from datasets import Dataset
 from torch import Tensor, nn
 from transformers import Trainer, TrainerCallback
 
+from tda_plugins.capture.targets import predicted_labels
 from tda_plugins.integrations.transformers import DataSelectionCallback, GradientCaptureCallback
 from tda_plugins.integrations.transformers.logits_check import (
     EVERY,
     FIRST,
     LogitsCheck,
-    predicted_labels,
     verify_uniform,
 )
 from tda_plugins.integrations.transformers.normalization import CausalLMNormalization

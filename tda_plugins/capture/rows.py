@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from tda_plugins.capture.adapters.base import qualified_name
 from tda_plugins.capture.names import named_modules
+from tda_plugins.capture.targets import predicted_labels
 
 #: The modules (by qualified class name) that call their layers on the batch's tokens
 #: flattened row-major, ``(B*T, N)``; a model of one's own that does adds its class here.
@@ -152,12 +153,11 @@ def checkable_positions(
     the end. Without labels, a padded position followed by a real token counts as
     carrying loss."""
     padded = ~token_mask.bool()
-    ignored = torch.ones_like(padded)
-    if shift_labels is not None and shift_labels.shape == padded.shape:
-        ignored = (shift_labels == -100).to(padded.device)
-    elif labels is not None and labels.shape == padded.shape:
-        ignored[:, :-1] = (labels[:, 1:] == -100).to(padded.device)
+    targets = predicted_labels(labels, shift_labels)
+    if targets is not None and targets.shape == padded.shape:
+        ignored = (targets == -100).to(padded.device)
     else:
+        ignored = torch.ones_like(padded)
         ignored[:, :-1] = padded[:, 1:]
     loss_at_padding = (padded & ~ignored).any(dim=1, keepdim=True)
     return padded & ~loss_at_padding

@@ -15,6 +15,7 @@ from tda_plugins.capture.engine import CaptureEngine
 from tda_plugins.capture.layers import LayerSelection
 from tda_plugins.capture.names import canonical_name
 from tda_plugins.capture.records import MicroBatchRecord
+from tda_plugins.capture.targets import next_token_targets
 from tda_plugins.grads.projection import ProjectionConfig
 
 LossFn = Callable[[nn.Module, Mapping[str, Any]], Tensor]
@@ -27,12 +28,6 @@ def causal_lm_example_losses(logits: Tensor, labels: Tensor) -> Tensor:
     Each example's loss is the *sum* over its predicted tokens, not the mean.
     """
     return next_token_example_losses(logits, next_token_targets(labels))
-
-
-def next_token_targets(labels: Tensor) -> Tensor:
-    """``(B, T)`` labels -> ``(B, T)`` the label each position predicts: the next one, and
-    ``-100`` (nothing) at the last position (transformers' ``shift_labels``)."""
-    return torch.cat([labels[..., 1:], torch.full_like(labels[..., :1], -100)], dim=-1)
 
 
 def next_token_example_losses(logits: Tensor, targets: Tensor) -> Tensor:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tda_plugins.session.batch import next_token_targets
 from tda_plugins.session.capture import UnsupportedTrainingSetup
 
 #: Logit rows checked per micro-batch.
@@ -52,14 +51,6 @@ TOLERANCE = 1e-4
 def due(micro_batch: int) -> bool:
     """Whether the ``micro_batch``-th (1-based) micro-batch of a run is checked."""
     return micro_batch <= FIRST or micro_batch % EVERY == 0
-
-
-def predicted_labels(labels: Tensor | None, shift_labels: Tensor | None) -> Tensor | None:
-    """``(B, T)`` the label each logit position predicts (``-100``: none), as transformers'
-    loss pairs them: ``shift_labels`` where given, else ``labels`` shifted left."""
-    if isinstance(shift_labels, Tensor):
-        return shift_labels
-    return next_token_targets(labels) if isinstance(labels, Tensor) else None
 
 
 def sampled_rows(targets: Tensor, seed: int) -> Tensor:

@@ -26,11 +26,11 @@ import torch
 from torch import Tensor
 
 from tda_plugins.capture.normalization import GradientAt, ReadOffGradient
+from tda_plugins.capture.targets import predicted_labels
 from tda_plugins.integrations.transformers.logits_check import (
     LogitsCheck,
     checked_when,
     due,
-    predicted_labels,
     verify_uniform,
 )
 
